@@ -1,0 +1,155 @@
+"""The typed run configuration shared by the coordinator with every participant.
+
+A run config is small, typed and validated where it is defined: unknown fields are
+refused (a typo is an error, never silently ignored), every field has a default and a
+description. `load_config(path)` reads YAML or JSON and turns every problem into a
+`ConfigError` that names the file, the field and what is wrong.
+
+Secrets (tokens) are *not* part of the run config: the config is readable by every
+participant, so the coordinator's tokens live in `CoordinatorSettings` (cli/env).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedtrain.errors import ConfigError
+
+Algorithm = Literal["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Architecture of the built-in GPT recipe. Fixed for the life of a run."""
+
+    recipe: Literal["gpt"] = Field("gpt", description="Which built-in model recipe builds the model.")
+    vocab_size: int = Field(256, ge=2, description="Vocabulary size (256: raw UTF-8 bytes).")
+    block_size: int = Field(128, ge=8, description="Longest context, in tokens.")
+    n_layer: int = Field(4, ge=1, description="Transformer blocks.")
+    n_head: int = Field(4, ge=1, description="Attention heads per block.")
+    n_embd: int = Field(128, ge=8, description="Width of the residual stream.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelConfig":
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+class TrainConfig(_Strict):
+    """What each participant does between two syncs (the inner loop)."""
+
+    sync_every: int = Field(20, ge=1, description="H: inner steps between two syncs.")
+    lr: float = Field(3e-3, gt=0, description="Inner optimizer (AdamW) learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Inner AdamW weight decay.")
+    batch_size: int = Field(16, ge=1, description="Sequences per inner step.")
+    seq_len: int = Field(128, ge=2, description="Tokens per sequence (at most model.block_size).")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 turns it off).")
+    eval_batches: int = Field(8, ge=1, description="Batches in one held-out evaluation.")
+
+
+class OuterConfig(_Strict):
+    """The coordinator's outer optimizer, applied to the weighted mean pseudo-gradient."""
+
+    algorithm: Algorithm = Field("diloco", description="fedavg | diloco | fedavgm | fedadam | fedyogi.")
+    lr: float | None = Field(None, gt=0, description="Outer learning rate (default per algorithm).")
+    momentum: float | None = Field(None, ge=0, lt=1, description="SGD momentum (diloco 0.9, fedavgm 0.9).")
+    nesterov: bool | None = Field(None, description="Nesterov momentum (default: on for diloco).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="FedAdam/FedYogi first-moment decay.")
+    beta2: float = Field(0.99, ge=0, lt=1, description="FedAdam/FedYogi second-moment decay.")
+    eps: float = Field(1e-3, gt=0, description="FedAdam/FedYogi adaptivity tau (Reddi et al.).")
+    weighting: Literal["tokens", "uniform"] = Field(
+        "tokens", description="Weigh each participant by tokens processed, or equally."
+    )
+
+
+class RunConfig(_Strict):
+    """Everything that defines a run; shared with every participant at join."""
+
+    name: str = Field("fedtrain-run", min_length=1, description="Human name of the run.")
+    seed: int = Field(0, description="Seed of the initial global weights.")
+    rounds: int = Field(10, ge=0, description="Rounds until the run is finished (0: no end).")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    min_participants: int = Field(1, ge=1, description="Submissions needed to close at the deadline.")
+    round_timeout_s: float = Field(600.0, gt=0, description="Deadline of a round after it opens.")
+    heartbeat_interval_s: float = Field(5.0, gt=0, description="How often participants heartbeat.")
+    heartbeat_timeout_s: float = Field(60.0, gt=0, description="Silence after which a participant is failed.")
+    keep_checkpoints: int = Field(3, ge=1, description="Committed rounds kept on disk.")
+    max_upload_mb: float = Field(4096.0, gt=0, description="Largest accepted upload body, in MB.")
+
+    @model_validator(mode="after")
+    def _seq_fits(self) -> "RunConfig":
+        if self.train.seq_len > self.model.block_size:
+            raise ValueError(
+                f"train.seq_len ({self.train.seq_len}) exceeds model.block_size ({self.model.block_size})"
+            )
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
+        return self
+
+
+def _format_validation(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def parse_config(data: Any, *, source: str = "config") -> RunConfig:
+    """Validate a plain dict into a RunConfig, or raise ConfigError naming field and problem."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {_format_validation(e)}") from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Load a YAML or JSON run config file; any problem is a ConfigError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist (or is not a file)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p} cannot be read: {e}") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+    return parse_config(data, source=f"config file {p}")
+
+
+def outer_defaults(cfg: OuterConfig) -> dict[str, Any]:
+    """Resolve per-algorithm defaults: lr, momentum, nesterov (paper and torchft values)."""
+    table: dict[str, dict[str, Any]] = {
+        "fedavg": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+        "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+        "fedavgm": {"lr": 1.0, "momentum": 0.9, "nesterov": False},
+        "fedadam": {"lr": 1e-2, "momentum": 0.0, "nesterov": False},
+        "fedyogi": {"lr": 1e-2, "momentum": 0.0, "nesterov": False},
+    }
+    d = dict(table[cfg.algorithm])
+    if cfg.lr is not None:
+        d["lr"] = cfg.lr
+    if cfg.momentum is not None:
+        d["momentum"] = cfg.momentum
+    if cfg.nesterov is not None:
+        d["nesterov"] = cfg.nesterov
+    d.update(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps)
+    return d

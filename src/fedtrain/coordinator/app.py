@@ -1,0 +1,222 @@
+"""HTTP routes of the coordinator (versioned under /v1): parse, authorize, call the service.
+
+Every error leaves here in the one JSON shape of `fedtrain.errors.error_body`. Tensor
+bodies stream in both directions; nothing here buffers a whole body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+import fedtrain
+from fedtrain.coordinator.auth import Identity
+from fedtrain.coordinator.service import Coordinator, Refused
+from fedtrain.errors import (
+    ConfigError,
+    FedtrainError,
+    MergeError,
+    StateError,
+    WireError,
+    error_body,
+)
+from fedtrain.wire import DIGEST_HEADER
+
+log = logging.getLogger("fedtrain.coordinator")
+
+VERSION_HEADER = "X-Fedtrain-Version"
+DOWNLOAD_CHUNK = 4 << 20
+
+
+class JoinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(None, description="Stable participant name; rejoining with it resumes the identity.")
+    info: dict[str, Any] = Field(default_factory=dict, description="Free-form facts (host, world size, ...).")
+
+
+class HeartbeatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(0, ge=0)
+    round: int = Field(0, ge=0)
+    loss: float | None = None
+    tokens_per_s: float | None = Field(None, ge=0)
+
+
+class MetricsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    round: int | None = Field(None, ge=0)
+    step: int | None = Field(None, ge=0)
+    values: dict[str, float] = Field(..., description="Metric name to finite value.")
+
+
+def _status_of(exc: FedtrainError) -> int:
+    if isinstance(exc, Refused):
+        return exc.status
+    if isinstance(exc, WireError):
+        return 400
+    if isinstance(exc, (MergeError, ConfigError)):
+        return 422
+    if isinstance(exc, StateError):
+        return 500
+    return 400
+
+
+def create_app(service: Coordinator) -> FastAPI:
+    """The FastAPI application around an opened `Coordinator`."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        yield
+        await service.stop()
+
+    app = FastAPI(
+        title="fedtrain coordinator",
+        version=fedtrain.__version__,
+        openapi_url="/v1/openapi.json",
+        docs_url="/v1/docs",
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    app.state.service = service
+
+    @app.exception_handler(FedtrainError)
+    async def _fedtrain_error(request: Request, exc: FedtrainError) -> JSONResponse:
+        status = _status_of(exc)
+        code = getattr(exc, "code", "error")
+        return JSONResponse(error_body(status, code, exc.message, exc.details), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
+        )
+        return JSONResponse(error_body(422, "invalid_request", f"invalid request: {problems}"), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(exc.status_code, code, message), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(500, "internal", "internal error in the coordinator; its log has the details"),
+            status_code=500,
+        )
+
+    def identity(request: Request) -> Identity:
+        ident = service.tokens.identify(request.headers.get("authorization"))
+        if ident is None:
+            missing = not request.headers.get("authorization")
+            raise Refused(401, "unauthorized",
+                          "missing bearer token" if missing else "invalid token: not a token of this run")
+        return ident
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> dict[str, Any]:
+        return {"fedtrain": fedtrain.__version__, "api": "/v1", "docs": "/v1/docs",
+                "openapi": "/v1/openapi.json"}
+
+    @app.get("/v1/healthz", summary="Liveness (no token needed)")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "current_round": service.version}
+
+    @app.post("/v1/join", summary="Join the run: participant id, run config, current round, model spec")
+    async def join(body: JoinRequest, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.join(ident, body.name, body.info)
+
+    @app.post("/v1/participants/{pid}/heartbeat", summary="Heartbeat with progress")
+    async def heartbeat(pid: str, body: HeartbeatRequest, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.heartbeat(ident, pid, body.model_dump())
+
+    @app.post("/v1/participants/{pid}/leave", summary="Leave the run")
+    async def leave(pid: str, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.leave(ident, pid)
+
+    @app.post("/v1/participants/{pid}/metrics", summary="Report metrics (losses, evals)")
+    async def metrics(pid: str, body: MetricsRequest, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        bad = [k for k, v in body.values.items() if v != v or v in (float("inf"), float("-inf"))]
+        if bad:
+            raise Refused(422, "non_finite", f"metric values must be finite: {', '.join(bad)}")
+        service.add_metrics(ident, pid, body.round, body.step, body.values)
+        return {"stored": len(body.values)}
+
+    @app.get("/v1/config", summary="The run config and its version")
+    async def get_config(ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return {"version": service.config_version, "config": service.config.model_dump(mode="json")}
+
+    @app.get("/v1/status", summary="Run state: rounds, participants, bytes")
+    async def status(ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.status()
+
+    @app.get("/v1/events", summary="Recent events of the run")
+    async def events(limit: int = Query(100, ge=1, le=10000), ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return {"events": service.store.events(limit)}
+
+    @app.get("/v1/metrics", summary="Reported metrics")
+    async def get_metrics(name: str | None = None, limit: int = Query(10000, ge=1, le=100000),
+                          ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return {"metrics": service.store.metrics(name, limit)}
+
+    @app.get("/v1/rounds/{round_}", summary="Round status; long-polls up to `wait` seconds while it is open")
+    async def round_status(round_: int, wait: float = Query(0.0, ge=0, le=60), participant_id: str | None = None,
+                           ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return await service.wait_round(ident, participant_id, round_, wait)
+
+    @app.put(
+        "/v1/rounds/{round_}/updates/{pid}",
+        summary="Upload a pseudo-gradient (safetensors body) for a round; idempotent per (round, participant)",
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+    )
+    async def upload(round_: int, pid: str, request: Request, tokens: int = Query(..., ge=0),
+                     ident: Identity = Depends(identity)) -> dict[str, Any]:
+        digest = request.headers.get(DIGEST_HEADER)
+        if not digest:
+            raise Refused(400, "digest_required", f"uploads need a {DIGEST_HEADER} header (sha256:<hex> of the body)")
+        length_header = request.headers.get("content-length")
+        try:
+            length = int(length_header) if length_header is not None else None
+        except ValueError:
+            raise Refused(400, "invalid_length", "Content-Length is not a number") from None
+        try:
+            return await service.receive_update(ident, pid, round_, tokens, digest, length, request.stream())
+        except ClientDisconnect:
+            raise Refused(400, "client_disconnected", "the upload ended before the body was complete") from None
+
+    @app.get("/v1/model", summary="Download the global model (safetensors stream)",
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    async def model(version: int | None = Query(None, ge=0), participant_id: str | None = None,
+                    ident: Identity = Depends(identity)) -> StreamingResponse:
+        path, v, digest = service.model_file(version, participant_id)
+        f = open(path, "rb")  # opened now: a later prune cannot take the file away mid-stream
+        size = path.stat().st_size
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    chunk = await asyncio.to_thread(f.read, DOWNLOAD_CHUNK)
+                    if not chunk:
+                        break
+                    yield chunk
+            finally:
+                f.close()
+
+        headers = {"Content-Length": str(size), DIGEST_HEADER: digest, VERSION_HEADER: str(v)}
+        return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
+
+    return app

@@ -1,0 +1,82 @@
+"""Running the coordinator: in the foreground (the CLI) or on a background thread (tests, demo).
+
+The listening socket is bound here, before uvicorn starts, so that port 0 picks a free
+port with no race and the caller learns the real address at once.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from fedtrain.config import RunConfig
+from fedtrain.coordinator.app import create_app
+from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.service import Coordinator
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_config(service: Coordinator, log_level: str = "warning", tls_cert: Path | None = None,
+                   tls_key: Path | None = None) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(service),
+        log_level=log_level,
+        http="httptools",
+        loop="auto",
+        access_log=False,
+        timeout_keep_alive=30,
+        h11_max_incomplete_event_size=1 << 20,
+        ssl_certfile=str(tls_cert) if tls_cert else None,
+        ssl_keyfile=str(tls_key) if tls_key else None,
+    )
+
+
+class BackgroundCoordinator:
+    """A coordinator serving on 127.0.0.1 from a thread; a context manager that stops it."""
+
+    def __init__(self, state_dir: str | Path, config: RunConfig | None = None, *, tokens: Tokens | None = None,
+                 host: str = "127.0.0.1", port: int = 0, init_weights: Path | None = None) -> None:
+        self.service = Coordinator(state_dir, config, tokens or Tokens(["participant-token"], "admin-token"),
+                                   init_weights=init_weights)
+        self.service.open()
+        self.sock = bind(host, port)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.server = uvicorn.Server(uvicorn_config(self.service))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "BackgroundCoordinator":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the coordinator did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+    def __enter__(self) -> "BackgroundCoordinator":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

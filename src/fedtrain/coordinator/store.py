@@ -1,0 +1,263 @@
+"""SQLite run metadata of a coordinator: rounds, participants, submissions, metrics, events.
+
+One connection, one writer: every write runs in `BEGIN IMMEDIATE` under a lock, the
+journal is WAL (reads never block), and the schema grows by numbered migrations recorded
+in `PRAGMA user_version`. Tensors never live here: the global model and the outer
+optimizer state are safetensors files next to the database (see `checkpoints.py`); a row
+in `rounds` is what makes a round committed.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedtrain.errors import StateError
+
+MIGRATIONS: list[str] = [
+    # 1: the first schema
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE config_versions (
+        version INTEGER PRIMARY KEY, created_at REAL NOT NULL, author TEXT NOT NULL,
+        config TEXT NOT NULL, diff TEXT NOT NULL DEFAULT '{}');
+    CREATE TABLE participants (
+        id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, token_id TEXT NOT NULL,
+        state TEXT NOT NULL, joined_at REAL NOT NULL, last_seen REAL NOT NULL,
+        round INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0,
+        bytes_up INTEGER NOT NULL DEFAULT 0, bytes_down INTEGER NOT NULL DEFAULT 0,
+        info TEXT NOT NULL DEFAULT '{}');
+    CREATE TABLE rounds (
+        round INTEGER PRIMARY KEY, opened_at REAL NOT NULL, closed_at REAL NOT NULL,
+        close_reason TEXT NOT NULL, algorithm TEXT NOT NULL, n_submissions INTEGER NOT NULL,
+        tokens INTEGER NOT NULL, bytes_in INTEGER NOT NULL, merge_s REAL NOT NULL,
+        digest TEXT NOT NULL);
+    CREATE TABLE submissions (
+        round INTEGER NOT NULL, participant_id TEXT NOT NULL, tokens INTEGER NOT NULL,
+        weight REAL, bytes INTEGER NOT NULL, digest TEXT NOT NULL, received_at REAL NOT NULL,
+        PRIMARY KEY (round, participant_id));
+    CREATE TABLE metrics (
+        id INTEGER PRIMARY KEY, ts REAL NOT NULL, participant_id TEXT, round INTEGER,
+        step INTEGER, name TEXT NOT NULL, value REAL NOT NULL);
+    CREATE INDEX metrics_round ON metrics (round);
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL,
+        participant_id TEXT, message TEXT NOT NULL);
+    """,
+]
+
+
+@dataclass
+class ParticipantRow:
+    id: str
+    name: str
+    token_id: str
+    state: str
+    joined_at: float
+    last_seen: float
+    round: int
+    tokens: int
+    bytes_up: int
+    bytes_down: int
+    info: dict[str, Any]
+
+
+class Store:
+    """The coordinator's database. Thread-safe; all writes are serialized."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except sqlite3.Error as e:
+            raise StateError(f"cannot open the run database {self.path}: {e}") from None
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.RLock()
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            raise StateError(f"{self.path} is not a usable fedtrain database: {e}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE … COMMIT, rolled back on error)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > len(MIGRATIONS):
+            raise StateError(
+                f"{self.path} was written by a newer fedtrain (schema {version}, "
+                f"this one knows {len(MIGRATIONS)}); upgrade fedtrain"
+            )
+        for number in range(version, len(MIGRATIONS)):
+            with self.write() as db:
+                for statement in MIGRATIONS[number].split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute(f"PRAGMA user_version = {number + 1}")
+
+    # -- meta -------------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        rows = self._query("SELECT value FROM meta WHERE key = ?", (key,))
+        return rows[0]["value"] if rows else None
+
+    def set_meta(self, key: str, value: str, db: sqlite3.Connection | None = None) -> None:
+        sql = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value"
+        if db is not None:
+            db.execute(sql, (key, value))
+            return
+        with self.write() as w:
+            w.execute(sql, (key, value))
+
+    def committed_version(self) -> int | None:
+        """The global model version of the last committed round (None: a new state dir)."""
+        value = self.get_meta("global_version")
+        return int(value) if value is not None else None
+
+    # -- config -----------------------------------------------------------------------------
+
+    def add_config_version(self, config: dict, author: str, diff: dict | None = None) -> int:
+        with self.write() as db:
+            row = db.execute("SELECT COALESCE(MAX(version), 0) FROM config_versions").fetchone()
+            version = int(row[0]) + 1
+            db.execute(
+                "INSERT INTO config_versions (version, created_at, author, config, diff) VALUES (?, ?, ?, ?, ?)",
+                (version, time.time(), author, json.dumps(config), json.dumps(diff or {})),
+            )
+        return version
+
+    def latest_config(self) -> tuple[int, dict] | None:
+        rows = self._query("SELECT version, config FROM config_versions ORDER BY version DESC LIMIT 1")
+        return (int(rows[0]["version"]), json.loads(rows[0]["config"])) if rows else None
+
+    # -- participants -----------------------------------------------------------------------
+
+    def participants(self) -> list[ParticipantRow]:
+        rows = self._query("SELECT * FROM participants ORDER BY joined_at, id")
+        return [_participant(r) for r in rows]
+
+    def upsert_participant(self, row: ParticipantRow) -> None:
+        with self.write() as db:
+            db.execute(
+                """INSERT INTO participants (id, name, token_id, state, joined_at, last_seen, round,
+                       tokens, bytes_up, bytes_down, info)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT(id) DO UPDATE SET state = excluded.state, last_seen = excluded.last_seen,
+                       round = excluded.round, tokens = excluded.tokens, bytes_up = excluded.bytes_up,
+                       bytes_down = excluded.bytes_down, info = excluded.info""",
+                (row.id, row.name, row.token_id, row.state, row.joined_at, row.last_seen, row.round,
+                 row.tokens, row.bytes_up, row.bytes_down, json.dumps(row.info)),
+            )
+
+    # -- rounds and submissions ---------------------------------------------------------------
+
+    def add_submission(self, round_: int, participant_id: str, tokens: int, nbytes: int, digest: str) -> None:
+        with self.write() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO submissions (round, participant_id, tokens, weight, bytes, digest, received_at)"
+                " VALUES (?, ?, ?, NULL, ?, ?, ?)",
+                (round_, participant_id, tokens, nbytes, digest, time.time()),
+            )
+
+    def discard_uncommitted(self, version: int) -> int:
+        """Forget submissions of rounds that never committed (their sums died with the process)."""
+        with self.write() as db:
+            cur = db.execute("DELETE FROM submissions WHERE round >= ?", (version,))
+            return cur.rowcount
+
+    def commit_round(self, record: dict[str, Any], weights: dict[str, float]) -> None:
+        """Make round `record['round']` committed: its row, its weights, the new global version."""
+        with self.write() as db:
+            db.execute(
+                """INSERT INTO rounds (round, opened_at, closed_at, close_reason, algorithm, n_submissions,
+                       tokens, bytes_in, merge_s, digest)
+                   VALUES (:round, :opened_at, :closed_at, :close_reason, :algorithm, :n_submissions,
+                       :tokens, :bytes_in, :merge_s, :digest)""",
+                record,
+            )
+            for pid, w in weights.items():
+                db.execute(
+                    "UPDATE submissions SET weight = ? WHERE round = ? AND participant_id = ?",
+                    (w, record["round"], pid),
+                )
+            self.set_meta("global_version", str(record["round"] + 1), db)
+            self.set_meta(f"digest/{record['round'] + 1}", record["digest"], db)
+
+    def rounds(self, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._query("SELECT * FROM rounds ORDER BY round DESC LIMIT ?", (limit,))
+        out = [dict(r) for r in rows]
+        for r in out:
+            subs = self._query(
+                "SELECT participant_id, tokens, weight, bytes FROM submissions WHERE round = ? ORDER BY participant_id",
+                (r["round"],),
+            )
+            r["submissions"] = [dict(s) for s in subs]
+        return out
+
+    def submissions(self, round_: int) -> list[dict[str, Any]]:
+        rows = self._query("SELECT * FROM submissions WHERE round = ? ORDER BY received_at", (round_,))
+        return [dict(r) for r in rows]
+
+    # -- metrics and events -----------------------------------------------------------------
+
+    def add_metrics(self, participant_id: str | None, round_: int | None, step: int | None,
+                    values: dict[str, float]) -> None:
+        now = time.time()
+        with self.write() as db:
+            db.executemany(
+                "INSERT INTO metrics (ts, participant_id, round, step, name, value) VALUES (?, ?, ?, ?, ?, ?)",
+                [(now, participant_id, round_, step, k, float(v)) for k, v in values.items()],
+            )
+
+    def metrics(self, name: str | None = None, limit: int = 10000) -> list[dict[str, Any]]:
+        if name is None:
+            rows = self._query("SELECT * FROM metrics ORDER BY id DESC LIMIT ?", (limit,))
+        else:
+            rows = self._query("SELECT * FROM metrics WHERE name = ? ORDER BY id DESC LIMIT ?", (name, limit))
+        return [dict(r) for r in reversed(rows)]
+
+    def add_event(self, kind: str, message: str, participant_id: str | None = None) -> None:
+        with self.write() as db:
+            db.execute(
+                "INSERT INTO events (ts, kind, participant_id, message) VALUES (?, ?, ?, ?)",
+                (time.time(), kind, participant_id, message),
+            )
+
+    def events(self, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self._query("SELECT * FROM events ORDER BY id DESC LIMIT ?", (limit,))
+        return [dict(r) for r in reversed(rows)]
+
+
+def _participant(r: sqlite3.Row) -> ParticipantRow:
+    d = dict(r)
+    d["info"] = json.loads(d["info"] or "{}")
+    return ParticipantRow(**d)

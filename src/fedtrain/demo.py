@@ -1,0 +1,220 @@
+"""`fedtrain demo`: a coordinator and N participants on this machine, over loopback HTTP.
+
+Every piece runs as its own process, exactly as on separate machines (`fedtrain
+coordinator`, `fedtrain participant`); this module only starts them, shows progress from
+the coordinator's status, evaluates the global model at the start and the end on held-out
+text, and prints (and optionally writes as JSON) a summary. Ctrl+C stops every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedtrain.config import RunConfig, load_config
+from fedtrain.errors import FedtrainError
+from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+from fedtrain.report import human_bytes, table
+
+DEMO_CONFIG: dict[str, Any] = {
+    "name": "demo",
+    "rounds": 10,
+    "train": {"sync_every": 20, "batch_size": 16, "seq_len": 64, "lr": 3e-3, "eval_batches": 4},
+    "model": {"n_layer": 2, "n_embd": 96, "n_head": 4, "block_size": 64},
+    "heartbeat_interval_s": 2.0,
+    "heartbeat_timeout_s": 60.0,
+}
+
+
+def demo_config(args: argparse.Namespace) -> RunConfig:
+    cfg = load_config(args.config) if args.config else RunConfig.model_validate(DEMO_CONFIG)
+    data = cfg.model_dump()
+    data["outer"]["algorithm"] = args.algorithm
+    if args.rounds is not None:
+        data["rounds"] = args.rounds
+    if args.sync_every is not None:
+        data["train"]["sync_every"] = args.sync_every
+    return RunConfig.model_validate(data)
+
+
+def global_eval(client: CoordinatorClient, cfg: RunConfig, version: int | None = None) -> float:
+    """Held-out loss of the global model on stdlib modules no participant trains on."""
+    from fedtrain.recipes.data import TokenStream, evaluate, heldout_paths, load_tokens
+    from fedtrain.recipes.gpt import build_model
+
+    model = build_model(cfg.model, seed=cfg.seed)
+    _, tensors = client.download(version=version)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensors[name])
+    stream = TokenStream(load_tokens(heldout_paths()), batch_size=16, seq_len=cfg.train.seq_len, seed=0,
+                         heldout_fraction=0.5)
+    return evaluate(model, stream.eval_batches(16))
+
+
+class Demo:
+    """The processes of one demo run and their clean-up."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.n = args.participants
+        if self.n < 1:
+            raise FedtrainError("--participants must be at least 1")
+        self.cfg = demo_config(args)
+        self.dir = args.state_dir or Path(tempfile.mkdtemp(prefix="fedtrain-demo-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "logs").mkdir(exist_ok=True)
+        self.token = secrets.token_urlsafe(16)
+        self.env = {**os.environ, "FEDTRAIN_TOKEN": self.token,
+                    "FEDTRAIN_ADMIN_TOKEN": secrets.token_urlsafe(16), "PYTHONUNBUFFERED": "1"}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.url = ""
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.dir / "logs" / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "fedtrain", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                env=self.env, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start_coordinator(self) -> None:
+        cfg_path = self.dir / "run.json"
+        cfg_path.write_text(self.cfg.model_dump_json(indent=2))
+        endpoint = self.dir / "state" / "endpoint.json"
+        endpoint.unlink(missing_ok=True)
+        proc = self._spawn("coordinator", ["coordinator", "--config", str(cfg_path), "--state-dir",
+                                           str(self.dir / "state"), "--host", "127.0.0.1", "--port", "0"])
+        deadline = time.monotonic() + 60
+        while not endpoint.is_file():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise FedtrainError(f"the coordinator did not start; see {self.dir / 'logs' / 'coordinator.log'}:\n"
+                                    + self.tail("coordinator"))
+            time.sleep(0.1)
+        self.url = json.loads(endpoint.read_text())["url"]
+
+    def start_participants(self) -> None:
+        for i in range(self.n):
+            self._spawn(f"p{i}", ["participant", "--coordinator", self.url, "--data", f"stdlib:{i}/{self.n}",
+                                  "--name", f"p{i}"])
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        path = self.dir / "logs" / f"{name}.log"
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _progress_line(status: dict[str, Any], t0: float) -> str:
+    parts = [f"[{time.monotonic() - t0:5.0f}s] round {status['current_round']}/{status['rounds']}"]
+    for p in status["participants"]:
+        loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
+        rate = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.0f}"
+        parts.append(f"{p['id']} loss {loss} {rate} tok/s")
+    return " | ".join(parts)
+
+
+def monitor(demo: Demo, client: CoordinatorClient, t0: float) -> dict[str, Any]:
+    """Print progress until the run finishes; fail clearly if the participants die."""
+    last_round, last_print = -1, 0.0
+    while True:
+        status = client.status()
+        now = time.monotonic()
+        if status["current_round"] != last_round or now - last_print > 10:
+            print(_progress_line(status, t0), flush=True)
+            last_round, last_print = status["current_round"], now
+        if status["finished"]:
+            return status
+        dead = [n for n, p in demo.procs.items() if p.poll() not in (None, 0)]
+        if "coordinator" in dead or len([n for n in dead if n != "coordinator"]) == demo.n:
+            name = dead[0]
+            raise FedtrainError(f"{name} exited with status {demo.procs[name].returncode}; "
+                                f"last lines of its log:\n{demo.tail(name)}")
+        time.sleep(1.0)
+
+
+def summarize(demo: Demo, status: dict[str, Any], initial: float, final: float, wall: float) -> dict[str, Any]:
+    cfg, n = demo.cfg, demo.n
+    total_tokens = sum(p["tokens"] for p in status["participants"]) or 1
+    steps = cfg.rounds * cfg.train.sync_every
+    model_bytes = status["model_bytes"]
+    # Synchronous data parallelism all-reduces the gradient every step: a ring all-reduce sends
+    # 2(N-1)/N model-sized buffers per worker per step.
+    dp_bytes = int(steps * n * 2 * (n - 1) / n * model_bytes) if n > 1 else 0
+    up = sum(p["bytes_up"] for p in status["participants"])
+    down = sum(p["bytes_down"] for p in status["participants"])
+    return {
+        "run": cfg.name, "algorithm": cfg.outer.algorithm, "participants": n, "rounds": cfg.rounds,
+        "sync_every": cfg.train.sync_every, "parameters": status["parameters"], "model_bytes": model_bytes,
+        "wall_s": round(wall, 1), "initial_eval_loss": round(initial, 4), "final_eval_loss": round(final, 4),
+        "per_participant": [
+            {"id": p["id"], "tokens": p["tokens"], "weight": round(p["tokens"] / total_tokens, 4),
+             "bytes_up": p["bytes_up"], "bytes_down": p["bytes_down"]}
+            for p in status["participants"]
+        ],
+        "bytes_up": up, "bytes_down": down, "dp_equivalent_bytes": dp_bytes,
+        "state_dir": str(demo.dir / "state"),
+    }
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print(f"\nfedtrain demo: {s['algorithm']}, {s['participants']} participants, {s['rounds']} rounds of "
+          f"H={s['sync_every']}, {s['parameters']:,} parameters, {s['wall_s']:.0f}s")
+    print(f"global eval loss (held-out): {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f}\n")
+    print(table(["participant", "tokens", "weight", "uploaded", "downloaded"],
+                [[p["id"], f"{p['tokens']:,}", f"{p['weight']:.3f}", human_bytes(p["bytes_up"]),
+                  human_bytes(p["bytes_down"])] for p in s["per_participant"]]))
+    sent = s["bytes_up"] + s["bytes_down"]
+    ratio = f" ({s['dp_equivalent_bytes'] / sent:.0f}x more)" if sent else ""
+    print(f"\nsent through the coordinator: {human_bytes(sent)}; synchronous data-parallel training "
+          f"would have sent {human_bytes(s['dp_equivalent_bytes'])}{ratio} for the same steps")
+    print(f"state and logs: {s['state_dir']}")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    demo = Demo(args)
+    t0 = time.monotonic()
+    try:
+        demo.start_coordinator()
+        print(f"coordinator: {demo.url}  (state and logs in {demo.dir})", flush=True)
+        with CoordinatorClient(demo.url, demo.token, retry=RetryPolicy(max_elapsed_s=30)) as client:
+            initial = global_eval(client, demo.cfg, version=0)
+            print(f"initial global eval loss: {initial:.3f}; starting {demo.n} participants", flush=True)
+            demo.start_participants()
+            status = monitor(demo, client, t0)
+            for name, proc in demo.procs.items():
+                if name != "coordinator":
+                    try:
+                        proc.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        pass
+            final = global_eval(client, demo.cfg)
+            status = client.status()
+    finally:
+        demo.stop()
+    summary = summarize(demo, status, initial, final, time.monotonic() - t0)
+    print_summary(summary)
+    if args.summary:
+        args.summary.write_text(json.dumps(summary, indent=2))
+        print(f"summary written to {args.summary}")
+    return 0

@@ -1,0 +1,210 @@
+"""HTTP client of a participant: every call to the coordinator, with named timeouts and
+bounded retries, and the one place where httpx errors become fedtrain errors.
+
+Every request fedtrain makes is idempotent (join by name, heartbeat, upload per (round,
+participant), downloads, status), so a transient failure — connection refused while the
+coordinator restarts, a timeout, a 502/503/504 — is retried with exponential backoff and
+jitter, bounded by `RetryPolicy.max_elapsed_s`; after that `CoordinatorUnavailable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+
+from fedtrain.errors import (
+    AuthError,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    RoundClosedError,
+    WireError,
+)
+from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec
+
+log = logging.getLogger("fedtrain.participant")
+
+VERSION_HEADER = "X-Fedtrain-Version"
+_RETRY_STATUS = {502, 503, 504}
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds. `read` bounds the silence between two bytes, so it covers long-polls too."""
+
+    connect: float = 5.0
+    read: float = 90.0
+    write: float = 90.0
+    pool: float = 10.0
+
+    def httpx(self) -> httpx.Timeout:
+        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    initial_s: float = 0.5
+    max_backoff_s: float = 10.0
+    max_elapsed_s: float = 300.0
+
+    def delays(self) -> Iterator[float]:
+        """Backoff delays (with jitter) until max_elapsed_s is spent."""
+        spent, delay = 0.0, self.initial_s
+        while spent < self.max_elapsed_s:
+            d = min(delay, self.max_backoff_s) * (0.5 + random.random() / 2)
+            d = min(d, self.max_elapsed_s - spent)
+            spent += d
+            yield d
+            delay *= 2
+
+
+def _error_from(response: httpx.Response) -> CoordinatorError:
+    try:
+        err = response.json()["error"]
+        message, code, details = err["message"], err.get("code", "error"), err.get("details") or {}
+    except Exception:  # noqa: BLE001 - not our JSON shape (a proxy, say): report the status
+        message, code, details = f"HTTP {response.status_code}: {response.text[:200]}", "http_error", {}
+    status = response.status_code
+    if status in (401, 403):
+        return AuthError(message, status=status, code=code, details=details)
+    if status == 409 and code in ("round_closed", "run_finished"):
+        return RoundClosedError(message, status=status, code=code, details=details)
+    return CoordinatorError(message, status=status, code=code, details=details)
+
+
+class CoordinatorClient:
+    """Talks to one coordinator with one bearer token."""
+
+    def __init__(self, url: str, token: str, *, timeouts: Timeouts = Timeouts(),
+                 retry: RetryPolicy = RetryPolicy(), verify: bool | str = True) -> None:
+        self.url = url.rstrip("/")
+        self.retry = retry
+        self._token, self._timeouts, self._verify = token, timeouts, verify
+        self._http = httpx.Client(
+            base_url=self.url, timeout=timeouts.httpx(), verify=verify,
+            headers={"Authorization": f"Bearer {token}", "User-Agent": "fedtrain-participant"},
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def clone(self, retry: RetryPolicy | None = None) -> "CoordinatorClient":
+        """A second client to the same coordinator (its own connections), e.g. for heartbeats."""
+        return CoordinatorClient(self.url, self._token, timeouts=self._timeouts,
+                                 retry=retry or self.retry, verify=self._verify)
+
+    def __enter__(self) -> "CoordinatorClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the retry boundary ------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        delays = self.retry.delays()
+        while True:
+            try:
+                return fn()
+            except CoordinatorError as e:
+                if e.status not in _RETRY_STATUS:
+                    raise
+                problem: str = e.message
+            except (httpx.TransportError, WireError) as e:
+                # A download cut short surfaces as a WireError (truncated body): retry it too.
+                problem = f"{type(e).__name__}: {e}"
+            delay = next(delays, None)
+            if delay is None:
+                raise CoordinatorUnavailable(
+                    f"{what}: the coordinator at {self.url} did not answer within "
+                    f"{self.retry.max_elapsed_s:g}s ({problem})", status=0, code="unavailable")
+            log.warning("%s failed (%s); retrying in %.1fs", what, problem, delay)
+            time.sleep(delay)
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        def once() -> Any:
+            r = self._http.request(method, path, **kwargs)
+            if r.status_code >= 400:
+                raise _error_from(r)
+            return r.json()
+
+        return self._call(f"{method} {path}", once)
+
+    # -- the routes ----------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/healthz")
+
+    def join(self, name: str | None, info: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._json("POST", "/v1/join", json={"name": name, "info": info or {}})
+
+    def get_config(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/config")
+
+    def status(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/status")
+
+    def heartbeat(self, pid: str, **stats: Any) -> dict[str, Any]:
+        return self._json("POST", f"/v1/participants/{pid}/heartbeat", json=stats)
+
+    def leave(self, pid: str) -> dict[str, Any]:
+        return self._json("POST", f"/v1/participants/{pid}/leave")
+
+    def report(self, pid: str, values: dict[str, float], *, round_: int | None = None,
+               step: int | None = None) -> dict[str, Any]:
+        return self._json("POST", f"/v1/participants/{pid}/metrics",
+                          json={"round": round_, "step": step, "values": values})
+
+    def wait_round(self, round_: int, pid: str | None = None, wait_s: float = 25.0) -> dict[str, Any]:
+        params: dict[str, Any] = {"wait": wait_s}
+        if pid is not None:
+            params["participant_id"] = pid
+        return self._json("GET", f"/v1/rounds/{round_}", params=params)
+
+    def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int) -> dict[str, Any]:
+        """PUT one pseudo-gradient; RoundClosedError (409) when the round is already over."""
+        headers = {DIGEST_HEADER: body.digest(), "Content-Length": str(body.content_length),
+                   "Content-Type": "application/octet-stream"}
+
+        def once() -> Any:
+            r = self._http.put(f"/v1/rounds/{round_}/updates/{pid}", params={"tokens": tokens},
+                               content=iter(body), headers=headers)
+            if r.status_code >= 400:
+                raise _error_from(r)
+            return r.json()
+
+        return self._call(f"upload of round {round_}", once)
+
+    def download(self, *, version: int | None = None, pid: str | None = None,
+                 allocate: Callable[[TensorSpec], torch.Tensor] | None = None,
+                 on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None = None,
+                 ) -> tuple[int, dict[str, torch.Tensor]]:
+        """Stream the global model; returns (version, tensors). Each tensor is read straight
+        into the storage `allocate` gives (e.g. a parameter), one copy per byte."""
+        params: dict[str, Any] = {}
+        if version is not None:
+            params["version"] = version
+        if pid is not None:
+            params["participant_id"] = pid
+
+        def once() -> tuple[int, dict[str, torch.Tensor]]:
+            with self._http.stream("GET", "/v1/model", params=params) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise _error_from(r)
+                length = int(r.headers["content-length"]) if "content-length" in r.headers else None
+                reader = BodyReader(expected_digest=r.headers.get(DIGEST_HEADER), expected_length=length,
+                                    allocate=allocate, on_header=on_header)
+                out: dict[str, torch.Tensor] = {}
+                for chunk in r.iter_raw(1 << 20):
+                    out.update(reader.feed(chunk))
+                reader.finish()
+                return int(r.headers.get(VERSION_HEADER, -1)), out
+
+        return self._call("download of the global model", once)

@@ -1,0 +1,249 @@
+"""`Participant`: joins a user's ordinary PyTorch loop to a federated run.
+
+    with Participant(url, token=TOKEN, model=model, inner_optimizer=opt) as fed:
+        while not fed.finished:
+            loss = train_step(...)
+            fed.step(tokens=n_tokens, loss=loss)
+
+`step` counts inner steps and tokens; every H steps it syncs: upload Δ = θ_round − θ_local,
+wait for the round to close, load the new global weights into the model. The inner
+optimizer is never touched, so its state carries over. The trainable parameters are the
+sync set. A snapshot of θ_round (one copy of the sync set, on the CPU) is the only extra
+memory: at sync it becomes Δ in place, then receives the new global weights.
+
+The sync itself lives in `_sync_round`, a plain function of the snapshot, so that a
+background worker can run it later while training goes on (overlapped sync).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedtrain.config import RunConfig
+from fedtrain.errors import CoordinatorError, MergeError, ModelMismatchError, RoundClosedError
+from fedtrain.merge import check_compatible
+from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
+from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
+
+log = logging.getLogger("fedtrain.participant")
+
+EvalFn = Callable[[nn.Module], "float | dict[str, float]"]
+
+
+def sync_set(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The tensors that travel: the model's trainable parameters, by name."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+class Participant:
+    """A context manager around a training loop that syncs it with a coordinator."""
+
+    def __init__(self, coordinator: str | CoordinatorClient, *, model: nn.Module, token: str | None = None,
+                 inner_optimizer: torch.optim.Optimizer | None = None, eval_fn: EvalFn | None = None,
+                 name: str | None = None, info: dict[str, Any] | None = None,
+                 timeouts: Timeouts = Timeouts(), retry: RetryPolicy = RetryPolicy(),
+                 verify: bool | str = True) -> None:
+        if isinstance(coordinator, CoordinatorClient):
+            self.client = coordinator
+        else:
+            if token is None:
+                raise ValueError("Participant needs token= when given a coordinator URL")
+            self.client = CoordinatorClient(coordinator, token, timeouts=timeouts, retry=retry, verify=verify)
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.eval_fn = eval_fn
+        self.name = name
+        self.info = info or {}
+        self.participant_id: str = ""
+        self.config: RunConfig = RunConfig()
+        self.round = 0
+        self.finished = False
+        self.steps = 0
+        self.tokens = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.sync_seconds = 0.0
+        self.history: list[dict[str, Any]] = []
+        self._params = sync_set(model)
+        self._snapshot: dict[str, torch.Tensor] = {}
+        self._round_steps = 0
+        self._round_tokens = 0
+        self._round_losses: list[float] = []
+        self._last_loss: float | None = None
+        self._rate = _Rate()
+        self._stop = threading.Event()
+        self._heart: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> "Participant":
+        joined = self.client.join(self.name, self.info)
+        self.participant_id = joined["participant_id"]
+        self.config = RunConfig.model_validate(joined["config"])
+        self.round = int(joined["current_round"])
+        self._check_model(joined["model"])
+        self._snapshot = {n: torch.empty(tuple(p.shape), dtype=p.dtype) for n, p in self._params.items()}
+        self._load_global()
+        self.finished = bool(joined["finished"])
+        self._heart = threading.Thread(target=self._heartbeats, name="fedtrain-heartbeat", daemon=True)
+        self._heart.start()
+        log.info("joined as %s at round %d (H=%d)", self.participant_id, self.round, self.sync_every)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._heart is not None:
+            self._heart.join(timeout=5)
+        try:
+            self.client.retry = RetryPolicy(max_elapsed_s=2.0)
+            self.client.leave(self.participant_id)
+        except CoordinatorError as e:
+            log.info("could not say goodbye to the coordinator: %s", e.message)
+        self.client.close()
+
+    @property
+    def sync_every(self) -> int:
+        return self.config.train.sync_every
+
+    # -- the user's loop -------------------------------------------------------------------
+
+    def step(self, tokens: int, loss: float | None = None) -> bool:
+        """Count one inner step; sync when H steps have passed. Returns True if it synced."""
+        if self.finished:
+            return False
+        self.steps += 1
+        self.tokens += tokens
+        self._round_steps += 1
+        self._round_tokens += tokens
+        self._rate.add(tokens)
+        if loss is not None:
+            self._last_loss = float(loss)
+            self._round_losses.append(float(loss))
+        if self._round_steps >= self.sync_every:
+            self.sync()
+            return True
+        return False
+
+    def sync(self) -> None:
+        """Upload this round's Δ, wait for the round to close, load the new global model."""
+        t0 = time.perf_counter()
+        r = self.round
+        record: dict[str, Any] = {"round": r, "steps": self._round_steps, "tokens": self._round_tokens}
+        if self._round_losses:
+            record["train_loss"] = sum(self._round_losses) / len(self._round_losses)
+        record.update(self._evaluate("eval_before"))
+        self._sync_round(r)
+        record.update(self._evaluate("eval_after"))
+        self.sync_seconds += time.perf_counter() - t0
+        record["sync_s"] = time.perf_counter() - t0
+        self.history.append(record)
+        values = {k: float(v) for k, v in record.items() if k not in ("round", "steps", "tokens")}
+        try:
+            self.client.report(self.participant_id, values, round_=r, step=self.steps)
+        except CoordinatorError as e:
+            log.warning("could not report metrics of round %d: %s", r, e.message)
+        self._round_steps = 0
+        self._round_tokens = 0
+        self._round_losses = []
+
+    # -- the sync, step by step ----------------------------------------------------------------
+
+    def _sync_round(self, r: int) -> None:
+        with torch.no_grad():
+            for name, p in self._params.items():
+                self._snapshot[name].sub_(p.detach().to("cpu", self._snapshot[name].dtype))
+        body = EncodedBody(self._snapshot)
+        uploaded = self._upload(r, body)
+        while uploaded:
+            info = self.client.wait_round(r, self.participant_id, wait_s=25.0)
+            if info["state"] != "open" and info["state"] != "closing":
+                break
+            if info.get("submitted") is False and info["state"] == "open":
+                log.warning("the coordinator has no upload of ours for round %d (restarted?); sending again", r)
+                uploaded = self._upload(r, body)
+        self._load_global()
+
+    def _upload(self, r: int, body: EncodedBody) -> bool:
+        try:
+            self.client.upload(r, self.participant_id, body, tokens=max(1, self._round_tokens))
+        except RoundClosedError as e:
+            log.warning("round %d closed before our upload (%s); moving on to the current model", r, e.message)
+            return False
+        self.bytes_up += body.content_length
+        return True
+
+    def _load_global(self) -> None:
+        version, _ = self.client.download(pid=self.participant_id, allocate=self._allocate,
+                                          on_header=self._check_header)
+        with torch.no_grad():
+            for name, p in self._params.items():
+                p.copy_(self._snapshot[name])
+        self.bytes_down += sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        self.round = version
+        self.finished = self.config.rounds > 0 and version >= self.config.rounds
+
+    def _allocate(self, spec: TensorSpec) -> torch.Tensor:
+        return self._snapshot[spec.name]
+
+    def _check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
+        self._check_model({n: {"dtype": s.dtype, "shape": list(s.shape)} for n, s in specs.items()})
+
+    def _check_model(self, spec: dict[str, dict[str, Any]]) -> None:
+        def dtype(d: Any) -> torch.dtype:
+            return d if isinstance(d, torch.dtype) else ST_TO_DTYPE[d]
+
+        run = {n: (dtype(s["dtype"]), tuple(s["shape"])) for n, s in spec.items()}
+        ours = {n: (p.dtype, tuple(p.shape)) for n, p in self._params.items()}
+        try:
+            check_compatible(run, ours, what="your model")
+        except MergeError as e:
+            raise ModelMismatchError(f"{e.message} (the run's model is the reference)", details=e.details) from None
+
+    def _evaluate(self, prefix: str) -> dict[str, float]:
+        if self.eval_fn is None:
+            return {}
+        result = self.eval_fn(self.model)
+        if isinstance(result, dict):
+            return {f"{prefix}/{k}": float(v) for k, v in result.items()}
+        return {f"{prefix}/loss": float(result)}
+
+    # -- heartbeats ---------------------------------------------------------------------------
+
+    def _heartbeats(self) -> None:
+        client = self.client.clone(retry=RetryPolicy(max_elapsed_s=1.0))
+        try:
+            while not self._stop.wait(self.config.heartbeat_interval_s):
+                try:
+                    client.heartbeat(self.participant_id, step=self.steps, round=self.round,
+                                     loss=self._last_loss, tokens_per_s=self._rate.per_second())
+                except CoordinatorError as e:
+                    log.debug("heartbeat failed: %s", e.message)
+        finally:
+            client.close()
+
+
+class _Rate:
+    """Tokens per second over a sliding window of recent steps."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self._events: list[tuple[float, int]] = []
+
+    def add(self, n: int) -> None:
+        now = time.monotonic()
+        self._events.append((now, n))
+        while self._events and now - self._events[0][0] > self.window_s:
+            self._events.pop(0)
+
+    def per_second(self) -> float | None:
+        if len(self._events) < 2:
+            return None
+        span = self._events[-1][0] - self._events[0][0]
+        return sum(n for _, n in self._events[1:]) / span if span > 0 else None
