@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training text: a file or directory, or stdlib:K/N (shard K of N of Python's stdlib)")
     p.add_argument("--name", default=None, help="stable participant name (restarts rejoin as the same one)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--give-up-after", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to keep retrying an unreachable coordinator before exiting (default 300)")
 
     d = sub.add_parser("demo", help="a coordinator and N participants on this machine, then a summary")
     d.add_argument("--participants", type=int, default=4, help="number of participants (default 4)")
@@ -119,10 +121,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_participant(args: argparse.Namespace) -> int:
+    from fedtrain.participant.client import RetryPolicy
     from fedtrain.recipes.train import run_participant
 
-    result = run_participant(args.coordinator, _token(args), args.data, name=args.name,
-                             threads=args.threads, verify=_verify(args))
+    result = run_participant(args.coordinator, _token(args), args.data, name=args.name, threads=args.threads,
+                             verify=_verify(args), retry=RetryPolicy(max_elapsed_s=args.give_up_after))
     print(json.dumps(result))
     return 0
 

@@ -401,7 +401,7 @@ class Coordinator:
         self.submitted = {}
         self.opened_at = self.clock()
         self.closing = False
-        self.reason = "round opened"
+        self.reason = "run finished" if self.finished else "round opened"
         self._event("round", f"round {r} closed: {reason}; {record['n_submissions']} updates, "
                              f"merge {record['merge_s']:.2f}s")
         if self.finished:
@@ -527,7 +527,7 @@ class Coordinator:
                  "bytes_up": p.bytes_up, "bytes_down": p.bytes_down, "last_seen": p.last_seen,
                  "step": self.live.get(p.id, Live()).step, "loss": self.live.get(p.id, Live()).loss,
                  "tokens_per_s": self.live.get(p.id, Live()).tokens_per_s}
-                for p in self.participants.values()
+                for p in sorted(self.participants.values(), key=lambda p: p.id)
             ],
             "recent_rounds": self.store.rounds(limit=20),
         }

@@ -162,7 +162,7 @@ class Store:
     # -- participants -----------------------------------------------------------------------
 
     def participants(self) -> list[ParticipantRow]:
-        rows = self._query("SELECT * FROM participants ORDER BY joined_at, id")
+        rows = self._query("SELECT * FROM participants ORDER BY id")
         return [_participant(r) for r in rows]
 
     def upsert_participant(self, row: ParticipantRow) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig
-from fedtrain.participant import CoordinatorClient, Participant
+from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
 from fedtrain.recipes.data import TokenStream, evaluate, load_tokens, parse_data_spec
 from fedtrain.recipes.gpt import build_model
 
@@ -26,12 +26,13 @@ def _seed_of(name: str | None) -> int:
 
 
 def run_participant(url: str, token: str, data: str, *, name: str | None = None, threads: int = 1,
-                    verify: bool | str = True, max_steps: int | None = None) -> dict[str, Any]:
+                    verify: bool | str = True, max_steps: int | None = None,
+                    retry: RetryPolicy = RetryPolicy()) -> dict[str, Any]:
     """Join the run at `url`, train on `data` until the run finishes; returns a summary."""
     torch.set_num_threads(threads)
-    client = CoordinatorClient(url, token, verify=verify)
+    tokens = load_tokens(parse_data_spec(data))  # bad data fails here, before any network call
+    client = CoordinatorClient(url, token, verify=verify, retry=retry)
     cfg = RunConfig.model_validate(client.get_config()["config"])
-    tokens = load_tokens(parse_data_spec(data))
     stream = TokenStream(tokens, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=_seed_of(name))
     model = build_model(cfg.model, seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)

@@ -1,0 +1,262 @@
+"""Weighting and averaging of pseudo-gradients: the Σᵢ wᵢΔᵢ half of every merge.
+
+Everything here is pure tensor math over `dict[str, Tensor]`. `check_compatible` is the
+one place that compares an update with the model and says, in full, what differs.
+`RunningSum` is the coordinator's constant-memory accumulator: each upload is folded in
+as it streams, so memory does not grow with the number of participants.
+`weighted_mean` is the naive reference the accumulator is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+
+from fedtrain.errors import MergeError
+
+TensorDict = dict[str, torch.Tensor]
+TensorSpec = tuple[torch.dtype, tuple[int, ...]]
+SpecLike = torch.Tensor | tuple[torch.dtype, Sequence[int]]
+
+_MAX_LISTED = 10
+
+
+def _spec(value: SpecLike) -> TensorSpec:
+    """The (dtype, shape) of a tensor or of an already given (dtype, shape) pair."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, tuple(value.shape)
+    dtype, shape = value
+    return dtype, tuple(int(s) for s in shape)
+
+
+def _listed(items: Sequence[str]) -> str:
+    """Join names for a message, capped so a huge model does not produce a huge error."""
+    shown = ", ".join(items[:_MAX_LISTED])
+    rest = len(items) - _MAX_LISTED
+    return f"{shown} and {rest} more" if rest > 0 else shown
+
+
+def _shape_str(shape: tuple[int, ...]) -> str:
+    return str(tuple(shape))
+
+
+def check_compatible(
+    reference: Mapping[str, SpecLike],
+    incoming: Mapping[str, SpecLike],
+    *,
+    what: str = "update",
+    check_dtype: bool = True,
+) -> None:
+    """Raise MergeError listing every difference of `incoming` from `reference`.
+
+    Values are tensors or (dtype, shape) pairs, so a safetensors header can be checked
+    before any tensor data has arrived. `details` holds the lists: missing, unexpected,
+    shape (name, got, expected) and dtype (name, got, expected).
+    """
+    missing = [k for k in reference if k not in incoming]
+    unexpected = [k for k in incoming if k not in reference]
+    shape: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    dtype: list[tuple[str, str, str]] = []
+    for name, ref in reference.items():
+        if name not in incoming:
+            continue
+        ref_dtype, ref_shape = _spec(ref)
+        got_dtype, got_shape = _spec(incoming[name])
+        if got_shape != ref_shape:
+            shape.append((name, got_shape, ref_shape))
+        if check_dtype and got_dtype != ref_dtype:
+            dtype.append((name, str(got_dtype), str(ref_dtype)))
+    if not (missing or unexpected or shape or dtype):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing keys: {_listed(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys: {_listed(unexpected)}")
+    parts.extend(
+        f"shape of {n} is {_shape_str(g)}, expected {_shape_str(e)}"
+        for n, g, e in shape[:_MAX_LISTED]
+    )
+    if len(shape) > _MAX_LISTED:
+        parts.append(f"and {len(shape) - _MAX_LISTED} more shape differences")
+    parts.extend(f"dtype of {n} is {g}, expected {e}" for n, g, e in dtype[:_MAX_LISTED])
+    if len(dtype) > _MAX_LISTED:
+        parts.append(f"and {len(dtype) - _MAX_LISTED} more dtype differences")
+    details = {
+        "missing": missing,
+        "unexpected": unexpected,
+        "shape": [[n, list(g), list(e)] for n, g, e in shape],
+        "dtype": [[n, g, e] for n, g, e in dtype],
+    }
+    raise MergeError(f"{what} does not match the model: " + "; ".join(parts), details=details)
+
+
+def pseudo_gradient(
+    global_params: Mapping[str, torch.Tensor], local_params: Mapping[str, torch.Tensor]
+) -> TensorDict:
+    """Δ = θ_global − θ_local for every tensor, in the key order of `global_params`."""
+    check_compatible(global_params, local_params, what="local weights")
+    return {k: g.detach() - local_params[k].detach() for k, g in global_params.items()}
+
+
+def _check_weight(weight: float, who: str) -> float:
+    w = float(weight)
+    if not math.isfinite(w) or w < 0:
+        raise MergeError(f"{who} has weight {weight!r}; weights must be finite and not negative")
+    return w
+
+
+def contribution_weights(
+    tokens: Mapping[str, int | float], mode: Literal["tokens", "uniform"] = "tokens"
+) -> dict[str, float]:
+    """Normalised merge weights wᵢ (summing to 1): tokensᵢ / Σ tokens, or 1/n for "uniform"."""
+    if not tokens:
+        raise MergeError("no contributions to weigh: at least one participant must submit")
+    if mode not in ("tokens", "uniform"):
+        raise MergeError(f"unknown weighting {mode!r}; use 'tokens' or 'uniform'")
+    counts = {k: _check_weight(v, f"participant {k!r}") for k, v in tokens.items()}
+    if mode == "uniform":
+        return {k: 1.0 / len(counts) for k in counts}
+    total = sum(counts.values())
+    if total <= 0:
+        raise MergeError(
+            "every participant reported 0 tokens, so token weighting is undefined; "
+            "report tokens processed or use weighting 'uniform'"
+        )
+    return {k: v / total for k, v in counts.items()}
+
+
+class RunningSum:
+    """Σ wᵢΔᵢ folded in place, one tensor at a time, in a fixed set of accumulators.
+
+    Memory is one copy of the sync set (in `dtype`) whatever the number of contributors.
+    Use `fold` for each tensor of one update as it streams in, then `finish_contribution`
+    once; or `add` for a whole update at hand. `mean()` divides in place and hands out
+    the accumulators themselves; call `reset()` before the next round.
+    """
+
+    def __init__(self, like: Mapping[str, SpecLike], dtype: torch.dtype = torch.float32) -> None:
+        if not dtype.is_floating_point:
+            raise MergeError(f"accumulator dtype must be floating point, got {dtype}")
+        self._specs: dict[str, TensorSpec] = {k: _spec(v) for k, v in like.items()}
+        self._acc: TensorDict = {}
+        for name, value in like.items():
+            device = value.device if isinstance(value, torch.Tensor) else None
+            self._acc[name] = torch.zeros(self._specs[name][1], dtype=dtype, device=device)
+        self._pending: set[str] = set()
+        self._total_weight = 0.0
+        self._count = 0
+        self._averaged = False
+
+    @property
+    def total_weight(self) -> float:
+        return self._total_weight
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._acc.values())
+
+    def _check_open(self) -> None:
+        if self._averaged:
+            raise MergeError("mean() was already taken from this sum; call reset() before folding")
+
+    def fold(self, name: str, tensor: torch.Tensor, weight: float) -> None:
+        """Add weight·tensor into the accumulator `name`, in place (dtype is cast)."""
+        self._check_open()
+        w = _check_weight(weight, f"tensor {name!r}")
+        if name not in self._acc:
+            raise MergeError(f"unexpected key {name!r}: the model has no tensor of that name")
+        acc = self._acc[name]
+        if tuple(tensor.shape) != tuple(acc.shape):
+            raise MergeError(
+                f"shape of {name} is {_shape_str(tuple(tensor.shape))}, "
+                f"expected {_shape_str(tuple(acc.shape))}"
+            )
+        if not tensor.is_floating_point():
+            raise MergeError(
+                f"{name} has dtype {tensor.dtype}; pseudo-gradients must be floating point"
+            )
+        if name in self._pending:
+            raise MergeError(f"{name} was folded twice for one contribution")
+        # add_ promotes in the kernel, so a bf16 upload needs no float32 copy of its own.
+        acc.add_(tensor.detach().to(device=acc.device), alpha=w)
+        self._pending.add(name)
+
+    def finish_contribution(self, weight: float) -> None:
+        """Record one contributor whose tensors have all been folded with `weight`."""
+        self._check_open()
+        w = _check_weight(weight, "contribution")
+        missing = [k for k in self._acc if k not in self._pending]
+        if missing:
+            raise MergeError(f"contribution is incomplete: missing keys: {_listed(missing)}")
+        self._pending.clear()
+        self._total_weight += w
+        self._count += 1
+
+    def add(self, delta: Mapping[str, torch.Tensor], weight: float) -> None:
+        """Fold a whole update: check it against the model, then fold every tensor."""
+        self._check_open()
+        check_compatible(self._specs, delta)
+        _check_weight(weight, "update")
+        for name in self._acc:
+            self.fold(name, delta[name], weight)
+        self.finish_contribution(weight)
+
+    def mean(self) -> TensorDict:
+        """Σ wᵢΔᵢ / Σ wᵢ, computed in place: the returned tensors are the accumulators."""
+        if self._averaged:
+            return dict(self._acc)
+        if self._pending:
+            raise MergeError(
+                f"a contribution is half folded ({_listed(sorted(self._pending))}); "
+                "call finish_contribution() or reset()"
+            )
+        if self._count == 0:
+            raise MergeError("no contribution was added, so there is no mean to take")
+        if self._total_weight <= 0:
+            raise MergeError("contributions have a total weight of 0, so their mean is undefined")
+        for acc in self._acc.values():
+            acc.div_(self._total_weight)
+        self._averaged = True
+        return dict(self._acc)
+
+    def reset(self) -> None:
+        """Zero the accumulators in place so the same memory serves the next round."""
+        for acc in self._acc.values():
+            acc.zero_()
+        self._pending.clear()
+        self._total_weight = 0.0
+        self._count = 0
+        self._averaged = False
+
+
+def weighted_mean(
+    deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> TensorDict:
+    """Naive reference Σ wᵢΔᵢ / Σ wᵢ over updates all held in memory (float32 or wider)."""
+    if not deltas:
+        raise MergeError("no updates to average")
+    if len(deltas) != len(weights):
+        raise MergeError(f"{len(deltas)} updates but {len(weights)} weights")
+    ws = [_check_weight(w, f"update {i}") for i, w in enumerate(weights)]
+    total = sum(ws)
+    if total <= 0:
+        raise MergeError("updates have a total weight of 0, so their mean is undefined")
+    first = deltas[0]
+    for i, d in enumerate(deltas[1:], start=1):
+        check_compatible(first, d, what=f"update {i}")
+    out: TensorDict = {}
+    for name, ref in first.items():
+        dtype = torch.promote_types(ref.dtype, torch.float32)
+        acc = torch.zeros(ref.shape, dtype=dtype, device=ref.device)
+        for w, d in zip(ws, deltas, strict=True):
+            acc = acc + w * d[name].detach().to(dtype)
+        out[name] = acc / total
+    return out

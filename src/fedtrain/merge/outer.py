@@ -1,0 +1,238 @@
+"""The outer step: a real `torch.optim` optimizer applied to the mean pseudo-gradient.
+
+Every merge algorithm is θ_{r+1} = OuterOpt(θ_r, grad=Δ) with Δ = Σᵢ wᵢΔᵢ, so
+`OuterOptimizer` owns the float32 master weights θ and one torch optimizer, writes Δ into
+`.grad` and calls `.step()`: the SGD, Nesterov and Adam arithmetic is torch's own.
+Its state flattens to safetensors-ready tensors plus str→str metadata, and `restore`
+rebuilds it so that training continues bitwise as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fedtrain.errors import MergeError
+from fedtrain.merge.aggregate import TensorDict, _listed, check_compatible
+from fedtrain.merge.yogi import Yogi
+
+ALGORITHMS = ("fedavg", "diloco", "fedavgm", "fedadam", "fedyogi")
+
+_SGD_FAMILY = ("fedavg", "diloco", "fedavgm")
+_REQUIRED_HP = {
+    "fedavg": ("lr",),
+    "diloco": ("lr", "momentum", "nesterov"),
+    "fedavgm": ("lr", "momentum", "nesterov"),
+    "fedadam": ("lr", "beta1", "beta2", "eps"),
+    "fedyogi": ("lr", "beta1", "beta2", "eps"),
+}
+_ADAPTIVE_STATE = ("exp_avg", "exp_avg_sq", "step")
+_FORMAT = "fedtrain.outer/1"
+_METADATA_KEYS = ("format", "algorithm", "hp", "steps", "param_names")
+
+
+def _check_hp(algorithm: str, hp: Mapping[str, Any]) -> None:
+    if algorithm not in ALGORITHMS:
+        raise MergeError(
+            f"unknown outer algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
+        )
+    missing = [k for k in _REQUIRED_HP[algorithm] if k not in hp]
+    if missing:
+        raise MergeError(
+            f"outer hyperparameters for {algorithm} lack {', '.join(missing)}; "
+            "build them with fedtrain.config.outer_defaults"
+        )
+
+
+def build_torch_optimizer(
+    params: list[torch.Tensor], algorithm: str, hp: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """The torch optimizer of one algorithm, configured from `outer_defaults`' dict."""
+    _check_hp(algorithm, hp)
+    try:
+        if algorithm == "fedavg":
+            return torch.optim.SGD(params, lr=hp["lr"], momentum=0.0)
+        if algorithm in ("diloco", "fedavgm"):
+            return torch.optim.SGD(
+                params, lr=hp["lr"], momentum=hp["momentum"], nesterov=bool(hp["nesterov"])
+            )
+        betas = (hp["beta1"], hp["beta2"])
+        if algorithm == "fedadam":
+            return torch.optim.Adam(params, lr=hp["lr"], betas=betas, eps=hp["eps"])
+        return Yogi(params, lr=hp["lr"], betas=betas, eps=hp["eps"])
+    except ValueError as e:  # torch's own check of a hyperparameter, e.g. nesterov without momentum
+        raise MergeError(f"outer optimizer {algorithm} cannot be built: {e}") from None
+
+
+def _expected_state_keys(algorithm: str, hp: Mapping[str, Any]) -> tuple[str, ...]:
+    """The per-parameter state keys the torch optimizer holds once it has stepped."""
+    if algorithm in _SGD_FAMILY:
+        return ("momentum_buffer",) if algorithm != "fedavg" and hp["momentum"] != 0 else ()
+    return _ADAPTIVE_STATE
+
+
+class OuterOptimizer:
+    """Float32 master weights θ plus the outer optimizer that moves them by Δ each round.
+
+    Memory: θ and the optimizer state (0, 1 or 2 copies); `step` sets `.grad` to the
+    given tensors without copying them when dtype and device already match.
+    """
+
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], algorithm: str, hp: Mapping[str, Any]
+    ) -> None:
+        _check_hp(algorithm, hp)
+        bad = [k for k, v in params.items() if not v.is_floating_point()]
+        if bad:
+            raise MergeError(
+                f"outer optimizer needs floating point weights; not floating: {', '.join(bad)}"
+            )
+        if not params:
+            raise MergeError("outer optimizer needs at least one tensor to optimize")
+        self.algorithm = algorithm
+        self.hp: dict[str, Any] = dict(hp)
+        self.steps = 0
+        self.params: TensorDict = {
+            k: v.detach().to(dtype=torch.float32, copy=True).contiguous() for k, v in params.items()
+        }
+        self.optimizer = build_torch_optimizer(list(self.params.values()), algorithm, self.hp)
+
+    def step(self, mean_delta: Mapping[str, torch.Tensor]) -> None:
+        """θ ← OuterOpt(θ, grad=Δ); Δ is consumed.
+
+        Δ's tensors become `.grad` as they are (no copy when dtype and device match), and
+        torch may write into them: foreach SGD with Nesterov, torch's default on GPU, adds
+        the momentum into the gradient in place. Pass the round's accumulator, not a tensor
+        still needed. A refused Δ (keys, shapes, not floating, NaN/inf) changes nothing.
+        """
+        check_compatible(self.params, mean_delta, what="mean pseudo-gradient", check_dtype=False)
+        grads = {k: self._as_grad(k, mean_delta[k]) for k in self.params}
+        try:
+            for name, p in self.params.items():
+                p.grad = grads[name]
+            self.optimizer.step()
+        finally:
+            for p in self.params.values():
+                p.grad = None
+        self.steps += 1
+
+    def _as_grad(self, name: str, delta: torch.Tensor) -> torch.Tensor:
+        p = self.params[name]
+        if not delta.is_floating_point():
+            raise MergeError(
+                f"{name} has dtype {delta.dtype}; pseudo-gradients must be floating point"
+            )
+        grad = delta.detach().to(device=p.device, dtype=p.dtype)
+        if not bool(torch.isfinite(grad).all()):
+            raise MergeError(
+                f"mean pseudo-gradient of {name} has NaN or infinite values; nothing was applied"
+            )
+        return grad
+
+    def state_tensors(self) -> TensorDict:
+        """The optimizer state as `"<state_key>/<param_name>"` → tensor (live, not copies).
+
+        Ordered by parameter, then state key, so a restored optimizer lists the same names.
+        """
+        out: TensorDict = {}
+        for name, p in self.params.items():
+            state = self.optimizer.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                if not isinstance(value, torch.Tensor):
+                    raise MergeError(f"optimizer state {key} of {name} is not a tensor: {value!r}")
+                out[f"{key}/{name}"] = value
+        return out
+
+    def state_metadata(self) -> dict[str, str]:
+        """Everything besides tensors that `restore` needs, as str → str (JSON inside)."""
+        try:
+            hp = json.dumps(self.hp, sort_keys=True)
+        except TypeError as e:
+            raise MergeError(f"outer hyperparameters cannot be saved as JSON: {e}") from None
+        return {
+            "format": _FORMAT,
+            "algorithm": self.algorithm,
+            "hp": hp,
+            "steps": str(self.steps),
+            "param_names": json.dumps(list(self.params)),
+        }
+
+    @classmethod
+    def restore(
+        cls,
+        params: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, str],
+    ) -> OuterOptimizer:
+        """Rebuild from the master weights and the output of state_tensors/state_metadata."""
+        algorithm, hp, steps, names = _parse_metadata(metadata)
+        missing = [n for n in names if n not in params]
+        unexpected = [n for n in params if n not in names]
+        if missing or unexpected:
+            raise MergeError(
+                "weights given to restore do not match the saved optimizer state: "
+                f"missing keys: {_listed(missing) or 'none'}; "
+                f"unexpected keys: {_listed(unexpected) or 'none'}"
+            )
+        # safetensors hands tensors back sorted by name; keep the order of the saved run.
+        outer = cls({n: params[n] for n in names}, algorithm, hp)
+        state = _unflatten_state(outer.params, tensors, _expected_state_keys(algorithm, hp), steps)
+        param_groups = outer.optimizer.state_dict()["param_groups"]
+        outer.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+        outer.steps = steps
+        return outer
+
+
+def _parse_metadata(metadata: Mapping[str, str]) -> tuple[str, dict[str, Any], int, list[str]]:
+    missing = [k for k in _METADATA_KEYS if k not in metadata]
+    if missing:
+        raise MergeError(
+            f"outer optimizer metadata lacks {', '.join(missing)}; "
+            "it must come from OuterOptimizer.state_metadata()"
+        )
+    if metadata["format"] != _FORMAT:
+        raise MergeError(
+            f"outer optimizer state has format {metadata['format']!r}, expected {_FORMAT!r}"
+        )
+    try:
+        hp = json.loads(metadata["hp"])
+        names = json.loads(metadata["param_names"])
+        steps = int(metadata["steps"])
+    except ValueError as e:
+        raise MergeError(f"outer optimizer metadata is corrupt: {e}") from None
+    if not isinstance(hp, dict) or not isinstance(names, list) or steps < 0:
+        raise MergeError(
+            "outer optimizer metadata is corrupt: hp, param_names or steps has the wrong type"
+        )
+    _check_hp(metadata["algorithm"], hp)
+    return metadata["algorithm"], hp, steps, names
+
+
+def _unflatten_state(
+    params: TensorDict, tensors: Mapping[str, torch.Tensor], keys: tuple[str, ...], steps: int
+) -> dict[int, dict[str, torch.Tensor]]:
+    """`{"key/name": t}` back to torch's `{param_index: {key: t}}`, checked for completeness."""
+    index = {name: i for i, name in enumerate(params)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for flat, value in tensors.items():
+        key, _, name = flat.partition("/")
+        if key not in keys or name not in index:
+            raise MergeError(f"outer optimizer state has an unexpected tensor {flat!r}")
+        if key != "step" and tuple(value.shape) != tuple(params[name].shape):
+            raise MergeError(
+                f"outer optimizer state {flat} has shape {tuple(value.shape)}, "
+                f"expected {tuple(params[name].shape)}"
+            )
+        state.setdefault(index[name], {})[key] = value
+    want = len(keys) * len(params) if steps > 0 else 0
+    if len(tensors) != want:
+        absent = [f"{k}/{n}" for n in params for k in keys if f"{k}/{n}" not in tensors]
+        raise MergeError(
+            f"outer optimizer state after {steps} steps should hold {want} tensors, found "
+            f"{len(tensors)}" + (f"; missing {_listed(absent)}" if absent else "")
+        )
+    return state

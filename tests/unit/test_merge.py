@@ -1,0 +1,509 @@
+"""Unit tests of fedtrain.merge: weighting, running sums, outer optimizers, Yogi, save/restore.
+
+Expected values of the outer steps are worked out by hand in the comments (and written as
+literals), never computed with the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from fedtrain.config import OuterConfig, outer_defaults
+from fedtrain.errors import MergeError
+from fedtrain.merge import (
+    ALGORITHMS,
+    OuterOptimizer,
+    RunningSum,
+    TensorDict,
+    Yogi,
+    build_torch_optimizer,
+    check_compatible,
+    contribution_weights,
+    pseudo_gradient,
+    weighted_mean,
+)
+
+
+def hp_for(algorithm: str, **overrides: object) -> dict:
+    return outer_defaults(OuterConfig.model_validate({"algorithm": algorithm, **overrides}))
+
+
+def random_model(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> TensorDict:
+    shapes = {"embed.weight": (5, 3), "block.0.bias": (3,), "head.weight": (2, 3), "scale": ()}
+    return {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
+
+
+# --------------------------------------------------------------------------- check_compatible
+
+
+def test_check_compatible_accepts_matching_tensors_and_specs() -> None:
+    ref = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+    check_compatible(ref, {"a": torch.ones(2, 3), "b": torch.ones(4)})
+    check_compatible(ref, {"a": (torch.float32, (2, 3)), "b": (torch.float32, [4])})
+
+
+def test_missing_key_is_named() -> None:
+    with pytest.raises(MergeError, match=r"missing keys: a\.weight") as e:
+        check_compatible({"a.weight": torch.zeros(2), "b": torch.zeros(1)}, {"b": torch.zeros(1)})
+    assert e.value.details["missing"] == ["a.weight"]
+
+
+def test_unexpected_key_is_named() -> None:
+    with pytest.raises(MergeError, match=r"unexpected keys: extra\.bias") as e:
+        check_compatible({"a": torch.zeros(1)}, {"a": torch.zeros(1), "extra.bias": torch.zeros(1)})
+    assert e.value.details["unexpected"] == ["extra.bias"]
+
+
+def test_shape_difference_is_named() -> None:
+    with pytest.raises(MergeError, match=r"shape of b\.weight is \(3, 4\), expected \(4, 4\)") as e:
+        check_compatible({"b.weight": torch.zeros(4, 4)}, {"b.weight": torch.zeros(3, 4)})
+    assert e.value.details["shape"] == [["b.weight", [3, 4], [4, 4]]]
+
+
+def test_dtype_difference_is_named() -> None:
+    ref = {"w": torch.zeros(2)}
+    with pytest.raises(MergeError, match=r"dtype of w is torch.float16, expected torch.float32"):
+        check_compatible(ref, {"w": torch.zeros(2, dtype=torch.float16)})
+    check_compatible(ref, {"w": torch.zeros(2, dtype=torch.float16)}, check_dtype=False)
+
+
+def test_every_difference_is_listed_in_one_message() -> None:
+    ref = {"a.weight": torch.zeros(1), "b.weight": torch.zeros(4, 4), "c": torch.zeros(2)}
+    got = {"b.weight": torch.zeros(3, 4), "c": torch.zeros(2).double(), "d": torch.zeros(1)}
+    with pytest.raises(MergeError) as e:
+        check_compatible(ref, got, what="upload of p1")
+    msg = str(e.value)
+    assert msg.startswith("upload of p1 does not match the model: missing keys: a.weight")
+    for part in (
+        "unexpected keys: d",
+        "shape of b.weight is (3, 4)",
+        "dtype of c is torch.float64",
+    ):
+        assert part in msg
+    assert set(e.value.details) == {"missing", "unexpected", "shape", "dtype"}
+
+
+def test_long_lists_are_capped() -> None:
+    ref = {f"layer.{i}": torch.zeros(1) for i in range(25)}
+    with pytest.raises(MergeError, match=r"layer\.9 and 15 more") as e:
+        check_compatible(ref, {})
+    assert len(e.value.details["missing"]) == 25
+    assert "layer.10" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- weighting
+
+
+def test_pseudo_gradient_is_global_minus_local() -> None:
+    g = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+    loc = {"w": torch.tensor([0.75, 2.5]), "b": torch.tensor([0.0])}
+    d = pseudo_gradient(g, loc)
+    assert list(d) == ["w", "b"]
+    assert torch.equal(d["w"], torch.tensor([0.25, -0.5])) and torch.equal(
+        d["b"], torch.tensor([0.5])
+    )
+    with pytest.raises(MergeError, match="local weights does not match.*missing keys: b"):
+        pseudo_gradient(g, {"w": loc["w"]})
+
+
+def test_contribution_weights_tokens_and_uniform() -> None:
+    assert contribution_weights({"a": 300, "b": 100}, "tokens") == {"a": 0.75, "b": 0.25}
+    assert contribution_weights({"a": 300, "b": 100, "c": 0}, "uniform") == pytest.approx(
+        {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}
+    )
+    assert contribution_weights({"a": 0, "b": 0}, "uniform") == {"a": 0.5, "b": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "mode", "match"),
+    [
+        ({}, "tokens", "no contributions"),
+        ({"a": 10, "b": -1}, "tokens", "'b' has weight -1"),
+        ({"a": 0, "b": 0}, "tokens", "0 tokens.*uniform"),
+        ({"a": float("nan")}, "uniform", "'a' has weight nan"),
+        ({"a": 1}, "by-size", "unknown weighting"),
+    ],
+)
+def test_contribution_weights_refuses(tokens: dict, mode: str, match: str) -> None:
+    with pytest.raises(MergeError, match=match):
+        contribution_weights(tokens, mode)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- RunningSum
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_running_sum_folded_tensor_by_tensor_equals_weighted_mean(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    deltas = [random_model(gen, dtype) for _ in range(4)]
+    tokens = [512, 128, 0, 1024]
+    acc = RunningSum(deltas[0])
+    for d, w in zip(deltas, tokens, strict=True):
+        for name in reversed(list(d)):  # a stream need not follow the model's key order
+            acc.fold(name, d[name], w)
+        acc.finish_contribution(w)
+    assert acc.count == 4 and acc.total_weight == 1664
+    got = acc.mean()
+    want = weighted_mean(deltas, tokens)
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].dtype == torch.float32
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def test_running_sum_add_uniform_weights_and_reset_reuses_memory() -> None:
+    gen = torch.Generator().manual_seed(2)
+    deltas = [random_model(gen) for _ in range(3)]
+    acc = RunningSum({k: (v.dtype, tuple(v.shape)) for k, v in deltas[0].items()})
+    pointers: dict[str, int] = {}
+    for rnd in range(2):
+        w = contribution_weights({f"p{i}": 10 * (i + 1) for i in range(3)}, "uniform")
+        for d, wi in zip(deltas, w.values(), strict=True):
+            acc.add(d, wi)
+        mean = acc.mean()
+        pointers = pointers or {k: t.data_ptr() for k, t in mean.items()}
+        assert {k: t.data_ptr() for k, t in mean.items()} == pointers  # same memory each round
+        for k in mean:
+            want = (deltas[0][k] + deltas[1][k] + deltas[2][k]) / 3
+            torch.testing.assert_close(mean[k], want, rtol=1e-6, atol=1e-6)
+        assert acc.mean() is not mean and acc.mean()["scale"] is mean["scale"]  # idempotent
+        acc.reset()
+        assert acc.count == 0 and acc.total_weight == 0.0
+        assert all(float(t.abs().sum()) == 0.0 for t in mean.values()), f"round {rnd}"
+    assert acc.nbytes == 4 * (15 + 3 + 6 + 1)
+
+
+def test_running_sum_refuses_bad_input() -> None:
+    acc = RunningSum({"w": torch.zeros(2, 2), "b": torch.zeros(2)})
+    with pytest.raises(MergeError, match="no contribution"):
+        acc.mean()
+    with pytest.raises(MergeError, match="unexpected key 'x'"):
+        acc.fold("x", torch.zeros(2), 1.0)
+    with pytest.raises(MergeError, match=r"shape of w is \(4,\), expected \(2, 2\)"):
+        acc.fold("w", torch.zeros(4), 1.0)
+    with pytest.raises(MergeError, match="must be floating point"):
+        acc.fold("b", torch.zeros(2, dtype=torch.int64), 1.0)
+    with pytest.raises(MergeError, match="weights must be finite and not negative"):
+        acc.fold("b", torch.zeros(2), -1.0)
+    acc.fold("b", torch.ones(2), 1.0)
+    with pytest.raises(MergeError, match="b was folded twice"):
+        acc.fold("b", torch.ones(2), 1.0)
+    with pytest.raises(MergeError, match="incomplete: missing keys: w"):
+        acc.finish_contribution(1.0)
+    with pytest.raises(MergeError, match="half folded"):
+        acc.mean()
+    with pytest.raises(MergeError, match=r"dtype of w is torch.float64"):
+        RunningSum({"w": torch.zeros(1)}).add({"w": torch.zeros(1, dtype=torch.float64)}, 1.0)
+    zero = RunningSum({"w": torch.zeros(1)})
+    zero.add({"w": torch.ones(1)}, 0.0)
+    with pytest.raises(MergeError, match="total weight of 0"):
+        zero.mean()
+    done = RunningSum({"w": torch.zeros(1)})
+    done.add({"w": torch.ones(1)}, 1.0)
+    done.mean()
+    with pytest.raises(MergeError, match="call reset"):
+        done.add({"w": torch.ones(1)}, 1.0)
+
+
+def test_weighted_mean_refuses_bad_input() -> None:
+    with pytest.raises(MergeError, match="2 updates but 1 weights"):
+        weighted_mean([{"w": torch.zeros(1)}, {"w": torch.zeros(1)}], [1.0])
+    with pytest.raises(MergeError, match="update 1 does not match.*shape of w"):
+        weighted_mean([{"w": torch.zeros(1)}, {"w": torch.zeros(2)}], [1.0, 1.0])
+
+
+# --------------------------------------------------------------------------- hand-computed rounds
+#
+# One 2-element parameter θ₀ = [1, 2]; participant A processed 3 tokens, B 1 token, so
+# w_A = 3/4, w_B = 1/4. Each round A and B send back θ_r − Δᵢ:
+#   round 1: Δ_A = [0.4, 0.4], Δ_B = [0.8, 0.8] → g₁ = 3/4·0.4 + 1/4·0.8 = 0.3 + 0.2 = [0.5, 0.5]
+#   round 2: Δ_A = [0.2, 0.0], Δ_B = [0.4, 0.04] → g₂ = [0.15 + 0.1, 0 + 0.01] = [0.25, 0.01]
+# Hyperparameters are outer_defaults: fedavg lr 1; diloco lr 0.7 μ 0.9 Nesterov; fedavgm
+# lr 1 μ 0.9; fedadam and fedyogi lr 0.01, β1 0.9, β2 0.99, eps 1e-3.
+
+ROUND_DELTAS = [
+    {"A": [0.4, 0.4], "B": [0.8, 0.8]},
+    {"A": [0.2, 0.0], "B": [0.4, 0.04]},
+]
+
+HAND_COMPUTED = {
+    # θ₁ = θ₀ − 1·g₁ = [0.5, 1.5];  θ₂ = θ₁ − 1·g₂ = [0.25, 1.49]
+    "fedavg": ([0.5, 1.5], [0.25, 1.49]),
+    # round 1: buf = g₁ = 0.5 (torch's first buffer is the gradient itself)
+    #          step = g₁ + 0.9·buf = 0.5 + 0.45 = 0.95; θ₁ = θ₀ − 0.7·0.95 = θ₀ − 0.665
+    # round 2: buf = 0.9·0.5 + g₂ = [0.70, 0.46]
+    #          step = g₂ + 0.9·buf = [0.25 + 0.63, 0.01 + 0.414] = [0.88, 0.424]
+    #          θ₂ = θ₁ − 0.7·step = [0.335 − 0.616, 1.335 − 0.2968]
+    "diloco": ([0.335, 1.335], [-0.281, 1.0382]),
+    # round 1: buf = 0.5, θ₁ = θ₀ − 0.5;  round 2: buf = 0.45 + g₂ = [0.70, 0.46], θ₂ = θ₁ − buf
+    "fedavgm": ([0.5, 1.5], [-0.2, 1.04]),
+    # torch Adam: m = 0.9m + 0.1g, v = 0.99v + 0.01g², θ −= lr/(1−0.9ᵗ) · m / (√(v/(1−0.99ᵗ)) + eps)
+    # round 1: m = 0.05, v = 0.0025; √(0.0025/0.01) = 0.5
+    #          θ −= 0.01/0.1 · 0.05 / 0.501 = 0.00998004  → θ₁ = [0.99001996, 1.99001996]
+    # round 2 (1−0.9² = 0.19, 1−0.99² = 0.0199):
+    #   x: m = 0.045 + 0.025 = 0.07,  v = 0.002475 + 0.000625 = 0.0031,
+    #      √(0.0031/0.0199) = 0.39468835
+    #      θ −= 0.01/0.19 · 0.07 / 0.39568835 = 0.00931089 → 0.98070907
+    #   y: m = 0.045 + 0.001 = 0.046, v = 0.002475 + 0.000001 = 0.002476,
+    #      √(0.002476/0.0199) = 0.35273518
+    #      θ −= 0.01/0.19 · 0.046 / 0.35373518 = 0.00684425 → 1.98317571
+    "fedadam": ([0.99001996, 1.99001996], [0.98070907, 1.98317571]),
+    # Yogi, no bias correction, v₀ = eps² = 1e-6:
+    # round 1: m = 0.05; g² = 0.25 > v₀ so v = 1e-6 + 0.01·0.25 = 0.002501, √v = 0.05001000
+    #          θ −= 0.01·0.05 / 0.05101000 = 0.00980200 → θ₁ = [0.99019800, 1.99019800]
+    # round 2:
+    #   x: m = 0.07;  g² = 0.0625 > v so v = 0.002501 + 0.000625 = 0.003126, √v = 0.05591064
+    #      θ −= 0.01·0.07 / 0.05691064 = 0.01229998 → 0.97789802
+    #   y: m = 0.046; g² = 0.0001 < v so v = 0.002501 − 0.000001 = 0.0025,   √v = 0.05
+    #      θ −= 0.01·0.046 / 0.051 = 0.00901961 → 1.98117839
+    "fedyogi": ([0.99019800, 1.99019800], [0.97789802, 1.98117839]),
+}
+
+
+def run_round(outer: OuterOptimizer, acc: RunningSum, deltas: dict[str, list[float]]) -> None:
+    tokens = {"A": 3, "B": 1}
+    weights = contribution_weights(tokens, "tokens")
+    acc.reset()
+    for who, d in deltas.items():
+        local = {"x": outer.params["x"] - torch.tensor(d)}
+        acc.add(pseudo_gradient(outer.params, local), weights[who])
+    outer.step(acc.mean())
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_two_rounds_match_hand_computed_values(algorithm: str) -> None:
+    outer = OuterOptimizer({"x": torch.tensor([1.0, 2.0])}, algorithm, hp_for(algorithm))
+    acc = RunningSum(outer.params)
+    for rnd, expected in enumerate(HAND_COMPUTED[algorithm]):
+        run_round(outer, acc, ROUND_DELTAS[rnd])
+        got = outer.params["x"]
+        torch.testing.assert_close(got, torch.tensor(expected), rtol=0, atol=5e-7)
+    assert outer.steps == 2
+
+
+def test_fedavg_equals_token_weighted_mean_of_participant_weights() -> None:
+    gen = torch.Generator().manual_seed(3)
+    global_w = random_model(gen)
+    locals_ = [random_model(gen) for _ in range(3)]
+    tokens = {"p0": 1000, "p1": 250, "p2": 4000}
+    outer = OuterOptimizer(global_w, "fedavg", hp_for("fedavg"))
+    acc = RunningSum(global_w)
+    for t, local in zip(tokens.values(), locals_, strict=True):
+        acc.add(pseudo_gradient(outer.params, local), t)  # raw tokens: mean() normalises
+    outer.step(acc.mean())
+    for k in global_w:
+        want = sum(t * loc[k] for t, loc in zip(tokens.values(), locals_, strict=True)) / 5250
+        torch.testing.assert_close(outer.params[k], want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- naive references
+
+
+def naive_nesterov(
+    theta: list[float], grads: list[list[float]], lr: float, mu: float
+) -> list[float]:
+    """Plain-Python SGD with Nesterov momentum as torch defines it (first buffer = gradient)."""
+    theta = list(theta)
+    buf: list[float] | None = None
+    for g in grads:
+        buf = list(g) if buf is None else [mu * b + gi for b, gi in zip(buf, g, strict=True)]
+        theta = [t - lr * (gi + mu * b) for t, gi, b in zip(theta, g, buf, strict=True)]
+    return theta
+
+
+def naive_yogi(
+    theta: list[float], grads: list[list[float]], lr: float, b1: float, b2: float, eps: float
+) -> list[float]:
+    """Plain-Python Yogi of Reddi et al. Algorithm 2 (v₀ = eps², no bias correction)."""
+    theta = list(theta)
+    m = [0.0] * len(theta)
+    v = [eps * eps] * len(theta)
+    for g in grads:
+        for i, gi in enumerate(g):
+            m[i] = b1 * m[i] + (1 - b1) * gi
+            v[i] = v[i] - (1 - b2) * gi * gi * math.copysign(1.0, v[i] - gi * gi)
+            theta[i] -= lr * m[i] / (math.sqrt(v[i]) + eps)
+    return theta
+
+
+@pytest.mark.parametrize(("algorithm", "reference"), [("diloco", "nesterov"), ("fedyogi", "yogi")])
+def test_outer_optimizer_matches_naive_reference(algorithm: str, reference: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    theta0 = torch.randn(7, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(7, generator=gen, dtype=torch.float64) for _ in range(5)]
+    hp = hp_for(algorithm)
+    outer = OuterOptimizer({"w": theta0}, algorithm, hp)
+    for g in grads:
+        outer.step({"w": g.float()})
+    gl = [g.float().double().tolist() for g in grads]
+    if reference == "nesterov":
+        want = naive_nesterov(theta0.tolist(), gl, hp["lr"], hp["momentum"])
+    else:
+        want = naive_yogi(theta0.tolist(), gl, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"])
+    torch.testing.assert_close(
+        outer.params["w"].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-5
+    )
+
+
+# --------------------------------------------------------------------------- optimizer wiring
+
+
+def test_build_torch_optimizer_uses_torch_with_config_values() -> None:
+    p = [torch.zeros(2)]
+    sgd = build_torch_optimizer(p, "fedavg", hp_for("fedavg", momentum=0.5))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.0
+    dil = build_torch_optimizer(p, "diloco", hp_for("diloco")).defaults
+    assert (dil["lr"], dil["momentum"], dil["nesterov"]) == (0.7, 0.9, True)
+    avgm = build_torch_optimizer(p, "fedavgm", hp_for("fedavgm")).defaults
+    assert (avgm["lr"], avgm["momentum"], avgm["nesterov"]) == (1.0, 0.9, False)
+    adam = build_torch_optimizer(p, "fedadam", hp_for("fedadam", beta2=0.999))
+    assert isinstance(adam, torch.optim.Adam)
+    assert adam.defaults["betas"] == (0.9, 0.999) and adam.defaults["eps"] == 1e-3
+    assert isinstance(build_torch_optimizer(p, "fedyogi", hp_for("fedyogi")), Yogi)
+
+
+def test_build_torch_optimizer_refuses_bad_settings() -> None:
+    with pytest.raises(MergeError, match="unknown outer algorithm 'sgd'; choose one of fedavg"):
+        build_torch_optimizer([torch.zeros(1)], "sgd", {"lr": 1.0})
+    with pytest.raises(MergeError, match="lack momentum, nesterov"):
+        build_torch_optimizer([torch.zeros(1)], "diloco", {"lr": 1.0})
+    with pytest.raises(MergeError, match="diloco cannot be built: .*[Nn]esterov"):
+        build_torch_optimizer([torch.zeros(1)], "diloco", hp_for("diloco", momentum=0.0))
+
+
+def test_step_hands_delta_to_torch_without_copy_and_clears_grad() -> None:
+    source = {"w": torch.ones(3, dtype=torch.bfloat16)}
+    outer = OuterOptimizer(source, "diloco", hp_for("diloco"))
+    assert outer.params["w"].dtype == torch.float32
+    outer.params["w"].add_(1.0)
+    assert float(source["w"][0]) == 1.0  # master weights are a copy, not the caller's tensor
+    delta = {"w": torch.full((3,), 0.5)}
+    seen: list[int] = []
+    torch_step = outer.optimizer.step
+
+    def spy() -> None:
+        seen.append(outer.params["w"].grad.data_ptr())  # type: ignore[union-attr]
+        torch_step()
+
+    outer.optimizer.step = spy  # type: ignore[method-assign,assignment]
+    outer.step(delta)
+    assert seen == [delta["w"].data_ptr()]
+    assert outer.params["w"].grad is None and outer.steps == 1
+    outer.step({"w": torch.full((3,), 0.5, dtype=torch.bfloat16)})  # cast, not refused
+    assert outer.steps == 2
+
+
+def test_step_refuses_bad_delta_and_leaves_weights_untouched() -> None:
+    outer = OuterOptimizer({"a": torch.ones(2), "b": torch.ones(1)}, "fedadam", hp_for("fedadam"))
+    before = {k: v.clone() for k, v in outer.params.items()}
+    bad = [
+        ({"a": torch.zeros(2)}, "missing keys: b"),
+        ({"a": torch.zeros(3), "b": torch.zeros(1)}, r"shape of a is \(3,\)"),
+        ({"a": torch.zeros(2), "b": torch.zeros(1, dtype=torch.int32)}, "b has dtype torch.int32"),
+        ({"a": torch.zeros(2), "b": torch.tensor([float("inf")])}, "of b has NaN or infinite"),
+    ]
+    for delta, match in bad:
+        with pytest.raises(MergeError, match=match):
+            outer.step(delta)
+    assert outer.steps == 0 and not outer.optimizer.state
+    assert all(torch.equal(outer.params[k], before[k]) for k in before)
+
+
+def test_yogi_state_is_tensors_and_second_moment_starts_at_eps_squared() -> None:
+    p = torch.zeros(3)
+    opt = Yogi([p], lr=0.1, eps=1e-2)
+    p.grad = torch.tensor([0.0, 1e-3, 2.0])
+    opt.step()
+    st = opt.state_dict()["state"][0]
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and float(st["step"]) == 1.0
+    # element 0: g = 0 leaves v = eps² = 1e-4; element 1: g² = 1e-6 < 1e-4 so v = 1e-4 − 1e-8
+    # element 2: g² = 4 > 1e-4 so v = 1e-4 + 0.01·4 = 0.0401
+    torch.testing.assert_close(st["exp_avg_sq"], torch.tensor([1e-4, 1e-4 - 1e-8, 0.0401]))
+    with pytest.raises(ValueError, match="invalid betas"):
+        Yogi([p], betas=(0.9, 1.0))
+
+
+# --------------------------------------------------------------------------- save / restore
+
+
+def roundtrip(outer: OuterOptimizer) -> OuterOptimizer:
+    """Through safetensors bytes, as the coordinator checkpoints a committed round."""
+    params = load(save(outer.params))
+    state_bytes = save(outer.state_tensors(), metadata=outer.state_metadata())
+    return OuterOptimizer.restore(params, load(state_bytes), header_metadata(state_bytes))
+
+
+def header_metadata(data: bytes) -> dict[str, str]:
+    """The __metadata__ of a safetensors body: u64 header length, then the JSON header."""
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + size])["__metadata__"]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_save_restore_continues_bitwise_identically(algorithm: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    start = random_model(gen)
+    deltas = [
+        {k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in start.items()} for _ in range(3)
+    ]
+    hp = hp_for(algorithm)
+    straight = OuterOptimizer(start, algorithm, hp)
+    for d in deltas:
+        straight.step({k: v.clone() for k, v in d.items()})
+    stopped = OuterOptimizer(start, algorithm, hp)
+    for d in deltas[:2]:
+        stopped.step({k: v.clone() for k, v in d.items()})
+    resumed = roundtrip(stopped)
+    assert (resumed.algorithm, resumed.hp, resumed.steps) == (algorithm, hp, 2)
+    resumed.step({k: v.clone() for k, v in deltas[2].items()})
+    assert resumed.steps == 3
+    for k in start:
+        assert torch.equal(resumed.params[k], straight.params[k]), k
+    a, b = resumed.state_tensors(), straight.state_tensors()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_state_tensor_names() -> None:
+    outer = OuterOptimizer({"layer.weight": torch.ones(2)}, "fedadam", hp_for("fedadam"))
+    assert outer.state_tensors() == {}
+    outer.step({"layer.weight": torch.ones(2)})
+    assert set(outer.state_tensors()) == {
+        "step/layer.weight",
+        "exp_avg/layer.weight",
+        "exp_avg_sq/layer.weight",
+    }
+    sgd = OuterOptimizer({"layer.weight": torch.ones(2)}, "diloco", hp_for("diloco"))
+    sgd.step({"layer.weight": torch.ones(2)})
+    assert set(sgd.state_tensors()) == {"momentum_buffer/layer.weight"}
+    meta = sgd.state_metadata()
+    assert all(isinstance(v, str) for v in meta.values()) and meta["steps"] == "1"
+
+
+def test_restore_refuses_missing_or_inconsistent_state() -> None:
+    outer = OuterOptimizer({"a": torch.ones(2), "b": torch.ones(3)}, "diloco", hp_for("diloco"))
+    outer.step({"a": torch.ones(2), "b": torch.ones(3)})
+    params, tensors, meta = dict(outer.params), dict(outer.state_tensors()), outer.state_metadata()
+    cases = [
+        (params, tensors, {k: v for k, v in meta.items() if k != "hp"}, "metadata lacks hp"),
+        (params, tensors, {**meta, "algorithm": "sgd"}, "unknown outer algorithm 'sgd'"),
+        (params, tensors, {**meta, "hp": "{not json"}, "metadata is corrupt"),
+        (params, tensors, {**meta, "format": "other/9"}, "format 'other/9'"),
+        ({"a": params["a"]}, tensors, meta, "missing keys: b"),
+        (
+            params,
+            {"momentum_buffer/a": tensors["momentum_buffer/a"]},
+            meta,
+            "should hold 2 tensors, found 1; missing momentum_buffer/b",
+        ),
+        (params, {**tensors, "exp_avg/a": torch.ones(2)}, meta, "unexpected tensor 'exp_avg/a'"),
+        (params, {**tensors, "momentum_buffer/b": torch.ones(4)}, meta, "has shape"),
+        (params, {}, meta, "after 1 steps should hold 2 tensors, found 0"),
+    ]
+    for p, t, m, match in cases:
+        with pytest.raises(MergeError, match=match):
+            OuterOptimizer.restore(p, t, m)
