@@ -29,8 +29,8 @@ from fedtrain.report import human_bytes, table
 DEMO_CONFIG: dict[str, Any] = {
     "name": "demo",
     "rounds": 10,
-    "train": {"sync_every": 20, "batch_size": 16, "seq_len": 64, "lr": 3e-3, "eval_batches": 4},
-    "model": {"n_layer": 2, "n_embd": 96, "n_head": 4, "block_size": 64},
+    "train": {"sync_every": 40, "batch_size": 16, "seq_len": 128, "lr": 3e-3, "eval_batches": 8},
+    "model": {"n_layer": 2, "n_embd": 128, "n_head": 4, "block_size": 128},
     "heartbeat_interval_s": 2.0,
     "heartbeat_timeout_s": 60.0,
 }
@@ -210,6 +210,9 @@ def run_demo(args: argparse.Namespace) -> int:
                         pass
             final = global_eval(client, demo.cfg)
             status = client.status()
+    except KeyboardInterrupt:
+        print(f"\nstopping the demo; its state and logs stay in {demo.dir}", file=sys.stderr, flush=True)
+        raise
     finally:
         demo.stop()
     summary = summarize(demo, status, initial, final, time.monotonic() - t0)

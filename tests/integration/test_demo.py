@@ -22,3 +22,31 @@ def test_short_demo_writes_summary(tmp_path: Path) -> None:
     assert abs(sum(p["weight"] for p in s["per_participant"]) - 1.0) < 1e-3
     assert s["bytes_up"] > 0 and s["bytes_down"] > 0 and s["dp_equivalent_bytes"] > s["bytes_up"]
     assert "global eval loss (held-out)" in r.stdout and "round 3/3" in r.stdout
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    state = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedtrain", "demo", "--participants", "2", "--rounds", "50", "--state-dir", str(state)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (state / "logs" / "p1.log").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "stopped" in err
+    pid = int(__import__("json").loads((state / "state" / "endpoint.json").read_text())["pid"])
+    time.sleep(0.5)
+    try:
+        os.kill(pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive, "the coordinator survived Ctrl+C of the demo"
