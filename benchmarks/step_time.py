@@ -33,16 +33,12 @@ def _size(text: str) -> tuple[int, int]:
     return int(n_layer), int(n_embd)
 
 
-def bench(
-    n_layer: int, n_embd: int, *, steps: int, batch_size: int, seq_len: int, lr: float
-) -> dict[str, float]:
+def bench(n_layer: int, n_embd: int, *, steps: int, batch_size: int, seq_len: int, lr: float) -> dict[str, float]:
     shape = {"n_layer": n_layer, "n_embd": n_embd, "n_head": max(1, n_embd // 32)}
     cfg = ModelConfig.model_validate({**shape, "block_size": seq_len})
     model = build_model(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    stream = TokenStream(
-        load_tokens(stdlib_shards(4)[0]), batch_size=batch_size, seq_len=seq_len, seed=0
-    )
+    stream = TokenStream(load_tokens(stdlib_shards(4)[0]), batch_size=batch_size, seq_len=seq_len, seed=0)
     heldout = TokenStream(
         load_tokens(heldout_paths()),
         batch_size=batch_size,
@@ -75,12 +71,8 @@ def bench(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--sizes", nargs="+", default=["2x64", "2x128", "4x128", "4x192"], help="LAYERSxWIDTH"
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["2x64", "2x128", "4x128", "4x192"], help="LAYERSxWIDTH")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -92,9 +84,7 @@ def main() -> None:
         f"batch_size={args.batch_size} seq_len={args.seq_len} steps={args.steps} lr={args.lr} "
         f"threads={args.threads} torch={torch.__version__}"
     )
-    print(
-        f"{'size':>7} {'params':>9} {'s/step':>7} {'loss@1':>7} {'loss@end':>8} {'eval@0':>7} {'eval@end':>8}"
-    )
+    print(f"{'size':>7} {'params':>9} {'s/step':>7} {'loss@1':>7} {'loss@end':>8} {'eval@0':>7} {'eval@end':>8}")
     for text in args.sizes:
         n_layer, n_embd = _size(text)
         r = bench(

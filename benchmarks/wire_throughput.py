@@ -70,9 +70,7 @@ def serve_http() -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, 0))
     print(sock.getsockname()[1], flush=True)
-    config = uvicorn.Config(
-        app, http="httptools", lifespan="off", log_level="warning", access_log=False
-    )
+    config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -130,13 +128,9 @@ def make_tensors(mb: int, count: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(count)}
 
 
-def feed_all(
-    data: bytes, chunk: int, digest: str | None, into: dict[str, torch.Tensor] | None = None
-) -> None:
+def feed_all(data: bytes, chunk: int, digest: str | None, into: dict[str, torch.Tensor] | None = None) -> None:
     """Parse `data` in chunks; with `into`, write into those tensors instead of new ones."""
-    reader = BodyReader(
-        expected_digest=digest, allocate=None if into is None else (lambda s: into[s.name])
-    )
+    reader = BodyReader(expected_digest=digest, allocate=None if into is None else (lambda s: into[s.name]))
     view = memoryview(data)
     for start in range(0, len(view), chunk):
         reader.feed(view[start : start + chunk])
@@ -202,9 +196,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, float]]:
         "BodyReader.feed 1 MiB chunks (no digest)",
         best_of(r, lambda: feed_all(data, 1 << 20, None)),
     )
-    add(
-        "BodyReader.feed 1 MiB chunks + sha256", best_of(r, lambda: feed_all(data, 1 << 20, digest))
-    )
+    add("BodyReader.feed 1 MiB chunks + sha256", best_of(r, lambda: feed_all(data, 1 << 20, digest)))
     into = {k: torch.empty_like(v) for k, v in tensors.items()}
     add(
         "BodyReader.feed 1 MiB chunks, allocate=preallocated",

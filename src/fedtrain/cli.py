@@ -22,15 +22,17 @@ DEFAULT_PORT = 8000
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", required=True, metavar="URL", help="coordinator URL, e.g. http://HOST:8000")
-    p.add_argument("--token", default=None,
-                   help="bearer token (default: $FEDTRAIN_TOKEN, else $FEDTRAIN_ADMIN_TOKEN)")
+    p.add_argument("--token", default=None, help="bearer token (default: $FEDTRAIN_TOKEN, else $FEDTRAIN_ADMIN_TOKEN)")
     p.add_argument("--ca-cert", default=None, metavar="PEM", help="CA bundle to verify the coordinator's TLS cert")
     p.add_argument("--insecure", action="store_true", help="do not verify TLS certificates (testing only)")
 
 
 def _token(args: argparse.Namespace) -> str:
-    token = args.token or os.environ.get("FEDTRAIN_TOKEN", "").split(",")[0].strip() or os.environ.get(
-        "FEDTRAIN_ADMIN_TOKEN")
+    token = (
+        args.token
+        or os.environ.get("FEDTRAIN_TOKEN", "").split(",")[0].strip()
+        or os.environ.get("FEDTRAIN_ADMIN_TOKEN")
+    )
     if not token:
         raise FedtrainError("no token: pass --token or set FEDTRAIN_TOKEN")
     return token
@@ -44,7 +46,8 @@ def _verify(args: argparse.Namespace) -> bool | str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fedtrain", description="Fault-tolerant federated and DiLoCo training for PyTorch.")
+        prog="fedtrain", description="Fault-tolerant federated and DiLoCo training for PyTorch."
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -53,8 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir", type=Path, default=Path("fedtrain-run"), help="where the run's state lives")
     c.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     c.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind (0: any free port)")
-    c.add_argument("--token", action="append", default=None, metavar="TOKEN",
-                   help="participant token (repeatable; default $FEDTRAIN_TOKEN, comma-separated)")
+    c.add_argument(
+        "--token",
+        action="append",
+        default=None,
+        metavar="TOKEN",
+        help="participant token (repeatable; default $FEDTRAIN_TOKEN, comma-separated)",
+    )
     c.add_argument("--admin-token", default=None, help="admin token (default $FEDTRAIN_ADMIN_TOKEN)")
     c.add_argument("--init-weights", type=Path, default=None, help="initial global weights (.safetensors)")
     c.add_argument("--tls-cert", type=Path, default=None, help="TLS certificate (PEM)")
@@ -62,12 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("participant", help="train the built-in recipe on local data and sync with a coordinator")
     _add_client_args(p)
-    p.add_argument("--data", required=True,
-                   help="training text: a file or directory, or stdlib:K/N (shard K of N of Python's stdlib)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="training text: a file or directory, or stdlib:K/N (shard K of N of Python's stdlib)",
+    )
     p.add_argument("--name", default=None, help="stable participant name (restarts rejoin as the same one)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--give-up-after", type=float, default=300.0, metavar="SECONDS",
-                   help="how long to keep retrying an unreachable coordinator before exiting (default 300)")
+    p.add_argument(
+        "--give-up-after",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long to keep retrying an unreachable coordinator before exiting (default 300)",
+    )
 
     d = sub.add_parser("demo", help="a coordinator and N participants on this machine, then a summary")
     d.add_argument("--participants", type=int, default=4, help="number of participants (default 4)")
@@ -96,8 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where a shell started us ignoring it
@@ -125,8 +144,15 @@ def cmd_participant(args: argparse.Namespace) -> int:
     from fedtrain.participant.client import RetryPolicy
     from fedtrain.recipes.train import run_participant
 
-    result = run_participant(args.coordinator, _token(args), args.data, name=args.name, threads=args.threads,
-                             verify=_verify(args), retry=RetryPolicy(max_elapsed_s=args.give_up_after))
+    result = run_participant(
+        args.coordinator,
+        _token(args),
+        args.data,
+        name=args.name,
+        threads=args.threads,
+        verify=_verify(args),
+        retry=RetryPolicy(max_elapsed_s=args.give_up_after),
+    )
     print(json.dumps(result))
     return 0
 
@@ -141,8 +167,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from fedtrain.participant.client import CoordinatorClient, RetryPolicy
     from fedtrain.report import format_status
 
-    with CoordinatorClient(args.coordinator, _token(args), verify=_verify(args),
-                           retry=RetryPolicy(max_elapsed_s=5)) as client:
+    with CoordinatorClient(
+        args.coordinator, _token(args), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=5)
+    ) as client:
         status = client.status()
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0

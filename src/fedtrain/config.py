@@ -39,7 +39,7 @@ class ModelConfig(_Strict):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
 
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> "ModelConfig":
+    def _heads_divide_width(self) -> ModelConfig:
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         return self
@@ -89,11 +89,9 @@ class RunConfig(_Strict):
     max_upload_mb: float = Field(4096.0, gt=0, description="Largest accepted upload body, in MB.")
 
     @model_validator(mode="after")
-    def _seq_fits(self) -> "RunConfig":
+    def _seq_fits(self) -> RunConfig:
         if self.train.seq_len > self.model.block_size:
-            raise ValueError(
-                f"train.seq_len ({self.train.seq_len}) exceeds model.block_size ({self.model.block_size})"
-            )
+            raise ValueError(f"train.seq_len ({self.train.seq_len}) exceeds model.block_size ({self.model.block_size})")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
         return self

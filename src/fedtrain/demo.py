@@ -9,6 +9,7 @@ text, and prints (and optionally writes as JSON) a summary. Ctrl+C stops every p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -57,8 +58,9 @@ def global_eval(client: CoordinatorClient, cfg: RunConfig, version: int | None =
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tensors[name])
-    stream = TokenStream(load_tokens(heldout_paths()), batch_size=16, seq_len=cfg.train.seq_len, seed=0,
-                         heldout_fraction=0.5)
+    stream = TokenStream(
+        load_tokens(heldout_paths()), batch_size=16, seq_len=cfg.train.seq_len, seed=0, heldout_fraction=0.5
+    )
     return evaluate(model, stream.eval_batches(16))
 
 
@@ -74,15 +76,24 @@ class Demo:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "logs").mkdir(exist_ok=True)
         self.token = secrets.token_urlsafe(16)
-        self.env = {**os.environ, "FEDTRAIN_TOKEN": self.token,
-                    "FEDTRAIN_ADMIN_TOKEN": secrets.token_urlsafe(16), "PYTHONUNBUFFERED": "1"}
+        self.env = {
+            **os.environ,
+            "FEDTRAIN_TOKEN": self.token,
+            "FEDTRAIN_ADMIN_TOKEN": secrets.token_urlsafe(16),
+            "PYTHONUNBUFFERED": "1",
+        }
         self.procs: dict[str, subprocess.Popen] = {}
         self.url = ""
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.dir / "logs" / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "fedtrain", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                env=self.env, start_new_session=True)
+        with open(self.dir / "logs" / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fedtrain", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
         self.procs[name] = proc
         return proc
 
@@ -91,20 +102,35 @@ class Demo:
         cfg_path.write_text(self.cfg.model_dump_json(indent=2))
         endpoint = self.dir / "state" / "endpoint.json"
         endpoint.unlink(missing_ok=True)
-        proc = self._spawn("coordinator", ["coordinator", "--config", str(cfg_path), "--state-dir",
-                                           str(self.dir / "state"), "--host", "127.0.0.1", "--port", "0"])
+        proc = self._spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--config",
+                str(cfg_path),
+                "--state-dir",
+                str(self.dir / "state"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ],
+        )
         deadline = time.monotonic() + 60
         while not endpoint.is_file():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise FedtrainError(f"the coordinator did not start; see {self.dir / 'logs' / 'coordinator.log'}:\n"
-                                    + self.tail("coordinator"))
+                raise FedtrainError(
+                    f"the coordinator did not start; see {self.dir / 'logs' / 'coordinator.log'}:\n"
+                    + self.tail("coordinator")
+                )
             time.sleep(0.1)
         self.url = json.loads(endpoint.read_text())["url"]
 
     def start_participants(self) -> None:
         for i in range(self.n):
-            self._spawn(f"p{i}", ["participant", "--coordinator", self.url, "--data", f"stdlib:{i}/{self.n}",
-                                  "--name", f"p{i}"])
+            self._spawn(
+                f"p{i}", ["participant", "--coordinator", self.url, "--data", f"stdlib:{i}/{self.n}", "--name", f"p{i}"]
+            )
 
     def tail(self, name: str, lines: int = 15) -> str:
         path = self.dir / "logs" / f"{name}.log"
@@ -147,8 +173,9 @@ def monitor(demo: Demo, client: CoordinatorClient, t0: float) -> dict[str, Any]:
         dead = [n for n, p in demo.procs.items() if p.poll() not in (None, 0)]
         if "coordinator" in dead or len([n for n in dead if n != "coordinator"]) == demo.n:
             name = dead[0]
-            raise FedtrainError(f"{name} exited with status {demo.procs[name].returncode}; "
-                                f"last lines of its log:\n{demo.tail(name)}")
+            raise FedtrainError(
+                f"{name} exited with status {demo.procs[name].returncode}; last lines of its log:\n{demo.tail(name)}"
+            )
         time.sleep(1.0)
 
 
@@ -163,30 +190,60 @@ def summarize(demo: Demo, status: dict[str, Any], initial: float, final: float, 
     up = sum(p["bytes_up"] for p in status["participants"])
     down = sum(p["bytes_down"] for p in status["participants"])
     return {
-        "run": cfg.name, "algorithm": cfg.outer.algorithm, "participants": n, "rounds": cfg.rounds,
-        "sync_every": cfg.train.sync_every, "parameters": status["parameters"], "model_bytes": model_bytes,
-        "wall_s": round(wall, 1), "initial_eval_loss": round(initial, 4), "final_eval_loss": round(final, 4),
+        "run": cfg.name,
+        "algorithm": cfg.outer.algorithm,
+        "participants": n,
+        "rounds": cfg.rounds,
+        "sync_every": cfg.train.sync_every,
+        "parameters": status["parameters"],
+        "model_bytes": model_bytes,
+        "wall_s": round(wall, 1),
+        "initial_eval_loss": round(initial, 4),
+        "final_eval_loss": round(final, 4),
         "per_participant": [
-            {"id": p["id"], "tokens": p["tokens"], "weight": round(p["tokens"] / total_tokens, 4),
-             "bytes_up": p["bytes_up"], "bytes_down": p["bytes_down"]}
+            {
+                "id": p["id"],
+                "tokens": p["tokens"],
+                "weight": round(p["tokens"] / total_tokens, 4),
+                "bytes_up": p["bytes_up"],
+                "bytes_down": p["bytes_down"],
+            }
             for p in status["participants"]
         ],
-        "bytes_up": up, "bytes_down": down, "dp_equivalent_bytes": dp_bytes,
+        "bytes_up": up,
+        "bytes_down": down,
+        "dp_equivalent_bytes": dp_bytes,
         "state_dir": str(demo.dir / "state"),
     }
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    print(f"\nfedtrain demo: {s['algorithm']}, {s['participants']} participants, {s['rounds']} rounds of "
-          f"H={s['sync_every']}, {s['parameters']:,} parameters, {s['wall_s']:.0f}s")
+    print(
+        f"\nfedtrain demo: {s['algorithm']}, {s['participants']} participants, {s['rounds']} rounds of "
+        f"H={s['sync_every']}, {s['parameters']:,} parameters, {s['wall_s']:.0f}s"
+    )
     print(f"global eval loss (held-out): {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f}\n")
-    print(table(["participant", "tokens", "weight", "uploaded", "downloaded"],
-                [[p["id"], f"{p['tokens']:,}", f"{p['weight']:.3f}", human_bytes(p["bytes_up"]),
-                  human_bytes(p["bytes_down"])] for p in s["per_participant"]]))
+    print(
+        table(
+            ["participant", "tokens", "weight", "uploaded", "downloaded"],
+            [
+                [
+                    p["id"],
+                    f"{p['tokens']:,}",
+                    f"{p['weight']:.3f}",
+                    human_bytes(p["bytes_up"]),
+                    human_bytes(p["bytes_down"]),
+                ]
+                for p in s["per_participant"]
+            ],
+        )
+    )
     sent = s["bytes_up"] + s["bytes_down"]
     ratio = f" ({s['dp_equivalent_bytes'] / sent:.0f}x more)" if sent else ""
-    print(f"\nsent through the coordinator: {human_bytes(sent)}; synchronous data-parallel training "
-          f"would have sent {human_bytes(s['dp_equivalent_bytes'])}{ratio} for the same steps")
+    print(
+        f"\nsent through the coordinator: {human_bytes(sent)}; synchronous data-parallel training "
+        f"would have sent {human_bytes(s['dp_equivalent_bytes'])}{ratio} for the same steps"
+    )
     print(f"state and logs: {s['state_dir']}")
 
 
@@ -204,10 +261,8 @@ def run_demo(args: argparse.Namespace) -> int:
             status = monitor(demo, client, t0)
             for name, proc in demo.procs.items():
                 if name != "coordinator":
-                    try:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        pass
             final = global_eval(client, demo.cfg)
             status = client.status()
     except KeyboardInterrupt:

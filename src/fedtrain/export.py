@@ -19,8 +19,9 @@ def export_model(args: argparse.Namespace) -> tuple[int, int, str]:
         from fedtrain.cli import _token, _verify
         from fedtrain.participant.client import CoordinatorClient, RetryPolicy
 
-        with CoordinatorClient(args.coordinator, _token(args), verify=_verify(args),
-                               retry=RetryPolicy(max_elapsed_s=10)) as client:
+        with CoordinatorClient(
+            args.coordinator, _token(args), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=10)
+        ) as client:
             version, tensors = client.download(version=args.version)
     digest = write_file(args.out, tensors, {"version": str(version), "exported_by": "fedtrain"})
     return version, len(tensors), digest

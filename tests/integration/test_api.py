@@ -20,8 +20,15 @@ def zeros_like_model(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(t) for n, t in c.service.outer.params.items()}
 
 
-def put(http: httpx.Client, round_: int, pid: str, tensors: dict[str, torch.Tensor], tokens: int = 100,
-        digest: str | None = None, body: bytes | None = None) -> httpx.Response:
+def put(
+    http: httpx.Client,
+    round_: int,
+    pid: str,
+    tensors: dict[str, torch.Tensor],
+    tokens: int = 100,
+    digest: str | None = None,
+    body: bytes | None = None,
+) -> httpx.Response:
     enc = EncodedBody(tensors)
     data = body if body is not None else b"".join(bytes(c) for c in enc)
     headers = {DIGEST_HEADER: digest or enc.digest()}
@@ -81,8 +88,21 @@ def test_upload_idempotent_and_late_upload_409(coordinator: BackgroundCoordinato
         assert_error(http.get("/v1/rounds/7"), 409, "round_not_open")
 
 
-@pytest.mark.parametrize("case", ["flipped", "truncated", "nan", "shape", "missing_key", "dtype", "no_digest",
-                                  "garbage", "unknown_participant", "zero_tokens"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "flipped",
+        "truncated",
+        "nan",
+        "shape",
+        "missing_key",
+        "dtype",
+        "no_digest",
+        "garbage",
+        "unknown_participant",
+        "zero_tokens",
+    ],
+)
 def test_bad_upload_refused_and_state_unchanged(coordinator: BackgroundCoordinator, case: str) -> None:
     svc = coordinator.service
     with client(coordinator) as http:

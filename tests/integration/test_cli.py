@@ -16,8 +16,13 @@ from tests.conftest import PTOKEN
 
 
 def fedtrain(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedtrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "fedtrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:
@@ -31,22 +36,41 @@ def test_coordinator_refuses_bad_config(tmp_path: Path) -> None:
     assert_clean_error(fedtrain("coordinator", "--config", str(tmp_path / "nope.yaml")), "nope.yaml", "does not exist")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  sync_every: 0\n")
-    assert_clean_error(fedtrain("coordinator", "--config", str(bad), "--state-dir", str(tmp_path / "s")),
-                       "bad.yaml", "train.sync_every")
+    assert_clean_error(
+        fedtrain("coordinator", "--config", str(bad), "--state-dir", str(tmp_path / "s")),
+        "bad.yaml",
+        "train.sync_every",
+    )
 
 
 def test_participant_bad_data_and_no_token(tmp_path: Path) -> None:
-    r = fedtrain("participant", "--coordinator", "http://127.0.0.1:9", "--token", "t",
-                 "--data", str(tmp_path / "missing"))
+    r = fedtrain(
+        "participant", "--coordinator", "http://127.0.0.1:9", "--token", "t", "--data", str(tmp_path / "missing")
+    )
     assert_clean_error(r, "missing")
-    r = fedtrain("participant", "--coordinator", "http://127.0.0.1:9", "--data", "stdlib:0/2",
-                 env={"FEDTRAIN_TOKEN": "", "FEDTRAIN_ADMIN_TOKEN": ""})
+    r = fedtrain(
+        "participant",
+        "--coordinator",
+        "http://127.0.0.1:9",
+        "--data",
+        "stdlib:0/2",
+        env={"FEDTRAIN_TOKEN": "", "FEDTRAIN_ADMIN_TOKEN": ""},
+    )
     assert_clean_error(r, "no token")
 
 
 def test_participant_gives_up_on_unreachable_coordinator() -> None:
-    r = fedtrain("participant", "--coordinator", "http://127.0.0.1:9", "--token", "t", "--data", "stdlib:0/2",
-                 "--give-up-after", "1")
+    r = fedtrain(
+        "participant",
+        "--coordinator",
+        "http://127.0.0.1:9",
+        "--token",
+        "t",
+        "--data",
+        "stdlib:0/2",
+        "--give-up-after",
+        "1",
+    )
     assert_clean_error(r, "did not answer within 1s")
 
 
@@ -67,8 +91,10 @@ def test_status_and_export(tmp_path: Path, coordinator: BackgroundCoordinator) -
     r = fedtrain("export", "--state-dir", str(coordinator.service.state_dir), "--out", str(out2))
     assert r.returncode == 0, r.stderr
     assert load_file(out2).keys() == tensors.keys()
-    assert_clean_error(fedtrain("export", "--state-dir", str(tmp_path / "empty"), "--out", str(out2)),
-                       "not a coordinator state directory")
+    assert_clean_error(
+        fedtrain("export", "--state-dir", str(tmp_path / "empty"), "--out", str(out2)),
+        "not a coordinator state directory",
+    )
 
 
 @pytest.mark.parametrize("cmd", ["coordinator", "participant", "demo", "status", "export"])

@@ -11,9 +11,26 @@ from pathlib import Path
 def test_short_demo_writes_summary(tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     r = subprocess.run(
-        [sys.executable, "-m", "fedtrain", "demo", "--participants", "2", "--rounds", "3", "--sync-every", "10",
-         "--summary", str(summary), "--state-dir", str(tmp_path / "demo")],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "fedtrain",
+            "demo",
+            "--participants",
+            "2",
+            "--rounds",
+            "3",
+            "--sync-every",
+            "10",
+            "--summary",
+            str(summary),
+            "--state-dir",
+            str(tmp_path / "demo"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     s = json.loads(summary.read_text())
     assert s["participants"] == 2 and s["rounds"] == 3
@@ -32,7 +49,10 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     state = tmp_path / "demo"
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedtrain", "demo", "--participants", "2", "--rounds", "50", "--state-dir", str(state)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (state / "logs" / "p1.log").exists():
         assert proc.poll() is None and time.monotonic() < deadline

@@ -24,8 +24,12 @@ def train(url: str, i: int, n: int, results: dict, errors: list) -> None:
             cfg = fed.config
             model = fed.model
             opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-            stream = TokenStream(load_tokens(parse_data_spec(f"stdlib:{i}/{n}")), batch_size=cfg.train.batch_size,
-                                 seq_len=cfg.train.seq_len, seed=i)
+            stream = TokenStream(
+                load_tokens(parse_data_spec(f"stdlib:{i}/{n}")),
+                batch_size=cfg.train.batch_size,
+                seq_len=cfg.train.seq_len,
+                seed=i,
+            )
             while not fed.finished:
                 x, y = stream.next_batch()
                 _, loss = model(x, y)
@@ -34,7 +38,7 @@ def train(url: str, i: int, n: int, results: dict, errors: list) -> None:
                 opt.zero_grad()
                 fed.step(tokens=x.numel(), loss=loss.item())
             results[i] = {n_: p.detach().clone() for n_, p in model.named_parameters()}
-    except BaseException as e:  # noqa: BLE001 - reported by the test
+    except BaseException as e:
         errors.append(e)
 
 

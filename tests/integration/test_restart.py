@@ -29,8 +29,22 @@ def free_port() -> int:
 def start(cfg_path: Path, state: Path, port: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fedtrain", "coordinator", "--config", str(cfg_path), "--state-dir", str(state),
-         "--port", str(port)], env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "fedtrain",
+            "coordinator",
+            "--config",
+            str(cfg_path),
+            "--state-dir",
+            str(state),
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:

@@ -18,8 +18,10 @@ def test_defaults_are_valid() -> None:
     assert outer_defaults(cfg.outer)["lr"] == 0.7
 
 
-@pytest.mark.parametrize("algorithm,lr,momentum,nesterov", [
-    ("fedavg", 1.0, 0.0, False), ("diloco", 0.7, 0.9, True), ("fedavgm", 1.0, 0.9, False)])
+@pytest.mark.parametrize(
+    "algorithm,lr,momentum,nesterov",
+    [("fedavg", 1.0, 0.0, False), ("diloco", 0.7, 0.9, True), ("fedavgm", 1.0, 0.9, False)],
+)
 def test_outer_defaults(algorithm: str, lr: float, momentum: float, nesterov: bool) -> None:
     hp = outer_defaults(parse_config({"outer": {"algorithm": algorithm}}).outer)
     assert (hp["lr"], hp["momentum"], hp["nesterov"]) == (lr, momentum, nesterov)

@@ -104,9 +104,7 @@ def test_pseudo_gradient_is_global_minus_local() -> None:
     loc = {"w": torch.tensor([0.75, 2.5]), "b": torch.tensor([0.0])}
     d = pseudo_gradient(g, loc)
     assert list(d) == ["w", "b"]
-    assert torch.equal(d["w"], torch.tensor([0.25, -0.5])) and torch.equal(
-        d["b"], torch.tensor([0.5])
-    )
+    assert torch.equal(d["w"], torch.tensor([0.25, -0.5])) and torch.equal(d["b"], torch.tensor([0.5]))
     with pytest.raises(MergeError, match="local weights does not match.*missing keys: b"):
         pseudo_gradient(g, {"w": loc["w"]})
 
@@ -304,9 +302,7 @@ def test_fedavg_equals_token_weighted_mean_of_participant_weights() -> None:
 # --------------------------------------------------------------------------- naive references
 
 
-def naive_nesterov(
-    theta: list[float], grads: list[list[float]], lr: float, mu: float
-) -> list[float]:
+def naive_nesterov(theta: list[float], grads: list[list[float]], lr: float, mu: float) -> list[float]:
     """Plain-Python SGD with Nesterov momentum as torch defines it (first buffer = gradient)."""
     theta = list(theta)
     buf: list[float] | None = None
@@ -448,9 +444,7 @@ def header_metadata(data: bytes) -> dict[str, str]:
 def test_save_restore_continues_bitwise_identically(algorithm: str) -> None:
     gen = torch.Generator().manual_seed(5)
     start = random_model(gen)
-    deltas = [
-        {k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in start.items()} for _ in range(3)
-    ]
+    deltas = [{k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in start.items()} for _ in range(3)]
     hp = hp_for(algorithm)
     straight = OuterOptimizer(start, algorithm, hp)
     for d in deltas:

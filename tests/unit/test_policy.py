@@ -56,8 +56,12 @@ def test_all_submitted_below_quorum_waits() -> None:
 
 
 def test_stale_participants_only_active_and_silent() -> None:
-    ps = [ParticipantView("a", ACTIVE, 0.0), ParticipantView("b", ACTIVE, 80.0),
-          ParticipantView("c", FAILED, 0.0), ParticipantView("d", LEFT, 0.0)]
+    ps = [
+        ParticipantView("a", ACTIVE, 0.0),
+        ParticipantView("b", ACTIVE, 80.0),
+        ParticipantView("c", FAILED, 0.0),
+        ParticipantView("d", LEFT, 0.0),
+    ]
     stale = stale_participants(ps, 100.0, CFG)
     assert [pid for pid, _ in stale] == ["a"]
     assert "no heartbeat for 100s" in stale[0][1]

@@ -90,9 +90,7 @@ def test_forward_shapes_and_initial_loss() -> None:
 
 
 def test_adamw_lowers_the_loss_on_a_tiny_corpus() -> None:
-    tokens = torch.frombuffer(
-        bytearray(b"def add(a, b):\n    return a + b\n" * 40), dtype=torch.uint8
-    )
+    tokens = torch.frombuffer(bytearray(b"def add(a, b):\n    return a + b\n" * 40), dtype=torch.uint8)
     stream = TokenStream(tokens, batch_size=8, seq_len=32, seed=0, heldout_fraction=0.0)
     model = build_model(TINY, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -196,16 +194,12 @@ def test_token_stream_batches_are_shifted_windows_and_deterministic() -> None:
     assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal(x, b.next_batch()[0])
-    assert not torch.equal(
-        a.next_batch()[0], TokenStream(tokens, batch_size=4, seq_len=16, seed=8).next_batch()[0]
-    )
+    assert not torch.equal(a.next_batch()[0], TokenStream(tokens, batch_size=4, seq_len=16, seed=8).next_batch()[0])
     assert a.position == 2
 
 
 def test_token_stream_never_draws_from_the_heldout_slice() -> None:
-    tokens = torch.cat(
-        [torch.zeros(950, dtype=torch.uint8), torch.full((50,), 9, dtype=torch.uint8)]
-    )
+    tokens = torch.cat([torch.zeros(950, dtype=torch.uint8), torch.full((50,), 9, dtype=torch.uint8)])
     stream = TokenStream(tokens, batch_size=16, seq_len=8, seed=0, heldout_fraction=0.05)
     for _ in range(50):
         x, y = stream.next_batch()

@@ -56,8 +56,18 @@ def test_commit_round_sets_version_and_weights(tmp_path: Path) -> None:
     store = Store(tmp_path / "run.db")
     store.add_submission(0, "a", 30, 100, "sha256:x")
     store.add_submission(0, "b", 10, 100, "sha256:y")
-    record = {"round": 0, "opened_at": 0.0, "closed_at": 1.0, "close_reason": "all", "algorithm": "diloco",
-              "n_submissions": 2, "tokens": 40, "bytes_in": 200, "merge_s": 0.1, "digest": "sha256:g"}
+    record = {
+        "round": 0,
+        "opened_at": 0.0,
+        "closed_at": 1.0,
+        "close_reason": "all",
+        "algorithm": "diloco",
+        "n_submissions": 2,
+        "tokens": 40,
+        "bytes_in": 200,
+        "merge_s": 0.1,
+        "digest": "sha256:g",
+    }
     store.commit_round(record, {"a": 0.75, "b": 0.25})
     assert store.committed_version() == 1
     assert store.get_meta("digest/1") == "sha256:g"
@@ -67,8 +77,18 @@ def test_commit_round_sets_version_and_weights(tmp_path: Path) -> None:
 
 def test_failed_commit_rolls_back(tmp_path: Path) -> None:
     store = Store(tmp_path / "run.db")
-    record = {"round": 0, "opened_at": 0.0, "closed_at": 1.0, "close_reason": "x", "algorithm": "fedavg",
-              "n_submissions": 0, "tokens": 0, "bytes_in": 0, "merge_s": 0.0, "digest": "d"}
+    record = {
+        "round": 0,
+        "opened_at": 0.0,
+        "closed_at": 1.0,
+        "close_reason": "x",
+        "algorithm": "fedavg",
+        "n_submissions": 0,
+        "tokens": 0,
+        "bytes_in": 0,
+        "merge_s": 0.0,
+        "digest": "d",
+    }
     store.commit_round(record, {})
     with pytest.raises(sqlite3.IntegrityError):
         store.commit_round(record, {})  # the same round twice: the whole transaction is refused

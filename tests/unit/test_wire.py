@@ -45,10 +45,7 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.
 
 
 def _mixed() -> dict[str, torch.Tensor]:
-    tensors = {
-        f"t_{st_name}": _sample(dtype, (3, 5), i)
-        for i, (st_name, dtype) in enumerate(ST_TO_DTYPE.items())
-    }
+    tensors = {f"t_{st_name}": _sample(dtype, (3, 5), i) for i, (st_name, dtype) in enumerate(ST_TO_DTYPE.items())}
     tensors["scalar"] = torch.tensor(2.5, dtype=torch.bfloat16)
     tensors["empty"] = torch.zeros(0, 4)
     tensors["empty_after"] = torch.zeros(2, 0, dtype=torch.int8)
@@ -182,10 +179,7 @@ def test_async_reader() -> None:
     body = EncodedBody(tensors, chunk_size=100)
 
     async def main() -> dict[str, torch.Tensor]:
-        return {
-            name: t
-            async for name, t in aread_tensors(body.aiter_chunks(), expected_digest=body.digest())
-        }
+        return {name: t async for name, t in aread_tensors(body.aiter_chunks(), expected_digest=body.digest())}
 
     _assert_same(asyncio.run(main()), tensors)
 
@@ -360,9 +354,7 @@ def test_a_lying_header_allocates_nothing_before_data_arrives() -> None:
     with pytest.raises(WireError, match="cannot allocate tensor 'w'"):
         reader.feed(b"\0")
     with pytest.raises(WireError, match="2\\*\\*63"):
-        BodyReader().feed(
-            _raw({"w": {"dtype": "U8", "shape": [0, 10**30], "data_offsets": [0, 0]}})
-        )
+        BodyReader().feed(_raw({"w": {"dtype": "U8", "shape": [0, 10**30], "data_offsets": [0, 0]}}))
 
 
 def test_max_bytes_limit() -> None:

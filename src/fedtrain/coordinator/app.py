@@ -98,17 +98,18 @@ def create_app(service: Coordinator) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
         return JSONResponse(error_body(422, "invalid_request", f"invalid request: {problems}"), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(error_body(exc.status_code, code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(exc.status_code, code, message),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -122,14 +123,14 @@ def create_app(service: Coordinator) -> FastAPI:
         ident = service.tokens.identify(request.headers.get("authorization"))
         if ident is None:
             missing = not request.headers.get("authorization")
-            raise Refused(401, "unauthorized",
-                          "missing bearer token" if missing else "invalid token: not a token of this run")
+            raise Refused(
+                401, "unauthorized", "missing bearer token" if missing else "invalid token: not a token of this run"
+            )
         return ident
 
     @app.get("/", include_in_schema=False)
     async def index() -> dict[str, Any]:
-        return {"fedtrain": fedtrain.__version__, "api": "/v1", "docs": "/v1/docs",
-                "openapi": "/v1/openapi.json"}
+        return {"fedtrain": fedtrain.__version__, "api": "/v1", "docs": "/v1/docs", "openapi": "/v1/openapi.json"}
 
     @app.get("/v1/healthz", summary="Liveness (no token needed)")
     async def healthz() -> dict[str, Any]:
@@ -168,23 +169,33 @@ def create_app(service: Coordinator) -> FastAPI:
         return {"events": service.store.events(limit)}
 
     @app.get("/v1/metrics", summary="Reported metrics")
-    async def get_metrics(name: str | None = None, limit: int = Query(10000, ge=1, le=100000),
-                          ident: Identity = Depends(identity)) -> dict[str, Any]:
+    async def get_metrics(
+        name: str | None = None, limit: int = Query(10000, ge=1, le=100000), ident: Identity = Depends(identity)
+    ) -> dict[str, Any]:
         return {"metrics": service.store.metrics(name, limit)}
 
     @app.get("/v1/rounds/{round_}", summary="Round status; long-polls up to `wait` seconds while it is open")
-    async def round_status(round_: int, wait: float = Query(0.0, ge=0, le=60), participant_id: str | None = None,
-                           ident: Identity = Depends(identity)) -> dict[str, Any]:
+    async def round_status(
+        round_: int,
+        wait: float = Query(0.0, ge=0, le=60),
+        participant_id: str | None = None,
+        ident: Identity = Depends(identity),
+    ) -> dict[str, Any]:
         return await service.wait_round(ident, participant_id, round_, wait)
 
     @app.put(
         "/v1/rounds/{round_}/updates/{pid}",
         summary="Upload a pseudo-gradient (safetensors body) for a round; idempotent per (round, participant)",
-        openapi_extra={"requestBody": {"required": True, "content": {
-            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+            }
+        },
     )
-    async def upload(round_: int, pid: str, request: Request, tokens: int = Query(..., ge=0),
-                     ident: Identity = Depends(identity)) -> dict[str, Any]:
+    async def upload(
+        round_: int, pid: str, request: Request, tokens: int = Query(..., ge=0), ident: Identity = Depends(identity)
+    ) -> dict[str, Any]:
         digest = request.headers.get(DIGEST_HEADER)
         if not digest:
             raise Refused(400, "digest_required", f"uploads need a {DIGEST_HEADER} header (sha256:<hex> of the body)")
@@ -198,12 +209,16 @@ def create_app(service: Coordinator) -> FastAPI:
         except ClientDisconnect:
             raise Refused(400, "client_disconnected", "the upload ended before the body was complete") from None
 
-    @app.get("/v1/model", summary="Download the global model (safetensors stream)",
-             responses={200: {"content": {"application/octet-stream": {}}}})
-    async def model(version: int | None = Query(None, ge=0), participant_id: str | None = None,
-                    ident: Identity = Depends(identity)) -> StreamingResponse:
+    @app.get(
+        "/v1/model",
+        summary="Download the global model (safetensors stream)",
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
+    async def model(
+        version: int | None = Query(None, ge=0), participant_id: str | None = None, ident: Identity = Depends(identity)
+    ) -> StreamingResponse:
         path, v, digest = service.model_file(version, participant_id)
-        f = open(path, "rb")  # opened now: a later prune cannot take the file away mid-stream
+        f = open(path, "rb")  # noqa: SIM115 - opened now so a later prune cannot take it mid-stream
         size = path.stat().st_size
 
         async def body() -> AsyncIterator[bytes]:

@@ -36,7 +36,7 @@ class Tokens:
     admin: str | None = None
 
     @classmethod
-    def from_env(cls, participant: list[str] | None = None, admin: str | None = None) -> "Tokens":
+    def from_env(cls, participant: list[str] | None = None, admin: str | None = None) -> Tokens:
         """Tokens given explicitly win; else FEDTRAIN_TOKEN (comma-separated) and FEDTRAIN_ADMIN_TOKEN."""
         if not participant:
             env = os.environ.get("FEDTRAIN_TOKEN", "")

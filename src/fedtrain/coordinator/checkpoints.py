@@ -38,8 +38,14 @@ class CheckpointDir:
     def outer_path(self, version: int) -> Path:
         return self.root / f"outer-{version:06d}.safetensors"
 
-    def write(self, version: int, params: dict[str, torch.Tensor], outer_tensors: dict[str, torch.Tensor],
-              outer_meta: dict[str, str], run_meta: dict[str, str]) -> str:
+    def write(
+        self,
+        version: int,
+        params: dict[str, torch.Tensor],
+        outer_tensors: dict[str, torch.Tensor],
+        outer_meta: dict[str, str],
+        run_meta: dict[str, str],
+    ) -> str:
         """Write both files of `version`; returns the global model file's digest."""
         write_file(self.outer_path(version), outer_tensors, outer_meta)
         return write_file(self.global_path(version), params, {**run_meta, "version": str(version)})

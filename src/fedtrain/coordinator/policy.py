@@ -44,8 +44,7 @@ def _names(ids: Sequence[str] | set[str], limit: int = 5) -> str:
     return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
 
-def decide_round(rnd: RoundView, participants: Sequence[ParticipantView], now: float,
-                 cfg: RunConfig) -> Decision:
+def decide_round(rnd: RoundView, participants: Sequence[ParticipantView], now: float, cfg: RunConfig) -> Decision:
     """Close the round when every active participant has submitted (and the quorum is met),
     or when the deadline has passed with at least `min_participants` submissions."""
     active = {p.id for p in participants if p.state == ACTIVE}
@@ -70,13 +69,11 @@ def decide_round(rnd: RoundView, participants: Sequence[ParticipantView], now: f
         return Decision("wait", f"{n} submitted, waiting for min_participants {quorum}")
     return Decision(
         "wait",
-        f"{n}/{len(active)} submitted, waiting for {_names(missing)} "
-        f"(deadline in {deadline - now:.0f}s)",
+        f"{n}/{len(active)} submitted, waiting for {_names(missing)} (deadline in {deadline - now:.0f}s)",
     )
 
 
-def stale_participants(participants: Sequence[ParticipantView], now: float,
-                       cfg: RunConfig) -> list[tuple[str, str]]:
+def stale_participants(participants: Sequence[ParticipantView], now: float, cfg: RunConfig) -> list[tuple[str, str]]:
     """Active participants silent for longer than `heartbeat_timeout_s`, each with a reason."""
     out = []
     for p in participants:

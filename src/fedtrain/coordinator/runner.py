@@ -58,9 +58,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
     (state_dir / ENDPOINT_FILE).write_text(json.dumps({"url": url, "pid": os.getpid()}))
     if note:
         print(note, flush=True)
-    print(f"fedtrain coordinator: run {service.config.name!r} at round {service.version}"
-          f"{' (finished)' if service.finished else ''}, {service.outer.algorithm}, serving on {url} "
-          f"(state in {state_dir})", flush=True)
+    print(
+        f"fedtrain coordinator: run {service.config.name!r} at round {service.version}"
+        f"{' (finished)' if service.finished else ''}, {service.outer.algorithm}, serving on {url} "
+        f"(state in {state_dir})",
+        flush=True,
+    )
     server = uvicorn.Server(uvicorn_config(service, args.log_level, args.tls_cert, args.tls_key))
     server.run(sockets=[sock])
     return 0

@@ -29,8 +29,9 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_config(service: Coordinator, log_level: str = "warning", tls_cert: Path | None = None,
-                   tls_key: Path | None = None) -> uvicorn.Config:
+def uvicorn_config(
+    service: Coordinator, log_level: str = "warning", tls_cert: Path | None = None, tls_key: Path | None = None
+) -> uvicorn.Config:
     return uvicorn.Config(
         create_app(service),
         log_level=log_level,
@@ -47,10 +48,19 @@ def uvicorn_config(service: Coordinator, log_level: str = "warning", tls_cert: P
 class BackgroundCoordinator:
     """A coordinator serving on 127.0.0.1 from a thread; a context manager that stops it."""
 
-    def __init__(self, state_dir: str | Path, config: RunConfig | None = None, *, tokens: Tokens | None = None,
-                 host: str = "127.0.0.1", port: int = 0, init_weights: Path | None = None) -> None:
-        self.service = Coordinator(state_dir, config, tokens or Tokens(["participant-token"], "admin-token"),
-                                   init_weights=init_weights)
+    def __init__(
+        self,
+        state_dir: str | Path,
+        config: RunConfig | None = None,
+        *,
+        tokens: Tokens | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        init_weights: Path | None = None,
+    ) -> None:
+        self.service = Coordinator(
+            state_dir, config, tokens or Tokens(["participant-token"], "admin-token"), init_weights=init_weights
+        )
         self.service.open()
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
@@ -61,7 +71,7 @@ class BackgroundCoordinator:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "BackgroundCoordinator":
+    def start(self) -> BackgroundCoordinator:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -75,7 +85,7 @@ class BackgroundCoordinator:
         self.thread.join(timeout=30)
         self.sock.close()
 
-    def __enter__(self) -> "BackgroundCoordinator":
+    def __enter__(self) -> BackgroundCoordinator:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

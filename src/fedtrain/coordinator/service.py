@@ -16,6 +16,7 @@ A bad upload therefore never touches the sum: the run's state is left exactly as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -79,8 +80,14 @@ def initial_weights(cfg: RunConfig, init_file: Path | None) -> dict[str, torch.T
 class Coordinator:
     """A run's state and every operation on it. Create, `open()`, then `await start()`."""
 
-    def __init__(self, state_dir: str | Path, config: RunConfig | None = None, tokens: Tokens | None = None,
-                 init_weights: Path | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        config: RunConfig | None = None,
+        tokens: Tokens | None = None,
+        init_weights: Path | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.tokens = tokens or Tokens()
         self._given_config = config
@@ -135,8 +142,10 @@ class Coordinator:
             self.store.set_meta("digest/0", digest, db)
             self.store.set_meta("created_at", str(time.time()), db)
         self.version = 0
-        self.store.add_event("run", f"run {cfg.name!r} created: {len(params)} tensors, "
-                                    f"{sum(t.numel() for t in params.values()):,} parameters")
+        self.store.add_event(
+            "run",
+            f"run {cfg.name!r} created: {len(params)} tensors, {sum(t.numel() for t in params.values()):,} parameters",
+        )
 
     def _resume(self, version: int) -> None:
         stored = self.store.latest_config()
@@ -166,13 +175,15 @@ class Coordinator:
         self.version = version
         dropped = self.store.discard_uncommitted(version)
         self.ckpt.prune(version, self.config.keep_checkpoints)
-        self.store.add_event("run", f"resumed at round {version} (last committed); "
-                                    f"{dropped} uncommitted submissions to be sent again")
+        self.store.add_event(
+            "run", f"resumed at round {version} (last committed); {dropped} uncommitted submissions to be sent again"
+        )
 
     def _write_checkpoint(self, version: int) -> str:
         meta = {"run": self.config.name, "algorithm": self.outer.algorithm}
-        return self.ckpt.write(version, self.outer.params, self.outer.state_tensors(),
-                               self.outer.state_metadata(), meta)
+        return self.ckpt.write(
+            version, self.outer.params, self.outer.state_tensors(), self.outer.state_metadata(), meta
+        )
 
     async def start(self) -> None:
         self._changed = asyncio.Event()
@@ -182,10 +193,8 @@ class Coordinator:
         for task in (self._tick_task, self._close_task):
             if task is not None:
                 task.cancel()
-                try:
+                with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down: nothing to report
                     await task
-                except (asyncio.CancelledError, Exception):
-                    pass
         self.store.close()
 
     # -- small helpers ------------------------------------------------------------------------
@@ -220,7 +229,9 @@ class Coordinator:
         if name is None:
             name = f"p-{len(self.participants) + 1}-{int(self.clock() * 1000) % 100000:05d}"
         if not _NAME_RE.match(name):
-            raise Refused(400, "invalid_name", f"participant name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+            raise Refused(
+                400, "invalid_name", f"participant name {name!r} must be 1-64 letters, digits, '_', '.' or '-'"
+            )
         now = self.clock()
         p = self.participants.get(name)
         if p is not None and p.token_id != ident.token_id and not ident.is_admin:
@@ -259,8 +270,12 @@ class Coordinator:
         live.tokens_per_s = stats.get("tokens_per_s", live.tokens_per_s)
         live.round = int(stats.get("round", live.round))
         self.store.upsert_participant(p)
-        return {"current_round": self.version, "finished": self.finished, "state": p.state,
-                "config_version": self.config_version}
+        return {
+            "current_round": self.version,
+            "finished": self.finished,
+            "state": p.state,
+            "config_version": self.config_version,
+        }
 
     def leave(self, ident: Identity, pid: str) -> dict[str, Any]:
         p = self._participant(ident, pid)
@@ -271,8 +286,9 @@ class Coordinator:
         self._notify()
         return {"left": True}
 
-    def add_metrics(self, ident: Identity, pid: str, round_: int | None, step: int | None,
-                    values: dict[str, float]) -> None:
+    def add_metrics(
+        self, ident: Identity, pid: str, round_: int | None, step: int | None, values: dict[str, float]
+    ) -> None:
         self._participant(ident, pid)
         self.store.add_metrics(pid, round_, step, values)
 
@@ -280,19 +296,32 @@ class Coordinator:
 
     def _check_open(self, round_: int) -> None:
         if self.finished:
-            raise Refused(409, "run_finished", f"the run finished after {self.version} rounds",
-                          {"current_round": self.version, "finished": True})
+            raise Refused(
+                409,
+                "run_finished",
+                f"the run finished after {self.version} rounds",
+                {"current_round": self.version, "finished": True},
+            )
         if round_ != self.version or self.closing:
             state = "closing" if round_ == self.version else ("closed" if round_ < self.version else "not open")
             raise Refused(
-                409, "round_closed",
+                409,
+                "round_closed",
                 f"round {round_} is {state}; the current round is {self.version}: "
                 "download the current global model and continue",
                 {"current_round": self.version},
             )
 
-    async def receive_update(self, ident: Identity, pid: str, round_: int, tokens: int, digest: str,
-                             length: int | None, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
+    async def receive_update(
+        self,
+        ident: Identity,
+        pid: str,
+        round_: int,
+        tokens: int,
+        digest: str,
+        length: int | None,
+        chunks: AsyncIterator[bytes],
+    ) -> dict[str, Any]:
         """Verify, spool and fold one participant's pseudo-gradient for `round_`."""
         p = self._participant(ident, pid)
         try:
@@ -343,10 +372,10 @@ class Coordinator:
         self._notify()
         return {"accepted": True, "duplicate": False, "round": round_}
 
-    async def _receive(self, chunks: AsyncIterator[bytes], path: Path, digest: str, length: int,
-                       limit: int) -> None:
-        reader = BodyReader(expected_digest=digest, max_bytes=limit, expected_length=length,
-                            on_header=self._check_header)
+    async def _receive(self, chunks: AsyncIterator[bytes], path: Path, digest: str, length: int, limit: int) -> None:
+        reader = BodyReader(
+            expected_digest=digest, max_bytes=limit, expected_length=length, on_header=self._check_header
+        )
         with open(path, "wb") as f:
             async for chunk in chunks:
                 f.write(chunk)
@@ -388,10 +417,12 @@ class Coordinator:
         r = self.version
         try:
             record = await asyncio.to_thread(self._merge_and_commit, r, reason)
-        except Exception as e:  # noqa: BLE001 - any failure of a merge is recovered the same way
+        except Exception as e:
             log.exception("merge of round %d failed", r)
-            self._event("merge_failed", f"merge of round {r} failed ({e}); reloading the last committed "
-                                        f"round, uploads must be sent again")
+            self._event(
+                "merge_failed",
+                f"merge of round {r} failed ({e}); reloading the last committed round, uploads must be sent again",
+            )
             await asyncio.to_thread(self._reload_committed)
             self.submitted = {}
             self.closing = False
@@ -402,8 +433,9 @@ class Coordinator:
         self.opened_at = self.clock()
         self.closing = False
         self.reason = "run finished" if self.finished else "round opened"
-        self._event("round", f"round {r} closed: {reason}; {record['n_submissions']} updates, "
-                             f"merge {record['merge_s']:.2f}s")
+        self._event(
+            "round", f"round {r} closed: {reason}; {record['n_submissions']} updates, merge {record['merge_s']:.2f}s"
+        )
         if self.finished:
             self._event("finished", f"run finished after {self.version} rounds")
         self._notify()
@@ -416,10 +448,16 @@ class Coordinator:
             self.outer.step(self.acc.mean())
             digest = self._write_checkpoint(r + 1)
             record = {
-                "round": r, "opened_at": self.opened_at, "closed_at": self.clock(), "close_reason": reason,
-                "algorithm": self.outer.algorithm, "n_submissions": len(tokens), "tokens": sum(tokens.values()),
+                "round": r,
+                "opened_at": self.opened_at,
+                "closed_at": self.clock(),
+                "close_reason": reason,
+                "algorithm": self.outer.algorithm,
+                "n_submissions": len(tokens),
+                "tokens": sum(tokens.values()),
                 "bytes_in": sum(s["bytes"] for s in self.store.submissions(r)),
-                "merge_s": time.perf_counter() - t0, "digest": digest,
+                "merge_s": time.perf_counter() - t0,
+                "digest": digest,
             }
             self.store.commit_round(record, weights)
             self.acc.reset()
@@ -455,7 +493,7 @@ class Coordinator:
             await asyncio.sleep(0.5)
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001 - the ticker must survive; the error is logged
+            except Exception:
                 log.exception("coordinator tick failed")
 
     def round_info(self, round_: int, pid: str | None = None) -> dict[str, Any]:
@@ -467,10 +505,15 @@ class Coordinator:
             state = "not_open"
         active = sum(1 for p in self.participants.values() if p.state == policy.ACTIVE)
         return {
-            "round": round_, "state": state, "current_round": self.version, "finished": self.finished,
+            "round": round_,
+            "state": state,
+            "current_round": self.version,
+            "finished": self.finished,
             "submitted": (pid in self.submitted) if pid and round_ == self.version else None,
             "n_submitted": len(self.submitted) if round_ == self.version else None,
-            "n_active": active, "reason": self.reason, "config_version": self.config_version,
+            "n_active": active,
+            "reason": self.reason,
+            "config_version": self.config_version,
         }
 
     async def wait_round(self, ident: Identity, pid: str | None, round_: int, wait_s: float) -> dict[str, Any]:
@@ -478,8 +521,12 @@ class Coordinator:
         if pid is not None:
             self._participant(ident, pid)
         if round_ > self.version:
-            raise Refused(409, "round_not_open", f"round {round_} has not opened; the current round is {self.version}",
-                          {"current_round": self.version})
+            raise Refused(
+                409,
+                "round_not_open",
+                f"round {round_} has not opened; the current round is {self.version}",
+                {"current_round": self.version},
+            )
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
         while round_ == self.version and not self.finished:
             remaining = deadline - time.monotonic()
@@ -523,10 +570,18 @@ class Coordinator:
             "bytes_out": self.bytes_out,
             "submitted": sorted(self.submitted),
             "participants": [
-                {"id": p.id, "state": p.state, "round": p.round, "tokens": p.tokens,
-                 "bytes_up": p.bytes_up, "bytes_down": p.bytes_down, "last_seen": p.last_seen,
-                 "step": self.live.get(p.id, Live()).step, "loss": self.live.get(p.id, Live()).loss,
-                 "tokens_per_s": self.live.get(p.id, Live()).tokens_per_s}
+                {
+                    "id": p.id,
+                    "state": p.state,
+                    "round": p.round,
+                    "tokens": p.tokens,
+                    "bytes_up": p.bytes_up,
+                    "bytes_down": p.bytes_down,
+                    "last_seen": p.last_seen,
+                    "step": self.live.get(p.id, Live()).step,
+                    "loss": self.live.get(p.id, Live()).loss,
+                    "tokens_per_s": self.live.get(p.id, Live()).tokens_per_s,
+                }
                 for p in sorted(self.participants.values(), key=lambda p: p.id)
             ],
             "recent_rounds": self.store.rounds(limit=20),

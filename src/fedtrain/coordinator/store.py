@@ -174,8 +174,19 @@ class Store:
                    ON CONFLICT(id) DO UPDATE SET state = excluded.state, last_seen = excluded.last_seen,
                        round = excluded.round, tokens = excluded.tokens, bytes_up = excluded.bytes_up,
                        bytes_down = excluded.bytes_down, info = excluded.info""",
-                (row.id, row.name, row.token_id, row.state, row.joined_at, row.last_seen, row.round,
-                 row.tokens, row.bytes_up, row.bytes_down, json.dumps(row.info)),
+                (
+                    row.id,
+                    row.name,
+                    row.token_id,
+                    row.state,
+                    row.joined_at,
+                    row.last_seen,
+                    row.round,
+                    row.tokens,
+                    row.bytes_up,
+                    row.bytes_down,
+                    json.dumps(row.info),
+                ),
             )
 
     # -- rounds and submissions ---------------------------------------------------------------
@@ -229,8 +240,9 @@ class Store:
 
     # -- metrics and events -----------------------------------------------------------------
 
-    def add_metrics(self, participant_id: str | None, round_: int | None, step: int | None,
-                    values: dict[str, float]) -> None:
+    def add_metrics(
+        self, participant_id: str | None, round_: int | None, step: int | None, values: dict[str, float]
+    ) -> None:
         now = time.time()
         with self.write() as db:
             db.executemany(

@@ -76,10 +76,7 @@ def check_compatible(
         parts.append(f"missing keys: {_listed(missing)}")
     if unexpected:
         parts.append(f"unexpected keys: {_listed(unexpected)}")
-    parts.extend(
-        f"shape of {n} is {_shape_str(g)}, expected {_shape_str(e)}"
-        for n, g, e in shape[:_MAX_LISTED]
-    )
+    parts.extend(f"shape of {n} is {_shape_str(g)}, expected {_shape_str(e)}" for n, g, e in shape[:_MAX_LISTED])
     if len(shape) > _MAX_LISTED:
         parts.append(f"and {len(shape) - _MAX_LISTED} more shape differences")
     parts.extend(f"dtype of {n} is {g}, expected {e}" for n, g, e in dtype[:_MAX_LISTED])
@@ -94,9 +91,7 @@ def check_compatible(
     raise MergeError(f"{what} does not match the model: " + "; ".join(parts), details=details)
 
 
-def pseudo_gradient(
-    global_params: Mapping[str, torch.Tensor], local_params: Mapping[str, torch.Tensor]
-) -> TensorDict:
+def pseudo_gradient(global_params: Mapping[str, torch.Tensor], local_params: Mapping[str, torch.Tensor]) -> TensorDict:
     """Δ = θ_global − θ_local for every tensor, in the key order of `global_params`."""
     check_compatible(global_params, local_params, what="local weights")
     return {k: g.detach() - local_params[k].detach() for k, g in global_params.items()}
@@ -176,13 +171,10 @@ class RunningSum:
         acc = self._acc[name]
         if tuple(tensor.shape) != tuple(acc.shape):
             raise MergeError(
-                f"shape of {name} is {_shape_str(tuple(tensor.shape))}, "
-                f"expected {_shape_str(tuple(acc.shape))}"
+                f"shape of {name} is {_shape_str(tuple(tensor.shape))}, expected {_shape_str(tuple(acc.shape))}"
             )
         if not tensor.is_floating_point():
-            raise MergeError(
-                f"{name} has dtype {tensor.dtype}; pseudo-gradients must be floating point"
-            )
+            raise MergeError(f"{name} has dtype {tensor.dtype}; pseudo-gradients must be floating point")
         if name in self._pending:
             raise MergeError(f"{name} was folded twice for one contribution")
         # add_ promotes in the kernel, so a bf16 upload needs no float32 copy of its own.
@@ -237,9 +229,7 @@ class RunningSum:
         self._averaged = False
 
 
-def weighted_mean(
-    deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
-) -> TensorDict:
+def weighted_mean(deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> TensorDict:
     """Naive reference Σ wᵢΔᵢ / Σ wᵢ over updates all held in memory (float32 or wider)."""
     if not deltas:
         raise MergeError("no updates to average")

@@ -36,9 +36,7 @@ _METADATA_KEYS = ("format", "algorithm", "hp", "steps", "param_names")
 
 def _check_hp(algorithm: str, hp: Mapping[str, Any]) -> None:
     if algorithm not in ALGORITHMS:
-        raise MergeError(
-            f"unknown outer algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
-        )
+        raise MergeError(f"unknown outer algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     missing = [k for k in _REQUIRED_HP[algorithm] if k not in hp]
     if missing:
         raise MergeError(
@@ -47,18 +45,14 @@ def _check_hp(algorithm: str, hp: Mapping[str, Any]) -> None:
         )
 
 
-def build_torch_optimizer(
-    params: list[torch.Tensor], algorithm: str, hp: Mapping[str, Any]
-) -> torch.optim.Optimizer:
+def build_torch_optimizer(params: list[torch.Tensor], algorithm: str, hp: Mapping[str, Any]) -> torch.optim.Optimizer:
     """The torch optimizer of one algorithm, configured from `outer_defaults`' dict."""
     _check_hp(algorithm, hp)
     try:
         if algorithm == "fedavg":
             return torch.optim.SGD(params, lr=hp["lr"], momentum=0.0)
         if algorithm in ("diloco", "fedavgm"):
-            return torch.optim.SGD(
-                params, lr=hp["lr"], momentum=hp["momentum"], nesterov=bool(hp["nesterov"])
-            )
+            return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], nesterov=bool(hp["nesterov"]))
         betas = (hp["beta1"], hp["beta2"])
         if algorithm == "fedadam":
             return torch.optim.Adam(params, lr=hp["lr"], betas=betas, eps=hp["eps"])
@@ -81,15 +75,11 @@ class OuterOptimizer:
     given tensors without copying them when dtype and device already match.
     """
 
-    def __init__(
-        self, params: Mapping[str, torch.Tensor], algorithm: str, hp: Mapping[str, Any]
-    ) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], algorithm: str, hp: Mapping[str, Any]) -> None:
         _check_hp(algorithm, hp)
         bad = [k for k, v in params.items() if not v.is_floating_point()]
         if bad:
-            raise MergeError(
-                f"outer optimizer needs floating point weights; not floating: {', '.join(bad)}"
-            )
+            raise MergeError(f"outer optimizer needs floating point weights; not floating: {', '.join(bad)}")
         if not params:
             raise MergeError("outer optimizer needs at least one tensor to optimize")
         self.algorithm = algorithm
@@ -122,14 +112,10 @@ class OuterOptimizer:
     def _as_grad(self, name: str, delta: torch.Tensor) -> torch.Tensor:
         p = self.params[name]
         if not delta.is_floating_point():
-            raise MergeError(
-                f"{name} has dtype {delta.dtype}; pseudo-gradients must be floating point"
-            )
+            raise MergeError(f"{name} has dtype {delta.dtype}; pseudo-gradients must be floating point")
         grad = delta.detach().to(device=p.device, dtype=p.dtype)
         if not bool(torch.isfinite(grad).all()):
-            raise MergeError(
-                f"mean pseudo-gradient of {name} has NaN or infinite values; nothing was applied"
-            )
+            raise MergeError(f"mean pseudo-gradient of {name} has NaN or infinite values; nothing was applied")
         return grad
 
     def state_tensors(self) -> TensorDict:
@@ -191,13 +177,10 @@ def _parse_metadata(metadata: Mapping[str, str]) -> tuple[str, dict[str, Any], i
     missing = [k for k in _METADATA_KEYS if k not in metadata]
     if missing:
         raise MergeError(
-            f"outer optimizer metadata lacks {', '.join(missing)}; "
-            "it must come from OuterOptimizer.state_metadata()"
+            f"outer optimizer metadata lacks {', '.join(missing)}; it must come from OuterOptimizer.state_metadata()"
         )
     if metadata["format"] != _FORMAT:
-        raise MergeError(
-            f"outer optimizer state has format {metadata['format']!r}, expected {_FORMAT!r}"
-        )
+        raise MergeError(f"outer optimizer state has format {metadata['format']!r}, expected {_FORMAT!r}")
     try:
         hp = json.loads(metadata["hp"])
         names = json.loads(metadata["param_names"])
@@ -205,9 +188,7 @@ def _parse_metadata(metadata: Mapping[str, str]) -> tuple[str, dict[str, Any], i
     except ValueError as e:
         raise MergeError(f"outer optimizer metadata is corrupt: {e}") from None
     if not isinstance(hp, dict) or not isinstance(names, list) or steps < 0:
-        raise MergeError(
-            "outer optimizer metadata is corrupt: hp, param_names or steps has the wrong type"
-        )
+        raise MergeError("outer optimizer metadata is corrupt: hp, param_names or steps has the wrong type")
     _check_hp(metadata["algorithm"], hp)
     return metadata["algorithm"], hp, steps, names
 
@@ -224,8 +205,7 @@ def _unflatten_state(
             raise MergeError(f"outer optimizer state has an unexpected tensor {flat!r}")
         if key != "step" and tuple(value.shape) != tuple(params[name].shape):
             raise MergeError(
-                f"outer optimizer state {flat} has shape {tuple(value.shape)}, "
-                f"expected {tuple(params[name].shape)}"
+                f"outer optimizer state {flat} has shape {tuple(value.shape)}, expected {tuple(params[name].shape)}"
             )
         state.setdefault(index[name], {})[key] = value
     want = len(keys) * len(params) if steps > 0 else 0

@@ -47,9 +47,7 @@ class Yogi(torch.optim.Optimizer):
         if not eps > 0.0:
             raise ValueError(f"Yogi: invalid eps {eps}; it must be > 0")
         if initial_accumulator is not None and not initial_accumulator >= 0.0:
-            raise ValueError(
-                f"Yogi: invalid initial_accumulator {initial_accumulator}; it must be >= 0"
-            )
+            raise ValueError(f"Yogi: invalid initial_accumulator {initial_accumulator}; it must be >= 0")
         defaults = {
             "lr": lr,
             "betas": betas,

@@ -81,25 +81,35 @@ def _error_from(response: httpx.Response) -> CoordinatorError:
 class CoordinatorClient:
     """Talks to one coordinator with one bearer token."""
 
-    def __init__(self, url: str, token: str, *, timeouts: Timeouts = Timeouts(),
-                 retry: RetryPolicy = RetryPolicy(), verify: bool | str = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeouts: Timeouts = Timeouts(),
+        retry: RetryPolicy = RetryPolicy(),
+        verify: bool | str = True,
+    ) -> None:
         self.url = url.rstrip("/")
         self.retry = retry
         self._token, self._timeouts, self._verify = token, timeouts, verify
         self._http = httpx.Client(
-            base_url=self.url, timeout=timeouts.httpx(), verify=verify,
+            base_url=self.url,
+            timeout=timeouts.httpx(),
+            verify=verify,
             headers={"Authorization": f"Bearer {token}", "User-Agent": "fedtrain-participant"},
         )
 
     def close(self) -> None:
         self._http.close()
 
-    def clone(self, retry: RetryPolicy | None = None) -> "CoordinatorClient":
+    def clone(self, retry: RetryPolicy | None = None) -> CoordinatorClient:
         """A second client to the same coordinator (its own connections), e.g. for heartbeats."""
-        return CoordinatorClient(self.url, self._token, timeouts=self._timeouts,
-                                 retry=retry or self.retry, verify=self._verify)
+        return CoordinatorClient(
+            self.url, self._token, timeouts=self._timeouts, retry=retry or self.retry, verify=self._verify
+        )
 
-    def __enter__(self) -> "CoordinatorClient":
+    def __enter__(self) -> CoordinatorClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -123,7 +133,10 @@ class CoordinatorClient:
             if delay is None:
                 raise CoordinatorUnavailable(
                     f"{what}: the coordinator at {self.url} did not answer within "
-                    f"{self.retry.max_elapsed_s:g}s ({problem})", status=0, code="unavailable")
+                    f"{self.retry.max_elapsed_s:g}s ({problem})",
+                    status=0,
+                    code="unavailable",
+                )
             log.warning("%s failed (%s); retrying in %.1fs", what, problem, delay)
             time.sleep(delay)
 
@@ -156,10 +169,12 @@ class CoordinatorClient:
     def leave(self, pid: str) -> dict[str, Any]:
         return self._json("POST", f"/v1/participants/{pid}/leave")
 
-    def report(self, pid: str, values: dict[str, float], *, round_: int | None = None,
-               step: int | None = None) -> dict[str, Any]:
-        return self._json("POST", f"/v1/participants/{pid}/metrics",
-                          json={"round": round_, "step": step, "values": values})
+    def report(
+        self, pid: str, values: dict[str, float], *, round_: int | None = None, step: int | None = None
+    ) -> dict[str, Any]:
+        return self._json(
+            "POST", f"/v1/participants/{pid}/metrics", json={"round": round_, "step": step, "values": values}
+        )
 
     def wait_round(self, round_: int, pid: str | None = None, wait_s: float = 25.0) -> dict[str, Any]:
         params: dict[str, Any] = {"wait": wait_s}
@@ -169,22 +184,33 @@ class CoordinatorClient:
 
     def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int) -> dict[str, Any]:
         """PUT one pseudo-gradient; RoundClosedError (409) when the round is already over."""
-        headers = {DIGEST_HEADER: body.digest(), "Content-Length": str(body.content_length),
-                   "Content-Type": "application/octet-stream"}
+        headers = {
+            DIGEST_HEADER: body.digest(),
+            "Content-Length": str(body.content_length),
+            "Content-Type": "application/octet-stream",
+        }
 
         def once() -> Any:
-            r = self._http.put(f"/v1/rounds/{round_}/updates/{pid}", params={"tokens": tokens},
-                               content=iter(body), headers=headers)
+            r = self._http.put(
+                f"/v1/rounds/{round_}/updates/{pid}",
+                params={"tokens": tokens},
+                content=iter(body),  # type: ignore[arg-type]
+                headers=headers,
+            )
             if r.status_code >= 400:
                 raise _error_from(r)
             return r.json()
 
         return self._call(f"upload of round {round_}", once)
 
-    def download(self, *, version: int | None = None, pid: str | None = None,
-                 allocate: Callable[[TensorSpec], torch.Tensor] | None = None,
-                 on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None = None,
-                 ) -> tuple[int, dict[str, torch.Tensor]]:
+    def download(
+        self,
+        *,
+        version: int | None = None,
+        pid: str | None = None,
+        allocate: Callable[[TensorSpec], torch.Tensor] | None = None,
+        on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None = None,
+    ) -> tuple[int, dict[str, torch.Tensor]]:
         """Stream the global model; returns (version, tensors). Each tensor is read straight
         into the storage `allocate` gives (e.g. a parameter), one copy per byte."""
         params: dict[str, Any] = {}
@@ -199,8 +225,12 @@ class CoordinatorClient:
                     r.read()
                     raise _error_from(r)
                 length = int(r.headers["content-length"]) if "content-length" in r.headers else None
-                reader = BodyReader(expected_digest=r.headers.get(DIGEST_HEADER), expected_length=length,
-                                    allocate=allocate, on_header=on_header)
+                reader = BodyReader(
+                    expected_digest=r.headers.get(DIGEST_HEADER),
+                    expected_length=length,
+                    allocate=allocate,
+                    on_header=on_header,
+                )
                 out: dict[str, torch.Tensor] = {}
                 for chunk in r.iter_raw(1 << 20):
                     out.update(reader.feed(chunk))

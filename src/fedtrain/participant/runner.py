@@ -45,11 +45,20 @@ def sync_set(model: nn.Module) -> dict[str, nn.Parameter]:
 class Participant:
     """A context manager around a training loop that syncs it with a coordinator."""
 
-    def __init__(self, coordinator: str | CoordinatorClient, *, model: nn.Module, token: str | None = None,
-                 inner_optimizer: torch.optim.Optimizer | None = None, eval_fn: EvalFn | None = None,
-                 name: str | None = None, info: dict[str, Any] | None = None,
-                 timeouts: Timeouts = Timeouts(), retry: RetryPolicy = RetryPolicy(),
-                 verify: bool | str = True) -> None:
+    def __init__(
+        self,
+        coordinator: str | CoordinatorClient,
+        *,
+        model: nn.Module,
+        token: str | None = None,
+        inner_optimizer: torch.optim.Optimizer | None = None,
+        eval_fn: EvalFn | None = None,
+        name: str | None = None,
+        info: dict[str, Any] | None = None,
+        timeouts: Timeouts = Timeouts(),
+        retry: RetryPolicy = RetryPolicy(),
+        verify: bool | str = True,
+    ) -> None:
         if isinstance(coordinator, CoordinatorClient):
             self.client = coordinator
         else:
@@ -83,7 +92,7 @@ class Participant:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def __enter__(self) -> "Participant":
+    def __enter__(self) -> Participant:
         joined = self.client.join(self.name, self.info)
         self.participant_id = joined["participant_id"]
         self.config = RunConfig.model_validate(joined["config"])
@@ -180,8 +189,9 @@ class Participant:
         return True
 
     def _load_global(self) -> None:
-        version, _ = self.client.download(pid=self.participant_id, allocate=self._allocate,
-                                          on_header=self._check_header)
+        version, _ = self.client.download(
+            pid=self.participant_id, allocate=self._allocate, on_header=self._check_header
+        )
         with torch.no_grad():
             for name, p in self._params.items():
                 p.copy_(self._snapshot[name])
@@ -221,8 +231,13 @@ class Participant:
         try:
             while not self._stop.wait(self.config.heartbeat_interval_s):
                 try:
-                    client.heartbeat(self.participant_id, step=self.steps, round=self.round,
-                                     loss=self._last_loss, tokens_per_s=self._rate.per_second())
+                    client.heartbeat(
+                        self.participant_id,
+                        step=self.steps,
+                        round=self.round,
+                        loss=self._last_loss,
+                        tokens_per_s=self._rate.per_second(),
+                    )
                 except CoordinatorError as e:
                     log.debug("heartbeat failed: %s", e.message)
         finally:

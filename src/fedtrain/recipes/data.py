@@ -130,9 +130,7 @@ def stdlib_shards(n: int) -> list[list[Path]]:
     if n < 1:
         raise ConfigError(f"the number of stdlib shards must be at least 1, got {n}")
     if n > len(units):
-        raise ConfigError(
-            f"cannot split the stdlib into {n} shards: it has only {len(units)} pieces"
-        )
+        raise ConfigError(f"cannot split the stdlib into {n} shards: it has only {len(units)} pieces")
     shards: list[list[Path]] = [[] for _ in range(n)]
     sizes = [0] * n
     for _, files, size in sorted(units, key=lambda u: (-u[2], u[0])):
@@ -277,9 +275,7 @@ class TokenStream:
         total, last = n * self.batch_size, self._heldout.size(0) - 1
         starts = torch.tensor([k * last // max(total - 1, 1) for k in range(total)])
         for b in range(n):
-            yield self._split(
-                self._heldout[starts[b * self.batch_size : (b + 1) * self.batch_size]]
-            )
+            yield self._split(self._heldout[starts[b * self.batch_size : (b + 1) * self.batch_size]])
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able position of the stream."""
@@ -290,9 +286,7 @@ class TokenStream:
         try:
             seed, batches = state["seed"], state["batches"]
         except (KeyError, TypeError):
-            raise ConfigError(
-                f"data stream state needs 'seed' and 'batches', got {state!r}"
-            ) from None
+            raise ConfigError(f"data stream state needs 'seed' and 'batches', got {state!r}") from None
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seed, batches)):
             raise ConfigError(f"data stream state values must be integers, got {state!r}")
         if batches < 0:
@@ -338,9 +332,7 @@ def parse_data_spec(spec: str) -> list[Path]:
             return heldout_paths()
         k_str, sep, n_str = rest.partition("/")
         if not (sep and k_str.isdigit() and n_str.isdigit()):
-            raise ConfigError(
-                f"data spec {spec!r}: expected stdlib:K/N (e.g. stdlib:0/4) or stdlib:heldout"
-            )
+            raise ConfigError(f"data spec {spec!r}: expected stdlib:K/N (e.g. stdlib:0/4) or stdlib:heldout")
         k, n = int(k_str), int(n_str)
         if not 0 <= k < n:
             raise ConfigError(f"data spec {spec!r}: shard K must be in 0..{n - 1}")
@@ -350,7 +342,6 @@ def parse_data_spec(spec: str) -> list[Path]:
     path = Path(spec).expanduser()
     if not path.exists():
         raise ConfigError(
-            f"data spec {spec!r}: path {path} does not exist (use a file or directory, "
-            "stdlib:K/N or stdlib:heldout)"
+            f"data spec {spec!r}: path {path} does not exist (use a file or directory, stdlib:K/N or stdlib:heldout)"
         )
     return [path]

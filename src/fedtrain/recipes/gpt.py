@@ -42,9 +42,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(c, dim=2)
         shape = (b, t, self.n_head, c // self.n_head)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.resid_drop(self.c_proj(y))
 
@@ -95,9 +93,7 @@ class GPT(nn.Module):
         """idx, targets: LongTensor[B, T] with T <= block_size. Loss is the mean cross-entropy."""
         _, t = idx.shape
         if t > self.config.block_size:
-            raise ValueError(
-                f"sequence length {t} exceeds the model's block_size {self.config.block_size}"
-            )
+            raise ValueError(f"sequence length {t} exceeds the model's block_size {self.config.block_size}")
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:

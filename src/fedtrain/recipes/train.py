@@ -25,9 +25,17 @@ def _seed_of(name: str | None) -> int:
     return int.from_bytes(hashlib.blake2b((name or "anon").encode(), digest_size=4).digest(), "little")
 
 
-def run_participant(url: str, token: str, data: str, *, name: str | None = None, threads: int = 1,
-                    verify: bool | str = True, max_steps: int | None = None,
-                    retry: RetryPolicy = RetryPolicy()) -> dict[str, Any]:
+def run_participant(
+    url: str,
+    token: str,
+    data: str,
+    *,
+    name: str | None = None,
+    threads: int = 1,
+    verify: bool | str = True,
+    max_steps: int | None = None,
+    retry: RetryPolicy = RetryPolicy(),
+) -> dict[str, Any]:
     """Join the run at `url`, train on `data` until the run finishes; returns a summary."""
     torch.set_num_threads(threads)
     tokens = load_tokens(parse_data_spec(data))  # bad data fails here, before any network call
@@ -53,12 +61,22 @@ def run_participant(url: str, token: str, data: str, *, name: str | None = None,
             opt.zero_grad(set_to_none=True)
             if fed.step(tokens=x.numel(), loss=loss.item()):
                 h = fed.history[-1]
-                log.info("round %d: train loss %.3f, eval %.3f -> %.3f, sync %.2fs", h["round"],
-                         h.get("train_loss", float("nan")), h.get("eval_before/loss", float("nan")),
-                         h.get("eval_after/loss", float("nan")), h["sync_s"])
+                log.info(
+                    "round %d: train loss %.3f, eval %.3f -> %.3f, sync %.2fs",
+                    h["round"],
+                    h.get("train_loss", float("nan")),
+                    h.get("eval_before/loss", float("nan")),
+                    h.get("eval_after/loss", float("nan")),
+                    h["sync_s"],
+                )
         return {
-            "participant": fed.participant_id, "steps": fed.steps, "tokens": fed.tokens,
-            "rounds": len(fed.history), "bytes_up": fed.bytes_up, "bytes_down": fed.bytes_down,
-            "wall_s": round(time.perf_counter() - t0, 2), "sync_s": round(fed.sync_seconds, 2),
+            "participant": fed.participant_id,
+            "steps": fed.steps,
+            "tokens": fed.tokens,
+            "rounds": len(fed.history),
+            "bytes_up": fed.bytes_up,
+            "bytes_down": fed.bytes_down,
+            "wall_s": round(time.perf_counter() - t0, 2),
+            "sync_s": round(fed.sync_seconds, 2),
             "final_round": fed.round,
         }

@@ -33,18 +33,14 @@ def format_digest(hexdigest: str, algorithm: str = DIGEST_ALGORITHM) -> str:
 def parse_digest(value: str) -> tuple[str, str]:
     """Split "sha256:<hex>" into (algorithm, hex); refuse anything else with WireError."""
     if not isinstance(value, str):
-        raise WireError(
-            f"a body digest must be a string like 'sha256:<64 hex digits>', "
-            f"not {type(value).__name__}"
-        )
+        raise WireError(f"a body digest must be a string like 'sha256:<64 hex digits>', not {type(value).__name__}")
     match = _DIGEST_RE.match(value.strip().lower())
     if match is None:
         raise WireError(f"malformed body digest {value!r}: expected 'sha256:<64 hex digits>'")
     algorithm, hexdigest = match.groups()
     if algorithm not in _HEX_LENGTH:
         raise WireError(
-            f"unsupported digest algorithm {algorithm!r} in {value!r}: "
-            f"only {DIGEST_ALGORITHM!r} is accepted"
+            f"unsupported digest algorithm {algorithm!r} in {value!r}: only {DIGEST_ALGORITHM!r} is accepted"
         )
     if len(hexdigest) != _HEX_LENGTH[algorithm]:
         raise WireError(

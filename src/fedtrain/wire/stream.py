@@ -65,9 +65,7 @@ _NAMES = [
     ("F8_E4M3", "float8_e4m3fn"),
     ("F8_E5M2", "float8_e5m2"),
 ]
-ST_TO_DTYPE: dict[str, torch.dtype] = {
-    st: getattr(torch, attr) for st, attr in _NAMES if hasattr(torch, attr)
-}
+ST_TO_DTYPE: dict[str, torch.dtype] = {st: getattr(torch, attr) for st, attr in _NAMES if hasattr(torch, attr)}
 DTYPE_TO_ST: dict[torch.dtype, str] = {dtype: st for st, dtype in ST_TO_DTYPE.items()}
 
 
@@ -106,8 +104,7 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     for key, value in (metadata or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise WireError(
-                f"body metadata must map strings to strings; got "
-                f"{key!r}: {value!r} ({type(value).__name__})"
+                f"body metadata must map strings to strings; got {key!r}: {value!r} ({type(value).__name__})"
             )
         out[key] = value
     return out
@@ -183,13 +180,10 @@ class EncodedBody:
 
 def _check_encodable(name: str, t: torch.Tensor) -> None:
     if not isinstance(name, str) or name == "__metadata__":
-        raise WireError(
-            f"tensor name {name!r} cannot be used: names must be strings other than '__metadata__'"
-        )
+        raise WireError(f"tensor name {name!r} cannot be used: names must be strings other than '__metadata__'")
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
         raise WireError(
-            f"tensor {name!r} must be a dense tensor with data, got "
-            f"{type(t).__name__} ({getattr(t, 'layout', '?')})"
+            f"tensor {name!r} must be a dense tensor with data, got {type(t).__name__} ({getattr(t, 'layout', '?')})"
         )
     if t.dtype not in DTYPE_TO_ST:
         raise WireError(
@@ -339,13 +333,11 @@ class BodyReader:
         after = self.bytes_received + n
         if self.total_length is not None and after > self.total_length:
             raise WireError(
-                f"tensor body has trailing bytes: its header promises "
-                f"{self.total_length} bytes but {after} arrived"
+                f"tensor body has trailing bytes: its header promises {self.total_length} bytes but {after} arrived"
             )
         if self.expected_length is not None and after > self.expected_length:
             raise WireError(
-                f"tensor body is longer than its declared length of "
-                f"{self.expected_length} bytes ({after} arrived)"
+                f"tensor body is longer than its declared length of {self.expected_length} bytes ({after} arrived)"
             )
         if self.max_bytes is not None and after > self.max_bytes:
             raise WireError(f"tensor body exceeds the limit of {self.max_bytes} bytes")
@@ -380,18 +372,14 @@ class BodyReader:
         self._head = bytearray()
         total = _PREFIX + self._header_length + sum(s.nbytes for s in order)
         if self.max_bytes is not None and total > self.max_bytes:
-            raise WireError(
-                f"tensor body of {total} bytes exceeds the limit of {self.max_bytes} bytes"
-            )
+            raise WireError(f"tensor body of {total} bytes exceeds the limit of {self.max_bytes} bytes")
         if self.expected_length is not None and total != self.expected_length:
             raise WireError(
-                f"tensor body header describes {total} bytes but the declared "
-                f"body length is {self.expected_length}"
+                f"tensor body header describes {total} bytes but the declared body length is {self.expected_length}"
             )
         if self.bytes_received > total:
             raise WireError(
-                f"tensor body has trailing bytes: its header promises {total} "
-                f"bytes but {self.bytes_received} arrived"
+                f"tensor body has trailing bytes: its header promises {total} bytes but {self.bytes_received} arrived"
             )
         specs = {s.name: s for s in order}
         if self._on_header is not None:
@@ -450,8 +438,7 @@ class BodyReader:
             or not t.is_contiguous()
         ):
             got = (
-                f"{t.dtype} {tuple(t.shape)} on {t.device}"
-                f"{'' if t.is_contiguous() else ', not contiguous'}"
+                f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}"
                 if isinstance(t, torch.Tensor)
                 else type(t).__name__
             )
@@ -490,10 +477,7 @@ class BodyReader:
             need = f"at least {_PREFIX + self._header_length} bytes (the header alone)"
         else:
             need = f"at least {_PREFIX} bytes (the length prefix)"
-        return (
-            f"tensor body truncated: expected {need}, received {got}; "
-            "the connection was probably cut, send it again"
-        )
+        return f"tensor body truncated: expected {need}, received {got}; the connection was probably cut, send it again"
 
 
 def parse_header(raw: bytes) -> tuple[list[TensorSpec], dict[str, str]]:
@@ -540,16 +524,10 @@ def _parse_entry(name: str, entry: Any) -> tuple[TensorSpec, int, int]:
         )
     dtype = ST_TO_DTYPE.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
     if dtype is None:
-        raise WireError(
-            f"tensor {name!r} has unknown dtype {entry['dtype']!r}; "
-            f"supported: {', '.join(ST_TO_DTYPE)}"
-        )
+        raise WireError(f"tensor {name!r} has unknown dtype {entry['dtype']!r}; supported: {', '.join(ST_TO_DTYPE)}")
     shape, offsets = entry["shape"], entry["data_offsets"]
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise WireError(
-            f"tensor {name!r} has invalid shape {shape!r:.200}: "
-            "expected a list of integers in [0, 2**63)"
-        )
+        raise WireError(f"tensor {name!r} has invalid shape {shape!r:.200}: expected a list of integers in [0, 2**63)")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
