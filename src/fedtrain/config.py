@@ -151,3 +151,53 @@ def outer_defaults(cfg: OuterConfig) -> dict[str, Any]:
         d["nesterov"] = cfg.nesterov
     d.update(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps)
     return d
+
+
+# -- live changes ------------------------------------------------------------------------------
+
+#: Fields that define the run itself; a live change to any of them is refused.
+FIXED_FIELDS: dict[str, str] = {
+    "name": "the run's name identifies its state",
+    "seed": "the seed made the initial weights",
+    "model": "the model architecture (and so the sync set) is fixed for the life of a run",
+}
+
+
+def _deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> dict[str, list[Any]]:
+    """Dotted path -> [old, new] for every leaf that differs."""
+    diff: dict[str, list[Any]] = {}
+    for key in sorted(set(old) | set(new)):
+        path = f"{prefix}{key}"
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diff.update(config_diff(a, b, f"{path}."))
+        elif a != b:
+            diff[path] = [a, b]
+    return diff
+
+
+def apply_change(current: RunConfig, patch: Any, *, source: str = "config change") -> tuple[RunConfig, dict]:
+    """Validate a partial (merge-patch) change against the running config.
+
+    Returns the new config and its diff; raises ConfigError naming the field and the reason
+    when the result is invalid or touches a field fixed for the life of the run."""
+    if not isinstance(patch, dict):
+        raise ConfigError(f"{source}: expected a mapping of fields to change, got {type(patch).__name__}")
+    old = current.model_dump(mode="json")
+    new_cfg = parse_config(_deep_merge(old, patch), source=source)
+    diff = config_diff(old, new_cfg.model_dump(mode="json"))
+    fixed = [p for p in diff if p.split(".")[0] in FIXED_FIELDS]
+    if fixed:
+        why = FIXED_FIELDS[fixed[0].split(".")[0]]
+        raise ConfigError(f"{source}: {', '.join(fixed)} cannot change during a run ({why})")
+    return new_cfg, diff

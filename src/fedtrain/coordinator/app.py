@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 
 import fedtrain
 from fedtrain.coordinator.auth import Identity
+from fedtrain.coordinator.broadcast import sse
 from fedtrain.coordinator.service import Coordinator, Refused
 from fedtrain.errors import (
     ConfigError,
@@ -36,6 +37,7 @@ log = logging.getLogger("fedtrain.coordinator")
 
 VERSION_HEADER = "X-Fedtrain-Version"
 DOWNLOAD_CHUNK = 4 << 20
+STREAM_KEEPALIVE_S = 15.0
 
 
 class JoinRequest(BaseModel):
@@ -50,6 +52,12 @@ class HeartbeatRequest(BaseModel):
     round: int = Field(0, ge=0)
     loss: float | None = None
     tokens_per_s: float | None = Field(None, ge=0)
+    config_version: int | None = Field(None, ge=1, description="The config version the participant runs.")
+
+
+class ConfigChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    changes: dict[str, Any] = Field(..., description="Fields to change, nested like the config (a merge patch).")
 
 
 class MetricsRequest(BaseModel):
@@ -156,9 +164,64 @@ def create_app(service: Coordinator) -> FastAPI:
         service.add_metrics(ident, pid, body.round, body.step, body.values)
         return {"stored": len(body.values)}
 
-    @app.get("/v1/config", summary="The run config and its version")
-    async def get_config(ident: Identity = Depends(identity)) -> dict[str, Any]:
-        return {"version": service.config_version, "config": service.config.model_dump(mode="json")}
+    @app.get("/v1/config", summary="The config in force (now, or at `round`) and its version")
+    async def get_config(
+        round: int | None = Query(None, ge=0), ident: Identity = Depends(identity)
+    ) -> dict[str, Any]:
+        return service.config_view(round)
+
+    @app.put("/v1/config", summary="Admin: change the config live; in force from the next round boundary")
+    async def put_config(body: ConfigChange, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.change_config(ident, body.changes)
+
+    @app.post("/v1/config/validate", summary="Admin: check a change without applying it")
+    async def validate_config(body: ConfigChange, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.validate_config(ident, body.changes)
+
+    @app.get("/v1/config/history", summary="Accepted config versions: when, by whom, the diff")
+    async def config_history(
+        limit: int = Query(50, ge=1, le=1000), ident: Identity = Depends(identity)
+    ) -> dict[str, Any]:
+        return {"versions": service.store.config_history(limit)}
+
+    @app.post("/v1/participants/{pid}/evict", summary="Admin: evict a participant")
+    async def evict(pid: str, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.evict(ident, pid)
+
+    def stream_identity(request: Request, token: str | None = Query(None, description="for EventSource")) -> Identity:
+        if token and not request.headers.get("authorization"):
+            ident = service.tokens.identify(f"Bearer {token}")
+            if ident is None:
+                raise Refused(401, "unauthorized", "invalid token: not a token of this run")
+            return ident
+        return identity(request)
+
+    @app.get("/v1/stream", summary="Server-sent events: config changes, run events, status updates",
+             responses={200: {"content": {"text/event-stream": {}}}})
+    async def stream(request: Request, ident: Identity = Depends(stream_identity)) -> StreamingResponse:
+        queue = service.broadcast.subscribe()
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield sse("hello", {"config": service.config_view(None), "status": service.status()})
+                while True:
+                    try:
+                        kind, data = await asyncio.wait_for(queue.get(), STREAM_KEEPALIVE_S)
+                    except asyncio.TimeoutError:
+                        yield ": keep-alive\n\n"
+                        continue
+                    if kind == "__closed__":
+                        return
+                    if kind == "status":
+                        while not queue.empty() and queue._queue[0][0] == "status":  # type: ignore[attr-defined]
+                            queue.get_nowait()  # coalesce: one snapshot says it all
+                        data = service.status()
+                    yield sse(kind, data)
+            finally:
+                service.broadcast.unsubscribe(queue)
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     @app.get("/v1/status", summary="Run state: rounds, participants, bytes")
     async def status(ident: Identity = Depends(identity)) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from fedtrain.config import RunConfig
 ACTIVE = "active"
 FAILED = "failed"
 LEFT = "left"
+EVICTED = "evicted"
 
 
 @dataclass(frozen=True)

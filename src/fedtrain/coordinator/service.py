@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import re
 import shutil
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,12 +32,13 @@ from typing import Any
 
 import torch
 
-from fedtrain.config import RunConfig, outer_defaults, parse_config
+from fedtrain.config import RunConfig, apply_change, outer_defaults, parse_config
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Identity, Tokens
+from fedtrain.coordinator.broadcast import Broadcaster
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.store import ParticipantRow, Store
-from fedtrain.errors import FedtrainError, MergeError, StateError
+from fedtrain.errors import ConfigError, FedtrainError, MergeError, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum, check_compatible, contribution_weights
 from fedtrain.wire import DTYPE_TO_ST, BodyReader, TensorSpec, iter_file, read_tensors
 
@@ -61,6 +64,7 @@ class Live:
     loss: float | None = None
     tokens_per_s: float | None = None
     round: int = 0
+    config_version: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -87,8 +91,11 @@ class Coordinator:
         tokens: Tokens | None = None,
         init_weights: Path | None = None,
         clock: Callable[[], float] = time.time,
+        config_path: Path | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.config_path = config_path
+        self.broadcast = Broadcaster()
         self.tokens = tokens or Tokens()
         self._given_config = config
         self._init_weights = init_weights
@@ -135,6 +142,7 @@ class Coordinator:
         params = initial_weights(cfg, self._init_weights)
         self.config = cfg
         self.config_version = self.store.add_config_version(cfg.model_dump(mode="json"), author="start")
+        self.latest_config_version = self.config_version
         self.outer = OuterOptimizer(params, cfg.outer.algorithm, outer_defaults(cfg.outer))
         digest = self._write_checkpoint(0)
         with self.store.write() as db:
@@ -148,20 +156,24 @@ class Coordinator:
         )
 
     def _resume(self, version: int) -> None:
-        stored = self.store.latest_config()
+        stored = self.store.config_for_round(version)
         if stored is None:
             raise StateError(f"{self.state_dir}: the database has rounds but no config; the state is damaged")
         self.config_version, data = stored
         cfg = parse_config(data, source=f"stored config of {self.state_dir}")
+        latest = parse_config(self.store.latest_config()[1], source=f"stored config of {self.state_dir}")  # type: ignore[index]
         given = self._given_config
-        if given is not None and given != cfg:
+        if given is not None and given != latest:
             if given.model != cfg.model:
                 raise StateError(
                     f"{self.state_dir} holds a run of a different model ({cfg.model.model_dump()}); "
                     "use a new --state-dir, or start without --config to resume the stored run"
                 )
             cfg = given
-            self.config_version = self.store.add_config_version(cfg.model_dump(mode="json"), author="start")
+            self.config_version = self.store.add_config_version(
+                cfg.model_dump(mode="json"), author="start", effective_round=version
+            )
+        self.latest_config_version = max(self.config_version, self.store.latest_config()[0])  # type: ignore[index]
         self.config = cfg
         params = self.ckpt.load_global(version, self.store.get_meta(f"digest/{version}"))
         tensors, meta = self.ckpt.load_outer(version)
@@ -169,10 +181,8 @@ class Coordinator:
             self.outer = OuterOptimizer.restore(params, tensors, meta)
         except MergeError as e:
             raise StateError(f"outer optimizer state of version {version} cannot be restored: {e}") from None
-        if self.outer.algorithm != cfg.outer.algorithm:
-            self.outer = OuterOptimizer(params, cfg.outer.algorithm, outer_defaults(cfg.outer))
-            self.store.add_event("config", f"outer algorithm is now {cfg.outer.algorithm} (fresh state)")
         self.version = version
+        self._reconfigure_outer()
         dropped = self.store.discard_uncommitted(version)
         self.ckpt.prune(version, self.config.keep_checkpoints)
         self.store.add_event(
@@ -188,6 +198,9 @@ class Coordinator:
     async def start(self) -> None:
         self._changed = asyncio.Event()
         self._tick_task = asyncio.create_task(self._ticker())
+        if self.config_path is not None:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_config_file)
 
     async def stop(self) -> None:
         for task in (self._tick_task, self._close_task):
@@ -195,6 +208,7 @@ class Coordinator:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down: nothing to report
                     await task
+        self.broadcast.close_all()
         self.store.close()
 
     # -- small helpers ------------------------------------------------------------------------
@@ -207,10 +221,14 @@ class Coordinator:
         if self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event()
+            self.broadcast.publish("status", None)
 
     def _event(self, kind: str, message: str, pid: str | None = None) -> None:
         log.info("%s: %s", kind, message)
         self.store.add_event(kind, message, pid)
+        if self._changed is not None:
+            self.broadcast.publish("event", {"ts": time.time(), "kind": kind, "participant_id": pid,
+                                             "message": message})
 
     def _participant(self, ident: Identity, pid: str) -> ParticipantRow:
         p = self.participants.get(pid)
@@ -218,10 +236,116 @@ class Coordinator:
             raise Refused(404, "unknown_participant", f"participant {pid!r} is not part of this run; join first")
         if p.token_id != ident.token_id and not ident.is_admin:
             raise Refused(403, "forbidden", f"participant {pid!r} joined with a different token")
+        if p.state == policy.EVICTED and not ident.is_admin:
+            raise Refused(403, "evicted", f"participant {pid!r} was evicted from this run by an admin")
         return p
+
+    def evict(self, ident: Identity, pid: str) -> dict[str, Any]:
+        """Admin: remove a participant from the run; it may not rejoin under that name."""
+        self._require_admin(ident, "evicting a participant")
+        p = self._participant(ident, pid)
+        p.state = policy.EVICTED
+        self.store.upsert_participant(p)
+        self._event("evict", f"{pid} evicted by an admin", pid)
+        self._maybe_close()
+        self._notify()
+        return {"evicted": pid}
 
     def model_spec(self) -> dict[str, dict[str, Any]]:
         return {n: {"dtype": DTYPE_TO_ST[d], "shape": list(s)} for n, (d, s) in self.spec.items()}
+
+    # -- config: shared, versioned, changed live at round boundaries ---------------------------
+
+    def _reconfigure_outer(self) -> None:
+        """Make the outer optimizer match the config in force: a new algorithm starts with fresh
+        state; new hyperparameters keep the state where it still fits."""
+        want_alg, want_hp = self.config.outer.algorithm, outer_defaults(self.config.outer)
+        if self.outer.algorithm == want_alg and self.outer.hp == want_hp:
+            return
+        params = self.outer.params
+        if self.outer.algorithm != want_alg:
+            self.outer = OuterOptimizer(params, want_alg, want_hp)
+            self._event("config", f"outer optimizer switched to {want_alg} with fresh state")
+            return
+        meta = {**self.outer.state_metadata(), "hp": json.dumps(want_hp)}
+        try:
+            self.outer = OuterOptimizer.restore(params, self.outer.state_tensors(), meta)
+        except MergeError:
+            self.outer = OuterOptimizer(params, want_alg, want_hp)
+            self._event("config", f"outer optimizer state reset: the new {want_alg} settings need other state")
+
+    def _enter_round(self) -> None:
+        """At a round boundary: put in force the newest config version meant for this round."""
+        found = self.store.config_for_round(self.version)
+        if found is None or found[0] == self.config_version:
+            return
+        version, data = found
+        self.config_version, self.config = version, parse_config(data, source=f"config v{version}")
+        with self._fold_lock:
+            self._reconfigure_outer()
+        self._event("config", f"config v{version} in force from round {self.version}")
+        self.broadcast.publish("config", self.config_view(None))
+
+    def config_view(self, round_: int | None) -> dict[str, Any]:
+        """The config in force at `round_` (default: now), with the newest accepted version."""
+        if round_ is None or round_ == self.version:
+            version, cfg = self.config_version, self.config.model_dump(mode="json")
+        else:
+            found = self.store.config_for_round(round_)
+            if found is None:
+                raise Refused(404, "no_config", f"no config was in force at round {round_}")
+            version, cfg = found
+        return {"version": version, "config": cfg, "round": self.version if round_ is None else round_,
+                "latest_version": self.latest_config_version}
+
+    def _require_admin(self, ident: Identity, what: str) -> None:
+        if not ident.is_admin:
+            raise Refused(403, "admin_only", f"{what} needs the admin token")
+
+    def validate_config(self, ident: Identity, patch: Any) -> dict[str, Any]:
+        """Dry run of a change: valid or not, the reason, and the diff it would make."""
+        self._require_admin(ident, "validating a config change")
+        latest = parse_config(self.store.latest_config()[1])  # type: ignore[index]
+        try:
+            _, diff = apply_change(latest, patch)
+        except ConfigError as e:
+            return {"valid": False, "error": e.message, "diff": {}}
+        return {"valid": True, "error": None, "diff": diff}
+
+    def change_config(self, ident: Identity, patch: Any, *, author: str | None = None) -> dict[str, Any]:
+        """Accept a live change (validated against the newest version) as a new version that
+        takes effect at the next round boundary — at once if no one has started this round."""
+        if author is None:
+            self._require_admin(ident, "changing the config")
+        latest = parse_config(self.store.latest_config()[1])  # type: ignore[index]
+        new, diff = apply_change(latest, patch)
+        if not diff:
+            return {"version": self.latest_config_version, "changed": False, "diff": {},
+                    "effective_round": self.version}
+        idle = not self.submitted and not any(p.state == policy.ACTIVE for p in self.participants.values())
+        effective = self.version if idle else self.version + 1
+        version = self.store.add_config_version(new.model_dump(mode="json"), author=author or ident.role, diff=diff,
+                                                effective_round=effective)
+        self.latest_config_version = version
+        changes = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
+        self._event("config", f"config v{version} accepted from {author or ident.role}, in force from round "
+                              f"{effective}: {changes}")
+        self.broadcast.publish("config_change", {"version": version, "effective_round": effective, "diff": diff})
+        if effective == self.version:
+            self._enter_round()
+            self._notify()
+        return {"version": version, "changed": True, "diff": diff, "effective_round": effective}
+
+    def reload_config_file(self) -> None:
+        """SIGHUP: apply the config file again as a change; an invalid file changes nothing."""
+        from fedtrain.config import load_config
+
+        assert self.config_path is not None
+        try:
+            new = load_config(self.config_path)
+            self.change_config(Identity("admin", "file"), new.model_dump(mode="json"), author="file")
+        except ConfigError as e:
+            self._event("config", f"reload of {self.config_path} refused: {e.message}")
 
     # -- participants ------------------------------------------------------------------------
 
@@ -236,6 +360,8 @@ class Coordinator:
         p = self.participants.get(name)
         if p is not None and p.token_id != ident.token_id and not ident.is_admin:
             raise Refused(409, "name_taken", f"participant name {name!r} is taken by a holder of another token")
+        if p is not None and p.state == policy.EVICTED:
+            raise Refused(403, "evicted", f"participant {name!r} was evicted from this run by an admin")
         if p is None:
             p = ParticipantRow(name, name, ident.token_id, policy.ACTIVE, now, now, self.version, 0, 0, 0, info)
             self._event("join", f"{name} joined at round {self.version}", name)
@@ -269,6 +395,8 @@ class Coordinator:
         live.loss = stats.get("loss", live.loss)
         live.tokens_per_s = stats.get("tokens_per_s", live.tokens_per_s)
         live.round = int(stats.get("round", live.round))
+        if stats.get("config_version") is not None:  # versions only grow: a late heartbeat cannot undo an ack
+            p.config_version = max(int(stats["config_version"]), p.config_version or 0)
         self.store.upsert_participant(p)
         return {
             "current_round": self.version,
@@ -432,6 +560,7 @@ class Coordinator:
         self.submitted = {}
         self.opened_at = self.clock()
         self.closing = False
+        self._enter_round()
         self.reason = "run finished" if self.finished else "round opened"
         self._event(
             "round", f"round {r} closed: {reason}; {record['n_submissions']} updates, merge {record['merge_s']:.2f}s"
@@ -555,6 +684,8 @@ class Coordinator:
 
     def status(self) -> dict[str, Any]:
         params = sum(math.prod(s) for _, s in self.spec.values())
+        recent = self.store.rounds(limit=20)
+        last_weights = {s["participant_id"]: s["weight"] for s in recent[0]["submissions"]} if recent else {}
         return {
             "run": self.config.name,
             "current_round": self.version,
@@ -564,6 +695,7 @@ class Coordinator:
             "reason": self.reason,
             "algorithm": self.outer.algorithm,
             "config_version": self.config_version,
+            "latest_config_version": self.latest_config_version,
             "parameters": params,
             "model_bytes": sum(t.numel() * t.element_size() for t in self.outer.params.values()),
             "bytes_in": self.bytes_in,
@@ -581,10 +713,12 @@ class Coordinator:
                     "step": self.live.get(p.id, Live()).step,
                     "loss": self.live.get(p.id, Live()).loss,
                     "tokens_per_s": self.live.get(p.id, Live()).tokens_per_s,
+                    "config_version": p.config_version,
+                    "weight": last_weights.get(p.id),
                 }
                 for p in sorted(self.participants.values(), key=lambda p: p.id)
             ],
-            "recent_rounds": self.store.rounds(limit=20),
+            "recent_rounds": recent,
         }
 
 

@@ -51,6 +51,11 @@ MIGRATIONS: list[str] = [
         id INTEGER PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL,
         participant_id TEXT, message TEXT NOT NULL);
     """,
+    # 2: a config version takes effect at a round boundary
+    """
+    ALTER TABLE config_versions ADD COLUMN effective_round INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE participants ADD COLUMN config_version INTEGER;
+    """,
 ]
 
 
@@ -67,6 +72,7 @@ class ParticipantRow:
     bytes_up: int
     bytes_down: int
     info: dict[str, Any]
+    config_version: int | None = None
 
 
 class Store:
@@ -145,19 +151,36 @@ class Store:
 
     # -- config -----------------------------------------------------------------------------
 
-    def add_config_version(self, config: dict, author: str, diff: dict | None = None) -> int:
+    def add_config_version(self, config: dict, author: str, diff: dict | None = None, effective_round: int = 0) -> int:
         with self.write() as db:
             row = db.execute("SELECT COALESCE(MAX(version), 0) FROM config_versions").fetchone()
             version = int(row[0]) + 1
             db.execute(
-                "INSERT INTO config_versions (version, created_at, author, config, diff) VALUES (?, ?, ?, ?, ?)",
-                (version, time.time(), author, json.dumps(config), json.dumps(diff or {})),
+                "INSERT INTO config_versions (version, created_at, author, config, diff, effective_round)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (version, time.time(), author, json.dumps(config), json.dumps(diff or {}), effective_round),
             )
         return version
 
     def latest_config(self) -> tuple[int, dict] | None:
         rows = self._query("SELECT version, config FROM config_versions ORDER BY version DESC LIMIT 1")
         return (int(rows[0]["version"]), json.loads(rows[0]["config"])) if rows else None
+
+    def config_for_round(self, round_: int) -> tuple[int, dict] | None:
+        """The newest config version in force at round `round_`."""
+        rows = self._query(
+            "SELECT version, config FROM config_versions WHERE effective_round <= ? ORDER BY version DESC LIMIT 1",
+            (round_,),
+        )
+        return (int(rows[0]["version"]), json.loads(rows[0]["config"])) if rows else None
+
+    def config_history(self, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._query(
+            "SELECT version, created_at, author, diff, effective_round FROM config_versions "
+            "ORDER BY version DESC LIMIT ?",
+            (limit,),
+        )
+        return [{**dict(r), "diff": json.loads(r["diff"])} for r in rows]
 
     # -- participants -----------------------------------------------------------------------
 
@@ -169,11 +192,12 @@ class Store:
         with self.write() as db:
             db.execute(
                 """INSERT INTO participants (id, name, token_id, state, joined_at, last_seen, round,
-                       tokens, bytes_up, bytes_down, info)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                       tokens, bytes_up, bytes_down, info, config_version)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT(id) DO UPDATE SET state = excluded.state, last_seen = excluded.last_seen,
                        round = excluded.round, tokens = excluded.tokens, bytes_up = excluded.bytes_up,
-                       bytes_down = excluded.bytes_down, info = excluded.info""",
+                       bytes_down = excluded.bytes_down, info = excluded.info,
+                       config_version = excluded.config_version""",
                 (
                     row.id,
                     row.name,
@@ -186,6 +210,7 @@ class Store:
                     row.bytes_up,
                     row.bytes_down,
                     json.dumps(row.info),
+                    row.config_version,
                 ),
             )
 

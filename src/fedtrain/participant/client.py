@@ -9,6 +9,7 @@ jitter, bounded by `RetryPolicy.max_elapsed_s`; after that `CoordinatorUnavailab
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -157,8 +158,32 @@ class CoordinatorClient:
     def join(self, name: str | None, info: dict[str, Any] | None = None) -> dict[str, Any]:
         return self._json("POST", "/v1/join", json={"name": name, "info": info or {}})
 
-    def get_config(self) -> dict[str, Any]:
-        return self._json("GET", "/v1/config")
+    def get_config(self, round_: int | None = None) -> dict[str, Any]:
+        """The config in force now, or at round `round_`: {"version", "config", ...}."""
+        return self._json("GET", "/v1/config", params={} if round_ is None else {"round": round_})
+
+    def change_config(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Admin token: change the run config live (in force from the next round boundary)."""
+        return self._json("PUT", "/v1/config", json={"changes": changes})
+
+    def events(self, stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, Any]]:
+        """Server-sent events of the run as (kind, data), one connection, no retry: the caller
+        reconnects. Ends when the server closes the stream or `stop()` is true at an event."""
+        with self._http.stream("GET", "/v1/stream", timeout=httpx.Timeout(5.0, read=60.0)) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise _error_from(r)
+            kind, data = "message", ""
+            for line in r.iter_lines():
+                if stop is not None and stop():
+                    return
+                if line.startswith("event:"):
+                    kind = line[6:].strip()
+                elif line.startswith("data:"):
+                    data += line[5:].strip()
+                elif line == "" and data:
+                    yield kind, json.loads(data)
+                    kind, data = "message", ""
 
     def status(self) -> dict[str, Any]:
         return self._json("GET", "/v1/status")

@@ -35,6 +35,7 @@ from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
 log = logging.getLogger("fedtrain.participant")
 
 EvalFn = Callable[[nn.Module], "float | dict[str, float]"]
+ConfigCallback = Callable[[RunConfig, RunConfig, dict[str, list[Any]]], None]
 
 
 def sync_set(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -89,6 +90,11 @@ class Participant:
         self._rate = _Rate()
         self._stop = threading.Event()
         self._heart: threading.Thread | None = None
+        self._listener: threading.Thread | None = None
+        self.config_version = 0
+        self.latest_config_version = 0
+        self.events: list[tuple[str, Any]] = []
+        self._callbacks: list[ConfigCallback] = []
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -96,6 +102,7 @@ class Participant:
         joined = self.client.join(self.name, self.info)
         self.participant_id = joined["participant_id"]
         self.config = RunConfig.model_validate(joined["config"])
+        self.config_version = self.latest_config_version = int(joined["config_version"])
         self.round = int(joined["current_round"])
         self._check_model(joined["model"])
         self._snapshot = {n: torch.empty(tuple(p.shape), dtype=p.dtype) for n, p in self._params.items()}
@@ -103,6 +110,8 @@ class Participant:
         self.finished = bool(joined["finished"])
         self._heart = threading.Thread(target=self._heartbeats, name="fedtrain-heartbeat", daemon=True)
         self._heart.start()
+        self._listener = threading.Thread(target=self._listen, name="fedtrain-events", daemon=True)
+        self._listener.start()
         log.info("joined as %s at round %d (H=%d)", self.participant_id, self.round, self.sync_every)
         return self
 
@@ -120,6 +129,13 @@ class Participant:
     @property
     def sync_every(self) -> int:
         return self.config.train.sync_every
+
+    def on_config_change(self, callback: ConfigCallback) -> ConfigCallback:
+        """Call `callback(old, new, diff)` at the round boundary where a new config takes effect
+        (diff: dotted field -> [old, new]); for fields the user's own loop owns. Returns it,
+        so it can decorate a function."""
+        self._callbacks.append(callback)
+        return callback
 
     # -- the user's loop -------------------------------------------------------------------
 
@@ -144,7 +160,8 @@ class Participant:
         """Upload this round's Δ, wait for the round to close, load the new global model."""
         t0 = time.perf_counter()
         r = self.round
-        record: dict[str, Any] = {"round": r, "steps": self._round_steps, "tokens": self._round_tokens}
+        record: dict[str, Any] = {"round": r, "steps": self._round_steps, "tokens": self._round_tokens,
+                                  "config_version": self.config_version, "sync_every": self.sync_every}
         if self._round_losses:
             record["train_loss"] = sum(self._round_losses) / len(self._round_losses)
         record.update(self._evaluate("eval_before"))
@@ -153,7 +170,8 @@ class Participant:
         self.sync_seconds += time.perf_counter() - t0
         record["sync_s"] = time.perf_counter() - t0
         self.history.append(record)
-        values = {k: float(v) for k, v in record.items() if k not in ("round", "steps", "tokens")}
+        values = {k: float(v) for k, v in record.items()
+                  if k not in ("round", "steps", "tokens", "config_version", "sync_every")}
         try:
             self.client.report(self.participant_id, values, round_=r, step=self.steps)
         except CoordinatorError as e:
@@ -161,6 +179,33 @@ class Participant:
         self._round_steps = 0
         self._round_tokens = 0
         self._round_losses = []
+        self._apply_config()
+
+    def _apply_config(self) -> None:
+        """At a round boundary: take the config in force for the round we now start."""
+        if self.finished:
+            return
+        view = self.client.get_config(round_=self.round)
+        if int(view["version"]) == self.config_version:
+            return
+        old, new = self.config, RunConfig.model_validate(view["config"])
+        from fedtrain.config import config_diff
+
+        diff = config_diff(old.model_dump(mode="json"), new.model_dump(mode="json"))
+        self.config, self.config_version = new, int(view["version"])
+        self.latest_config_version = max(self.latest_config_version, self.config_version)
+        if "train.lr" in diff and self.inner_optimizer is not None:
+            for group in self.inner_optimizer.param_groups:
+                group["lr"] = new.train.lr
+        log.info("config v%d in force from round %d: %s", self.config_version, self.round,
+                 ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()))
+        for callback in self._callbacks:
+            callback(old, new, diff)
+        try:  # acknowledge at once the version we now run
+            self.client.heartbeat(self.participant_id, step=self.steps, round=self.round,
+                                  config_version=self.config_version)
+        except CoordinatorError as e:
+            log.debug("config acknowledgement failed: %s", e.message)
 
     # -- the sync, step by step ----------------------------------------------------------------
 
@@ -237,9 +282,32 @@ class Participant:
                         round=self.round,
                         loss=self._last_loss,
                         tokens_per_s=self._rate.per_second(),
+                        config_version=self.config_version,
                     )
                 except CoordinatorError as e:
                     log.debug("heartbeat failed: %s", e.message)
+        finally:
+            client.close()
+
+
+    def _listen(self) -> None:
+        """Follow the coordinator's event stream: learn of config changes as they are made
+        (they are applied at the next round boundary) and keep recent run events."""
+        client = self.client.clone(retry=RetryPolicy(max_elapsed_s=1.0))
+        backoff = 0.5
+        try:
+            while not self._stop.is_set():
+                try:
+                    for kind, data in client.events(stop=self._stop.is_set):
+                        backoff = 0.5
+                        if kind == "config_change":
+                            self.latest_config_version = max(self.latest_config_version, int(data["version"]))
+                        if kind in ("config_change", "event"):
+                            self.events = [*self.events[-99:], (kind, data)]
+                except Exception as e:  # noqa: BLE001 - the stream is a convenience: log, back off, reconnect
+                    log.debug("event stream interrupted: %s", e)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
         finally:
             client.close()
 

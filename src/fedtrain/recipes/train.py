@@ -52,6 +52,7 @@ def run_participant(
     t0 = time.perf_counter()
     with Participant(client, model=model, inner_optimizer=opt, eval_fn=eval_fn, name=name) as fed:
         while not fed.finished and (max_steps is None or fed.steps < max_steps):
+            stream.batch_size = fed.config.train.batch_size  # live: changes apply at round boundaries
             x, y = stream.next_batch()
             _, loss = model(x, y)
             loss.backward()

@@ -1,0 +1,147 @@
+"""Live configuration: versioned changes by the admin, pushed over SSE, applied by every
+participant at the same round boundary; invalid and fixed-field changes refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.participant import CoordinatorClient, Participant
+from fedtrain.recipes import build_model
+from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
+from tests.conftest import ATOKEN, PTOKEN, tiny_config
+
+
+def admin(c: BackgroundCoordinator) -> httpx.Client:
+    return httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30)
+
+
+def test_change_validation_and_roles(coordinator: BackgroundCoordinator) -> None:
+    with admin(coordinator) as http, httpx.Client(
+        base_url=coordinator.url, headers={"Authorization": f"Bearer {PTOKEN}"}
+    ) as part:
+        assert part.get("/v1/config").json()["version"] == 1
+        r = part.put("/v1/config", json={"changes": {"train": {"sync_every": 9}}})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_only"
+        r = http.put("/v1/config", json={"changes": {"model": {"n_layer": 7}}})
+        assert r.status_code == 422 and "model.n_layer cannot change" in r.json()["error"]["message"]
+        r = http.put("/v1/config", json={"changes": {"train": {"lr": -1}}})
+        assert r.status_code == 422 and "train.lr" in r.json()["error"]["message"]
+        assert http.get("/v1/config").json()["version"] == 1  # the running version stays
+        v = http.post("/v1/config/validate", json={"changes": {"train": {"sync_every": 0}}}).json()
+        assert v["valid"] is False and "train.sync_every" in v["error"]
+        v = http.post("/v1/config/validate", json={"changes": {"train": {"sync_every": 3}}}).json()
+        assert v == {"valid": True, "error": None, "diff": {"train.sync_every": [5, 3]}}
+        # no participant yet: the change is in force at once
+        r = http.put("/v1/config", json={"changes": {"train": {"sync_every": 3}}}).json()
+        assert r["version"] == 2 and r["effective_round"] == 0
+        view = part.get("/v1/config").json()
+        assert view["version"] == 2 and view["config"]["train"]["sync_every"] == 3
+        [latest, *_] = http.get("/v1/config/history").json()["versions"]
+        assert latest["author"] == "admin" and latest["diff"] == {"train.sync_every": [5, 3]}
+
+
+def test_sse_stream_pushes_config_changes(coordinator: BackgroundCoordinator) -> None:
+    got: list = []
+    client = CoordinatorClient(coordinator.url, PTOKEN)
+
+    def follow() -> None:
+        for kind, data in client.events():
+            got.append((kind, data))
+            if kind == "config_change":
+                return
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got and got[0][0] == "hello"
+    with admin(coordinator) as http:
+        http.put("/v1/config", json={"changes": {"outer": {"lr": 0.5}}})
+    t.join(timeout=10)
+    kinds = [k for k, _ in got]
+    assert "config_change" in kinds, kinds
+    change = dict(got)["config_change"]
+    assert change["diff"] == {"outer.lr": [None, 0.5]} and change["version"] == 2
+    client.close()
+    # EventSource cannot set headers: the token may come as a query parameter
+    with httpx.stream("GET", f"{coordinator.url}/v1/stream", params={"token": "nope"}) as r:
+        assert r.status_code == 401
+
+
+def run_participant(url: str, i: int, seen: dict, errors: list) -> None:
+    try:
+        cfg = tiny_config()
+        model = build_model(cfg.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+        stream = TokenStream(load_tokens(parse_data_spec(f"stdlib:{i}/3")), batch_size=4, seq_len=32, seed=i)
+        changes: list = []
+        with Participant(CoordinatorClient(url, PTOKEN), model=model, inner_optimizer=opt, name=f"p{i}") as fed:
+            fed.on_config_change(lambda old, new, diff: changes.append((fed.round, sorted(diff))))
+            while not fed.finished:
+                x, y = stream.next_batch()
+                _, loss = model(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                fed.step(tokens=x.numel(), loss=loss.item())
+            seen[i] = {"history": fed.history, "lr": opt.param_groups[0]["lr"], "changes": changes}
+    except BaseException as e:
+        errors.append(e)
+
+
+def test_h_and_lr_change_mid_run_switch_at_one_boundary(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=7, train={"sync_every": 5, "lr": 3e-3})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c:
+        seen: dict = {}
+        errors: list = []
+        threads = [threading.Thread(target=run_participant, args=(c.url, i, seen, errors)) for i in range(3)]
+        for t in threads:
+            t.start()
+        while c.service.version < 2 and not errors:
+            time.sleep(0.01)
+        with admin(c) as http:
+            r = http.put("/v1/config", json={"changes": {"train": {"sync_every": 8, "lr": 1e-3}}}).json()
+        for t in threads:
+            t.join(timeout=240)
+        assert not errors, errors
+        status = c.service.status()
+    effective = r["effective_round"]
+    assert 2 <= effective < 7
+    for i in range(3):
+        history = seen[i]["history"]
+        for rec in history:
+            expected = 8 if rec["round"] >= effective else 5
+            assert rec["steps"] == expected and rec["sync_every"] == expected, (i, rec)
+            assert rec["config_version"] == (2 if rec["round"] >= effective else 1)
+        assert seen[i]["lr"] == 1e-3
+        assert seen[i]["changes"] == [(effective, ["train.lr", "train.sync_every"])]
+    # the coordinator knows the version each participant runs
+    assert {p["id"]: p["config_version"] for p in status["participants"]} == {f"p{i}": 2 for i in range(3)}
+
+
+def test_outer_algorithm_switch_starts_fresh_state(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=4)
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c:
+        svc = c.service
+        with admin(c) as http:
+            http.post("/v1/join", json={"name": "a"})
+            from tests.integration.test_api import put, zeros_like_model
+
+            ones = {n: torch.ones_like(t) * 0.01 for n, t in zeros_like_model(c).items()}
+            assert put(http, 0, "a", ones).status_code == 200
+            http.get("/v1/rounds/0", params={"wait": 10})
+            assert svc.outer.algorithm == "diloco" and svc.outer.state_tensors()
+            r = http.put("/v1/config", json={"changes": {"outer": {"algorithm": "fedadam"}}}).json()
+            assert r["effective_round"] == 2
+            assert put(http, 1, "a", ones).status_code == 200
+            http.get("/v1/rounds/1", params={"wait": 10})
+            assert svc.version == 2 and svc.outer.algorithm == "fedadam" and svc.outer.steps == 0
+            events = [e["message"] for e in svc.store.events()]
+            assert any("switched to fedadam with fresh state" in m for m in events), events
