@@ -46,7 +46,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         raise ConfigError("--tls-cert and --tls-key go together")
     state_dir: Path = args.state_dir
     tokens, note = resolve_tokens(args, state_dir)
-    service = Coordinator(state_dir, config, tokens, init_weights=args.init_weights)
+    service = Coordinator(state_dir, config, tokens, init_weights=args.init_weights, config_path=args.config)
     service.open()
     try:
         sock = bind(args.host, args.port)
