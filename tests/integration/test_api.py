@@ -170,3 +170,30 @@ def test_participant_bound_to_its_token(tmp_path) -> None:
             assert_error(b.post("/v1/participants/alice/heartbeat", json={}), 403, "forbidden")
             assert_error(b.post("/v1/join", json={"name": "alice"}), 409, "name_taken")
             assert admin.get("/v1/status").status_code == 200
+
+
+def test_compressed_upload_must_match_its_declared_scheme(coordinator: BackgroundCoordinator) -> None:
+    from fedtrain.wire.compress import compress
+
+    svc = coordinator.service
+    with client(coordinator) as http:
+        http.post("/v1/join", json={"name": "a"})
+        http.post("/v1/join", json={"name": "b"})  # keeps the round open after a's upload
+        zeros = zeros_like_model(coordinator)
+        # declares int8 but sends fp32 tensors
+        enc = EncodedBody(zeros, {"fedtrain.compression": "int8"})
+        r = http.put("/v1/rounds/0/updates/a", params={"tokens": 5}, content=b"".join(bytes(c) for c in enc),
+                     headers={DIGEST_HEADER: enc.digest()})
+        err = assert_error(r, 422)
+        assert "::scale" in err["message"]
+        enc = EncodedBody(zeros, {"fedtrain.compression": "zip"})
+        r = http.put("/v1/rounds/0/updates/a", params={"tokens": 5}, content=b"".join(bytes(c) for c in enc),
+                     headers={DIGEST_HEADER: enc.digest()})
+        assert "unknown compression" in assert_error(r, 400)["message"]
+        assert svc.acc.count == 0 and svc.submitted == {}
+        tensors, meta = compress({n: t + 0.5 for n, t in zeros.items()}, "int8")
+        enc = EncodedBody(tensors, meta)
+        r = http.put("/v1/rounds/0/updates/a", params={"tokens": 5}, content=b"".join(bytes(c) for c in enc),
+                     headers={DIGEST_HEADER: enc.digest()})
+        assert r.status_code == 200, r.text
+        assert all(torch.allclose(t, torch.full_like(t, 2.5)) for t in svc.acc._acc.values())  # 5 tokens x 0.5

@@ -76,3 +76,28 @@ def test_participants_train_and_agree(tmp_path: Path, algorithm: str) -> None:
             assert torch.equal(results[i][name], t), (i, name)
     final = heldout_loss(final_global)
     assert final < initial - 1.0, (initial, final)
+
+
+@pytest.mark.parametrize("compression", ["bf16", "int8"])
+def test_compressed_deltas_train_and_agree(tmp_path: Path, compression: str) -> None:
+    cfg = tiny_config(rounds=5, train={"sync_every": 10, "lr": 1e-2, "compression": compression})
+    n = 2
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        initial = heldout_loss(c.service.outer.params)
+        results: dict = {}
+        errors: list = []
+        threads = [threading.Thread(target=train, args=(c.url, i, n, results, errors)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        assert not errors, errors
+        final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
+        model_bytes = sum(t.numel() * t.element_size() for t in final_global.values())
+        rounds = c.service.store.rounds()
+    per_upload = rounds[0]["bytes_in"] / rounds[0]["n_submissions"]
+    assert per_upload <= model_bytes * {"bf16": 0.51, "int8": 0.27}[compression] + 4096, (per_upload, model_bytes)
+    for i in range(n):
+        for name, t in final_global.items():
+            assert torch.equal(results[i][name], t), (i, name)
+    assert heldout_loss(final_global) < initial - 1.0

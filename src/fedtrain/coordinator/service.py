@@ -25,6 +25,7 @@ import shutil
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,14 +33,18 @@ from typing import Any
 
 import torch
 
+from fedtrain import faults
 from fedtrain.config import RunConfig, apply_change, outer_defaults, parse_config
 from fedtrain.coordinator import policy
-from fedtrain.coordinator.auth import Identity, Tokens
+from fedtrain.coordinator.auth import Identity, Tokens, fingerprint
 from fedtrain.coordinator.broadcast import Broadcaster
 from fedtrain.coordinator.checkpoints import CheckpointDir
+from fedtrain.coordinator.spool import RoundSpool, needs_spool, update_norm_of_file
 from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.errors import ConfigError, FedtrainError, MergeError, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum, check_compatible, contribution_weights
+from fedtrain.merge.robust import clip_scale
+from fedtrain.wire.compress import decompress, expected_specs, scheme_of
 from fedtrain.wire import DTYPE_TO_ST, BodyReader, TensorSpec, iter_file, read_tensors
 
 log = logging.getLogger("fedtrain.coordinator")
@@ -136,6 +141,27 @@ class Coordinator:
         self.opened_at = now
         self.closing = False
         self.reason = "round opened"
+        self._open_robustness()
+
+    def _open_robustness(self) -> None:
+        """State of the fault and security features: retained spool, late folds, deadlines, revocations."""
+        self.round_spool = RoundSpool(self.spool)
+        self.late: dict[str, int] = {}  # "pid@lateR" -> tokens, folded into the open round
+        self._round_times: list[float] = []  # seconds after the round opened of each submission
+        self._rejected: dict[str, str] = {}  # norm outliers of the round being merged
+        self.submit_times: deque[list[float]] = deque(maxlen=100)
+        for row in reversed(self.store.rounds(limit=self.config.deadline_window)):
+            subs = self.store.submissions(row["round"])
+            self.submit_times.append([max(0.0, s["received_at"] - row["opened_at"]) for s in subs])
+        self.tokens.revoked.update(json.loads(self.store.get_meta("revoked_tokens") or "[]"))
+
+    def _end_round_extras(self, committed: bool) -> None:
+        """A round closed (or its merge failed): late folds and retained updates go; times count."""
+        if committed:
+            self.submit_times.append(self._round_times)
+        self._round_times = []
+        self.late = {}
+        self.round_spool.clear()
 
     def _create(self) -> None:
         cfg = self._given_config or RunConfig()
@@ -250,6 +276,49 @@ class Coordinator:
         self._maybe_close()
         self._notify()
         return {"evicted": pid}
+
+    def token_view(self, ident: Identity) -> dict[str, Any]:
+        """Admin: the participant tokens by fingerprint, whether revoked, who joined with each."""
+        self._require_admin(ident, "listing tokens")
+        admin_id = fingerprint(self.tokens.admin) if self.tokens.admin else None
+        ids = {fingerprint(t) for t in self.tokens.participant} | {p.token_id for p in self.participants.values()}
+        ids |= self.tokens.revoked
+        ids.discard(admin_id)  # type: ignore[arg-type]
+        return {
+            "tokens": [
+                {
+                    "token_id": t,
+                    "revoked": t in self.tokens.revoked,
+                    "participants": sorted(p.id for p in self.participants.values() if p.token_id == t),
+                }
+                for t in sorted(ids)
+            ]
+        }
+
+    def revoke_token(self, ident: Identity, token_id: str | None, participant_id: str | None) -> dict[str, Any]:
+        """Admin: refuse a participant token from now on (kept across restarts); its participants are evicted."""
+        self._require_admin(ident, "revoking a token")
+        if (token_id is None) == (participant_id is None):
+            raise Refused(400, "invalid_request", "give exactly one of token_id or participant_id")
+        if participant_id is not None:
+            token_id = self._participant(ident, participant_id).token_id
+        assert token_id is not None
+        if self.tokens.admin and token_id == fingerprint(self.tokens.admin):
+            raise Refused(400, "admin_token", "the admin token cannot be revoked; restart with another --admin-token")
+        if token_id not in {t["token_id"] for t in self.token_view(ident)["tokens"]}:
+            raise Refused(404, "unknown_token", f"no participant token has the fingerprint {token_id!r}")
+        self.tokens.revoked.add(token_id)
+        self.store.set_meta("revoked_tokens", json.dumps(sorted(self.tokens.revoked)))
+        evicted = []
+        for p in self.participants.values():
+            if p.token_id == token_id and p.state != policy.EVICTED:
+                p.state = policy.EVICTED
+                self.store.upsert_participant(p)
+                evicted.append(p.id)
+        self._event("revoke", f"token {token_id} revoked by an admin; evicted: {', '.join(evicted) or 'none'}")
+        self._maybe_close()
+        self._notify()
+        return {"revoked": token_id, "evicted": evicted}
 
     def model_spec(self) -> dict[str, dict[str, Any]]:
         return {n: {"dtype": DTYPE_TO_ST[d], "shape": list(s)} for n, (d, s) in self.spec.items()}
@@ -419,26 +488,31 @@ class Coordinator:
     ) -> None:
         self._participant(ident, pid)
         self.store.add_metrics(pid, round_, step, values)
+        now = time.time()  # the dashboard's charts follow this event (rows shaped like GET /v1/metrics)
+        self.broadcast.publish("metrics", [{"ts": now, "participant_id": pid, "round": round_, "step": step,
+                                            "name": k, "value": v} for k, v in values.items()])
 
     # -- uploads ----------------------------------------------------------------------------
 
-    def _check_open(self, round_: int) -> None:
-        if self.finished:
-            raise Refused(
-                409,
-                "run_finished",
-                f"the run finished after {self.version} rounds",
-                {"current_round": self.version, "finished": True},
-            )
-        if round_ != self.version or self.closing:
-            state = "closing" if round_ == self.version else ("closed" if round_ < self.version else "not open")
-            raise Refused(
-                409,
-                "round_closed",
-                f"round {round_} is {state}; the current round is {self.version}: "
-                "download the current global model and continue",
-                {"current_round": self.version},
-            )
+    def _check_open(self, round_: int) -> policy.Admission:
+        """Admit an upload for `round_` into the open round (accept or late), or refuse with 409."""
+        admission = policy.admit_upload(round_, self.version, self.closing, self.finished, self.config)
+        if admission.action != "refuse":
+            return admission
+        if admission.code == "run_finished":
+            raise Refused(409, "run_finished", admission.reason, {"current_round": self.version, "finished": True})
+        raise Refused(
+            409,
+            "round_closed",
+            f"{admission.reason}: download the current global model and continue",
+            {"current_round": self.version},
+        )
+
+    def _upload_key(self, pid: str, round_: int, admission: policy.Admission) -> str:
+        return pid if admission.action == "accept" else f"{pid}@late{round_}"
+
+    def _is_duplicate(self, key: str) -> bool:
+        return key in self.submitted or key in self.late
 
     async def receive_update(
         self,
@@ -453,8 +527,8 @@ class Coordinator:
         """Verify, spool and fold one participant's pseudo-gradient for `round_`."""
         p = self._participant(ident, pid)
         try:
-            self._check_open(round_)
-            if pid in self.submitted:
+            admission = self._check_open(round_)
+            if self._is_duplicate(self._upload_key(pid, round_, admission)):
                 await _drain(chunks)
                 return {"accepted": True, "duplicate": True, "round": round_}
             if self.config.outer.weighting == "tokens" and tokens <= 0:
@@ -470,20 +544,29 @@ class Coordinator:
         path = self.spool / f"{round_}-{pid}.safetensors"
         try:
             try:
-                await self._receive(chunks, path, digest, length, limit)
+                await self._receive(chunks, path, digest, length, limit, pid=pid, round_=round_)
             except BaseException:
                 await _drain(chunks)
                 raise
-            self._check_open(round_)  # the round may have closed while the body streamed in
-            if pid in self.submitted:
+            faults.hit("upload.received", who=pid, round=round_)
+            norm = await asyncio.to_thread(self._norm, path)
+            admission = self._check_open(round_)  # the round may have closed while the body streamed in
+            key = self._upload_key(pid, round_, admission)
+            if self._is_duplicate(key):
                 return {"accepted": True, "duplicate": True, "round": round_}
             weight = float(tokens) if self.config.outer.weighting == "tokens" else 1.0
+            weight *= self.config.staleness_discount**admission.staleness
             self._folds += 1
-            self.submitted[pid] = tokens  # reserved now, so that the round waits for this fold
+            reserved = self.submitted if admission.action == "accept" else self.late
+            reserved[key] = tokens  # reserved now, so that the round waits for this fold
             try:
-                await asyncio.to_thread(self._fold, path, weight)
+                if needs_spool(self.config.outer):
+                    self.round_spool.keep(key, path, self.version, weight, norm)
+                else:
+                    scale = clip_scale(norm, self.config.outer.clip_norm)
+                    await asyncio.to_thread(self._fold, path, weight, scale)
             except BaseException:
-                self.submitted.pop(pid, None)
+                reserved.pop(key, None)
                 raise
             finally:
                 self._folds -= 1
@@ -494,31 +577,61 @@ class Coordinator:
         p.tokens += tokens
         p.round = round_
         p.last_seen = self.clock()
-        self.store.add_submission(round_, pid, tokens, length, digest)
+        if admission.action == "late":
+            self._event("late", f"{pid}'s update for round {round_}: {admission.reason}", pid)
+        else:
+            self._round_times.append(max(0.0, self.clock() - self.opened_at))
+            self.store.add_submission(round_, pid, tokens, length, digest)
         self.store.upsert_participant(p)
         self._maybe_close()
         self._notify()
-        return {"accepted": True, "duplicate": False, "round": round_}
+        late = {"folded_into": self.version, "staleness": admission.staleness} if admission.action == "late" else {}
+        return {"accepted": True, "duplicate": False, "round": round_, **late}
 
-    async def _receive(self, chunks: AsyncIterator[bytes], path: Path, digest: str, length: int, limit: int) -> None:
+    async def _receive(
+        self,
+        chunks: AsyncIterator[bytes],
+        path: Path,
+        digest: str,
+        length: int,
+        limit: int,
+        *,
+        pid: str | None = None,
+        round_: int | None = None,
+    ) -> None:
         reader = BodyReader(
             expected_digest=digest, max_bytes=limit, expected_length=length, on_header=self._check_header
         )
         with open(path, "wb") as f:
             async for chunk in chunks:
                 f.write(chunk)
+                if reader.bytes_received == 0:
+                    faults.hit("upload.streaming", who=pid, round=round_)
                 for name, tensor in reader.feed(chunk):
                     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                         raise Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")
             reader.finish()
 
     def _check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
-        check_compatible(self.spec, {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
+        scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header
+        check_compatible(expected_specs(self.spec, scheme, block), {n: (s.dtype, s.shape) for n, s in specs.items()},
+                         what="update")
 
-    def _fold(self, path: Path, weight: float) -> None:
+    def _norm(self, path: Path) -> float:
+        """The L2 norm of a verified upload when a rule needs it (clip_norm, outlier_factor), else 0."""
+        outer = self.config.outer
+        if outer.clip_norm is None and outer.outlier_factor is None:
+            return 0.0
+        return update_norm_of_file(path, {n: d for n, (d, _) in self.spec.items()})
+
+    def _fold(self, path: Path, weight: float, scale: float = 1.0) -> None:
+        """Fold a verified spool file; `scale` < 1 clips the update's norm (its weight counts in full)."""
+        meta: dict[str, str] = {}
+        tensors = read_tensors(iter_file(path), on_header=lambda _, m: meta.update(m))
+        dtypes = {n: d for n, (d, _) in self.spec.items()}
         with self._fold_lock:
-            for name, tensor in read_tensors(iter_file(path)):
-                self.acc.fold(name, tensor, weight)
+            for name, tensor in decompress(tensors, meta, dtypes):
+                self.acc.fold(name, tensor, weight * scale)
             self.acc.finish_contribution(weight)
 
     # -- rounds -----------------------------------------------------------------------------
@@ -526,8 +639,12 @@ class Coordinator:
     def _views(self) -> list[policy.ParticipantView]:
         return [policy.ParticipantView(p.id, p.state, p.last_seen) for p in self.participants.values()]
 
+    def deadline(self) -> tuple[float, str]:
+        """The open round's deadline in seconds after it opened, and why (fixed or adaptive)."""
+        return policy.adaptive_deadline(self.submit_times, self.config)
+
     def decide(self) -> policy.Decision:
-        rnd = policy.RoundView(self.version, self.opened_at, frozenset(self.submitted))
+        rnd = policy.RoundView(self.version, self.opened_at, frozenset(self.submitted), self.deadline()[0])
         return policy.decide_round(rnd, self._views(), self.clock(), self.config)
 
     def _maybe_close(self) -> None:
@@ -553,11 +670,15 @@ class Coordinator:
             )
             await asyncio.to_thread(self._reload_committed)
             self.submitted = {}
+            self._end_round_extras(committed=False)
             self.closing = False
             self._notify()
             return
+        for key, why in self._rejected.items():
+            self._event("reject", f"the update of {key} for round {r} was left out: {why}", key.split("@")[0])
         self.version = r + 1
         self.submitted = {}
+        self._end_round_extras(committed=True)
         self.opened_at = self.clock()
         self.closing = False
         self._enter_round()
@@ -573,9 +694,13 @@ class Coordinator:
         t0 = time.perf_counter()
         with self._fold_lock:
             tokens = dict(self.submitted)
-            weights = contribution_weights(tokens, self.config.outer.weighting)
+            faults.hit("merge.before_step", round=r)
+            dtypes = {n: d for n, (d, _) in self.spec.items()}
+            self._rejected = self.round_spool.aggregate_into(self.acc, self.config.outer, dtypes)
+            weights = self._round_weights(tokens, self._rejected)
             self.outer.step(self.acc.mean())
             digest = self._write_checkpoint(r + 1)
+            faults.hit("checkpoint.after_global_write", round=r)
             record = {
                 "round": r,
                 "opened_at": self.opened_at,
@@ -588,10 +713,20 @@ class Coordinator:
                 "merge_s": time.perf_counter() - t0,
                 "digest": digest,
             }
+            faults.hit("commit.before_db", round=r)
             self.store.commit_round(record, weights)
+            faults.hit("commit.after_db", round=r)
             self.acc.reset()
         self.ckpt.prune(r + 1, self.config.keep_checkpoints)
         return record
+
+    def _round_weights(self, tokens: dict[str, int], rejected: dict[str, str]) -> dict[str, float]:
+        """Recorded weights: normalised over the kept updates (uniform for median/trimmed mean), 0 if left out."""
+        kept = {k: v for k, v in tokens.items() if k not in rejected}
+        mode = self.config.outer.weighting if self.config.outer.aggregator == "mean" else "uniform"
+        weights = contribution_weights(kept, mode) if kept else {}
+        weights.update({k: 0.0 for k in tokens if k in rejected})
+        return weights
 
     def _reload_committed(self) -> None:
         with self._fold_lock:
@@ -693,6 +828,8 @@ class Coordinator:
             "finished": self.finished,
             "closing": self.closing,
             "reason": self.reason,
+            "deadline_s": self.deadline()[0],
+            "deadline_reason": self.deadline()[1],
             "algorithm": self.outer.algorithm,
             "config_version": self.config_version,
             "latest_config_version": self.latest_config_version,

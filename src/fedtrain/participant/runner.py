@@ -31,6 +31,7 @@ from fedtrain.errors import CoordinatorError, MergeError, ModelMismatchError, Ro
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
+from fedtrain.wire.compress import ErrorFeedback, compress
 
 log = logging.getLogger("fedtrain.participant")
 
@@ -95,6 +96,7 @@ class Participant:
         self.latest_config_version = 0
         self.events: list[tuple[str, Any]] = []
         self._callbacks: list[ConfigCallback] = []
+        self._feedback = ErrorFeedback()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -164,14 +166,16 @@ class Participant:
                                   "config_version": self.config_version, "sync_every": self.sync_every}
         if self._round_losses:
             record["train_loss"] = sum(self._round_losses) / len(self._round_losses)
-        record.update(self._evaluate("eval_before"))
+        due, up0, down0 = self.eval_due(r), self.bytes_up, self.bytes_down
+        record.update(self._evaluate("eval_before") if due else {})
         self._sync_round(r)
-        record.update(self._evaluate("eval_after"))
+        record.update(self._evaluate("eval_after") if due else {})
+        record["bytes_up"], record["bytes_down"] = self.bytes_up - up0, self.bytes_down - down0
         self.sync_seconds += time.perf_counter() - t0
         record["sync_s"] = time.perf_counter() - t0
         self.history.append(record)
         values = {k: float(v) for k, v in record.items()
-                  if k not in ("round", "steps", "tokens", "config_version", "sync_every")}
+                  if k not in ("round", "steps", "config_version", "sync_every")}
         try:
             self.client.report(self.participant_id, values, round_=r, step=self.steps)
         except CoordinatorError as e:
@@ -213,7 +217,7 @@ class Participant:
         with torch.no_grad():
             for name, p in self._params.items():
                 self._snapshot[name].sub_(p.detach().to("cpu", self._snapshot[name].dtype))
-        body = EncodedBody(self._snapshot)
+        body = self._encode_delta()
         uploaded = self._upload(r, body)
         while uploaded:
             info = self.client.wait_round(r, self.participant_id, wait_s=25.0)
@@ -223,6 +227,17 @@ class Participant:
                 log.warning("the coordinator has no upload of ours for round %d (restarted?); sending again", r)
                 uploaded = self._upload(r, body)
         self._load_global()
+
+    def _encode_delta(self) -> EncodedBody:
+        """Δ (held in the snapshot buffers) as a body, compressed as the run config says."""
+        t = self.config.train
+        if t.compression == "none":
+            return EncodedBody(self._snapshot)
+        if t.error_feedback:
+            tensors, meta = self._feedback.compress(self._snapshot, t.compression, t.compression_block)
+        else:
+            tensors, meta = compress(self._snapshot, t.compression, t.compression_block)
+        return EncodedBody(tensors, meta)
 
     def _upload(self, r: int, body: EncodedBody) -> bool:
         try:
@@ -260,6 +275,11 @@ class Participant:
             check_compatible(run, ours, what="your model")
         except MergeError as e:
             raise ModelMismatchError(f"{e.message} (the run's model is the reference)", details=e.details) from None
+
+    def eval_due(self, r: int) -> bool:
+        """Whether round `r` is evaluated around its sync: every `eval.every` rounds, and the last."""
+        last = self.config.rounds > 0 and r + 1 >= self.config.rounds
+        return r % self.config.eval.every == 0 or last
 
     def _evaluate(self, prefix: str) -> dict[str, float]:
         if self.eval_fn is None:
