@@ -13,7 +13,14 @@ from fedtrain.errors import (
     StateError,
     WireError,
 )
-from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy, Timeouts
+from fedtrain.participant import (
+    CoordinatorClient,
+    DistributedParticipant,
+    OutagePolicy,
+    Participant,
+    RetryPolicy,
+    Timeouts,
+)
 
 __version__ = "0.1.0"
 
@@ -23,9 +30,11 @@ __all__ = [
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnavailable",
+    "DistributedParticipant",
     "FedtrainError",
     "MergeError",
     "ModelMismatchError",
+    "OutagePolicy",
     "Participant",
     "RetryPolicy",
     "RoundClosedError",

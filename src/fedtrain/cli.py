@@ -68,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tls-cert", type=Path, default=None, help="TLS certificate (PEM)")
     c.add_argument("--tls-key", type=Path, default=None, help="TLS private key (PEM)")
 
-    p = sub.add_parser("participant", help="train the built-in recipe on local data and sync with a coordinator")
+    p = sub.add_parser(
+        "participant",
+        help="train the run's recipe on local data and sync with a coordinator "
+        "(also under torchrun --nproc_per_node N -m fedtrain participant ...)",
+    )
     _add_client_args(p)
     p.add_argument(
         "--data",
@@ -82,8 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         metavar="SECONDS",
-        help="how long to keep retrying an unreachable coordinator before exiting (default 300)",
+        help="how long to keep training on and retrying while the coordinator is unreachable, before exiting "
+        "(default 300)",
     )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="local directory: checkpoint at every round boundary (a restart resumes from it), metrics.jsonl, "
+        "TensorBoard events when installed, final weights",
+    )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to train (cuda: LOCAL_RANK's GPU)")
 
     d = sub.add_parser("demo", help="a coordinator and N participants on this machine, then a summary")
     d.add_argument("--participants", type=int, default=4, help="number of participants (default 4)")
@@ -106,7 +119,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ca-cert", default=None)
     e.add_argument("--insecure", action="store_true")
     e.add_argument("--version", type=int, default=None, help="global model version (default: latest)")
-    e.add_argument("--out", type=Path, required=True, help="output .safetensors path")
+    e.add_argument(
+        "--out", type=Path, required=True, help="output .safetensors path (a directory with --adapter/--merged)"
+    )
+    what = e.add_mutually_exclusive_group()
+    what.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA runs: the adapter alone as a peft directory (adapter_model.safetensors)",
+    )
+    what.add_argument(
+        "--merged",
+        action="store_true",
+        help="the whole model with the global weights (LoRA merged into the base): a transformers directory for "
+        "hf runs, one .safetensors file for gpt runs",
+    )
+
+    r = sub.add_parser("recipes", help="list the shipped recipe configs (use one with --config recipe:NAME)")
+    r.add_argument("name", nargs="?", default=None, help="print this recipe's YAML")
     return parser
 
 
@@ -121,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where a shell started us ignoring it
     try:
+        from fedtrain import faults
+
+        faults.arm_from_env()  # FEDTRAIN_FAULTS: crash this process at a named point (tests, chaos runs)
         return int(COMMANDS[args.command](args) or 0)
     except FedtrainError as e:
         print(f"fedtrain {args.command}: error: {e.message}", file=sys.stderr)
@@ -152,6 +185,8 @@ def cmd_participant(args: argparse.Namespace) -> int:
         threads=args.threads,
         verify=_verify(args),
         retry=RetryPolicy(max_elapsed_s=args.give_up_after),
+        run_dir=args.run_dir,
+        device=args.device,
     )
     print(json.dumps(result))
     return 0
@@ -165,12 +200,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from fedtrain.participant.client import CoordinatorClient, RetryPolicy
-    from fedtrain.report import format_status
+    from fedtrain.report import eval_rows, format_status
 
     with CoordinatorClient(
         args.coordinator, _token(args), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=5)
     ) as client:
         status = client.status()
+        status["evals"] = eval_rows(client.metrics())
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
@@ -183,12 +219,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from fedtrain.config import RECIPES_DIR, recipe_path
+
+    if args.name is not None:
+        print(recipe_path(args.name).read_text(), end="")
+        return 0
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        first = path.read_text().splitlines()[0].lstrip("# ").strip()
+        print(f"{path.stem:24} {first}")
+    return 0
+
+
 COMMANDS = {
     "coordinator": cmd_coordinator,
     "participant": cmd_participant,
     "demo": cmd_demo,
     "status": cmd_status,
     "export": cmd_export,
+    "recipes": cmd_recipes,
 }
 
 if __name__ == "__main__":

@@ -25,13 +25,14 @@ import torch
 from fedtrain.config import RunConfig, load_config
 from fedtrain.errors import FedtrainError
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy
-from fedtrain.report import human_bytes, table
+from fedtrain.report import eval_rows, format_evals, human_bytes, table
 
 DEMO_CONFIG: dict[str, Any] = {
     "name": "demo",
     "rounds": 10,
     "train": {"sync_every": 40, "batch_size": 16, "seq_len": 128, "lr": 3e-3, "eval_batches": 8},
     "model": {"n_layer": 2, "n_embd": 128, "n_head": 4, "block_size": 128},
+    "eval": {"every": 1, "global_data": "stdlib:heldout", "global_batches": 16},
     "heartbeat_interval_s": 2.0,
     "heartbeat_timeout_s": 60.0,
 }
@@ -49,19 +50,32 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
 
 
 def global_eval(client: CoordinatorClient, cfg: RunConfig, version: int | None = None) -> float:
-    """Held-out loss of the global model on stdlib modules no participant trains on."""
-    from fedtrain.recipes.data import TokenStream, evaluate, heldout_paths, load_tokens
-    from fedtrain.recipes.gpt import build_model
+    """Held-out loss of the global model on stdlib modules no participant trains on
+    (`eval.global_batches` batches of `train.batch_size`, the coordinator's own global eval)."""
+    from fedtrain.recipes import build_model, load_data, loss_fn, tokenizer_of
+    from fedtrain.recipes.data import TokenStream, evaluate, heldout_paths
 
     model = build_model(cfg.model, seed=cfg.seed)
     _, tensors = client.download(version=version)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(tensors[name])
-    stream = TokenStream(
-        load_tokens(heldout_paths()), batch_size=16, seq_len=cfg.train.seq_len, seed=0, heldout_fraction=0.5
-    )
-    return evaluate(model, stream.eval_batches(16))
+            if p.requires_grad:
+                p.copy_(tensors[name])
+    tokens = load_data(cfg.model, heldout_paths(), tokenizer_of(cfg.model))
+    batch = cfg.train.batch_size
+    stream = TokenStream(tokens, batch_size=batch, seq_len=cfg.train.seq_len, seed=0, heldout_fraction=0.5)
+    return evaluate(model, stream.eval_batches(cfg.eval.global_batches), loss_fn(cfg.model))
+
+
+def wait_for_global_eval(client: CoordinatorClient, cfg: RunConfig, version: int, wait_s: float = 30.0) -> list:
+    """The run's metrics, once the coordinator's eval of the final version is in (bounded wait)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        metrics = client.metrics()
+        done = any(m["name"] == "global_eval/loss" and m["round"] == version for m in metrics)
+        if done or cfg.eval.global_data is None or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.5)
 
 
 class Demo:
@@ -116,7 +130,7 @@ class Demo:
                 "0",
             ],
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a pretrained recipe loads its model before it listens
         while not endpoint.is_file():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise FedtrainError(
@@ -128,9 +142,9 @@ class Demo:
 
     def start_participants(self) -> None:
         for i in range(self.n):
-            self._spawn(
-                f"p{i}", ["participant", "--coordinator", self.url, "--data", f"stdlib:{i}/{self.n}", "--name", f"p{i}"]
-            )
+            run_dir = self.dir / "participants" / f"p{i}"
+            argv = ["participant", "--coordinator", self.url, "--data", f"stdlib:{i}/{self.n}", "--name", f"p{i}"]
+            self._spawn(f"p{i}", [*argv, "--run-dir", str(run_dir)])
 
     def tail(self, name: str, lines: int = 15) -> str:
         path = self.dir / "logs" / f"{name}.log"
@@ -179,7 +193,14 @@ def monitor(demo: Demo, client: CoordinatorClient, t0: float) -> dict[str, Any]:
         time.sleep(1.0)
 
 
-def summarize(demo: Demo, status: dict[str, Any], initial: float, final: float, wall: float) -> dict[str, Any]:
+def summarize(
+    demo: Demo,
+    status: dict[str, Any],
+    initial: float,
+    final: float,
+    wall: float,
+    metrics: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     cfg, n = demo.cfg, demo.n
     total_tokens = sum(p["tokens"] for p in status["participants"]) or 1
     steps = cfg.rounds * cfg.train.sync_every
@@ -213,7 +234,19 @@ def summarize(demo: Demo, status: dict[str, Any], initial: float, final: float, 
         "bytes_up": up,
         "bytes_down": down,
         "dp_equivalent_bytes": dp_bytes,
+        "bytes_per_round": _bytes_per_round(status),
+        "evals": eval_rows(metrics or []),
         "state_dir": str(demo.dir / "state"),
+    }
+
+
+def _bytes_per_round(status: dict[str, Any]) -> dict[str, Any]:
+    """What one participant sends and receives per round (the sync set, plus headers)."""
+    rounds = [r for r in status.get("recent_rounds", []) if r["n_submissions"]]
+    up = [r["bytes_in"] / r["n_submissions"] for r in rounds]
+    return {
+        "sync_set_bytes": status["model_bytes"],
+        "upload_per_participant": round(sum(up) / len(up)) if up else 0,
     }
 
 
@@ -223,6 +256,9 @@ def print_summary(s: dict[str, Any]) -> None:
         f"H={s['sync_every']}, {s['parameters']:,} parameters, {s['wall_s']:.0f}s"
     )
     print(f"global eval loss (held-out): {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f}\n")
+    if s.get("evals"):
+        print("evals around each sync (held-out loss):")
+        print(format_evals(s["evals"]) + "\n")
     print(
         table(
             ["participant", "tokens", "weight", "uploaded", "downloaded"],
@@ -243,6 +279,11 @@ def print_summary(s: dict[str, Any]) -> None:
     print(
         f"\nsent through the coordinator: {human_bytes(sent)}; synchronous data-parallel training "
         f"would have sent {human_bytes(s['dp_equivalent_bytes'])}{ratio} for the same steps"
+    )
+    per_round = s["bytes_per_round"]
+    print(
+        f"per round and participant: {human_bytes(per_round['upload_per_participant'])} up "
+        f"(sync set {human_bytes(per_round['sync_set_bytes'])})"
     )
     print(f"state and logs: {s['state_dir']}")
 
@@ -265,12 +306,13 @@ def run_demo(args: argparse.Namespace) -> int:
                         proc.wait(timeout=60)
             final = global_eval(client, demo.cfg)
             status = client.status()
+            metrics = wait_for_global_eval(client, demo.cfg, status["current_round"])
     except KeyboardInterrupt:
         print(f"\nstopping the demo; its state and logs stay in {demo.dir}", file=sys.stderr, flush=True)
         raise
     finally:
         demo.stop()
-    summary = summarize(demo, status, initial, final, time.monotonic() - t0)
+    summary = summarize(demo, status, initial, final, time.monotonic() - t0, metrics)
     print_summary(summary)
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2))

@@ -1,20 +1,35 @@
-"""`fedtrain export`: the global model as a plain safetensors file, from a coordinator or a state dir."""
+"""`fedtrain export`: the global model from a coordinator or a state dir.
+
+By default the global weights as stored (the sync set) in one safetensors file. For a
+whole model the run's recipe rebuilds it from the run config (the frozen base comes from
+the same seed or the same local files) and loads the global weights into it:
+`--adapter` writes a LoRA run's adapter alone as a peft directory (load it with
+`PeftModel.from_pretrained(base, DIR)`); `--merged` writes the base with the adapter merged
+in (or the whole model of a full run): a transformers directory (`from_pretrained(DIR)`)
+for hf runs, one safetensors file for the built-in GPT.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from fedtrain.config import RunConfig, parse_config
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.store import Store
-from fedtrain.errors import StateError
-from fedtrain.wire import iter_file, read_tensors, write_file
+from fedtrain.errors import ConfigError, StateError
+from fedtrain.wire import digest_chunks, iter_file, read_tensors, write_file
 
 
 def export_model(args: argparse.Namespace) -> tuple[int, int, str]:
     """Write the chosen global version to args.out; returns (version, tensors, digest)."""
+    whole = bool(getattr(args, "adapter", False) or getattr(args, "merged", False))
     if args.state_dir is not None:
         version, tensors = _from_state_dir(args.state_dir, args.version)
+        config = _config_of_state_dir(args.state_dir) if whole else None
     else:
         from fedtrain.cli import _token, _verify
         from fedtrain.participant.client import CoordinatorClient, RetryPolicy
@@ -23,8 +38,58 @@ def export_model(args: argparse.Namespace) -> tuple[int, int, str]:
             args.coordinator, _token(args), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=10)
         ) as client:
             version, tensors = client.download(version=args.version)
+            config = parse_config(client.get_config()["config"], source="the run's config") if whole else None
+    if config is not None:
+        n, digest = write_model(config, tensors, args.out, adapter_only=bool(args.adapter))
+        return version, n, digest
     digest = write_file(args.out, tensors, {"version": str(version), "exported_by": "fedtrain"})
     return version, len(tensors), digest
+
+
+def _config_of_state_dir(state_dir: Path) -> RunConfig:
+    store = Store(state_dir / "run.db")
+    try:
+        found = store.latest_config()
+    finally:
+        store.close()
+    if found is None:
+        raise StateError(f"{state_dir} holds no run config")
+    return parse_config(found[1], source=f"the run config in {state_dir}")
+
+
+def write_model(
+    config: RunConfig, tensors: dict[str, torch.Tensor], out: Path, *, adapter_only: bool
+) -> tuple[int, str]:
+    """Rebuild the run's model with `tensors` as its sync set and write the adapter or the merged
+    model to `out`; returns (tensors written, digest of the weights file)."""
+    from fedtrain.recipes.build import build_model, tokenizer_of, unwrap_lora
+
+    if adapter_only and config.model.lora is None:
+        raise ConfigError("--adapter needs a LoRA run (model.lora is not set); export without it")
+    model = build_model(config.model, seed=config.seed)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(params) != set(tensors):
+        raise StateError("the global weights do not match the sync set of the run's model (a different recipe?)")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name])
+    if adapter_only:
+        model.save_pretrained(str(out), safe_serialization=True)  # type: ignore[operator]
+        return len(params), _digest_of(out / "adapter_model.safetensors")
+    plain = unwrap_lora(model, merge=True)
+    if config.model.recipe == "gpt":
+        state = {k: v.detach().contiguous() for k, v in plain.state_dict().items()}
+        return len(state), write_file(out, state, {"exported_by": "fedtrain", "merged": "true"})
+    plain.save_pretrained(str(out), safe_serialization=True)  # type: ignore[operator]
+    tokenizer: Any = tokenizer_of(config.model)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    weights = sorted(out.glob("*.safetensors"))
+    return len(plain.state_dict()), _digest_of(weights[0]) if len(weights) == 1 else f"{len(weights)} shards"
+
+
+def _digest_of(path: Path) -> str:
+    return digest_chunks(iter_file(path))
 
 
 def _from_state_dir(state_dir: Path, version: int | None) -> tuple[int, dict]:

@@ -61,12 +61,13 @@ def format_status(s: dict[str, Any]) -> str:
         parts.append(
             "\n"
             + table(
-                ["round", "updates", "tokens", "duration", "merge", "closed because"],
+                ["round", "updates", "tokens", "bytes in", "duration", "merge", "closed because"],
                 [
                     [
                         r["round"],
                         r["n_submissions"],
                         f"{r['tokens']:,}",
+                        human_bytes(r.get("bytes_in", 0)),
                         f"{r['closed_at'] - r['opened_at']:.1f}s",
                         f"{r['merge_s']:.2f}s",
                         r["close_reason"],
@@ -75,4 +76,63 @@ def format_status(s: dict[str, Any]) -> str:
                 ],
             )
         )
+    if s.get("evals"):
+        parts.append("\nevals around each sync (held-out loss):\n" + format_evals(s["evals"][-40:]))
     return "\n".join(parts)
+
+
+GLOBAL_EVAL = "global_eval/"
+"""Prefix of the coordinator's own evaluation of global version v (stored with round = v)."""
+
+
+def eval_rows(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (round, participant): the eval before the sync (local model), after it (new global
+    model), tokens; plus the coordinator's eval of the global model that the round produced.
+
+    `metrics` are rows of `GET /v1/metrics`. Rounds without evals (eval.every > 1) are left out."""
+    rows: dict[tuple[int, str], dict[str, Any]] = {}
+    global_by_version: dict[int, dict[str, float]] = {}
+    for m in metrics:
+        name, r, pid = m["name"], m.get("round"), m.get("participant_id")
+        if r is None:
+            continue
+        if pid is None and name.startswith(GLOBAL_EVAL):
+            global_by_version.setdefault(int(r), {})[name[len(GLOBAL_EVAL) :]] = m["value"]
+            continue
+        if pid is None:
+            continue
+        row = rows.setdefault((int(r), pid), {"round": int(r), "participant": pid, "before": {}, "after": {}})
+        if name.startswith("eval_before/"):
+            row["before"][name[len("eval_before/") :]] = m["value"]
+        elif name.startswith("eval_after/"):
+            row["after"][name[len("eval_after/") :]] = m["value"]
+        elif name in ("tokens", "train_loss", "bytes_up", "bytes_down"):
+            row[name] = m["value"]
+    out = [row for _, row in sorted(rows.items()) if row["before"] or row["after"]]
+    for row in out:
+        row["global_after"] = global_by_version.get(row["round"] + 1, {})
+    if 0 in global_by_version:
+        initial = {"round": -1, "participant": "(initial)", "before": {}, "after": {}}
+        out.insert(0, {**initial, "global_after": global_by_version[0]})
+    return out
+
+
+def format_evals(rows: list[dict[str, Any]]) -> str:
+    """The eval table: round, participant, tokens, loss before and after the sync, global loss."""
+    lines = []
+    last_round = None
+    for row in rows:
+        first = row["round"] != last_round
+        last_round = row["round"]
+        lines.append(
+            [
+                ("init" if row["round"] < 0 else row["round"]) if first else "",
+                row["participant"],
+                f"{int(row['tokens']):,}" if "tokens" in row else "",
+                _fmt(row.get("train_loss")) if "train_loss" in row else "",
+                _fmt(row["before"].get("loss")),
+                _fmt(row["after"].get("loss")),
+                _fmt(row["global_after"].get("loss")) if first and row["global_after"] else "",
+            ]
+        )
+    return table(["round", "participant", "tokens", "train", "before sync", "after sync", "global (coord.)"], lines)

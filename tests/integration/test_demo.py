@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_short_demo_writes_summary(tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
@@ -39,6 +41,15 @@ def test_short_demo_writes_summary(tmp_path: Path) -> None:
     assert abs(sum(p["weight"] for p in s["per_participant"]) - 1.0) < 1e-3
     assert s["bytes_up"] > 0 and s["bytes_down"] > 0 and s["dp_equivalent_bytes"] > s["bytes_up"]
     assert "global eval loss (held-out)" in r.stdout and "round 3/3" in r.stdout
+    # before/after evals per round and participant, and the coordinator's own eval of each global model
+    assert [(e["round"], e["participant"]) for e in s["evals"]] == [(-1, "(initial)")] + [
+        (r_, p) for r_ in range(3) for p in ("p0", "p1")
+    ]
+    assert all(e["before"]["loss"] > 0 and e["after"]["loss"] > 0 for e in s["evals"][1:])
+    assert s["evals"][0]["global_after"]["loss"] == pytest.approx(s["initial_eval_loss"], abs=1e-3)
+    assert s["evals"][-1]["global_after"]["loss"] == pytest.approx(s["final_eval_loss"], abs=1e-3)
+    assert s["bytes_per_round"]["upload_per_participant"] >= s["bytes_per_round"]["sync_set_bytes"]
+    assert "evals around each sync" in r.stdout and "before sync" in r.stdout
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:

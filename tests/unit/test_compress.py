@@ -82,3 +82,15 @@ def test_unknown_scheme_refused() -> None:
         compress({"x": torch.ones(2)}, "zip")
     with pytest.raises(WireError, match="without their tensors"):
         list(decompress([("x::scale", torch.ones(1))], {"fedtrain.compression": "int8"}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite(dtype: torch.dtype) -> None:
+    from fedtrain.coordinator.service import all_finite
+
+    t = torch.randn(1000).to(dtype)
+    assert all_finite(t) and all_finite(torch.zeros(0, dtype=dtype)) and all_finite(torch.arange(3))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        u = t.clone()
+        u[517] = bad
+        assert not all_finite(u), bad

@@ -386,3 +386,25 @@ def test_bad_expected_digest_and_unsupported_inputs() -> None:
     with pytest.raises(WireError, match="__metadata__"):
         EncodedBody({"__metadata__": torch.zeros(1)})
     assert DIGEST_HEADER == "X-Fedtrain-Digest"
+
+
+def test_check_only_reader_keeps_no_data_but_still_checks() -> None:
+    tensors = {"a": torch.randn(100), "b": torch.zeros(0), "c": torch.arange(7)}
+    body = EncodedBody(tensors)
+    raw = b"".join(bytes(c) for c in body)
+    reader = BodyReader(expected_digest=body.digest(), store_data=False)
+    out = []
+    for i in range(0, len(raw), 13):
+        out += reader.feed(raw[i : i + 13])
+    reader.finish()
+    assert out == [] and reader.done and set(reader.specs or {}) == {"a", "b", "c"}
+    short = BodyReader(expected_digest=body.digest(), store_data=False)
+    short.feed(raw[:-5])
+    with pytest.raises(WireError, match="expected"):
+        short.finish()
+    bad = bytearray(raw)
+    bad[-1] ^= 1
+    flipped = BodyReader(expected_digest=body.digest(), store_data=False)
+    flipped.feed(bytes(bad))
+    with pytest.raises(WireError, match="digest mismatch"):
+        flipped.finish()

@@ -20,8 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import fedtrain
-from fedtrain.coordinator.auth import Identity
+from fedtrain.coordinator import dashboard
+from fedtrain.coordinator.auth import Identity, role_check
 from fedtrain.coordinator.broadcast import sse
+from fedtrain.coordinator.limits import BodyLimit
 from fedtrain.coordinator.service import Coordinator, Refused
 from fedtrain.errors import (
     ConfigError,
@@ -46,12 +48,15 @@ class JoinRequest(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict, description="Free-form facts (host, world size, ...).")
 
 
+MAX_COUNT = 2**62  # counts beyond this are refused with 422 (SQLite stores 64-bit integers)
+
+
 class HeartbeatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    step: int = Field(0, ge=0)
-    round: int = Field(0, ge=0)
-    loss: float | None = None
-    tokens_per_s: float | None = Field(None, ge=0)
+    step: int = Field(0, ge=0, le=MAX_COUNT)
+    round: int = Field(0, ge=0, le=MAX_COUNT)
+    loss: float | None = Field(None, allow_inf_nan=False)
+    tokens_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
     config_version: int | None = Field(None, ge=1, description="The config version the participant runs.")
 
 
@@ -60,10 +65,16 @@ class ConfigChange(BaseModel):
     changes: dict[str, Any] = Field(..., description="Fields to change, nested like the config (a merge patch).")
 
 
+class RevokeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token_id: str | None = Field(None, max_length=64, description="Fingerprint of the token (GET /v1/admin/tokens).")
+    participant_id: str | None = Field(None, max_length=64, description="Revoke the token this participant used.")
+
+
 class MetricsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    round: int | None = Field(None, ge=0)
-    step: int | None = Field(None, ge=0)
+    round: int | None = Field(None, ge=0, le=MAX_COUNT)
+    step: int | None = Field(None, ge=0, le=MAX_COUNT)
     values: dict[str, float] = Field(..., description="Metric name to finite value.")
 
 
@@ -111,7 +122,7 @@ def create_app(service: Coordinator) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code, "http_error")
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return JSONResponse(
             error_body(exc.status_code, code, message),
@@ -127,18 +138,30 @@ def create_app(service: Coordinator) -> FastAPI:
             status_code=500,
         )
 
+    @role_check
     def identity(request: Request) -> Identity:
-        ident = service.tokens.identify(request.headers.get("authorization"))
+        authorization = request.headers.get("authorization")
+        ident = service.tokens.identify(authorization)
         if ident is None:
-            missing = not request.headers.get("authorization")
+            if service.tokens.is_revoked(authorization):
+                raise Refused(401, "token_revoked", "this token was revoked by the run's admin")
+            missing = not authorization
             raise Refused(
                 401, "unauthorized", "missing bearer token" if missing else "invalid token: not a token of this run"
             )
         return ident
 
-    @app.get("/", include_in_schema=False)
-    async def index() -> dict[str, Any]:
-        return {"fedtrain": fedtrain.__version__, "api": "/v1", "docs": "/v1/docs", "openapi": "/v1/openapi.json"}
+    dashboard.add_routes(app, service, identity)  # /, /static, /v1 (JSON index), /v1/whoami, /metrics
+
+    app.add_middleware(BodyLimit)  # type: ignore[arg-type]
+
+    @app.get("/v1/admin/tokens", summary="Admin: participant tokens by fingerprint, revoked or not, who used each")
+    async def list_tokens(ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.token_view(ident)
+
+    @app.post("/v1/admin/tokens/revoke", summary="Admin: revoke a participant token; its participants are evicted")
+    async def revoke_token(body: RevokeRequest, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.revoke_token(ident, body.token_id, body.participant_id)
 
     @app.get("/v1/healthz", summary="Liveness (no token needed)")
     async def healthz() -> dict[str, Any]:
@@ -166,7 +189,7 @@ def create_app(service: Coordinator) -> FastAPI:
 
     @app.get("/v1/config", summary="The config in force (now, or at `round`) and its version")
     async def get_config(
-        round: int | None = Query(None, ge=0), ident: Identity = Depends(identity)
+        round: int | None = Query(None, ge=0, le=MAX_COUNT), ident: Identity = Depends(identity)
     ) -> dict[str, Any]:
         return service.config_view(round)
 
@@ -188,6 +211,7 @@ def create_app(service: Coordinator) -> FastAPI:
     async def evict(pid: str, ident: Identity = Depends(identity)) -> dict[str, Any]:
         return service.evict(ident, pid)
 
+    @role_check
     def stream_identity(request: Request, token: str | None = Query(None, description="for EventSource")) -> Identity:
         if token and not request.headers.get("authorization"):
             ident = service.tokens.identify(f"Bearer {token}")
@@ -257,7 +281,11 @@ def create_app(service: Coordinator) -> FastAPI:
         },
     )
     async def upload(
-        round_: int, pid: str, request: Request, tokens: int = Query(..., ge=0), ident: Identity = Depends(identity)
+        round_: int,
+        pid: str,
+        request: Request,
+        tokens: int = Query(..., ge=0, le=MAX_COUNT),
+        ident: Identity = Depends(identity),
     ) -> dict[str, Any]:
         digest = request.headers.get(DIGEST_HEADER)
         if not digest:
@@ -278,7 +306,9 @@ def create_app(service: Coordinator) -> FastAPI:
         responses={200: {"content": {"application/octet-stream": {}}}},
     )
     async def model(
-        version: int | None = Query(None, ge=0), participant_id: str | None = None, ident: Identity = Depends(identity)
+        version: int | None = Query(None, ge=0, le=MAX_COUNT),
+        participant_id: str | None = None,
+        ident: Identity = Depends(identity),
     ) -> StreamingResponse:
         path, v, digest = service.model_file(version, participant_id)
         f = open(path, "rb")  # noqa: SIM115 - opened now so a later prune cannot take it mid-stream

@@ -2,6 +2,8 @@
 
 Tokens are compared in constant time and never logged; a participant is bound to a
 fingerprint (a hash prefix) of the token it joined with, never to the token itself.
+A participant token can be revoked by its fingerprint (`Tokens.revoked`): from then on
+it identifies no one, and the coordinator keeps the revocation across restarts.
 """
 
 from __future__ import annotations
@@ -10,10 +12,14 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 PARTICIPANT = "participant"
 ADMIN = "admin"
+ROLE_CHECK_ATTR = "fedtrain_role_check"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,13 @@ class Identity:
         return self.role == ADMIN
 
 
+def role_check(fn: F) -> F:
+    """Mark a route dependency as the one that authenticates and authorizes a request; a test
+    walks the route table and fails for any mutating route without such a dependency."""
+    setattr(fn, ROLE_CHECK_ATTR, True)
+    return fn
+
+
 def fingerprint(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:12]
 
@@ -34,6 +47,7 @@ def fingerprint(token: str) -> str:
 class Tokens:
     participant: list[str] = field(default_factory=list)
     admin: str | None = None
+    revoked: set[str] = field(default_factory=set)  # fingerprints of revoked participant tokens
 
     @classmethod
     def from_env(cls, participant: list[str] | None = None, admin: str | None = None) -> Tokens:
@@ -63,4 +77,11 @@ class Tokens:
         for candidate in self.participant:
             if hmac.compare_digest(token.encode(), candidate.encode()) and found is None:
                 found = Identity(PARTICIPANT, fingerprint(token))
+        if found is not None and not found.is_admin and found.token_id in self.revoked:
+            return None
         return found
+
+    def is_revoked(self, authorization: str | None) -> bool:
+        """Whether the header carries a participant token that was revoked (for a clearer 401)."""
+        _, _, token = (authorization or "").partition(" ")
+        return bool(token.strip()) and fingerprint(token.strip()) in self.revoked

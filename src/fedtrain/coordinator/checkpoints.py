@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from fedtrain import faults
 from fedtrain.errors import StateError, WireError
 from fedtrain.wire import iter_file, read_tensors, write_file
 
@@ -48,6 +49,7 @@ class CheckpointDir:
     ) -> str:
         """Write both files of `version`; returns the global model file's digest."""
         write_file(self.outer_path(version), outer_tensors, outer_meta)
+        faults.hit("checkpoint.after_outer_write", round=version - 1)
         return write_file(self.global_path(version), params, {**run_meta, "version": str(version)})
 
     def load_global(self, version: int, digest: str | None) -> dict[str, torch.Tensor]:

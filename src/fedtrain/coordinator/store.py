@@ -263,6 +263,11 @@ class Store:
         rows = self._query("SELECT * FROM submissions WHERE round = ? ORDER BY received_at", (round_,))
         return [dict(r) for r in rows]
 
+    def round_timings(self) -> list[tuple[float, float]]:
+        """(duration_s, merge_s) of every committed round, oldest first (for /metrics)."""
+        rows = self._query("SELECT closed_at - opened_at AS d, merge_s FROM rounds ORDER BY round")
+        return [(max(0.0, float(r["d"])), float(r["merge_s"])) for r in rows]
+
     # -- metrics and events -----------------------------------------------------------------
 
     def add_metrics(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -79,6 +80,30 @@ def _error_from(response: httpx.Response) -> CoordinatorError:
     return CoordinatorError(message, status=status, code=code, details=details)
 
 
+def tls_context(verify: bool | str) -> bool | ssl.SSLContext:
+    """httpx's `verify`: True (system CAs), False (no verification), or a context trusting a CA file."""
+    if isinstance(verify, str):
+        try:
+            return ssl.create_default_context(cafile=verify)
+        except (OSError, ssl.SSLError) as e:
+            raise CoordinatorError(f"cannot use {verify} as a CA certificate: {e}", code="tls_error") from None
+    return verify
+
+
+def _certificate_error(error: BaseException) -> str | None:
+    """The reason when `error` is (caused by) a failed certificate verification."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen.verify_message or str(seen)
+        if "CERTIFICATE_VERIFY_FAILED" in str(seen):
+            return "certificate verify failed"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class CoordinatorClient:
     """Talks to one coordinator with one bearer token."""
 
@@ -97,7 +122,7 @@ class CoordinatorClient:
         self._http = httpx.Client(
             base_url=self.url,
             timeout=timeouts.httpx(),
-            verify=verify,
+            verify=tls_context(verify),
             headers={"Authorization": f"Bearer {token}", "User-Agent": "fedtrain-participant"},
         )
 
@@ -128,6 +153,13 @@ class CoordinatorClient:
                     raise
                 problem: str = e.message
             except (httpx.TransportError, WireError) as e:
+                if _certificate_error(e):  # retrying cannot fix a certificate: say so at once
+                    raise CoordinatorError(
+                        f"{what}: the TLS certificate of {self.url} cannot be verified ({_certificate_error(e)}); "
+                        "pass the CA that signed it (--ca-cert PEM), or --insecure for a test setup",
+                        status=0,
+                        code="tls_error",
+                    ) from None
                 # A download cut short surfaces as a WireError (truncated body): retry it too.
                 problem = f"{type(e).__name__}: {e}"
             delay = next(delays, None)
@@ -187,6 +219,13 @@ class CoordinatorClient:
 
     def status(self) -> dict[str, Any]:
         return self._json("GET", "/v1/status")
+
+    def metrics(self, name: str | None = None, limit: int = 10000) -> list[dict[str, Any]]:
+        """Reported metrics, oldest first: participants' train loss and evals, the global evals."""
+        params: dict[str, Any] = {"limit": limit}
+        if name is not None:
+            params["name"] = name
+        return self._json("GET", "/v1/metrics", params=params)["metrics"]
 
     def heartbeat(self, pid: str, **stats: Any) -> dict[str, Any]:
         return self._json("POST", f"/v1/participants/{pid}/heartbeat", json=stats)

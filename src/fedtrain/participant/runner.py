@@ -26,10 +26,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedtrain import faults
 from fedtrain.config import RunConfig
-from fedtrain.errors import CoordinatorError, MergeError, ModelMismatchError, RoundClosedError
+from fedtrain.errors import (
+    CoordinatorError,
+    CoordinatorUnavailable,
+    MergeError,
+    ModelMismatchError,
+    RoundClosedError,
+)
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
+from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt, short_retries
 from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
 from fedtrain.wire.compress import ErrorFeedback, compress
 
@@ -60,6 +68,7 @@ class Participant:
         timeouts: Timeouts = Timeouts(),
         retry: RetryPolicy = RetryPolicy(),
         verify: bool | str = True,
+        outage: OutagePolicy = OutagePolicy(),
     ) -> None:
         if isinstance(coordinator, CoordinatorClient):
             self.client = coordinator
@@ -69,6 +78,12 @@ class Participant:
             self.client = CoordinatorClient(coordinator, token, timeouts=timeouts, retry=retry, verify=verify)
         self.model = model
         self.inner_optimizer = inner_optimizer
+        self.outage_policy = outage
+        self._outage = OutageState()
+        self._outage_budget_s = outage.budget_s if outage.budget_s is not None else self.client.retry.max_elapsed_s
+        self._snapshot_valid = True  # the snapshot holds θ_round (not Δ, not a half-downloaded model)
+        self._snapshot_is_delta = False
+        self.outages: list[dict[str, Any]] = []  # each outage ridden out: {"round", "seconds", "attempts"}
         self.eval_fn = eval_fn
         self.name = name
         self.info = info or {}
@@ -121,6 +136,9 @@ class Participant:
         self._stop.set()
         if self._heart is not None:
             self._heart.join(timeout=5)
+        if isinstance(exc[1], faults.InjectedCrash):  # a crashed process says no goodbye
+            self.client.close()
+            return
         try:
             self.client.retry = RetryPolicy(max_elapsed_s=2.0)
             self.client.leave(self.participant_id)
@@ -153,22 +171,28 @@ class Participant:
         if loss is not None:
             self._last_loss = float(loss)
             self._round_losses.append(float(loss))
-        if self._round_steps >= self.sync_every:
-            self.sync()
-            return True
+        if self._round_steps >= self.sync_every and time.monotonic() >= self._outage.next_at:
+            return self.sync()
         return False
 
-    def sync(self) -> None:
-        """Upload this round's Δ, wait for the round to close, load the new global model."""
+    def sync(self) -> bool:
+        """Upload this round's Δ, wait for the round to close, load the new global model.
+
+        Returns False when the coordinator could not be reached: training goes on and the
+        sync is tried again after a backoff (see `participant/outage.py`)."""
         t0 = time.perf_counter()
         r = self.round
+        faults.hit("participant.sync", who=self.name or self.participant_id, round=r)
+        if self._outage.active and not self._coordinator_back():
+            return False
         record: dict[str, Any] = {"round": r, "steps": self._round_steps, "tokens": self._round_tokens,
                                   "config_version": self.config_version, "sync_every": self.sync_every}
         if self._round_losses:
             record["train_loss"] = sum(self._round_losses) / len(self._round_losses)
         due, up0, down0 = self.eval_due(r), self.bytes_up, self.bytes_down
         record.update(self._evaluate("eval_before") if due else {})
-        self._sync_round(r)
+        if not self._attempt_sync(r):
+            return False
         record.update(self._evaluate("eval_after") if due else {})
         record["bytes_up"], record["bytes_down"] = self.bytes_up - up0, self.bytes_down - down0
         self.sync_seconds += time.perf_counter() - t0
@@ -177,13 +201,73 @@ class Participant:
         values = {k: float(v) for k, v in record.items()
                   if k not in ("round", "steps", "config_version", "sync_every")}
         try:
-            self.client.report(self.participant_id, values, round_=r, step=self.steps)
+            with short_retries(self.client, self.outage_policy.attempt_s):
+                self.client.report(self.participant_id, values, round_=r, step=self.steps)
         except CoordinatorError as e:
             log.warning("could not report metrics of round %d: %s", r, e.message)
         self._round_steps = 0
         self._round_tokens = 0
         self._round_losses = []
-        self._apply_config()
+        try:
+            with short_retries(self.client, self.outage_policy.attempt_s):
+                self._apply_config()
+        except CoordinatorError as e:
+            if not is_transient(e):
+                raise
+            log.warning("could not fetch the config of round %d (%s); keeping the current one", self.round, e.message)
+        return True
+
+    # -- riding out an outage ----------------------------------------------------------------------
+
+    def _attempt_sync(self, r: int) -> bool:
+        """One sync attempt; on a transient failure restore the snapshot, schedule the next attempt
+        and return False (or raise CoordinatorUnavailable once the outage budget is spent)."""
+        try:
+            with short_retries(self.client, self.outage_policy.attempt_s):
+                self._sync_round(r)
+        except CoordinatorError as e:
+            if not is_transient(e):
+                raise
+            self._restore_snapshot()
+            self._outage_failed(r, e)
+            return False
+        if self._outage.active:
+            seconds = time.monotonic() - (self._outage.since or time.monotonic())
+            self.outages.append({"round": r, "seconds": round(seconds, 2), "attempts": self._outage.attempts + 1})
+            log.warning("the coordinator is back after %.0fs; synced round %d", seconds, r)
+        self._outage = OutageState()
+        return True
+
+    def _coordinator_back(self) -> bool:
+        """During an outage: a cheap probe before spending an eval and an upload on an attempt."""
+        try:
+            with short_retries(self.client, min(2.0, self.outage_policy.attempt_s)):
+                self.client.health()
+        except CoordinatorError as e:
+            self._outage_failed(self.round, e)
+            return False
+        return True
+
+    def _outage_failed(self, r: int, error: CoordinatorError) -> None:
+        now = time.monotonic()
+        self._outage.last_error = error.message
+        decision = next_attempt(self._outage, now, self.outage_policy, self._outage_budget_s)
+        if decision.action == "give_up":
+            raise CoordinatorUnavailable(decision.reason, status=0, code="unavailable")
+        if self._outage.since is None:
+            self._outage.since = now
+        self._outage.attempts += 1
+        self._outage.next_at = now + decision.delay_s
+        log.warning("round %d: %s", r, decision.reason)
+
+    def _restore_snapshot(self) -> None:
+        """Put θ_round back into the snapshot after a failed upload (Δ + θ_local = θ_round, to rounding)."""
+        if not self._snapshot_is_delta:
+            return
+        with torch.no_grad():
+            for name, p in self._params.items():
+                self._snapshot[name].add_(p.detach().to("cpu", self._snapshot[name].dtype))
+        self._snapshot_is_delta = False
 
     def _apply_config(self) -> None:
         """At a round boundary: take the config in force for the round we now start."""
@@ -214,19 +298,33 @@ class Participant:
     # -- the sync, step by step ----------------------------------------------------------------
 
     def _sync_round(self, r: int) -> None:
-        with torch.no_grad():
-            for name, p in self._params.items():
-                self._snapshot[name].sub_(p.detach().to("cpu", self._snapshot[name].dtype))
-        body = self._encode_delta()
-        uploaded = self._upload(r, body)
-        while uploaded:
-            info = self.client.wait_round(r, self.participant_id, wait_s=25.0)
-            if info["state"] != "open" and info["state"] != "closing":
-                break
-            if info.get("submitted") is False and info["state"] == "open":
-                log.warning("the coordinator has no upload of ours for round %d (restarted?); sending again", r)
-                uploaded = self._upload(r, body)
+        if self._snapshot_valid:  # else a download was cut short: round r is over, fetch the model again
+            with torch.no_grad():
+                for name, p in self._params.items():
+                    self._snapshot[name].sub_(p.detach().to("cpu", self._snapshot[name].dtype))
+            self._snapshot_is_delta = True
+            body = self._encode_delta()
+            uploaded = self._upload(r, body)
+            give_up_at = time.monotonic() + self.config.round_timeout_s + self._outage_budget_s
+            while uploaded:
+                info = self.client.wait_round(r, self.participant_id, wait_s=25.0)
+                if info["state"] != "open" and info["state"] != "closing":
+                    break
+                if info.get("submitted") is False and info["state"] == "open":
+                    log.warning("the coordinator has no upload of ours for round %d (restarted?); sending again", r)
+                    uploaded = self._upload(r, body)
+                if time.monotonic() > give_up_at:  # nothing hangs forever, not even a round without quorum
+                    raise CoordinatorUnavailable(
+                        f"round {r} has not closed {self.config.round_timeout_s:g}s after its deadline: "
+                        f"{info.get('reason', 'no reason given')}",
+                        status=0,
+                        code="unavailable",
+                    )
+        self._snapshot_is_delta = False
+        self._snapshot_valid = False  # the download writes into the snapshot
+        faults.hit("participant.download", who=self.name or self.participant_id, round=r)
         self._load_global()
+        self._snapshot_valid = True
 
     def _encode_delta(self) -> EncodedBody:
         """Δ (held in the snapshot buffers) as a body, compressed as the run config says."""
@@ -240,6 +338,9 @@ class Participant:
         return EncodedBody(tensors, meta)
 
     def _upload(self, r: int, body: EncodedBody) -> bool:
+        if faults.hit("participant.upload", who=self.name or self.participant_id, round=r) == "drop":
+            log.warning("fault injected: the upload of round %d is lost on the way", r)
+            return True
         try:
             self.client.upload(r, self.participant_id, body, tokens=max(1, self._round_tokens))
         except RoundClosedError as e:

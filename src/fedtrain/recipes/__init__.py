@@ -1,5 +1,7 @@
-"""Ready training recipes on the public API: the byte-level GPT and its offline stdlib data."""
+"""Ready training recipes on the public API: the byte-level GPT and its offline stdlib data,
+any Hugging Face causal LM (optionally with LoRA), and the shipped recipe configs (`*.yaml`)."""
 
+from fedtrain.recipes.build import base_fingerprint, build_model, load_data, loss_fn, tokenizer_of
 from fedtrain.recipes.data import (
     TEXT_SUFFIXES,
     TokenStream,
@@ -10,18 +12,22 @@ from fedtrain.recipes.data import (
     stdlib_root,
     stdlib_shards,
 )
-from fedtrain.recipes.gpt import GPT, build_model, count_parameters
+from fedtrain.recipes.gpt import GPT, count_parameters
 
 __all__ = [
     "GPT",
     "TEXT_SUFFIXES",
     "TokenStream",
+    "base_fingerprint",
     "build_model",
     "count_parameters",
     "evaluate",
     "heldout_paths",
+    "load_data",
     "load_tokens",
+    "loss_fn",
     "parse_data_spec",
     "stdlib_root",
     "stdlib_shards",
+    "tokenizer_of",
 ]

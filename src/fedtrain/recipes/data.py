@@ -17,7 +17,7 @@ import hashlib
 import math
 import os
 import sysconfig
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -294,9 +294,14 @@ class TokenStream:
         self._seed, self._batches = seed, batches
 
 
-def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> float:
     """Mean loss of `model` over `batches`, without gradients; restores the training mode.
 
+    `loss_fn(model, x, y)` computes a batch's loss (see `recipes.loss_fn`); without it
     `model(x, y)` may return `(logits, loss)` like `GPT` or just logits.
     """
     was_training = model.training
@@ -307,6 +312,10 @@ def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tenso
         with torch.no_grad():
             for x, y in batches:
                 x, y = x.to(device), y.to(device)
+                if loss_fn is not None:
+                    total += float(loss_fn(model, x, y))
+                    count += 1
+                    continue
                 out = model(x, y)
                 logits, loss = out if isinstance(out, tuple) else (out, None)
                 if loss is None:

@@ -1,22 +1,30 @@
-"""The built-in recipe's participant: a byte-level GPT trained on local text, synced by fedtrain.
+"""The recipe's participant: the run's model (built-in GPT or a Hugging Face causal LM, with
+optional LoRA) trained on local text, synced by fedtrain.
 
 A short, readable loop on the public API only (`Participant`, the recipe's model and data):
-copy it to start a training script of your own.
+copy it to start a training script of your own. The same loop runs alone or as every rank
+of a torchrun group (`torchrun --nproc_per_node N -m fedtrain participant ...`): rank 0
+talks to the coordinator, DDP keeps the ranks in step. With a run directory the loop
+resumes from its last round boundary after a restart and logs its metrics there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedtrain.config import RunConfig
-from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
-from fedtrain.recipes.data import TokenStream, evaluate, load_tokens, parse_data_spec
-from fedtrain.recipes.gpt import build_model
+from fedtrain.participant import CoordinatorClient, RetryPolicy
+from fedtrain.participant.distributed import init_from_env
+from fedtrain.recipes.build import base_fingerprint, build_model, check_fits, load_data, loss_fn, tokenizer_of
+from fedtrain.recipes.data import TokenStream, evaluate, parse_data_spec
+from fedtrain.recipes.runtime import RunDir, open_participant, round_line
 
 log = logging.getLogger("fedtrain.recipe")
 
@@ -35,49 +43,76 @@ def run_participant(
     verify: bool | str = True,
     max_steps: int | None = None,
     retry: RetryPolicy = RetryPolicy(),
+    run_dir: Path | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Join the run at `url`, train on `data` until the run finishes; returns a summary."""
+    """Join the run at `url`, train on `data` until the run finishes; returns a summary.
+
+    Under torchrun every rank calls this; `run_dir` keeps the checkpoint and metrics."""
     torch.set_num_threads(threads)
-    tokens = load_tokens(parse_data_spec(data))  # bad data fails here, before any network call
+    paths = parse_data_spec(data)  # bad data fails here, before any network call
+    rank, world, dev = init_from_env(device)
     client = CoordinatorClient(url, token, verify=verify, retry=retry)
     cfg = RunConfig.model_validate(client.get_config()["config"])
-    stream = TokenStream(tokens, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=_seed_of(name))
+    tokenizer = tokenizer_of(cfg.model)
+    tokens = load_data(cfg.model, paths, tokenizer)
+    seed = _seed_of(name) + rank  # every rank draws its own batches
+    stream = TokenStream(tokens, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=seed)
     model = build_model(cfg.model, seed=cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    check_fits(model, cfg.model, cfg.train.seq_len, tokenizer)
+    model.to(dev)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    compute_loss = loss_fn(cfg.model)
 
-    def eval_fn(m: torch.nn.Module) -> float:
-        return evaluate(m, stream.eval_batches(cfg.train.eval_batches))
+    def eval_fn(m: torch.nn.Module) -> dict[str, float]:
+        loss = evaluate(m, stream.eval_batches(cfg.train.eval_batches), compute_loss)
+        return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
-    log.info("%s: %d training tokens from %s", name or "participant", tokens.numel(), data)
+    local = RunDir(run_dir, rank) if run_dir is not None else None
+    saved = local.resume(opt, stream, cfg.train.lr) if local is not None else None
+    info = {"world_size": world, "base": base_fingerprint(model) if cfg.model.lora else None}
+    log.info("%s: %d training tokens from %s (rank %d of %d)", name or "participant", tokens.numel(), data, rank, world)
     t0 = time.perf_counter()
-    with Participant(client, model=model, inner_optimizer=opt, eval_fn=eval_fn, name=name) as fed:
+    fed, net = open_participant(client, model, opt, eval_fn, name=name, info=info, world_size=world, device=dev)
+    with fed:
+        if local is not None and saved is not None:
+            local.restore_counters(fed, saved)
         while not fed.finished and (max_steps is None or fed.steps < max_steps):
             stream.batch_size = fed.config.train.batch_size  # live: changes apply at round boundaries
             x, y = stream.next_batch()
-            _, loss = model(x, y)
+            x, y = x.to(dev), y.to(dev)
+            loss = compute_loss(net, x, y)
             loss.backward()
             if cfg.train.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if fed.step(tokens=x.numel(), loss=loss.item()):
-                h = fed.history[-1]
-                log.info(
-                    "round %d: train loss %.3f, eval %.3f -> %.3f, sync %.2fs",
-                    h["round"],
-                    h.get("train_loss", float("nan")),
-                    h.get("eval_before/loss", float("nan")),
-                    h.get("eval_after/loss", float("nan")),
-                    h["sync_s"],
-                )
-        return {
+                if local is not None:
+                    local.after_sync(fed, opt, stream)
+                if fed.history:
+                    log.info("%s", round_line(fed.history[-1]))
+        history = fed.history
+        inner = getattr(fed, "fed", fed)
+        summary = {
             "participant": fed.participant_id,
+            "rank": rank,
+            "world_size": world,
             "steps": fed.steps,
             "tokens": fed.tokens,
-            "rounds": len(fed.history),
-            "bytes_up": fed.bytes_up,
-            "bytes_down": fed.bytes_down,
+            "rounds": len(history),
+            "bytes_up": getattr(inner, "bytes_up", 0),
+            "bytes_down": getattr(inner, "bytes_down", 0),
+            "bytes_up_per_round": history[-1]["bytes_up"] if history else None,
             "wall_s": round(time.perf_counter() - t0, 2),
-            "sync_s": round(fed.sync_seconds, 2),
+            "sync_s": round(getattr(inner, "sync_seconds", 0.0), 2),
             "final_round": fed.round,
+            "resumed_from_round": saved["round"] if saved else None,
         }
+    if local is not None:
+        summary["final_weights"] = str(local.finish(model))
+        local.close()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return summary

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fedtrain import faults
 from fedtrain.errors import WireError
 from fedtrain.wire.digest import DIGEST_HEADER, StreamingDigest, digests_equal, parse_digest
 
@@ -210,6 +211,7 @@ def write_file(
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
+        faults.hit("file.before_rename")
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -250,7 +252,8 @@ class BodyReader:
     the body was complete and matches `expected_digest`. The header is validated in full
     (and `on_header` called) before a single data byte is accepted. Chunks are not kept:
     a caller may reuse its receive buffer after `feed` returns. After any error the reader
-    refuses further input.
+    refuses further input. With `store_data=False` it only checks (header, length, digest)
+    and keeps no tensor bytes at all: `feed` then returns nothing.
     """
 
     def __init__(
@@ -261,7 +264,9 @@ class BodyReader:
         expected_length: int | None = None,
         allocate: Allocate | None = None,
         on_header: OnHeader | None = None,
+        store_data: bool = True,
     ) -> None:
+        self._store = store_data
         self._expected_digest = expected_digest
         self._hash = StreamingDigest() if expected_digest is not None else None
         if expected_digest is not None:
@@ -394,13 +399,22 @@ class BodyReader:
             spec = self._order[self._index]
             if spec.nbytes > 0:
                 return
-            out.append((spec.name, self._new_tensor(spec)))
+            if self._store:
+                out.append((spec.name, self._new_tensor(spec)))
             self._index += 1
         self._state = _DONE_STATE
 
     def _take_data(self, mv: memoryview, pos: int, out: list[tuple[str, torch.Tensor]]) -> int:
         if self._state == _DONE_STATE:  # _check_room already refuses this; kept for safety
             raise WireError("tensor body has trailing bytes after its last tensor")
+        if not self._store:  # checking only (length, digest): count the bytes, keep none
+            take = min(self._order[self._index].nbytes - self._filled, mv.nbytes - pos)
+            self._filled += take
+            if self._filled == self._order[self._index].nbytes:
+                self._filled = 0
+                self._index += 1
+                self._advance(out)
+            return pos + take
         if self._view is None:
             # Allocated on its first byte, so a header that promises more than is sent
             # costs at most one tensor's allocation.

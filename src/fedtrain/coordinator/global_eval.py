@@ -1,0 +1,128 @@
+"""The coordinator's own evaluation of the global model, on the eval set its config names.
+
+With `eval.global_data` set (a data spec: a path, `stdlib:heldout`, ...), a background
+thread evaluates each newly committed global version (the initial one, then the one of
+every `eval.every`-th round and the last) with the run's recipe, and stores the held-out
+loss and perplexity as metrics `global_eval/loss` and `global_eval/ppl` with no
+participant and `round` = the version evaluated (the model that round starts from).
+`fedtrain status`, the demo summary and `GET /v1/metrics` show them beside the
+participants' evals.
+
+It never blocks a round: it reads the committed checkpoint file (verified by digest) on
+its own thread, catches up in order on versions committed meanwhile (skipping those no
+longer kept on disk), and a failure is logged and reported as an event, never raised
+into the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fedtrain.config import RunConfig
+
+if TYPE_CHECKING:
+    from fedtrain.coordinator.service import Coordinator
+
+__all__ = ["GLOBAL_EVAL_PREFIX", "GlobalEvaluator", "version_due"]
+
+log = logging.getLogger("fedtrain.coordinator")
+
+GLOBAL_EVAL_PREFIX = "global_eval/"
+
+
+def version_due(version: int, config: RunConfig) -> bool:
+    """Whether global version `version` is evaluated: the initial one, every `eval.every`-th round's, the last."""
+    if version == 0:
+        return True
+    r = version - 1
+    return r % config.eval.every == 0 or (config.rounds > 0 and version >= config.rounds)
+
+
+class GlobalEvaluator:
+    """A daemon thread beside the coordinator's event loop; `start()` and `stop()` with the service."""
+
+    def __init__(self, service: Coordinator, poll_s: float = 0.5) -> None:
+        self.service = service
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next = 0  # the first version not looked at yet
+        self._done: set[int] = set()
+        self._model: torch.nn.Module | None = None
+        self._loaded: tuple[str, Any] | None = None  # (data spec, batches source)
+
+    def start(self) -> None:
+        # After a restart, versions evaluated before are not evaluated again.
+        self._done = {m["round"] for m in self.service.store.metrics(GLOBAL_EVAL_PREFIX + "loss")}
+        self._thread = threading.Thread(target=self._run, name="fedtrain-global-eval", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            config = self.service.config
+            if config.eval.global_data is None:
+                continue
+            kept = set(self.service.ckpt.versions())
+            for version in range(self._next, self.service.version + 1):
+                if self._stop.is_set():
+                    return
+                self._next = version + 1
+                if version in kept and version not in self._done and version_due(version, config):
+                    self._evaluate_and_store(version, config)
+
+    def _evaluate_and_store(self, version: int, config: RunConfig) -> None:
+        try:
+            values = self.evaluate(version, config)
+        except Exception as e:  # an eval problem must never take the coordinator down
+            log.exception("global evaluation of version %d failed", version)
+            self._report_failure(version, e)
+            return
+        if not self._stop.is_set():
+            self.service.store.add_metrics(None, version, None, values)
+            log.info("global eval of version %d: loss %.4f", version, values[GLOBAL_EVAL_PREFIX + "loss"])
+
+    def _report_failure(self, version: int, error: Exception) -> None:
+        try:
+            self.service.store.add_event("global_eval", f"evaluation of global version {version} failed: {error}")
+        except Exception:  # noqa: BLE001 - the store may be closing with the service
+            log.debug("could not record the failed global evaluation")
+
+    def evaluate(self, version: int, config: RunConfig) -> dict[str, float]:
+        """Held-out loss and perplexity of global `version` on `config.eval.global_data`."""
+        from fedtrain.recipes.build import build_model, loss_fn
+        from fedtrain.recipes.data import evaluate
+
+        model = self._model
+        if model is None:
+            model = self._model = build_model(config.model, seed=config.seed)
+        stream = self._stream(config)
+        svc = self.service
+        params = svc.ckpt.load_global(version, svc.store.get_meta(f"digest/{version}"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    p.copy_(params[name])
+        loss = evaluate(model, stream.eval_batches(config.eval.global_batches), loss_fn(config.model))
+        return {GLOBAL_EVAL_PREFIX + "loss": loss, GLOBAL_EVAL_PREFIX + "ppl": math.exp(min(loss, 50.0))}
+
+    def _stream(self, config: RunConfig) -> Any:
+        from fedtrain.recipes.build import load_data, tokenizer_of
+        from fedtrain.recipes.data import TokenStream, parse_data_spec
+
+        spec = config.eval.global_data
+        assert spec is not None
+        if self._loaded is None or self._loaded[0] != spec:
+            tokens = load_data(config.model, parse_data_spec(spec), tokenizer_of(config.model))
+            self._loaded = (spec, tokens)
+        t = config.train
+        return TokenStream(self._loaded[1], batch_size=t.batch_size, seq_len=t.seq_len, seed=0, heldout_fraction=0.5)

@@ -1,0 +1,91 @@
+"""Riding out a coordinator outage on the participant side: train on, retry later, give up in bounded time.
+
+When a sync cannot reach the coordinator (connection refused while it restarts, timeouts,
+5xx), the participant does not exit and does not block its training loop: it puts its
+round snapshot back, keeps taking inner steps, and tries the sync again after a backoff.
+When the coordinator answers again, the participant submits to the round it is in (the
+coordinator's uploads are idempotent per round and participant, so a resend is safe), or
+moves on to the current global model if that round has closed meanwhile. Only when the
+outage has lasted `budget_s` does `CoordinatorUnavailable` reach the user's loop.
+
+`next_attempt` is the pure decision: (outage state, now, policy) -> (decision, reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from fedtrain.errors import AuthError, CoordinatorError, CoordinatorUnavailable
+from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+
+
+@dataclass(frozen=True)
+class OutagePolicy:
+    """How a participant behaves while its coordinator cannot be reached. Seconds."""
+
+    budget_s: float | None = None  # total time training on alone; None: the client's retry.max_elapsed_s
+    attempt_s: float = 10.0  # retry budget of one sync attempt (the training loop waits at most this)
+    backoff_initial_s: float = 1.0  # wait before the second attempt; doubles each failed attempt
+    backoff_max_s: float = 10.0
+
+
+@dataclass
+class OutageState:
+    since: float | None = None  # monotonic time of the first failed attempt; None: no outage
+    attempts: int = 0
+    next_at: float = 0.0
+    last_error: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.since is not None
+
+
+@dataclass(frozen=True)
+class Attempt:
+    action: Literal["retry_later", "give_up"]
+    delay_s: float
+    reason: str
+
+
+def next_attempt(state: OutageState, now: float, policy: OutagePolicy, budget_s: float) -> Attempt:
+    """After a failed sync attempt: when to try again, or that the outage has lasted too long."""
+    since = now if state.since is None else state.since
+    spent = now - since
+    if spent >= budget_s:
+        return Attempt(
+            "give_up",
+            0.0,
+            f"the coordinator has been unreachable for {spent:.0f}s (budget {budget_s:g}s, "
+            f"{state.attempts + 1} attempts): {state.last_error}",
+        )
+    delay = min(policy.backoff_initial_s * 2**state.attempts, policy.backoff_max_s, budget_s - spent)
+    return Attempt(
+        "retry_later",
+        delay,
+        f"coordinator unreachable for {spent:.0f}s ({state.last_error}); training on locally, "
+        f"next sync attempt in {delay:.1f}s (giving up after {budget_s:g}s)",
+    )
+
+
+def is_transient(error: BaseException) -> bool:
+    """Errors a participant rides out: no answer, or the coordinator's own failure (5xx)."""
+    if isinstance(error, AuthError):
+        return False
+    if isinstance(error, CoordinatorUnavailable):
+        return True
+    return isinstance(error, CoordinatorError) and error.status >= 500
+
+
+@contextlib.contextmanager
+def short_retries(client: CoordinatorClient, seconds: float) -> Iterator[None]:
+    """Bound each call of `client` to `seconds` of retries for the duration of a sync attempt."""
+    saved = client.retry
+    client.retry = RetryPolicy(saved.initial_s, min(saved.max_backoff_s, seconds), seconds)
+    try:
+        yield
+    finally:
+        client.retry = saved

@@ -1,0 +1,226 @@
+"""The coordinator killed (SIGKILL) at each named point of the upload, merge, checkpoint and
+commit path, then restarted: the state is the last committed round, a partial checkpoint is
+never loaded, and the open round's uploads can be sent again.
+
+Each restart both checks the recovery from the previous crash and arms the next point, so
+the points are chained through one state directory: crashes on top of crashes. The chain
+runs twice: in-process, where the point raises `InjectedCrash` (a BaseException: nothing
+after the point runs, nothing catches it) and the coordinator is then stopped and opened
+afresh; and with real processes killed by SIGKILL at the point via FEDTRAIN_FAULTS="<point>:kill",
+where the files a dying process leaves behind (a temp file, a half-written checkpoint) are real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from fedtrain import faults
+from fedtrain.coordinator import BackgroundCoordinator, Tokens
+from fedtrain.coordinator.checkpoints import CheckpointDir
+from fedtrain.coordinator.store import Store
+from fedtrain.wire import DIGEST_HEADER, EncodedBody, read_tensors
+from tests.conftest import PTOKEN, tiny_config
+from tests.integration.test_restart import free_port
+
+# (point, does the round commit before the process dies?)
+CHAIN = [
+    ("upload.streaming", False),
+    ("upload.received", False),
+    ("merge.before_step", False),
+    ("checkpoint.after_outer_write", False),
+    ("file.before_rename", False),
+    ("checkpoint.after_global_write", False),
+    ("commit.before_db", False),
+    ("commit.after_db", True),
+]
+
+
+def start(state: Path, cfg_path: Path, port: int, log: Path, faults: str = "") -> subprocess.Popen:
+    env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin", "FEDTRAIN_FAULTS": faults}
+    argv = [
+        sys.executable,
+        "-m",
+        "fedtrain",
+        "coordinator",
+        "--config",
+        str(cfg_path),
+        "--state-dir",
+        str(state),
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.Popen(argv, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("coordinator did not start: " + log.read_text()[-3000:])
+
+
+class Processes:
+    """Coordinators as processes, killed with SIGKILL at the point."""
+
+    def __init__(self, tmp_path: Path, cfg_path: Path) -> None:
+        self.state, self.cfg_path, self.log = tmp_path / "state", cfg_path, tmp_path / "coordinator.log"
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, point: str) -> str:
+        self.proc = start(self.state, self.cfg_path, self.port, self.log, f"{point}:kill" if point else "")
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_dead(self, point: str) -> None:
+        assert self.proc is not None
+        assert self.proc.wait(timeout=60) == -signal.SIGKILL, f"{point} did not kill: {self.log.read_text()[-2000:]}"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+class InProcess:
+    """Coordinators on a thread; the point raises InjectedCrash, then the coordinator is stopped."""
+
+    def __init__(self, tmp_path: Path, cfg_path: Path) -> None:
+        self.state, self.cfg = tmp_path / "state", tiny_config().model_validate_json(cfg_path.read_text())
+        self.bg: BackgroundCoordinator | None = None
+        self.rule: faults.Rule | None = None
+
+    def start(self, point: str) -> str:
+        self.rule = faults.arm(faults.Rule(point, "crash")) if point else None
+        self.bg = BackgroundCoordinator(self.state, self.cfg, tokens=Tokens([PTOKEN], "admin")).start()
+        return self.bg.url
+
+    def wait_dead(self, point: str) -> None:
+        deadline = time.monotonic() + 30
+        while self.rule is not None and self.rule.fired == 0:
+            assert time.monotonic() < deadline, f"{point} never fired"
+            time.sleep(0.02)
+        time.sleep(0.2)  # let the crash unwind
+        self.stop()
+
+    def stop(self) -> None:
+        faults.disarm()
+        if self.bg is not None:
+            self.bg.stop()
+            self.bg.service.store.close()
+            self.bg = None
+
+
+def delta(params: dict[str, torch.Tensor], who: int, round_: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * round_ + who)
+    return {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in params.items()}
+
+
+def upload(http: httpx.Client, round_: int, pid: str, tensors: dict[str, torch.Tensor]) -> httpx.Response:
+    body = EncodedBody(tensors)
+    return http.put(
+        f"/v1/rounds/{round_}/updates/{pid}",
+        params={"tokens": 10},
+        content=b"".join(bytes(c) for c in body),
+        headers={DIGEST_HEADER: body.digest()},
+    )
+
+
+def download(http: httpx.Client) -> tuple[int, dict[str, torch.Tensor]]:
+    r = http.get("/v1/model")
+    assert r.status_code == 200, r.text
+    return int(r.headers["X-Fedtrain-Version"]), dict(
+        read_tensors([r.content], expected_digest=r.headers[DIGEST_HEADER])
+    )
+
+
+def check_disk(state: Path, committed: int) -> None:
+    """What a restart must find: every kept checkpoint loads against its digest, nothing newer is kept."""
+    store = Store(state / "run.db")
+    try:
+        assert store.committed_version() == committed
+        ckpt = CheckpointDir(state / "checkpoints")
+        kept = ckpt.versions()
+        assert kept and max(kept) == committed, kept
+        for v in kept:
+            ckpt.load_global(v, store.get_meta(f"digest/{v}"))
+            ckpt.load_outer(v)
+        assert not list(ckpt.root.glob("*.tmp*"))
+    finally:
+        store.close()
+
+
+def run_chain(tmp_path: Path, runner_cls: type) -> None:
+    cfg = tiny_config(rounds=20, outer={"algorithm": "fedavg"}, keep_checkpoints=20)
+    cfg_path = tmp_path / "run.json"
+    cfg_path.write_text(cfg.model_dump_json())
+    state = tmp_path / "state"
+    runner = runner_cls(tmp_path, cfg_path)
+    headers = {"Authorization": f"Bearer {PTOKEN}"}
+    committed, theta = 0, None
+    for point, commits in [*CHAIN, ("", True)]:  # the last run has no fault: it must finish a round
+        url = runner.start(point)
+        # ... and a restart never loads a partial checkpoint: only what the database committed counts
+        check_disk(state, committed)
+        try:
+            with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+                version, params = download(http)
+                assert version == committed, (point, version, committed)  # the last committed round, no more
+                if theta is not None:  # what was committed (or computed for it) before the crash
+                    for n, t in params.items():
+                        torch.testing.assert_close(t, theta[n], rtol=0, atol=1e-6, msg=f"after {point}")
+                events = [e["message"] for e in http.get("/v1/events", params={"limit": 5}).json()["events"]]
+                assert any(m.startswith(f"resumed at round {committed}") for m in events) or committed == 0
+                for pid in ("a", "b"):
+                    assert http.post("/v1/join", json={"name": pid}).status_code == 200
+                da, db = delta(params, 0, committed), delta(params, 1, committed)
+                # the open round's uploads are sent (again, after a crash) and accepted afresh
+                if point.startswith("upload."):  # the coordinator dies under the first upload
+                    try:
+                        r = upload(http, committed, "a", da)
+                        assert r.status_code >= 500, r.text
+                    except httpx.TransportError:
+                        pass
+                else:
+                    first = upload(http, committed, "a", da)
+                    assert first.json() == {"accepted": True, "duplicate": False, "round": committed}, first.text
+                    with contextlib.suppress(httpx.TransportError):  # the round closed, the process died
+                        upload(http, committed, "b", db)
+                if not point:
+                    info = http.get(f"/v1/rounds/{committed}", params={"wait": 30}).json()
+                    assert info["state"] == "closed", info
+            expected = {n: params[n] - (da[n] + db[n]) / 2 for n in params}
+            if point:
+                runner.wait_dead(point)
+                ckpt = CheckpointDir(state / "checkpoints")
+                if point == "checkpoint.after_outer_write":  # a half-written checkpoint is left behind ...
+                    assert ckpt.outer_path(committed + 1).is_file() and not ckpt.global_path(committed + 1).exists()
+                if point == "file.before_rename" and runner_cls is Processes:
+                    assert list(ckpt.root.glob("*.tmp*"))
+                if point in ("checkpoint.after_global_write", "commit.before_db"):
+                    assert ckpt.global_path(committed + 1).is_file()
+            if commits:
+                committed, theta = committed + 1, expected
+            else:
+                theta = params
+        finally:
+            runner.stop()
+    assert committed == 2  # commit.after_db and the clean run
+
+
+def test_crash_at_every_point_then_resume(tmp_path: Path) -> None:
+    run_chain(tmp_path, InProcess)
+
+
+def test_sigkill_at_every_point_then_resume(tmp_path: Path) -> None:
+    run_chain(tmp_path, Processes)

@@ -1,0 +1,235 @@
+"""Faults seen from participants: the coordinator disappears (SIGKILL) and comes back, an
+upload is lost or slowed past the deadline, a merge fails; and an outage that never ends
+ends the participant in bounded time. Training never stops for a transient error."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedtrain import faults
+from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.errors import CoordinatorUnavailable
+from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
+from fedtrain.participant.outage import OutagePolicy
+from tests.conftest import PTOKEN, tiny_config
+from tests.integration.test_bootstrap import Small, init_file
+from tests.integration.test_restart import free_port
+
+FAST_OUTAGE = OutagePolicy(budget_s=90.0, attempt_s=1.0, backoff_initial_s=0.2, backoff_max_s=1.0)
+
+
+class Runner(threading.Thread):
+    """One participant training `Small` on a fixed regression task, in a daemon thread."""
+
+    def __init__(self, url: str, name: str, outage: OutagePolicy = FAST_OUTAGE, step_s: float = 0.01) -> None:
+        super().__init__(daemon=True, name=name)
+        self.url, self.pname, self.outage, self.step_s = url, name, outage, step_s
+        self.fed: Participant | None = None
+        self.error: BaseException | None = None
+        self.final: dict[str, torch.Tensor] = {}
+
+    def run(self) -> None:
+        try:
+            torch.manual_seed(sum(map(ord, self.pname)))
+            model = Small()
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            x = torch.randn(16, 3)
+            y = x.sum(dim=1, keepdim=True)
+            client = CoordinatorClient(self.url, PTOKEN, retry=RetryPolicy(max_elapsed_s=30))
+            with Participant(client, model=model, name=self.pname, outage=self.outage) as fed:
+                self.fed = fed
+                while not fed.finished:
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    fed.step(tokens=16, loss=loss.item())
+                    time.sleep(self.step_s)
+            self.final = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        except BaseException as e:
+            self.error = e
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_participants_train_through_a_coordinator_outage(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = tiny_config(rounds=6, train={"sync_every": 3}, outer={"algorithm": "fedavg"}, heartbeat_interval_s=0.5)
+    cfg_path = tmp_path / "run.json"
+    cfg_path.write_text(cfg.model_dump_json())
+    init = init_file(tmp_path, Small())
+    state, log, port = tmp_path / "state", tmp_path / "coordinator.log", free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def launch():
+        import os
+        import subprocess
+        import sys
+
+        env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin"}
+        argv = [
+            sys.executable,
+            "-m",
+            "fedtrain",
+            "coordinator",
+            "--config",
+            str(cfg_path),
+            "--state-dir",
+            str(state),
+            "--port",
+            str(port),
+            "--init-weights",
+            str(init),
+        ]
+        proc = subprocess.Popen(argv, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+        wait_for(lambda: _healthy(url) or proc.poll() is not None, 60, "the coordinator")
+        assert proc.poll() is None, log.read_text()
+        return proc
+
+    proc = launch()
+    runners = [Runner(url, f"p{i}") for i in range(2)]
+    try:
+        for r in runners:
+            r.start()
+        wait_for(lambda: _round(url) >= 2, 60, "round 2")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        steps = [r.fed.steps for r in runners]
+        time.sleep(4.0)
+        for r, before in zip(runners, steps):  # training went on, past the sync point, and nobody exited
+            assert r.is_alive() and r.error is None, r.error
+            assert r.fed.steps > before + cfg.train.sync_every, (before, r.fed.steps)
+        proc = launch()
+        for r in runners:
+            r.join(timeout=90)
+            assert not r.is_alive() and r.error is None, r.error
+        with CoordinatorClient(url, PTOKEN) as client:
+            status = client.status()
+            version, final = client.download()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert status["finished"] and version == 6
+    assert sorted(r["round"] for r in status["recent_rounds"]) == list(range(6))
+    for r in runners:
+        assert r.fed.outages, "the outage was not ridden out"
+        assert all(o["seconds"] >= 3.0 for o in r.fed.outages)
+        for n, t in final.items():
+            assert torch.equal(r.final[n], t), (r.pname, n)
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/v1/healthz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _round(url: str) -> int:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/v1/healthz", timeout=2).json()["current_round"]
+    except httpx.TransportError:
+        return -1
+
+
+def _run(c: BackgroundCoordinator, n: int = 2, **kw: object) -> list[Runner]:
+    runners = [Runner(c.url, f"p{i}", **kw) for i in range(n)]  # type: ignore[arg-type]
+    for r in runners:
+        r.start()
+    for r in runners:
+        r.join(timeout=120)
+        assert not r.is_alive(), f"{r.pname} hangs"
+        assert r.error is None, r.error
+    assert c.service.finished
+    for r in runners:
+        for name, t in c.service.outer.params.items():
+            assert torch.equal(r.final[name], t), (r.pname, name)
+    return runners
+
+
+def test_lost_upload_is_sent_again(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=3, train={"sync_every": 3})
+    with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())) as c:
+        with faults.inject("participant.upload", "drop", who="p0", round=1) as rule:
+            _run(c)
+        assert rule.fired == 1
+        rounds = {r["round"]: r for r in c.service.store.rounds()}
+        assert rounds[1]["n_submissions"] == 2 and "all 2 active" in rounds[1]["close_reason"]
+
+
+def test_slow_upload_past_the_deadline_moves_on(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=3, train={"sync_every": 3}, round_timeout_s=2.0)
+    with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())) as c:
+        with faults.inject("participant.upload", "sleep", seconds=4.0, who="p0", round=1) as rule:
+            runners = _run(c)
+        assert rule.fired == 1
+        rounds = {r["round"]: r for r in c.service.store.rounds()}
+        assert [s["participant_id"] for s in rounds[1]["submissions"]] == ["p1"]
+        assert "deadline" in rounds[1]["close_reason"] and "p0" in rounds[1]["close_reason"]
+        assert [h["round"] for h in runners[0].fed.history] == [0, 1, 2]  # p0 moved on to round 2
+
+
+def test_failed_merge_is_redone_from_resent_uploads(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=3, train={"sync_every": 3})
+    with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())) as c:
+        with faults.inject("merge.before_step", "raise", round=1) as rule:
+            _run(c)
+        assert rule.fired == 1
+        kinds = [e["kind"] for e in c.service.store.events(100)]
+        assert "merge_failed" in kinds
+        assert sorted(r["round"] for r in c.service.store.rounds()) == [0, 1, 2]
+
+
+def test_endless_outage_ends_the_participant_in_bounded_time(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=50, train={"sync_every": 3})
+    policy = OutagePolicy(budget_s=3.0, attempt_s=0.5, backoff_initial_s=0.2, backoff_max_s=0.5)
+    c = BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())).start()
+    runner = Runner(c.url, "p0", outage=policy)
+    runner.start()
+    wait_for(lambda: c.service.version >= 1, 60, "round 1")
+    c.stop()  # gone for good
+    t0 = time.monotonic()
+    runner.join(timeout=60)
+    assert not runner.is_alive()
+    assert isinstance(runner.error, CoordinatorUnavailable), runner.error
+    assert "unreachable for" in runner.error.message
+    assert time.monotonic() - t0 < 30
+    assert runner.fed.steps > 3 * c.service.version  # it trained on while it waited
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_server_errors_during_sync_are_ridden_out(tmp_path: Path, status: int) -> None:
+    from fedtrain.coordinator.service import Refused
+
+    cfg = tiny_config(rounds=3, train={"sync_every": 3})
+    with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())) as c:
+        real = c.service.receive_update
+        failures = {"left": 3}
+
+        async def flaky(ident, pid, round_, *args):
+            if pid == "p0" and round_ == 1 and failures["left"] > 0:
+                failures["left"] -= 1
+                if status == 500:
+                    raise RuntimeError("an internal error of the coordinator")  # answered as 500 internal
+                raise Refused(503, "unavailable", "overloaded, try again")
+            return await real(ident, pid, round_, *args)
+
+        c.service.receive_update = flaky  # type: ignore[method-assign]
+        runners = _run(c)
+        assert failures["left"] == 0
+        assert runners[0].fed.outages and runners[0].fed.outages[0]["round"] == 1

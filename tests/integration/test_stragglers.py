@@ -1,0 +1,178 @@
+"""Stragglers and silent participants on a real coordinator: late uploads folded with a
+staleness discount, adaptive deadlines, heartbeat failure, recovery and rejoin."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from fedtrain import faults
+from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.participant import CoordinatorClient, Participant
+from tests.conftest import ATOKEN, PTOKEN, tiny_config
+from tests.integration.test_api import assert_error, client, put
+from tests.integration.test_bootstrap import Small, init_file
+
+
+def rand_like(c: BackgroundCoordinator, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in c.service.outer.params.items()}
+
+
+def wait_round(http, r: int, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = http.get(f"/v1/rounds/{r}", params={"wait": 5}).json()
+        if info["state"] == "closed":
+            return info
+    raise AssertionError(f"round {r} did not close: {info}")
+
+
+def test_late_upload_is_folded_into_the_next_round_with_a_discount(tmp_path: Path) -> None:
+    cfg = tiny_config(
+        rounds=5, outer={"algorithm": "fedavg"}, late_uploads="fold", staleness_discount=0.5, round_timeout_s=1.0
+    )
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
+        http.post("/v1/join", json={"name": "a"})
+        http.post("/v1/join", json={"name": "b"})
+        da0, db0, da1, db1 = (rand_like(c, i) for i in range(4))
+        assert put(http, 0, "a", da0).status_code == 200
+        info = wait_round(http, 0)  # b straggles: round 0 closes at its 1 s deadline with a alone
+        assert "deadline" in c.service.store.rounds()[0]["close_reason"]
+        theta1 = {n: t.clone() for n, t in c.service.outer.params.items()}
+        late = put(http, 0, "b", db0).json()
+        assert late == {"accepted": True, "duplicate": False, "round": 0, "folded_into": 1, "staleness": 1}
+        assert put(http, 0, "b", db0).json()["duplicate"] is True  # a resend is not folded twice
+        assert put(http, 0, "a", da0).json()["duplicate"] is True  # a was part of round 0 already
+        assert c.service.submitted == {}  # a late fold does not count as a submission of round 1
+        assert put(http, 1, "a", da1).status_code == 200
+        assert put(http, 1, "b", db1).status_code == 200
+        info = wait_round(http, 1)
+        assert info["current_round"] == 2
+        for n, t in c.service.outer.params.items():  # FedAvg: θ2 = θ1 − Σ wΔ / Σ w, late weight 100 × 0.5
+            want = theta1[n] - (100 * da1[n] + 100 * db1[n] + 50 * db0[n]) / 250
+            torch.testing.assert_close(t, want)
+        events = c.service.store.events(50)
+        assert any(e["kind"] == "late" and "folded into round 1" in e["message"] for e in events)
+        # two rounds late is more than max_staleness (1): refused like any closed round
+        assert_error(put(http, 0, "b", db0), 409, "round_closed")
+
+
+def test_adaptive_deadline_closes_a_stalled_round_early(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=5, deadline="adaptive", deadline_factor=2.0, deadline_min_s=0.5, round_timeout_s=120.0)
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
+        http.post("/v1/join", json={"name": "a"})
+        http.post("/v1/join", json={"name": "b"})
+        assert http.get("/v1/status").json()["deadline_s"] == 120.0  # nothing observed yet
+        put(http, 0, "a", rand_like(c, 0))
+        put(http, 0, "b", rand_like(c, 1))
+        wait_round(http, 0)
+        status = http.get("/v1/status").json()
+        assert status["deadline_s"] == 0.5 and "adaptive" in status["deadline_reason"]
+        t0 = time.monotonic()
+        put(http, 1, "a", rand_like(c, 2))  # b stalls; the fixed deadline would wait 120 s
+        wait_round(http, 1)
+        assert time.monotonic() - t0 < 10
+        reason = c.service.store.rounds()[0]["close_reason"]
+        assert "deadline of 0.5s" in reason and "b" in reason
+
+
+def test_silent_participant_fails_then_recovers_on_heartbeat(tmp_path: Path) -> None:
+    cfg = tiny_config(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
+        http.post("/v1/join", json={"name": "quiet"})
+        deadline = time.monotonic() + 15
+        while c.service.participants["quiet"].state != "failed":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = http.post("/v1/participants/quiet/heartbeat", json={"step": 3}).json()
+        assert r["state"] == "active"
+        kinds = [e["kind"] for e in c.service.store.events(20)]
+        assert "fail" in kinds and "recover" in kinds
+
+
+def _train(url: str, name: str, done: dict, errors: list, started: threading.Event | None = None) -> None:
+    try:
+        torch.manual_seed(hash(name) % 1000)
+        model = Small()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x = torch.randn(16, 3)
+        y = x.sum(dim=1, keepdim=True)
+        with Participant(CoordinatorClient(url, PTOKEN), model=model, name=name) as fed:
+            done[f"{name}.joined_at"] = fed.round
+            done[f"{name}.initial"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            if started is not None:
+                started.set()
+            while not fed.finished:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                fed.step(tokens=16, loss=loss.item())
+                time.sleep(0.01)
+            done[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    except faults.InjectedCrash:
+        done[name] = "crashed"
+    except BaseException as e:
+        errors.append(e)
+
+
+def test_participant_fails_at_round_and_rejoins_with_current_weights(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = tiny_config(
+        rounds=6,
+        min_participants=2,
+        heartbeat_interval_s=0.2,
+        heartbeat_timeout_s=1.5,
+        train={"sync_every": 3},
+        outer={"algorithm": "fedavg"},
+    )
+    done: dict = {}
+    errors: list = []
+    with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())) as c:
+        with faults.inject("participant.sync", "crash", who="p2", round=1) as rule:
+            threads = [
+                threading.Thread(target=_train, args=(c.url, f"p{i}", done, errors), daemon=True) for i in range(3)
+            ]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 60
+            while c.service.version < 3:  # p0 and p1 carry on without p2
+                assert time.monotonic() < deadline and not errors, errors
+                time.sleep(0.05)
+        assert rule.fired == 1 and done["p2"] == "crashed"
+        assert c.service.participants["p2"].state == "failed"
+        rounds = {r["round"]: r for r in c.service.store.rounds()}
+        assert rounds[1]["n_submissions"] == 2  # round 1 closed without the failed participant
+        started = threading.Event()
+        back = threading.Thread(target=_train, args=(c.url, "p2", done, errors, started), daemon=True)
+        back.start()
+        assert started.wait(30), errors
+        joined_at = done["p2.joined_at"]
+        assert joined_at >= 3
+        with CoordinatorClient(c.url, ATOKEN) as admin:  # it starts from the current global weights
+            _, global_then = admin.download(version=joined_at)
+        assert set(global_then) == {"lin.weight", "lin.bias", "head.weight", "head.bias"}
+        for n, t in global_then.items():
+            assert torch.equal(done["p2.initial"][n], t), n
+        for t in [*threads, back]:
+            t.join(timeout=60)
+        assert not errors, errors
+        assert c.service.finished
+        final = c.service.outer.params
+        for n in final:
+            for name in ("p0", "p1", "p2"):  # everyone ends on the global weights
+                assert torch.equal(done[name][n], final[n]), (name, n)
+        events = [(e["kind"], e["message"]) for e in c.service.store.events(200)]
+        assert any(k == "fail" and "p2" in m for k, m in events)
+        assert any(k == "join" and "p2 rejoined" in m and "failed" in m for k, m in events)
+        last = max(rounds) + 1
+        assert any(
+            s["participant_id"] == "p2"
+            for r in c.service.store.rounds()
+            if r["round"] >= last
+            for s in r["submissions"]
+        )

@@ -1,0 +1,85 @@
+"""torchrun participants (gloo, CPU): rank 0 speaks HTTP, every rank ends on the global weights, no deadlock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.wire import iter_file, read_tensors
+from tests.conftest import PTOKEN, tiny_config
+
+
+def torchrun(url: str, name: str, *extra: str) -> subprocess.Popen:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fedtrain"]
+    argv = ["participant", "--coordinator", url, "--data", "stdlib:0/2", "--name", name, *extra]
+    return subprocess.Popen(
+        [*launch, *argv],
+        env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def participant(url: str, name: str, *extra: str) -> subprocess.Popen:
+    argv = ["participant", "--coordinator", url, "--data", "stdlib:1/2", "--name", name, *extra]
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedtrain", *argv],
+        env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return dict(read_tensors(iter_file(path)))
+
+
+def test_two_rank_torchrun_participant_beside_a_single_process_one(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=3, min_participants=2)  # every round waits for both participants
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        group = torchrun(c.url, "group", "--run-dir", str(tmp_path / "group"))
+        single = participant(c.url, "single", "--run-dir", str(tmp_path / "single"))
+        out_group, _ = group.communicate(timeout=240)
+        out_single, _ = single.communicate(timeout=60)
+        assert group.returncode == 0, out_group[-3000:]
+        assert single.returncode == 0, out_single[-3000:]
+        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        rounds = c.service.store.rounds()
+        assert c.service.finished and c.service.version == 3
+    for r in rounds:  # both took part in every round; the group's tokens are the sum over its 2 ranks
+        tokens = {s["participant_id"]: s["tokens"] for s in r["submissions"]}
+        assert tokens == {"group": 2 * tokens["single"], "single": tokens["single"]}, tokens
+    files = [tmp_path / "group" / "final.safetensors", tmp_path / "group" / "final-rank1.safetensors"]
+    files.append(tmp_path / "single" / "final.safetensors")
+    for f in files:  # rank 0, rank 1 and the single-process participant all end on the global weights
+        w = weights(f)
+        assert w.keys() == final.keys() and all(torch.equal(w[k], final[k]) for k in final), f
+    assert out_group.count('"world_size": 2') == 2  # both ranks finished and printed their summary
+
+
+def test_every_rank_stops_when_rank_0_loses_the_coordinator(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=50, train={"sync_every": 10})
+    c = BackgroundCoordinator(tmp_path / "state", cfg).start()
+    group = torchrun(c.url, "group", "--give-up-after", "2")
+    try:
+        deadline = time.monotonic() + 120
+        while c.service.version < 2:
+            assert group.poll() is None and time.monotonic() < deadline, group.stdout.read() if group.stdout else ""
+            time.sleep(0.05)
+    finally:
+        c.stop()
+    t0 = time.monotonic()
+    out, _ = group.communicate(timeout=120)  # a deadlock would hang here until the timeout
+    assert group.returncode != 0
+    assert time.monotonic() - t0 < 90
+    # rank 1 stops with rank 0's reason (torchrun then ends rank 0, which may not get to print its own)
+    assert "fedtrain participant: error: rank 0 of this participant failed: the coordinator" in out, out[-3000:]
+    assert "Connection closed by peer" not in out  # rank 1 was told, not cut off in a collective
