@@ -123,6 +123,11 @@ class TrainConfig(_Strict):
         "none", description="How participants send pseudo-gradients: fp32 as is, bf16, or int8 with per-block scales."
     )
     compression_block: int = Field(256, ge=8, description="Values per int8 scale.")
+    overlap: bool = Field(
+        False,
+        description="Keep training while the upload, merge and download run in the background, then apply "
+        "the new global weights plus the local progress made meanwhile (a one-round-delayed outer update).",
+    )
     error_feedback: bool = Field(
         True, description="With compression: carry what compression dropped into the next round's update."
     )

@@ -38,6 +38,7 @@ from fedtrain.errors import (
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt, short_retries
+from fedtrain.participant.overlap import OverlappedSync
 from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
 from fedtrain.wire.compress import ErrorFeedback, compress
 
@@ -112,6 +113,7 @@ class Participant:
         self.events: list[tuple[str, Any]] = []
         self._callbacks: list[ConfigCallback] = []
         self._feedback = ErrorFeedback()
+        self._overlap = OverlappedSync(self)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -133,6 +135,8 @@ class Participant:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self._overlap.close()  # the last overlapped round lands before we leave
         self._stop.set()
         if self._heart is not None:
             self._heart.join(timeout=5)
@@ -171,7 +175,16 @@ class Participant:
         if loss is not None:
             self._last_loss = float(loss)
             self._round_losses.append(float(loss))
+        if self._overlap.pending:
+            self._overlap.poll()
+            if self.finished:
+                return True
         if self._round_steps >= self.sync_every and time.monotonic() >= self._outage.next_at:
+            if self.config.train.overlap:
+                self._overlap.start()
+                return True
+            if self._overlap.pending:  # overlap was switched off: land the pending round first
+                self._overlap.finish()
             return self.sync()
         return False
 
@@ -185,18 +198,34 @@ class Participant:
         faults.hit("participant.sync", who=self.name or self.participant_id, round=r)
         if self._outage.active and not self._coordinator_back():
             return False
-        record: dict[str, Any] = {"round": r, "steps": self._round_steps, "tokens": self._round_tokens,
-                                  "config_version": self.config_version, "sync_every": self.sync_every}
-        if self._round_losses:
-            record["train_loss"] = sum(self._round_losses) / len(self._round_losses)
-        due, up0, down0 = self.eval_due(r), self.bytes_up, self.bytes_down
-        record.update(self._evaluate("eval_before") if due else {})
+        record = self._open_record(r)
         if not self._attempt_sync(r):
             return False
-        record.update(self._evaluate("eval_after") if due else {})
-        record["bytes_up"], record["bytes_down"] = self.bytes_up - up0, self.bytes_down - down0
-        self.sync_seconds += time.perf_counter() - t0
-        record["sync_s"] = time.perf_counter() - t0
+        self._close_record(record, r, time.perf_counter() - t0)
+        return True
+
+    def _open_record(self, r: int) -> dict[str, Any]:
+        """The round's record so far: counts, mean train loss, eval before the sync."""
+        record: dict[str, Any] = {"round": r, "steps": self._round_steps, "tokens": self._round_tokens,
+                                  "config_version": self.config_version, "sync_every": self.sync_every,
+                                  "_up0": self.bytes_up, "_down0": self.bytes_down}
+        if self._round_losses:
+            record["train_loss"] = sum(self._round_losses) / len(self._round_losses)
+        record.update(self._evaluate("eval_before") if self.eval_due(r) else {})
+        return record
+
+    def _reset_round(self) -> None:
+        self._round_steps = 0
+        self._round_tokens = 0
+        self._round_losses = []
+
+    def _close_record(self, record: dict[str, Any], r: int, blocked_s: float, reset: bool = True) -> None:
+        """After the new global weights are in: eval after, report, take the new config."""
+        record.update(self._evaluate("eval_after") if self.eval_due(r) else {})
+        record["bytes_up"] = self.bytes_up - record.pop("_up0")
+        record["bytes_down"] = self.bytes_down - record.pop("_down0")
+        self.sync_seconds += blocked_s
+        record["sync_s"] = blocked_s
         self.history.append(record)
         values = {k: float(v) for k, v in record.items()
                   if k not in ("round", "steps", "config_version", "sync_every")}
@@ -205,9 +234,8 @@ class Participant:
                 self.client.report(self.participant_id, values, round_=r, step=self.steps)
         except CoordinatorError as e:
             log.warning("could not report metrics of round %d: %s", r, e.message)
-        self._round_steps = 0
-        self._round_tokens = 0
-        self._round_losses = []
+        if reset:  # (an overlapped sync reset the counts when it sent the update)
+            self._reset_round()
         try:
             with short_retries(self.client, self.outage_policy.attempt_s):
                 self._apply_config()
@@ -215,7 +243,6 @@ class Participant:
             if not is_transient(e):
                 raise
             log.warning("could not fetch the config of round %d (%s); keeping the current one", self.round, e.message)
-        return True
 
     # -- riding out an outage ----------------------------------------------------------------------
 
