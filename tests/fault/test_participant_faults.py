@@ -230,6 +230,9 @@ def test_server_errors_during_sync_are_ridden_out(tmp_path: Path, status: int) -
             return await real(ident, pid, round_, *args)
 
         c.service.receive_update = flaky  # type: ignore[method-assign]
-        runners = _run(c)
+        _run(c)  # no hang, no error, the run finished, everyone on the global weights
         assert failures["left"] == 0
-        assert runners[0].fed.outages and runners[0].fed.outages[0]["round"] == 1
+        # Whether the client's own retries absorbed the errors or the participant rode them
+        # out as an outage (that depends on the backoff's jitter), p0's update landed in round 1.
+        rounds = {r["round"]: r for r in c.service.store.rounds()}
+        assert rounds[1]["n_submissions"] == 2

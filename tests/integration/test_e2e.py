@@ -154,4 +154,4 @@ def test_overlapped_apply_is_global_plus_local_progress(tmp_path: Path) -> None:
         # FedAvg with one participant: global after round r = the weights it sent.
         # step 2 sends w=2; step 3 applies 2 + (3 - 2) = 3 (the local progress is kept)
         assert seen[2] == (1, 3.0), seen
-        assert float(model.w[0]) == float(c.service.outer.params["w"][0])
+        assert float(model.w.detach()[0]) == float(c.service.outer.params["w"][0])
