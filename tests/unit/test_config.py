@@ -58,3 +58,12 @@ def test_every_shipped_config_loads() -> None:
     assert shipped, "no config files found"
     for path in shipped:
         load_config(path)
+
+
+def test_config_reference_doc_is_current() -> None:
+    from fedtrain.config_doc import reference
+
+    doc = (ROOT / "docs" / "config.md").read_text()
+    assert doc == reference(), "docs/config.md is stale: run `python -m fedtrain.config_doc > docs/config.md`"
+    for field in ("train.sync_every", "outer.algorithm", "model.n_layer", "round_timeout_s"):
+        assert f"`{field}`" in doc

@@ -1,0 +1,71 @@
+"""The run config's field reference (docs/config.md), generated from the typed schema so the
+documentation cannot drift from the code: `python -m fedtrain.config_doc > docs/config.md`."""
+
+from __future__ import annotations
+
+import json
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel
+
+from fedtrain.config import FIXED_FIELDS, RunConfig
+
+HEADER = """# Run config reference
+
+Generated from `fedtrain.config.RunConfig` by `python -m fedtrain.config_doc > docs/config.md`
+(a test checks it is current). A run config is YAML or JSON; unknown fields are refused.
+Fields under `name`, `seed` and `model` are fixed for the life of a run; every other field
+can change live (admin API, dashboard, or SIGHUP) and takes effect at the next round boundary.
+"""
+
+
+def _default(field: Any) -> str:
+    if field.default_factory is not None:
+        return "(section)"
+    value = field.default
+    return "`null`" if value is None else f"`{json.dumps(value)}`"
+
+
+def _type(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return " \\| ".join(str(a) for a in get_args(annotation))
+    args = get_args(annotation)
+    if args and get_origin(annotation) in (Union, UnionType):
+        return " or ".join("null" if a is type(None) else _type(a) for a in args)
+    if get_origin(annotation) is list:
+        return f"list of {_type(args[0])}" if args else "list"
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    return text.replace("typing.", "").replace("fedtrain.config.", "")
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows: list[str] = []
+    nested: list[tuple[str, type[BaseModel]]] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        annotation = field.annotation
+        sub = next((a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)
+                    and issubclass(a, BaseModel)), None)
+        if sub is not None:
+            nested.append((path, sub))
+            if field.default_factory is None:  # an optional section (null by default)
+                rows.append(f"| `{path}` | section | `null` | {(field.description or '').strip()} |")
+            continue
+        fixed = " (fixed for the run)" if path.split(".")[0] in FIXED_FIELDS else ""
+        meaning = (field.description or "").strip() + fixed
+        rows.append(f"| `{path}` | {_type(annotation)} | {_default(field)} | {meaning} |")
+    for path, sub in nested:
+        doc = (sub.__doc__ or "").strip().splitlines()[0] if sub.__doc__ else ""
+        rows.append(f"| **`{path}`** | | | {doc} |")
+        rows.extend(_rows(sub, f"{path}."))
+    return rows
+
+
+def reference() -> str:
+    lines = [HEADER, "| field | type | default | meaning |", "|---|---|---|---|", *_rows(RunConfig, "")]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference(), end="")
