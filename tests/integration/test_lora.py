@@ -113,3 +113,38 @@ def test_export_adapter_and_merged(tmp_path: Path) -> None:
         plain = build_model(cfg.model.model_copy(update={"lora": None}), seed=cfg.seed)  # (peft wrapped `base`)
         assert not torch.allclose(plain(input_ids=x).logits, want, atol=1e-4)  # the adapters did change the model
     assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+def test_participant_with_another_frozen_base_is_refused(tmp_path: Path) -> None:
+    import httpx
+
+    from fedtrain.recipes import base_fingerprint
+
+    cfg = lora_config()
+    right = base_fingerprint(build_model(cfg.model, seed=cfg.seed))
+    wrong = base_fingerprint(build_model(cfg.model, seed=cfg.seed + 1))
+    assert right != wrong
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c:
+        with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {PTOKEN}"}) as http:
+            r = http.post("/v1/join", json={"name": "odd", "info": {"base": wrong}})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "base_mismatch", r.text
+            assert "frozen base" in r.json()["error"]["message"]
+            assert http.post("/v1/join", json={"name": "good", "info": {"base": right}}).status_code == 200
+
+
+def test_models_built_on_several_threads_at_once_are_identical() -> None:
+    from fedtrain.recipes import base_fingerprint
+
+    cfg = lora_config()
+    prints: list[str] = []
+
+    def build() -> None:
+        model = build_model(cfg.model, seed=cfg.seed)
+        prints.append(base_fingerprint(model) + str(float(sum(p.sum() for p in model.parameters() if p.requires_grad))))
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(prints) == 4 and len(set(prints)) == 1, prints

@@ -87,6 +87,15 @@ def initial_weights(cfg: RunConfig, init_file: Path | None) -> dict[str, torch.T
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def frozen_base_fingerprint(cfg: RunConfig, init_file: Path | None) -> str | None:
+    """For LoRA runs of a recipe model: the hash of the frozen base every participant must share."""
+    if init_file is not None or cfg.model.lora is None:
+        return None
+    from fedtrain.recipes import base_fingerprint, build_model
+
+    return base_fingerprint(build_model(cfg.model, seed=cfg.seed))
+
+
 class Coordinator:
     """A run's state and every operation on it. Create, `open()`, then `await start()`."""
 
@@ -176,6 +185,9 @@ class Coordinator:
             self.store.set_meta("global_version", "0", db)
             self.store.set_meta("digest/0", digest, db)
             self.store.set_meta("created_at", str(time.time()), db)
+            base = frozen_base_fingerprint(cfg, self._init_weights)
+            if base is not None:
+                self.store.set_meta("base_fingerprint", base, db)
         self.version = 0
         self.store.add_event(
             "run",
@@ -436,6 +448,14 @@ class Coordinator:
             raise Refused(409, "name_taken", f"participant name {name!r} is taken by a holder of another token")
         if p is not None and p.state == policy.EVICTED:
             raise Refused(403, "evicted", f"participant {name!r} was evicted from this run by an admin")
+        base = self.store.get_meta("base_fingerprint")
+        if base is not None and info.get("base") is not None and info["base"] != base:
+            # LoRA adapters trained on another base would be merged as if they fit this one.
+            raise Refused(
+                409, "base_mismatch",
+                f"participant {name!r} has a different frozen base model than the run "
+                f"(fingerprint {str(info['base'])[:12]}, the run's {base[:12]}): load the run's base weights",
+            )
         if p is None:
             p = ParticipantRow(name, name, ident.token_id, policy.ACTIVE, now, now, self.version, 0, 0, 0, info)
             self._event("join", f"{name} joined at round {self.version}", name)

@@ -65,7 +65,7 @@ def _apply_lora(model: nn.Module, lora: LoraConfig, recipe: str, seed: int) -> n
         target_modules=targets,
     )
     # Adapter init uses the global RNG: draw it from the run's seed, and leave the caller's RNG alone.
-    with torch.random.fork_rng(devices=[]), hf.quiet():
+    with hf.GLOBAL_RNG, torch.random.fork_rng(devices=[]), hf.quiet():
         torch.manual_seed(seed + 1)
         try:
             wrapped = get_peft_model(model, config)

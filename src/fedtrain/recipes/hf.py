@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -74,10 +75,15 @@ def _dtype(cfg: HFModelConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
 
 
+# transformers and peft draw initial weights from torch's global RNG: models built on several
+# threads at once (participants in one process) would interleave their draws and differ.
+GLOBAL_RNG = threading.Lock()
+
+
 def build_hf_model(cfg: HFModelConfig, seed: int = 0) -> nn.Module:
     """The causal LM of `cfg`; random weights depend only on (cfg, seed) and leave the global RNG as it was."""
     tf = _transformers()
-    with torch.random.fork_rng(devices=[]), quiet():
+    with GLOBAL_RNG, torch.random.fork_rng(devices=[]), quiet():
         torch.manual_seed(seed)
         if cfg.config is not None:
             options = dict(cfg.config)
