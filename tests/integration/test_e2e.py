@@ -42,6 +42,26 @@ def train(url: str, i: int, n: int, results: dict, errors: list) -> None:
         errors.append(e)
 
 
+def train_all(url: str, n: int) -> dict:
+    """n participants training in threads until the run finishes; their final weights."""
+    results: dict = {}
+    errors: list = []
+    threads = [threading.Thread(target=train, args=(url, i, n, results, errors)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    return results
+
+
+def assert_all_on(results: dict, final_global: dict[str, torch.Tensor]) -> None:
+    """Every participant ends on the global weights, bit for bit."""
+    for i, weights in results.items():
+        for name, t in final_global.items():
+            assert torch.equal(weights[name], t), (i, name)
+
+
 def heldout_loss(params: dict[str, torch.Tensor]) -> float:
     cfg = tiny_config()
     model = build_model(cfg.model)
@@ -58,22 +78,13 @@ def test_participants_train_and_agree(tmp_path: Path, algorithm: str) -> None:
     n = 3
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         initial = heldout_loss(c.service.outer.params)
-        results: dict = {}
-        errors: list = []
-        threads = [threading.Thread(target=train, args=(c.url, i, n, results, errors)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=240)
-        assert not errors, errors
+        results = train_all(c.url, n)
         assert c.service.finished and c.service.version == 6
         final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
     assert sorted(r["round"] for r in rounds) == list(range(6))
     assert all(r["n_submissions"] == n for r in rounds)
-    for i in range(n):  # every participant ends on the global weights, bit for bit
-        for name, t in final_global.items():
-            assert torch.equal(results[i][name], t), (i, name)
+    assert_all_on(results, final_global)
     final = heldout_loss(final_global)
     assert final < initial - 1.0, (initial, final)
 
@@ -84,22 +95,13 @@ def test_compressed_deltas_train_and_agree(tmp_path: Path, compression: str) -> 
     n = 2
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         initial = heldout_loss(c.service.outer.params)
-        results: dict = {}
-        errors: list = []
-        threads = [threading.Thread(target=train, args=(c.url, i, n, results, errors)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=240)
-        assert not errors, errors
+        results = train_all(c.url, n)
         final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
         model_bytes = sum(t.numel() * t.element_size() for t in final_global.values())
         rounds = c.service.store.rounds()
     per_upload = rounds[0]["bytes_in"] / rounds[0]["n_submissions"]
     assert per_upload <= model_bytes * {"bf16": 0.51, "int8": 0.27}[compression] + 4096, (per_upload, model_bytes)
-    for i in range(n):
-        for name, t in final_global.items():
-            assert torch.equal(results[i][name], t), (i, name)
+    assert_all_on(results, final_global)
     assert heldout_loss(final_global) < initial - 1.0
 
 
@@ -108,21 +110,12 @@ def test_overlapped_sync_trains_and_ends_on_the_global_model(tmp_path: Path) -> 
     n = 3
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         initial = heldout_loss(c.service.outer.params)
-        results: dict = {}
-        errors: list = []
-        threads = [threading.Thread(target=train, args=(c.url, i, n, results, errors)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=240)
-        assert not errors, errors
+        results = train_all(c.url, n)
         assert c.service.finished
         final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
     assert sorted(r["round"] for r in rounds) == list(range(5))
-    for i in range(n):
-        for name, t in final_global.items():
-            assert torch.equal(results[i][name], t), (i, name)
+    assert_all_on(results, final_global)
     assert heldout_loss(final_global) < initial - 1.0
 
 
