@@ -50,10 +50,10 @@ def make_model(params: int, tensors: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(per, generator=g) * 0.02 for i in range(tensors)}
 
 
-def start_coordinator(tmp: Path, init: Path, n: int) -> tuple[subprocess.Popen, str]:
+def start_coordinator(tmp: Path, init: Path, n: int, extra: dict | None = None) -> tuple[subprocess.Popen, str]:
     cfg = {"name": "bench", "rounds": 0, "min_participants": n, "round_timeout_s": 3600,
            "heartbeat_interval_s": 30, "heartbeat_timeout_s": 3600, "keep_checkpoints": 1,
-           "max_upload_mb": 100_000}
+           "max_upload_mb": 100_000, **(extra or {})}
     (tmp / "run.json").write_text(json.dumps(cfg))
     port = free_port()
     env = {**os.environ, "FEDTRAIN_TOKEN": TOKEN, "FEDTRAIN_ADMIN_TOKEN": "bench-admin"}

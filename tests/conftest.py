@@ -1,10 +1,17 @@
-"""Shared fixtures: tiny run configs and a coordinator on a free loopback port."""
+"""Shared fixtures: tiny run configs, a coordinator on a free loopback port (in-process), and
+a coordinator as a `python -m fedtrain coordinator` process for tests that kill or signal it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import httpx
 import pytest
 
 from fedtrain.config import RunConfig
@@ -35,3 +42,41 @@ def tiny_config(**overrides: object) -> RunConfig:
 def coordinator(tmp_path: Path) -> Iterator[BackgroundCoordinator]:
     with BackgroundCoordinator(tmp_path / "state", tiny_config()) as c:
         yield c
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_coordinator(
+    cfg_path: Path, state: Path, port: int, log: Path, *args: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen:
+    """`python -m fedtrain coordinator` on 127.0.0.1:`port` over `state`, returned once it answers
+    /v1/healthz (60 s at most); its output is appended to `log`, shown if it fails to start.
+
+    `args` are more command-line arguments, `env` more environment variables; the tokens are
+    PTOKEN and "admin". Stop it with `stop_coordinator`, or kill it to test a crash.
+    """
+    env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin", **(env or {})}
+    argv = [sys.executable, "-m", "fedtrain", "coordinator", "--config", str(cfg_path), "--state-dir", str(state)]
+    with open(log, "ab") as out:  # the child holds its own copy of the file descriptor
+        proc = subprocess.Popen([*argv, "--port", str(port), *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("coordinator did not start: " + log.read_text()[-3000:])
+
+
+def stop_coordinator(proc: subprocess.Popen) -> None:
+    """Terminate a coordinator process if it still runs, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -199,6 +199,13 @@ class RunConfig(_Strict):
     heartbeat_interval_s: float = Field(5.0, gt=0, description="How often participants heartbeat.")
     heartbeat_timeout_s: float = Field(60.0, gt=0, description="Silence after which a participant is failed.")
     keep_checkpoints: int = Field(3, ge=1, description="Committed rounds kept on disk.")
+    publish_first: bool = Field(
+        False,
+        description="Serve each round's new global model as soon as the outer step is done and write its "
+        "checkpoint meanwhile (the round commits once the checkpoint is on disk). Takes the checkpoint's "
+        "fsync off the round trip; a coordinator crash in that window loses that one round, and "
+        "participants go back to the last committed model. Off: the model is served only once committed.",
+    )
     max_upload_mb: float = Field(4096.0, gt=0, description="Largest accepted upload body, in MB.")
 
     @model_validator(mode="after")

@@ -13,10 +13,8 @@ where the files a dying process leaves behind (a temp file, a half-written check
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,8 +26,7 @@ from fedtrain.coordinator import BackgroundCoordinator, Tokens
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.store import Store
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, read_tensors
-from tests.conftest import PTOKEN, tiny_config
-from tests.integration.test_restart import free_port
+from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
 
 # (point, does the round commit before the process dies?)
 CHAIN = [
@@ -44,32 +41,6 @@ CHAIN = [
 ]
 
 
-def start(state: Path, cfg_path: Path, port: int, log: Path, faults: str = "") -> subprocess.Popen:
-    env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin", "FEDTRAIN_FAULTS": faults}
-    argv = [
-        sys.executable,
-        "-m",
-        "fedtrain",
-        "coordinator",
-        "--config",
-        str(cfg_path),
-        "--state-dir",
-        str(state),
-        "--port",
-        str(port),
-    ]
-    proc = subprocess.Popen(argv, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise AssertionError("coordinator did not start: " + log.read_text()[-3000:])
-
-
 class Processes:
     """Coordinators as processes, killed with SIGKILL at the point."""
 
@@ -79,7 +50,8 @@ class Processes:
         self.proc: subprocess.Popen | None = None
 
     def start(self, point: str) -> str:
-        self.proc = start(self.state, self.cfg_path, self.port, self.log, f"{point}:kill" if point else "")
+        faults_env = {"FEDTRAIN_FAULTS": f"{point}:kill" if point else ""}
+        self.proc = start_coordinator(self.cfg_path, self.state, self.port, self.log, env=faults_env)
         return f"http://127.0.0.1:{self.port}"
 
     def wait_dead(self, point: str) -> None:
@@ -87,9 +59,8 @@ class Processes:
         assert self.proc.wait(timeout=60) == -signal.SIGKILL, f"{point} did not kill: {self.log.read_text()[-2000:]}"
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
+        if self.proc is not None:
+            stop_coordinator(self.proc)
 
 
 class InProcess:
@@ -160,8 +131,8 @@ def check_disk(state: Path, committed: int) -> None:
         store.close()
 
 
-def run_chain(tmp_path: Path, runner_cls: type) -> None:
-    cfg = tiny_config(rounds=20, outer={"algorithm": "fedavg"}, keep_checkpoints=20)
+def run_chain(tmp_path: Path, runner_cls: type, publish_first: bool = False) -> None:
+    cfg = tiny_config(rounds=20, outer={"algorithm": "fedavg"}, keep_checkpoints=20, publish_first=publish_first)
     cfg_path = tmp_path / "run.json"
     cfg_path.write_text(cfg.model_dump_json())
     state = tmp_path / "state"
@@ -224,3 +195,13 @@ def test_crash_at_every_point_then_resume(tmp_path: Path) -> None:
 
 def test_sigkill_at_every_point_then_resume(tmp_path: Path) -> None:
     run_chain(tmp_path, Processes)
+
+
+def test_publish_first_crash_at_every_point_then_resume(tmp_path: Path) -> None:
+    """publish_first serves the new model before its checkpoint is written: a crash anywhere in
+    the background commit still restarts at the last committed round, never a partial one."""
+    run_chain(tmp_path, InProcess, publish_first=True)
+
+
+def test_publish_first_sigkill_at_every_point_then_resume(tmp_path: Path) -> None:
+    run_chain(tmp_path, Processes, publish_first=True)

@@ -17,9 +17,8 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorUnavailable
 from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
 from fedtrain.participant.outage import OutagePolicy
-from tests.conftest import PTOKEN, tiny_config
+from tests.conftest import PTOKEN, free_port, start_coordinator, tiny_config
 from tests.integration.test_bootstrap import Small, init_file
-from tests.integration.test_restart import free_port
 
 FAST_OUTAGE = OutagePolicy(budget_s=90.0, attempt_s=1.0, backoff_initial_s=0.2, backoff_max_s=1.0)
 
@@ -73,29 +72,7 @@ def test_participants_train_through_a_coordinator_outage(tmp_path: Path) -> None
     url = f"http://127.0.0.1:{port}"
 
     def launch():
-        import os
-        import subprocess
-        import sys
-
-        env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin"}
-        argv = [
-            sys.executable,
-            "-m",
-            "fedtrain",
-            "coordinator",
-            "--config",
-            str(cfg_path),
-            "--state-dir",
-            str(state),
-            "--port",
-            str(port),
-            "--init-weights",
-            str(init),
-        ]
-        proc = subprocess.Popen(argv, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-        wait_for(lambda: _healthy(url) or proc.poll() is not None, 60, "the coordinator")
-        assert proc.poll() is None, log.read_text()
-        return proc
+        return start_coordinator(cfg_path, state, port, log, "--init-weights", str(init))
 
     proc = launch()
     runners = [Runner(url, f"p{i}") for i in range(2)]
@@ -127,15 +104,6 @@ def test_participants_train_through_a_coordinator_outage(tmp_path: Path) -> None
         assert all(o["seconds"] >= 3.0 for o in r.fed.outages)
         for n, t in final.items():
             assert torch.equal(r.final[n], t), (r.pname, n)
-
-
-def _healthy(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/v1/healthz", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _round(url: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -72,16 +73,24 @@ def heldout_loss(params: dict[str, torch.Tensor]) -> float:
     return evaluate(model, stream.eval_batches(8))
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "fedavg"])
-def test_participants_train_and_agree(tmp_path: Path, algorithm: str) -> None:
-    cfg = tiny_config(rounds=6, outer={"algorithm": algorithm}, train={"sync_every": 10, "lr": 1e-2})
+@pytest.mark.parametrize(("algorithm", "publish_first"), [("diloco", False), ("fedavg", False), ("diloco", True)])
+def test_participants_train_and_agree(tmp_path: Path, algorithm: str, publish_first: bool) -> None:
+    cfg = tiny_config(rounds=6, outer={"algorithm": algorithm}, train={"sync_every": 10, "lr": 1e-2},
+                      publish_first=publish_first)
     n = 3
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         initial = heldout_loss(c.service.outer.params)
         results = train_all(c.url, n)
         assert c.service.finished and c.service.version == 6
+        deadline = time.monotonic() + 30  # publish_first: the last round commits in the background
+        while c.service.committed_version < 6:
+            assert time.monotonic() < deadline, "the last published round never committed"
+            time.sleep(0.05)
         final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
+        # every committed checkpoint holds what was served
+        assert torch.equal(c.service.ckpt.load_global(6, c.service.store.get_meta("digest/6"))["wte.weight"],
+                           final_global["wte.weight"])
     assert sorted(r["round"] for r in rounds) == list(range(6))
     assert all(r["n_submissions"] == n for r in rounds)
     assert_all_on(results, final_global)

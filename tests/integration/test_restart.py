@@ -3,11 +3,7 @@ lost; its participants reconnect by themselves and finish on identical weights."
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,44 +12,8 @@ import httpx
 import torch
 
 from fedtrain.participant import CoordinatorClient
-from tests.conftest import PTOKEN, tiny_config
+from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
 from tests.integration.test_e2e import train
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(cfg_path: Path, state: Path, port: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "fedtrain",
-            "coordinator",
-            "--config",
-            str(cfg_path),
-            "--state-dir",
-            str(state),
-            "--port",
-            str(port),
-        ],
-        env=env,
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-        assert proc.poll() is None, log.read_text()
-    raise AssertionError("coordinator did not start: " + log.read_text())
 
 
 def current_round(url: str) -> int:
@@ -67,7 +27,7 @@ def test_sigkill_coordinator_resumes_without_losing_rounds(tmp_path: Path) -> No
     cfg_path.write_text(cfg.model_dump_json())
     state, log, port = tmp_path / "state", tmp_path / "coordinator.log", free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(cfg_path, state, port, log)
+    proc = start_coordinator(cfg_path, state, port, log)
     results: dict = {}
     errors: list = []
     threads = [threading.Thread(target=train, args=(url, i, n, results, errors)) for i in range(n)]
@@ -82,7 +42,7 @@ def test_sigkill_coordinator_resumes_without_losing_rounds(tmp_path: Path) -> No
         proc.wait()
         killed_at = int((state / "run.db").exists())
         time.sleep(1.0)
-        proc = start(cfg_path, state, port, log)
+        proc = start_coordinator(cfg_path, state, port, log)
         for t in threads:
             t.join(timeout=240)
         assert not errors, errors
@@ -92,8 +52,7 @@ def test_sigkill_coordinator_resumes_without_losing_rounds(tmp_path: Path) -> No
             version, final = client.download()
             events = [e["message"] for e in client._json("GET", "/v1/events")["events"]]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_coordinator(proc)
     assert status["finished"] and version == rounds
     committed = sorted(r["round"] for r in status["recent_rounds"])
     assert committed == list(range(rounds)), committed  # no committed round lost or repeated

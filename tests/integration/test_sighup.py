@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.conftest import tiny_config
-from tests.integration.test_restart import free_port, start
+from tests.conftest import free_port, tiny_config
+from tests.conftest import start_coordinator as start
 
 
 def wait_for(fn, timeout: float = 20.0):  # type: ignore[no-untyped-def]

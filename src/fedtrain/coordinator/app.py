@@ -38,7 +38,6 @@ from fedtrain.wire import DIGEST_HEADER
 log = logging.getLogger("fedtrain.coordinator")
 
 VERSION_HEADER = "X-Fedtrain-Version"
-DOWNLOAD_CHUNK = 4 << 20
 STREAM_KEEPALIVE_S = 15.0
 
 
@@ -310,21 +309,10 @@ def create_app(service: Coordinator) -> FastAPI:
         participant_id: str | None = None,
         ident: Identity = Depends(identity),
     ) -> StreamingResponse:
-        path, v, digest = service.model_file(version, participant_id)
-        f = open(path, "rb")  # noqa: SIM115 - opened now so a later prune cannot take it mid-stream
-        size = path.stat().st_size
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                while True:
-                    chunk = await asyncio.to_thread(f.read, DOWNLOAD_CHUNK)
-                    if not chunk:
-                        break
-                    yield chunk
-            finally:
-                f.close()
-
-        headers = {"Content-Length": str(size), DIGEST_HEADER: digest, VERSION_HEADER: str(v)}
-        return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
+        stream = service.model_stream(version, participant_id)
+        headers = {
+            "Content-Length": str(stream.size), DIGEST_HEADER: stream.digest, VERSION_HEADER: str(stream.version)
+        }
+        return StreamingResponse(stream.chunks(), media_type="application/octet-stream", headers=headers)
 
     return app

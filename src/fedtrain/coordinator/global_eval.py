@@ -73,7 +73,7 @@ class GlobalEvaluator:
             if config.eval.global_data is None:
                 continue
             kept = set(self.service.ckpt.versions())
-            for version in range(self._next, self.service.version + 1):
+            for version in range(self._next, self.service.committed_version + 1):
                 if self._stop.is_set():
                     return
                 self._next = version + 1

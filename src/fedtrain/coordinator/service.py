@@ -40,13 +40,15 @@ from fedtrain.coordinator.auth import Identity, Tokens, fingerprint
 from fedtrain.coordinator.broadcast import Broadcaster
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.global_eval import GlobalEvaluator
-from fedtrain.coordinator.spool import RoundSpool, needs_spool, update_norm_of_file
+from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
+from fedtrain.coordinator.spool import RoundSpool, needs_spool
 from fedtrain.coordinator.store import ParticipantRow, Store
+from fedtrain.coordinator.uploads import Staging, drain, largest_tensor_bytes, receive_to_spool
 from fedtrain.errors import ConfigError, FedtrainError, MergeError, StateError
-from fedtrain.merge import OuterOptimizer, RunningSum, check_compatible, contribution_weights
-from fedtrain.merge.robust import clip_scale
-from fedtrain.wire import DTYPE_TO_ST, BodyReader, TensorSpec, iter_file, read_tensors
-from fedtrain.wire.compress import decompress, expected_specs, scheme_of
+from fedtrain.merge import OuterOptimizer, RunningSum, all_finite, check_compatible, contribution_weights
+from fedtrain.merge.robust import clip_scale, sum_of_squares
+from fedtrain.wire import DTYPE_TO_ST, EncodedBody, TensorSpec, iter_file, read_tensors
+from fedtrain.wire.compress import expected_specs, scheme_of
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -120,6 +122,10 @@ class Coordinator:
         self._changed: asyncio.Event | None = None
         self._tick_task: asyncio.Task | None = None
         self._close_task: asyncio.Task | None = None
+        self._commit_task: asyncio.Task | None = None  # publish_first: the open round's predecessor
+        self._published: Published | None = None
+        self._weights = WeightsGuard()
+        self._rollbacks = 0
         self.bytes_in = 0
         self.bytes_out = 0
 
@@ -139,8 +145,10 @@ class Coordinator:
             self._create()
         else:
             self._resume(version)
+        self.committed_version = self.version
         self.spec = {n: (t.dtype, tuple(t.shape)) for n, t in self.outer.params.items()}
         self.acc = RunningSum(self.outer.params)
+        self._staging = Staging(largest_tensor_bytes(self.spec))
         self.participants = {p.id: p for p in self.store.participants()}
         self.live: dict[str, Live] = {pid: Live() for pid in self.participants}
         now = self.clock()
@@ -229,9 +237,9 @@ class Coordinator:
         )
 
     def _write_checkpoint(self, version: int) -> str:
-        meta = {"run": self.config.name, "algorithm": self.outer.algorithm}
         return self.ckpt.write(
-            version, self.outer.params, self.outer.state_tensors(), self.outer.state_metadata(), meta
+            version, self.outer.params, self.outer.state_tensors(), self.outer.state_metadata(),
+            self._model_meta(version),
         )
 
     async def start(self) -> None:
@@ -244,6 +252,8 @@ class Coordinator:
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_config_file)
 
     async def stop(self) -> None:
+        if self._commit_task is not None:  # a published round is committed before we go
+            await asyncio.gather(self._commit_task, return_exceptions=True)
         for task in (self._tick_task, self._close_task):
             if task is not None:
                 task.cancel()
@@ -558,7 +568,7 @@ class Coordinator:
         try:
             admission = self._check_open(round_)
             if self._is_duplicate(pid, round_, admission):
-                await _drain(chunks)
+                await drain(chunks)
                 return {"accepted": True, "duplicate": True, "round": round_}
             if self.config.outer.weighting == "tokens" and tokens <= 0:
                 raise Refused(400, "invalid_tokens", "tokens must be a positive count of tokens processed this round")
@@ -568,14 +578,15 @@ class Coordinator:
             if length > limit:
                 raise Refused(413, "too_large", f"upload of {length:,} bytes exceeds max_upload_mb ({limit:,} bytes)")
         except Refused:
-            await _drain(chunks)
+            await drain(chunks)
             raise
         path = self.spool / f"{round_}-{pid}.safetensors"
         try:
             try:
-                await self._receive(chunks, path, digest, length, limit, pid=pid, round_=round_)
+                await receive_to_spool(chunks, path, digest=digest, length=length, limit=limit,
+                                       on_header=self._check_header, who=pid, round_=round_)
             except BaseException:
-                await _drain(chunks)
+                await drain(chunks)
                 raise
             faults.hit("upload.received", who=pid, round=round_)
             await asyncio.to_thread(self.check_values, path)
@@ -618,35 +629,6 @@ class Coordinator:
         late = {"folded_into": self.version, "staleness": admission.staleness} if admission.action == "late" else {}
         return {"accepted": True, "duplicate": False, "round": round_, **late}
 
-    async def _receive(
-        self,
-        chunks: AsyncIterator[bytes],
-        path: Path,
-        digest: str,
-        length: int,
-        limit: int,
-        *,
-        pid: str | None = None,
-        round_: int | None = None,
-    ) -> None:
-        # Only the header, the length and the digest are checked while bytes stream in: no
-        # tensor is held in memory per upload, so memory does not grow with concurrent uploads.
-        # Values (finite) are checked from the spool file before anything is folded.
-        reader = BodyReader(
-            expected_digest=digest,
-            max_bytes=limit,
-            expected_length=length,
-            on_header=self._check_header,
-            store_data=False,
-        )
-        with open(path, "wb") as f:
-            async for chunk in chunks:
-                f.write(chunk)
-                if reader.bytes_received == 0:
-                    faults.hit("upload.streaming", who=pid, round=round_)
-                reader.feed(chunk)
-            reader.finish()
-
     def _check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
         scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header
         check_compatible(expected_specs(self.spec, scheme, block), {n: (s.dtype, s.shape) for n, s in specs.items()},
@@ -657,7 +639,8 @@ class Coordinator:
         outer = self.config.outer
         if outer.clip_norm is None and outer.outlier_factor is None:
             return 0.0
-        return update_norm_of_file(path, {n: d for n, (d, _) in self.spec.items()})
+        with self._fold_lock:
+            return math.sqrt(sum(sum_of_squares(t) for _, t in self.spooled(path)))
 
     def _fold(self, path: Path, weight: float, scale: float = 1.0) -> None:
         """Fold a verified spool file; `scale` < 1 clips the update's norm (its weight counts in full)."""
@@ -667,10 +650,9 @@ class Coordinator:
             self.acc.finish_contribution(weight)
 
     def spooled(self, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-        """The decoded tensors of a verified spool file, one at a time."""
-        meta: dict[str, str] = {}
-        tensors = read_tensors(iter_file(path), on_header=lambda _, m: meta.update(m))
-        return decompress(tensors, meta, {n: d for n, (d, _) in self.spec.items()})
+        """The decoded tensors of a verified spool file, one at a time, read into the staging
+        buffer (the caller holds the fold lock; each tensor is valid until the next)."""
+        return self._staging.decoded(path, {n: d for n, (d, _) in self.spec.items()})
 
     def check_values(self, path: Path) -> None:
         """Refuse a spooled upload with a NaN or Inf anywhere (one tensor in memory at a time,
@@ -705,24 +687,25 @@ class Coordinator:
     async def _close_round(self, reason: str) -> None:
         while self._folds:
             await asyncio.sleep(0.01)
-        r = self.version
-        try:
-            record = await asyncio.to_thread(self._merge_and_commit, r, reason)
-        except Exception as e:
-            log.exception("merge of round %d failed", r)
-            self._event(
-                "merge_failed",
-                f"merge of round {r} failed ({e}); reloading the last committed round, uploads must be sent again",
-            )
-            await asyncio.to_thread(self._reload_committed)
-            self.submitted = {}
-            self._end_round_extras(committed=False)
+        if not await self._settle_commit():
             self.closing = False
             self._notify()
+            return
+        r = self.version
+        publish_first = self.config.publish_first
+        try:
+            record = await asyncio.to_thread(self._merge, r, reason, publish_first)
+            if not publish_first:
+                await asyncio.to_thread(self._commit, r, record)
+        except Exception as e:
+            log.exception("merge of round %d failed", r)
+            await self._roll_back(f"merge of round {r} failed ({e})", "merge_failed")
             return
         for key, why in self._rejected.items():
             self._event("reject", f"the update of {key} for round {r} was left out: {why}", key.split("@")[0])
         self.version = r + 1
+        if publish_first:
+            self._commit_task = asyncio.create_task(self._commit_in_background(r, record))
         self.submitted = {}
         self._end_round_extras(committed=True)
         self.opened_at = self.clock()
@@ -736,7 +719,22 @@ class Coordinator:
             self._event("finished", f"run finished after {self.version} rounds")
         self._notify()
 
-    def _merge_and_commit(self, r: int, reason: str) -> dict[str, Any]:
+    async def _roll_back(self, why: str, kind: str) -> None:
+        """Back to the last committed round: its weights and optimizer state, no uploads."""
+        self._event(kind, f"{why}; reloading the last committed round {self.committed_version}, "
+                          "uploads must be sent again")
+        self.version = self.committed_version
+        self._published = None
+        self._rollbacks += 1
+        await asyncio.to_thread(self._reload_committed)
+        self.submitted = {}
+        self._end_round_extras(committed=False)
+        self.closing = False
+        self._notify()
+
+    def _merge(self, r: int, reason: str, publish_first: bool) -> dict[str, Any]:
+        """Aggregate the round and take the outer step; with `publish_first` also make the new
+        weights downloadable at once (their digest, and a body over them)."""
         t0 = time.perf_counter()
         with self._fold_lock:
             tokens = dict(self.submitted)
@@ -744,27 +742,70 @@ class Coordinator:
             dtypes = {n: d for n, (d, _) in self.spec.items()}
             self._rejected = self.round_spool.aggregate_into(self.acc, self.config.outer, dtypes)
             weights = self._round_weights(tokens, self._rejected)
-            self.outer.step(self.acc.mean())
-            digest = self._write_checkpoint(r + 1)
-            faults.hit("checkpoint.after_global_write", round=r)
-            record = {
-                "round": r,
-                "opened_at": self.opened_at,
-                "closed_at": self.clock(),
-                "close_reason": reason,
-                "algorithm": self.outer.algorithm,
-                "n_submissions": len(tokens),
-                "tokens": sum(tokens.values()),
-                "bytes_in": sum(s["bytes"] for s in self.store.submissions(r)),
-                "merge_s": time.perf_counter() - t0,
-                "digest": digest,
-            }
-            faults.hit("commit.before_db", round=r)
-            self.store.commit_round(record, weights)
-            faults.hit("commit.after_db", round=r)
+            with self._weights.lock:
+                self._weights.epoch += 1
+                self.outer.step(self.acc.mean())
             self.acc.reset()
-        self.ckpt.prune(r + 1, self.config.keep_checkpoints)
+        record = {
+            "round": r,
+            "opened_at": self.opened_at,
+            "closed_at": self.clock(),
+            "close_reason": reason,
+            "algorithm": self.outer.algorithm,
+            "n_submissions": len(tokens),
+            "tokens": sum(tokens.values()),
+            "bytes_in": sum(s["bytes"] for s in self.store.submissions(r)),
+            "weights": weights,
+        }
+        if publish_first:
+            body = EncodedBody(self.outer.params, self._model_meta(r + 1))
+            self._published = Published(r + 1, body.digest(), body, self._weights.epoch)
+        record["merge_s"] = time.perf_counter() - t0
         return record
+
+    def _commit(self, r: int, record: dict[str, Any]) -> None:
+        """Make round r durable: checkpoint files (fsync'd), then the database row."""
+        t0 = time.perf_counter()
+        weights = record.pop("weights")
+        record["digest"] = self.ckpt.write(r + 1, self.outer.params, self.outer.state_tensors(),
+                                           self.outer.state_metadata(), self._model_meta(r + 1))
+        faults.hit("checkpoint.after_global_write", round=r)
+        record["commit_s"] = time.perf_counter() - t0
+        faults.hit("commit.before_db", round=r)
+        self.store.commit_round(record, weights)
+        faults.hit("commit.after_db", round=r)
+        self.committed_version = r + 1
+        self.ckpt.prune(r + 1, self.config.keep_checkpoints)
+
+    async def _commit_in_background(self, r: int, record: dict[str, Any]) -> None:
+        """publish_first: commit round r while round r + 1 runs; if that fails, go back to the
+        last committed round at once (what was served of r + 1 is dropped)."""
+        published = self._published
+        try:
+            await asyncio.to_thread(self._commit, r, record)
+            if published is not None and record["digest"] != published.digest:  # same bytes by construction
+                raise StateError(f"round {r}'s checkpoint digest differs from the model served from memory")
+        except Exception as e:
+            log.exception("commit of round %d failed", r)
+            self.closing = True  # admit no upload while going back
+            while self._folds:
+                await asyncio.sleep(0.01)
+            await self._roll_back(f"the commit of round {r} failed ({e})", "commit_failed")
+        finally:
+            if self._published is published:
+                self._published = None
+
+    async def _settle_commit(self) -> bool:
+        """Before a merge: wait for the previous round's background commit. False when it failed
+        and the run went back meanwhile: the round being closed no longer exists."""
+        rollbacks = self._rollbacks
+        if self._commit_task is not None:
+            await asyncio.gather(self._commit_task, return_exceptions=True)
+            self._commit_task = None
+        return self._rollbacks == rollbacks
+
+    def _model_meta(self, version: int) -> dict[str, str]:
+        return {"run": self.config.name, "algorithm": self.outer.algorithm, "version": str(version)}
 
     def _round_weights(self, tokens: dict[str, int], rejected: dict[str, str]) -> dict[str, float]:
         """Recorded weights: normalised over the kept updates (uniform for median/trimmed mean), 0 if left out."""
@@ -779,7 +820,9 @@ class Coordinator:
             v = self.version
             params = self.ckpt.load_global(v, self.store.get_meta(f"digest/{v}"))
             tensors, meta = self.ckpt.load_outer(v)
-            self.outer = OuterOptimizer.restore(params, tensors, meta)
+            with self._weights.lock:
+                self._weights.epoch += 1
+                self.outer = OuterOptimizer.restore(params, tensors, meta)
             self.acc.reset()
             self.store.discard_uncommitted(v)
             self.ckpt.prune(v, self.config.keep_checkpoints)
@@ -852,18 +895,24 @@ class Coordinator:
 
     # -- downloads and views -------------------------------------------------------------------
 
-    def model_file(self, version: int | None, pid: str | None = None) -> tuple[Path, int, str]:
+    def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
+        """A download of global version `version` (default: the newest): from its committed
+        file, or from memory while a `publish_first` round's checkpoint is being written."""
         v = self.version if version is None else version
         path = self.ckpt.global_path(v)
-        digest = self.store.get_meta(f"digest/{v}")
-        if v > self.version or digest is None or not path.is_file():
-            kept = [x for x in self.ckpt.versions() if x <= self.version]
-            raise Refused(404, "version_not_kept", f"global model version {v} is not available (kept: {kept})")
-        size = path.stat().st_size
-        self.bytes_out += size
+        published = self._published if self._published is not None and self._published.version == v else None
+        if published is not None:
+            stream = ModelStream(v, published.digest, published.body.content_length, path, published, self._weights)
+        else:
+            digest = self.store.get_meta(f"digest/{v}")
+            if v > self.committed_version or digest is None or not path.is_file():
+                kept = [x for x in self.ckpt.versions() if x <= self.committed_version]
+                raise Refused(404, "version_not_kept", f"global model version {v} is not available (kept: {kept})")
+            stream = ModelStream(v, digest, path.stat().st_size, path)
+        self.bytes_out += stream.size
         if pid is not None and pid in self.participants:
-            self.participants[pid].bytes_down += size
-        return path, v, digest
+            self.participants[pid].bytes_down += stream.size
+        return stream
 
     def status(self) -> dict[str, Any]:
         params = sum(math.prod(s) for _, s in self.spec.values())
@@ -907,19 +956,3 @@ class Coordinator:
         }
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in `t`. min and max propagate NaN and show Inf, and one fused reduction
-    over the data is ~25x faster than materializing isfinite's boolean tensor."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
-
-
-async def _drain(chunks: AsyncIterator[bytes]) -> None:
-    """Read what is left of a request body, so that the client receives our answer."""
-    try:
-        async for _ in chunks:
-            pass
-    except Exception:  # noqa: BLE001 - a client gone away is not our error to report
-        pass

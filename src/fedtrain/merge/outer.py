@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fedtrain.errors import MergeError
-from fedtrain.merge.aggregate import TensorDict, _listed, check_compatible
+from fedtrain.merge.aggregate import TensorDict, _listed, all_finite, check_compatible
 from fedtrain.merge.yogi import Yogi
 
 ALGORITHMS = ("fedavg", "diloco", "fedavgm", "fedadam", "fedyogi")
@@ -114,7 +114,7 @@ class OuterOptimizer:
         if not delta.is_floating_point():
             raise MergeError(f"{name} has dtype {delta.dtype}; pseudo-gradients must be floating point")
         grad = delta.detach().to(device=p.device, dtype=p.dtype)
-        if not bool(torch.isfinite(grad).all()):
+        if not all_finite(grad):
             raise MergeError(f"mean pseudo-gradient of {name} has NaN or infinite values; nothing was applied")
         return grad
 

@@ -28,7 +28,8 @@ from fedtrain.errors import (
     RoundClosedError,
     WireError,
 )
-from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec
+from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec, digests_equal
+from fedtrain.wire.digest import BackgroundDigest, parse_digest
 
 log = logging.getLogger("fedtrain.participant")
 
@@ -289,16 +290,28 @@ class CoordinatorClient:
                     r.read()
                     raise _error_from(r)
                 length = int(r.headers["content-length"]) if "content-length" in r.headers else None
-                reader = BodyReader(
-                    expected_digest=r.headers.get(DIGEST_HEADER),
-                    expected_length=length,
-                    allocate=allocate,
-                    on_header=on_header,
-                )
+                expected = r.headers.get(DIGEST_HEADER)
+                if expected is not None:
+                    parse_digest(expected)
+                # The sha256 runs on a worker thread, overlapping with the network and the copy
+                # into place; it is checked before anything is returned.
+                hasher = BackgroundDigest() if expected is not None else None
+                reader = BodyReader(expected_length=length, allocate=allocate, on_header=on_header)
                 out: dict[str, torch.Tensor] = {}
-                for chunk in r.iter_raw(1 << 20):
-                    out.update(reader.feed(chunk))
-                reader.finish()
+                try:
+                    for chunk in r.iter_raw(1 << 20):
+                        out.update(reader.feed(chunk))
+                        if hasher is not None:
+                            hasher.update(chunk)
+                    reader.finish()
+                    if hasher is not None and expected is not None:
+                        got, hasher = hasher.digest(), None
+                        if not digests_equal(got, expected):
+                            raise WireError(f"body digest mismatch: expected {expected}, got {got}; "
+                                            "the body was corrupted in transit, send it again")
+                finally:
+                    if hasher is not None:
+                        hasher.close()
                 return int(r.headers.get(VERSION_HEADER, -1)), out
 
         return self._call("download of the global model", once)

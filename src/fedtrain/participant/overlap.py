@@ -77,7 +77,7 @@ class OverlappedSync:
         uploaded = fed._upload(r, body)
         give_up_at = time.monotonic() + fed.config.round_timeout_s + fed._outage_budget_s
         while uploaded:
-            info = fed.client.wait_round(r, fed.participant_id, wait_s=25.0)
+            info = fed._wait_round(r)
             if info["state"] not in ("open", "closing"):
                 break
             if info.get("submitted") is False and info["state"] == "open":

@@ -334,7 +334,7 @@ class Participant:
             uploaded = self._upload(r, body)
             give_up_at = time.monotonic() + self.config.round_timeout_s + self._outage_budget_s
             while uploaded:
-                info = self.client.wait_round(r, self.participant_id, wait_s=25.0)
+                info = self._wait_round(r)
                 if info["state"] != "open" and info["state"] != "closing":
                     break
                 if info.get("submitted") is False and info["state"] == "open":
@@ -352,6 +352,18 @@ class Participant:
         faults.hit("participant.download", who=self.name or self.participant_id, round=r)
         self._load_global()
         self._snapshot_valid = True
+
+    def _wait_round(self, r: int) -> dict[str, Any]:
+        """Long-poll round r. A coordinator that went back past r (it restarted, or a round it had
+        served under publish_first failed to commit) answers round_not_open: r is gone, and the
+        caller takes the coordinator's current model."""
+        try:
+            return self.client.wait_round(r, self.participant_id, wait_s=25.0)
+        except CoordinatorError as e:
+            if e.code != "round_not_open":
+                raise
+            log.warning("round %d is gone (%s); taking the coordinator's current model", r, e.message)
+            return {"round": r, "state": "gone"}
 
     def _encode_delta(self) -> EncodedBody:
         """Δ (held in the snapshot buffers) as a body, compressed as the run config says."""

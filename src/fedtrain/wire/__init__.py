@@ -10,20 +10,10 @@ from fedtrain.wire.digest import (
     format_digest,
     parse_digest,
 )
-from fedtrain.wire.stream import (
-    DTYPE_TO_ST,
-    MAX_HEADER_BYTES,
-    ST_TO_DTYPE,
-    BodyReader,
-    EncodedBody,
-    TensorSpec,
-    aread_tensors,
-    iter_file,
-    parse_header,
-    read_tensors,
-    spec_of,
-    write_file,
-)
+from fedtrain.wire.encode import EncodedBody
+from fedtrain.wire.files import iter_file, write_file
+from fedtrain.wire.format import DTYPE_TO_ST, MAX_HEADER_BYTES, ST_TO_DTYPE, TensorSpec, parse_header, spec_of
+from fedtrain.wire.reader import BodyReader, aread_tensors, read_tensors
 
 __all__ = [
     "DIGEST_ALGORITHM",

@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from fedtrain.errors import WireError
 
@@ -96,3 +97,47 @@ def digest_chunks(chunks: Iterable[Buffer]) -> str:
     for chunk in chunks:
         state.update(chunk)
     return state.digest()
+
+
+class BackgroundDigest:
+    """A StreamingDigest fed on a worker thread, so hashing overlaps with receiving.
+
+    `update` gathers chunks and hands them over in batches of about `batch` bytes; at most
+    one batch is being hashed while the next one is gathered, so the memory held is about
+    two batches. The chunks must not be modified after `update` (bytes from a socket are
+    not). `digest` waits for the last batch."""
+
+    def __init__(self, batch: int = 1 << 20) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._state = StreamingDigest()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-hash")
+        self._pending: Any = None
+        self._batch: list[Buffer] = []
+        self._size = 0
+        self._limit = batch
+
+    def update(self, chunk: Buffer) -> None:
+        self._batch.append(chunk)
+        self._size += memoryview(chunk).nbytes
+        if self._size >= self._limit:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+        batch, self._batch, self._size = self._batch, [], 0
+        self._pending = self._pool.submit(self._hash, batch)
+
+    def _hash(self, batch: list[Buffer]) -> None:
+        for chunk in batch:
+            self._state.update(chunk)
+
+    def digest(self) -> str:
+        self._flush()
+        self._pending.result()
+        self.close()
+        return self._state.digest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,87 @@
+"""Serving the global model: from its checkpoint file, or from memory before it is on disk.
+
+By default a round's new model is served only once it is committed: its checkpoint files
+are written and fsync'd and the database says so. With `publish_first: true` the
+coordinator serves the new model straight from the master weights as soon as the outer
+step is done and writes the checkpoint meanwhile, which takes the commit off the round
+trip. The weights must then not change under a download: every chunk is copied out under
+the `WeightsGuard` lock, and the next outer step (which takes the same lock and bumps the
+epoch) only runs once this round's commit is done; a download still streaming from memory
+when the epoch moves continues from the committed file at the same offset. The bytes are
+the same either way: the file is the same `EncodedBody` (same tensors, same metadata).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedtrain.wire import EncodedBody
+
+CHUNK = 4 << 20
+
+
+class WeightsGuard:
+    """Orders copies of the master weights against changes to them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.epoch = 0  # bumped (under the lock) by every change of the master weights
+
+
+@dataclass
+class Published:
+    """A version served from memory while its checkpoint is being written."""
+
+    version: int
+    digest: str
+    body: EncodedBody
+    epoch: int
+
+
+@dataclass
+class ModelStream:
+    """One download of one global version: its headers' values and its bytes."""
+
+    version: int
+    digest: str
+    size: int
+    path: Path
+    memory: Published | None = None
+    guard: WeightsGuard | None = None
+
+    def __post_init__(self) -> None:
+        # Opened now (file mode), so that a later prune cannot take the file mid-stream.
+        self._file = open(self.path, "rb") if self.memory is None else None  # noqa: SIM115
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        offset = 0
+        try:
+            if self.memory is not None and self.guard is not None:
+                for view in self.memory.body:
+                    with self.guard.lock:
+                        if self.guard.epoch != self.memory.epoch:
+                            break  # the weights moved on: the rest comes from the committed file
+                        data = bytes(view)
+                    offset += len(data)
+                    yield data
+                else:
+                    return
+                self._file = open(self.path, "rb")  # noqa: SIM115
+                self._file.seek(offset)
+            assert self._file is not None
+            while True:
+                chunk = await asyncio.to_thread(self._file.read, CHUNK)
+                if not chunk:
+                    break
+                yield chunk
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

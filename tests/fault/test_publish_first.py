@@ -1,0 +1,78 @@
+"""publish_first: a round's model is served before its checkpoint is on disk. When that
+background commit fails, the coordinator goes back to the last committed round at once, and
+participants that already trained on the lost model follow it back and finish the run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from fedtrain import faults
+from fedtrain.coordinator import BackgroundCoordinator, Tokens
+from tests.conftest import PTOKEN, tiny_config
+from tests.fault.test_coordinator_crash import delta, download, upload
+from tests.integration.test_e2e import assert_all_on, train_all
+
+
+def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_failed_background_commit_goes_back_to_the_committed_round(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, publish_first=True, min_participants=2)
+    headers = {"Authorization": f"Bearer {PTOKEN}"}
+    with BackgroundCoordinator(tmp_path / "state", cfg, tokens=Tokens([PTOKEN], "admin")) as c, \
+            httpx.Client(base_url=c.url, headers=headers, timeout=30) as http:
+        for pid in ("a", "b"):
+            assert http.post("/v1/join", json={"name": pid}).status_code == 200
+        _, theta0 = download(http)
+        rule = faults.arm(faults.Rule("commit.before_db", "raise", round=0))
+        try:
+            for who, pid in enumerate(("a", "b")):
+                assert upload(http, 0, pid, delta(theta0, who, 0)).status_code == 200
+            wait_for(lambda: rule.fired == 1, "the commit of round 0 never ran")
+            wait_for(lambda: c.service.version == 0 and not c.service.closing, "no roll back")
+        finally:
+            faults.disarm()
+        assert c.service.committed_version == 0
+        version, theta = download(http)  # the served model is the committed one again
+        assert version == 0
+        for n, t in theta.items():
+            assert torch.equal(t, theta0[n])
+        kinds = [e["kind"] for e in http.get("/v1/events", params={"limit": 20}).json()["events"]]
+        assert "commit_failed" in kinds
+        # round 0 is open again and commits this time
+        da, db = delta(theta0, 0, 0), delta(theta0, 1, 0)
+        for pid, d in (("a", da), ("b", db)):
+            assert upload(http, 0, pid, d).status_code == 200
+        wait_for(lambda: c.service.committed_version == 1, "round 0 did not commit on the second try")
+        version, theta = download(http)
+        assert version == 1
+        for n, t in theta.items():
+            torch.testing.assert_close(t, theta0[n] - (da[n] + db[n]) / 2, rtol=0, atol=1e-6)
+
+
+def test_participants_follow_a_lost_round_back_and_finish(tmp_path: Path) -> None:
+    """The commit of round 1 fails after the participants took its model and trained on it:
+    their round-2 state is gone, they go back to round 1's start and the run still finishes."""
+    cfg = tiny_config(rounds=4, publish_first=True, train={"sync_every": 5, "lr": 1e-2})
+    rule = faults.arm(faults.Rule("commit.before_db", "raise", round=1))
+    try:
+        with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+            results = train_all(c.url, 2)
+            wait_for(lambda: c.service.committed_version == 4, "the run's last round never committed")
+            final = {k: v.clone() for k, v in c.service.outer.params.items()}
+            rounds = c.service.store.rounds()
+            kinds = [e["kind"] for e in c.service.store.events(limit=200)]
+    finally:
+        faults.disarm()
+    assert rule.fired == 1
+    assert "commit_failed" in kinds
+    assert sorted(r["round"] for r in rounds) == [0, 1, 2, 3]
+    assert_all_on(results, final)

@@ -1,0 +1,168 @@
+"""The coordinator's receive path (spool + hash on a worker thread, staged read-back) and the
+model download stream (from memory, then from the file when the weights move on)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
+from fedtrain.coordinator.uploads import Staging, largest_tensor_bytes, receive_to_spool
+from fedtrain.errors import WireError
+from fedtrain.wire import EncodedBody, StreamingDigest, write_file
+from fedtrain.wire.compress import compress
+from fedtrain.wire.digest import BackgroundDigest, digest_bytes
+
+
+def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(300_001, generator=g), "b": torch.randn(7, 5, generator=g), "c": torch.zeros(0)}
+
+
+def body_bytes(t: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> tuple[bytes, str]:
+    body = EncodedBody(t, meta)
+    return b"".join(bytes(c) for c in body), body.digest()
+
+
+async def chunked(data: bytes, size: int) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+def receive(data: bytes, digest: str, path: Path, size: int = 65_536, length: int | None = None,
+            on_header=lambda specs, meta: None):
+    return asyncio.run(receive_to_spool(chunked(data, size), path, digest=digest,
+                                        length=len(data) if length is None else length,
+                                        limit=1 << 30, on_header=on_header))
+
+
+@pytest.mark.parametrize("size", [1, 4097, 65_536, 3 << 20])
+def test_received_body_is_spooled_byte_for_byte(tmp_path: Path, size: int) -> None:
+    t = tensors()
+    data, digest = body_bytes(t)
+    if size == 1:
+        data, digest = body_bytes({"b": t["b"]})  # one byte at a time: a small body
+    reader = receive(data, digest, tmp_path / "u", size)
+    assert (tmp_path / "u").read_bytes() == data
+    assert reader.done and set(reader.specs or {}) <= set(t)
+
+
+def test_digest_mismatch_is_refused(tmp_path: Path) -> None:
+    data, _ = body_bytes(tensors())
+    with pytest.raises(WireError, match="digest mismatch"):
+        receive(data, digest_bytes(b"something else"), tmp_path / "u")
+
+
+def test_corrupted_byte_is_refused(tmp_path: Path) -> None:
+    data, digest = body_bytes(tensors())
+    bad = bytearray(data)
+    bad[-1000] ^= 0x01
+    with pytest.raises(WireError, match="digest mismatch"):
+        receive(bytes(bad), digest, tmp_path / "u")
+
+
+def test_truncated_body_is_refused(tmp_path: Path) -> None:
+    data, digest = body_bytes(tensors())
+    with pytest.raises(WireError, match="truncated"):
+        receive(data[:-10], digest, tmp_path / "u", length=len(data))
+
+
+def test_header_check_runs_before_data(tmp_path: Path) -> None:
+    data, digest = body_bytes(tensors())
+    seen: list[int] = []
+
+    def refuse(specs: dict, meta: dict) -> None:
+        seen.append(len(specs))
+        raise WireError("not this model")
+
+    with pytest.raises(WireError, match="not this model"):
+        receive(data, digest, tmp_path / "u", on_header=refuse)
+    assert seen == [3]
+
+
+def test_malformed_digest_is_refused_before_reading(tmp_path: Path) -> None:
+    data, _ = body_bytes(tensors())
+    with pytest.raises(WireError, match="malformed"):
+        receive(data, "sha256:xyz", tmp_path / "u")
+    assert not (tmp_path / "u").exists()
+
+
+def test_staging_reads_back_each_tensor(tmp_path: Path) -> None:
+    t = tensors(1)
+    write_file(tmp_path / "f", t)
+    staging = Staging(largest_tensor_bytes({n: (v.dtype, tuple(v.shape)) for n, v in t.items()}))
+    got = {n: v.clone() for n, v in staging.tensors(tmp_path / "f")}
+    assert set(got) == set(t)
+    for n in t:
+        assert torch.equal(got[n], t[n])
+    assert staging.buffer.numel() == t["a"].numel() * 4  # one buffer, the largest tensor
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8"])
+def test_staging_decodes_compressed_bodies(tmp_path: Path, scheme: str) -> None:
+    t = {"a": torch.randn(10_000), "b": torch.randn(64, 3)}
+    sent, meta = compress(t, scheme)
+    write_file(tmp_path / "f", sent, meta)
+    staging = Staging(largest_tensor_bytes({n: (v.dtype, tuple(v.shape)) for n, v in t.items()}))
+    got = {n: v.clone() for n, v in staging.decoded(tmp_path / "f", {n: v.dtype for n, v in t.items()})}
+    for n in t:
+        assert got[n].dtype == torch.float32 and got[n].shape == t[n].shape
+        torch.testing.assert_close(got[n], t[n], atol=0.05, rtol=0.02)
+
+
+def collect(stream: ModelStream, between=None) -> bytes:
+    async def run() -> bytes:
+        out = []
+        async for chunk in stream.chunks():
+            out.append(chunk)
+            if between is not None:
+                between(len(out))
+        return b"".join(out)
+
+    return asyncio.run(run())
+
+
+def test_model_stream_from_file(tmp_path: Path) -> None:
+    t = tensors()
+    digest = write_file(tmp_path / "g", t, {"version": "3"})
+    data = (tmp_path / "g").read_bytes()
+    s = ModelStream(3, digest, len(data), tmp_path / "g")
+    assert collect(s) == data
+
+
+def test_model_stream_from_memory_switches_to_the_file_when_the_weights_move(tmp_path: Path) -> None:
+    t = {"a": torch.randn(3_000_000), "b": torch.randn(1000)}  # 12 MB: several chunks
+    body = EncodedBody(t, {"version": "1"})
+    guard = WeightsGuard()
+    published = Published(1, body.digest(), body, guard.epoch)
+    write_file(tmp_path / "g", t, {"version": "1"})  # the commit, done meanwhile
+    expected = (tmp_path / "g").read_bytes()
+    assert collect(ModelStream(1, published.digest, body.content_length, tmp_path / "g", published, guard)) \
+        == expected
+
+    def next_outer_step(n: int) -> None:  # after the 2nd chunk the weights change in place
+        if n == 2:
+            with guard.lock:
+                guard.epoch += 1
+                t["a"].add_(1.0)
+
+    got = collect(ModelStream(1, published.digest, body.content_length, tmp_path / "g", published, guard),
+                  next_outer_step)
+    assert got == expected  # the rest came from the committed file, not from the changed weights
+
+
+def test_background_digest_matches_streaming_digest() -> None:
+    chunks = [bytes([i % 251]) * (1000 + 37 * i) for i in range(200)]
+    expected = StreamingDigest()
+    for c in chunks:
+        expected.update(c)
+    bg = BackgroundDigest(batch=10_000)
+    for c in chunks:
+        bg.update(c)
+    assert bg.digest() == expected.digest()
+    empty = BackgroundDigest()
+    assert empty.digest() == digest_bytes(b"")
