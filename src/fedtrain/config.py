@@ -199,6 +199,12 @@ class RunConfig(_Strict):
     heartbeat_interval_s: float = Field(5.0, gt=0, description="How often participants heartbeat.")
     heartbeat_timeout_s: float = Field(60.0, gt=0, description="Silence after which a participant is failed.")
     keep_checkpoints: int = Field(3, ge=1, description="Committed rounds kept on disk.")
+    digest: Literal["xxh3-128", "sha256"] = Field(
+        "xxh3-128",
+        description="The hash of the digests written beside every tensor body and checkpoint (both are "
+        "always accepted: a digest names its algorithm). It catches corrupted and truncated bodies; "
+        "authenticity comes from TLS and the tokens. xxh3-128 is ~10x cheaper per byte than sha256.",
+    )
     publish_first: bool = Field(
         False,
         description="Serve each round's new global model as soon as the outer step is done and write its "

@@ -73,10 +73,11 @@ def heldout_loss(params: dict[str, torch.Tensor]) -> float:
     return evaluate(model, stream.eval_batches(8))
 
 
-@pytest.mark.parametrize(("algorithm", "publish_first"), [("diloco", False), ("fedavg", False), ("diloco", True)])
-def test_participants_train_and_agree(tmp_path: Path, algorithm: str, publish_first: bool) -> None:
+@pytest.mark.parametrize(("algorithm", "publish_first", "digest"),
+                         [("diloco", False, "xxh3-128"), ("fedavg", False, "sha256"), ("diloco", True, "xxh3-128")])
+def test_participants_train_and_agree(tmp_path: Path, algorithm: str, publish_first: bool, digest: str) -> None:
     cfg = tiny_config(rounds=6, outer={"algorithm": algorithm}, train={"sync_every": 10, "lr": 1e-2},
-                      publish_first=publish_first)
+                      publish_first=publish_first, digest=digest)
     n = 3
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         initial = heldout_loss(c.service.outer.params)
@@ -88,6 +89,8 @@ def test_participants_train_and_agree(tmp_path: Path, algorithm: str, publish_fi
             time.sleep(0.05)
         final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
+        assert all(r["digest"].startswith(digest + ":") for r in rounds)  # the run's choice, end to end
+        assert all(x["digest"].startswith(digest + ":") for x in c.service.store.submissions(5))
         # every committed checkpoint holds what was served
         assert torch.equal(c.service.ckpt.load_global(6, c.service.store.get_meta("digest/6"))["wte.weight"],
                            final_global["wte.weight"])

@@ -23,8 +23,9 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"a": torch.randn(300_001, generator=g), "b": torch.randn(7, 5, generator=g), "c": torch.zeros(0)}
 
 
-def body_bytes(t: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> tuple[bytes, str]:
-    body = EncodedBody(t, meta)
+def body_bytes(t: dict[str, torch.Tensor], meta: dict[str, str] | None = None,
+               algorithm: str | None = None) -> tuple[bytes, str]:
+    body = EncodedBody(t, meta, digest_algorithm=algorithm)
     return b"".join(bytes(c) for c in body), body.digest()
 
 
@@ -49,6 +50,14 @@ def test_received_body_is_spooled_byte_for_byte(tmp_path: Path, size: int) -> No
     reader = receive(data, digest, tmp_path / "u", size)
     assert (tmp_path / "u").read_bytes() == data
     assert reader.done and set(reader.specs or {}) <= set(t)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3-128", "sha256"])
+def test_either_digest_algorithm_is_accepted(tmp_path: Path, algorithm: str) -> None:
+    data, digest = body_bytes(tensors(), algorithm=algorithm)
+    assert digest.startswith(algorithm + ":")
+    receive(data, digest, tmp_path / "u")
+    assert (tmp_path / "u").read_bytes() == data
 
 
 def test_digest_mismatch_is_refused(tmp_path: Path) -> None:

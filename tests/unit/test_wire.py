@@ -142,8 +142,28 @@ def test_encoded_body_is_reiterable_and_digest_is_cached() -> None:
     first, second = b"".join(body), b"".join(body)
     assert first == second
     assert body.digest() == digest_bytes(first) == digest_chunks(body)
-    assert parse_digest(body.digest())[0] == "sha256"
+    assert parse_digest(body.digest())[0] == "xxh3-128"  # the default
     assert all(len(c) <= 64 for c in list(body)[1:])
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3-128", "sha256"])
+def test_each_digest_algorithm_is_checked_by_its_name(algorithm: str) -> None:
+    import hashlib
+
+    import xxhash
+
+    tensors = {"w": torch.randn(1000), "b": torch.arange(5)}
+    body = EncodedBody(tensors, digest_algorithm=algorithm)
+    data = b"".join(body)
+    reference = {"sha256": hashlib.sha256, "xxh3-128": xxhash.xxh3_128}[algorithm](data).hexdigest()
+    assert body.digest() == f"{algorithm}:{reference}" == digest_bytes(data, algorithm)
+    _assert_same(dict(read_tensors([data], expected_digest=body.digest())), tensors)  # the reader follows the name
+    other = "sha256" if algorithm == "xxh3-128" else "xxh3-128"
+    assert parse_digest(digest_bytes(data, other))[0] == other
+    bad = bytearray(data)
+    bad[-3] ^= 0x40
+    with pytest.raises(WireError, match=f"body digest mismatch: expected {algorithm}:"):
+        list(read_tensors([bytes(bad)], expected_digest=body.digest()))
 
 
 def test_encoded_body_chunks_share_memory_with_the_tensors() -> None:
@@ -262,7 +282,7 @@ def test_flipped_data_byte_fails_the_digest() -> None:
     data[-5] ^= 0x01
     reader = BodyReader(expected_digest=body.digest())
     reader.feed(data)
-    with pytest.raises(WireError, match="body digest mismatch: expected sha256:"):
+    with pytest.raises(WireError, match="body digest mismatch: expected xxh3-128:"):
         reader.finish()
 
 
@@ -379,6 +399,10 @@ def test_bad_expected_digest_and_unsupported_inputs() -> None:
         BodyReader(expected_digest="md5:" + "0" * 32)
     with pytest.raises(WireError, match="malformed"):
         parse_digest("sha256:xyz")
+    with pytest.raises(WireError, match="xxh3-128 needs 32 hex digits"):
+        parse_digest("xxh3-128:" + "0" * 64)
+    with pytest.raises(WireError, match="unsupported digest algorithm"):
+        EncodedBody({"a": torch.zeros(1)}, digest_algorithm="md5")
     with pytest.raises(WireError, match="complex128"):
         EncodedBody({"c": torch.zeros(2, dtype=torch.complex128)})
     with pytest.raises(WireError, match="strings to strings"):

@@ -288,7 +288,8 @@ def create_app(service: Coordinator) -> FastAPI:
     ) -> dict[str, Any]:
         digest = request.headers.get(DIGEST_HEADER)
         if not digest:
-            raise Refused(400, "digest_required", f"uploads need a {DIGEST_HEADER} header (sha256:<hex> of the body)")
+            raise Refused(400, "digest_required",
+                          f"uploads need a {DIGEST_HEADER} header (xxh3-128:<hex> or sha256:<hex> of the body)")
         length_header = request.headers.get("content-length")
         try:
             length = int(length_header) if length_header is not None else None

@@ -9,7 +9,9 @@ a crash between the rename and the database commit, and are removed at start.
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from fedtrain import faults
 from fedtrain.errors import StateError, WireError
 from fedtrain.wire import iter_file, read_tensors, write_file
+from fedtrain.wire.files import write_temp
 
 _NAME = re.compile(r"^(global|outer)-(\d{6,})\.safetensors$")
 
@@ -46,11 +49,34 @@ class CheckpointDir:
         outer_tensors: dict[str, torch.Tensor],
         outer_meta: dict[str, str],
         run_meta: dict[str, str],
+        digest_algorithm: str | None = None,
     ) -> str:
-        """Write both files of `version`; returns the global model file's digest."""
-        write_file(self.outer_path(version), outer_tensors, outer_meta)
+        """Write both files of `version`; returns the global model file's digest.
+
+        The two files are written at the same time, the outer state on a worker thread (the
+        copies, the hash and the fsyncs release the GIL), so a commit takes about as long as
+        the larger file. The model file is renamed into place only after the outer state
+        file is: a version whose model file exists always has its optimizer state."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-ckpt") as pool:
+            outer = pool.submit(self._write_outer, version, outer_tensors, outer_meta, digest_algorithm)
+            try:
+                pending = write_temp(self.global_path(version), params, {**run_meta, "version": str(version)},
+                                     digest_algorithm)
+            except BaseException:
+                concurrent.futures.wait([outer])
+                raise
+            try:
+                outer.result()
+            except BaseException:
+                pending.discard()
+                raise
+        pending.commit()
+        return pending.digest
+
+    def _write_outer(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, str],
+                     digest_algorithm: str | None) -> None:
+        write_file(self.outer_path(version), tensors, meta, digest_algorithm)
         faults.hit("checkpoint.after_outer_write", round=version - 1)
-        return write_file(self.global_path(version), params, {**run_meta, "version": str(version)})
 
     def load_global(self, version: int, digest: str | None) -> dict[str, torch.Tensor]:
         return self._load(self.global_path(version), digest)
@@ -84,8 +110,9 @@ class CheckpointDir:
         self.global_path(version).unlink(missing_ok=True)
         self.outer_path(version).unlink(missing_ok=True)
 
-    def prune(self, committed: int, keep: int) -> None:
-        """Keep the `keep` newest committed versions; drop older ones and uncommitted orphans."""
+    def prune(self, committed: int, keep: int, orphans: bool = True) -> None:
+        """Keep the `keep` newest committed versions; drop older ones and (unless `orphans` is
+        False, as when pruning runs beside a commit in progress) uncommitted orphans."""
         for v in self.versions():
-            if v > committed or v <= committed - keep:
+            if (orphans and v > committed) or v <= committed - keep:
                 self.remove(v)

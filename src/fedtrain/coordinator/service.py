@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,7 @@ class Coordinator:
         self._published: Published | None = None
         self._weights = WeightsGuard()
         self._rollbacks = 0
+        self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-prune")
         self.bytes_in = 0
         self.bytes_out = 0
 
@@ -239,7 +241,7 @@ class Coordinator:
     def _write_checkpoint(self, version: int) -> str:
         return self.ckpt.write(
             version, self.outer.params, self.outer.state_tensors(), self.outer.state_metadata(),
-            self._model_meta(version),
+            self._model_meta(version), self.config.digest,
         )
 
     async def start(self) -> None:
@@ -260,6 +262,7 @@ class Coordinator:
                 with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down: nothing to report
                     await task
         self.broadcast.close_all()
+        self._janitor.shutdown(wait=True)
         if getattr(self, "_global_eval", None) is not None:
             self._global_eval.stop()
         self.store.close()
@@ -756,9 +759,10 @@ class Coordinator:
             "tokens": sum(tokens.values()),
             "bytes_in": sum(s["bytes"] for s in self.store.submissions(r)),
             "weights": weights,
+            "digest_algorithm": self.config.digest,
         }
         if publish_first:
-            body = EncodedBody(self.outer.params, self._model_meta(r + 1))
+            body = EncodedBody(self.outer.params, self._model_meta(r + 1), digest_algorithm=self.config.digest)
             self._published = Published(r + 1, body.digest(), body, self._weights.epoch)
         record["merge_s"] = time.perf_counter() - t0
         return record
@@ -766,16 +770,17 @@ class Coordinator:
     def _commit(self, r: int, record: dict[str, Any]) -> None:
         """Make round r durable: checkpoint files (fsync'd), then the database row."""
         t0 = time.perf_counter()
-        weights = record.pop("weights")
+        weights, algorithm = record.pop("weights"), record.pop("digest_algorithm")
         record["digest"] = self.ckpt.write(r + 1, self.outer.params, self.outer.state_tensors(),
-                                           self.outer.state_metadata(), self._model_meta(r + 1))
+                                           self.outer.state_metadata(), self._model_meta(r + 1), algorithm)
         faults.hit("checkpoint.after_global_write", round=r)
         record["commit_s"] = time.perf_counter() - t0
         faults.hit("commit.before_db", round=r)
         self.store.commit_round(record, weights)
         faults.hit("commit.after_db", round=r)
         self.committed_version = r + 1
-        self.ckpt.prune(r + 1, self.config.keep_checkpoints)
+        # Unlinking the old files (freeing their page cache) takes ~0.1 s per GB: off the round trip.
+        self._janitor.submit(self.ckpt.prune, r + 1, self.config.keep_checkpoints, orphans=False)
 
     async def _commit_in_background(self, r: int, record: dict[str, Any]) -> None:
         """publish_first: commit round r while round r + 1 runs; if that fails, go back to the

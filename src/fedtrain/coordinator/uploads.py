@@ -3,8 +3,8 @@
 The coordinator never holds an upload in memory. While the body streams in, the event
 loop only parses the safetensors header (checked against the model before a data byte is
 accepted) and counts bytes; writing the spool file and hashing the body happen on a
-worker thread, batch by batch, so the sha256 (the single largest cost of a receive)
-overlaps with the network instead of following it. A body whose length or digest is
+worker thread, batch by batch, so the hash (with sha256, the single largest cost of a
+receive) overlaps with the network instead of following it. A body whose length or digest is
 wrong is refused before anything reads its values.
 
 Once verified, the spool file is read back tensor by tensor with `readinto` into one
@@ -31,16 +31,16 @@ from fedtrain.wire.digest import parse_digest
 
 # Bytes handed to the writer thread at a time. Two batches are in flight per upload at
 # most (one being written, one being gathered), so concurrent uploads add 2 x BATCH each.
-BATCH = 1 << 20
+BATCH = 512 << 10
 _PREFIX = 8
 
 
 class _SpoolSink:
     """The worker-thread half of a receive: append chunks to the file and hash them."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, digest: str) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        self.hash = StreamingDigest()
+        self.hash = StreamingDigest.like(digest)
 
     def take(self, chunks: list[bytes]) -> None:
         for chunk in chunks:
@@ -81,7 +81,7 @@ async def receive_to_spool(
     caller removes the file."""
     parse_digest(digest)  # refuse a malformed digest before reading the body
     reader = BodyReader(max_bytes=limit, expected_length=length, on_header=on_header, store_data=False)
-    sink = _SpoolSink(path)
+    sink = _SpoolSink(path, digest)
     pending: asyncio.Future[None] | None = None
     batch: list[bytes] = []
     size = 0

@@ -48,11 +48,15 @@ def _check_hp(algorithm: str, hp: Mapping[str, Any]) -> None:
 def build_torch_optimizer(params: list[torch.Tensor], algorithm: str, hp: Mapping[str, Any]) -> torch.optim.Optimizer:
     """The torch optimizer of one algorithm, configured from `outer_defaults`' dict."""
     _check_hp(algorithm, hp)
+    # SGD runs its foreach implementation, which updates the momentum, the gradient (Nesterov)
+    # and the parameters in place; the per-tensor one allocates a model-sized temporary per
+    # tensor for Nesterov, which would add the largest tensor to the coordinator's peak memory.
     try:
         if algorithm == "fedavg":
-            return torch.optim.SGD(params, lr=hp["lr"], momentum=0.0)
+            return torch.optim.SGD(params, lr=hp["lr"], momentum=0.0, foreach=True)
         if algorithm in ("diloco", "fedavgm"):
-            return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], nesterov=bool(hp["nesterov"]))
+            return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], nesterov=bool(hp["nesterov"]),
+                                   foreach=True)
         betas = (hp["beta1"], hp["beta2"])
         if algorithm == "fedadam":
             return torch.optim.Adam(params, lr=hp["lr"], betas=betas, eps=hp["eps"])

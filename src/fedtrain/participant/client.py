@@ -291,11 +291,9 @@ class CoordinatorClient:
                     raise _error_from(r)
                 length = int(r.headers["content-length"]) if "content-length" in r.headers else None
                 expected = r.headers.get(DIGEST_HEADER)
-                if expected is not None:
-                    parse_digest(expected)
-                # The sha256 runs on a worker thread, overlapping with the network and the copy
+                # The hash runs on a worker thread, overlapping with the network and the copy
                 # into place; it is checked before anything is returned.
-                hasher = BackgroundDigest() if expected is not None else None
+                hasher = BackgroundDigest(parse_digest(expected)[0]) if expected is not None else None
                 reader = BodyReader(expected_length=length, allocate=allocate, on_header=on_header)
                 out: dict[str, torch.Tensor] = {}
                 try:

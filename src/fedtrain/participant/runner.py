@@ -369,12 +369,12 @@ class Participant:
         """Δ (held in the snapshot buffers) as a body, compressed as the run config says."""
         t = self.config.train
         if t.compression == "none":
-            return EncodedBody(self._snapshot)
+            return EncodedBody(self._snapshot, digest_algorithm=self.config.digest)
         if t.error_feedback:
             tensors, meta = self._feedback.compress(self._snapshot, t.compression, t.compression_block)
         else:
             tensors, meta = compress(self._snapshot, t.compression, t.compression_block)
-        return EncodedBody(tensors, meta)
+        return EncodedBody(tensors, meta, digest_algorithm=self.config.digest)
 
     def _upload(self, r: int, body: EncodedBody) -> bool:
         if faults.hit("participant.upload", who=self.name or self.participant_id, round=r) == "drop":

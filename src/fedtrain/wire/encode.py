@@ -3,7 +3,7 @@
 `EncodedBody` builds the header up front and then yields zero-copy views of each tensor's
 storage, so a body is never held whole in memory; it is what a participant uploads, what
 the coordinator serves, and what `files.write_file` writes to disk. Its digest
-("sha256:<hex>", see `digest.py`) travels beside it.
+("xxh3-128:<hex>" by default, see `digest.py`) travels beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fedtrain.errors import WireError
-from fedtrain.wire.digest import StreamingDigest
+from fedtrain.wire.digest import DIGEST_ALGORITHM, StreamingDigest, check_algorithm
 from fedtrain.wire.format import DEFAULT_CHUNK, DTYPE_TO_ST, PREFIX_BYTES, ST_TO_DTYPE, byte_view, spec_of
 
 __all__ = ["EncodedBody"]
@@ -46,10 +46,12 @@ class EncodedBody:
         tensors: Mapping[str, torch.Tensor],
         metadata: Mapping[str, str] | None = None,
         chunk_size: int = DEFAULT_CHUNK,
+        digest_algorithm: str | None = None,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size
+        self.digest_algorithm = check_algorithm(digest_algorithm or DIGEST_ALGORITHM)
         self._tensors = dict(tensors)
         self.specs = spec_of(self._tensors)
         self.metadata = _check_metadata(metadata)
@@ -91,9 +93,9 @@ class EncodedBody:
             yield chunk
 
     def digest(self) -> str:
-        """ "sha256:<hex>" of the body's bytes, computed by one pass and then cached."""
+        """The body's digest ("<digest_algorithm>:<hex>"), computed by one pass and then cached."""
         if self._digest is None:
-            state = StreamingDigest()
+            state = StreamingDigest(self.digest_algorithm)
             for chunk in self:
                 state.update(chunk)
             self._digest = state.digest()

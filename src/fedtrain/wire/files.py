@@ -19,20 +19,54 @@ from fedtrain.wire.digest import StreamingDigest
 from fedtrain.wire.encode import EncodedBody
 from fedtrain.wire.format import DEFAULT_CHUNK
 
-__all__ = ["iter_file", "write_file"]
+__all__ = ["PendingFile", "iter_file", "write_file", "write_temp"]
 
 
 def write_file(
     path: str | os.PathLike[str],
     tensors: Mapping[str, torch.Tensor],
     metadata: Mapping[str, str] | None = None,
+    digest_algorithm: str | None = None,
 ) -> str:
     """Write a safetensors file atomically (temp file, fsync, rename); return its digest."""
-    body = EncodedBody(tensors, metadata)
+    pending = write_temp(path, tensors, metadata, digest_algorithm)
+    pending.commit()
+    return pending.digest
+
+
+class PendingFile:
+    """A fully written and fsync'd temp file, not yet under its final name."""
+
+    def __init__(self, tmp: str, path: str, digest: str) -> None:
+        self.tmp, self.path, self.digest = tmp, path, digest
+
+    def commit(self) -> None:
+        """Rename it into place and make the rename durable."""
+        try:
+            faults.hit("file.before_rename")
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+
+    def discard(self) -> None:
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+
+def write_temp(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    digest_algorithm: str | None = None,
+) -> PendingFile:
+    """The first half of `write_file`: the body in a temp file next to `path`, fsync'd."""
+    body = EncodedBody(tensors, metadata, digest_algorithm=digest_algorithm)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    state = StreamingDigest()
+    state = StreamingDigest(body.digest_algorithm)
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in body:
@@ -40,14 +74,11 @@ def write_file(
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-        faults.hit("file.before_rename")
-        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
-    return state.digest()
+    return PendingFile(tmp, path, state.digest())
 
 
 def _fsync_dir(directory: str) -> None:

@@ -5,7 +5,7 @@ byte, refuses a body longer than declared or allowed, and copies each incoming b
 into the destination tensor. `read_tensors` and `aread_tensors` drive it over sync and async
 streams of chunks.
 
-A body's digest ("sha256:<hex>", see `digest.py`) travels beside it; the reader checks it
+A body's digest ("xxh3-128:<hex>" or "sha256:<hex>", see `digest.py`) travels beside it; the reader checks it
 in `finish()`. Tensors returned by `feed` before `finish()` succeeds are provisional: a
 caller that folds them into shared state must be able to drop them if `finish` fails.
 """
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 import torch
 
 from fedtrain.errors import WireError
-from fedtrain.wire.digest import StreamingDigest, digests_equal, parse_digest
+from fedtrain.wire.digest import StreamingDigest, digests_equal
 from fedtrain.wire.format import MAX_HEADER_BYTES, PREFIX_BYTES, TensorSpec, byte_view, parse_header
 
 __all__ = ["Allocate", "BodyReader", "OnHeader", "aread_tensors", "read_tensors"]
@@ -51,9 +51,7 @@ class BodyReader:
     ) -> None:
         self._store = store_data
         self._expected_digest = expected_digest
-        self._hash = StreamingDigest() if expected_digest is not None else None
-        if expected_digest is not None:
-            parse_digest(expected_digest)
+        self._hash = StreamingDigest.like(expected_digest) if expected_digest is not None else None
         self.max_bytes = max_bytes
         self.expected_length = expected_length
         self._allocate = allocate
@@ -263,7 +261,7 @@ class BodyReader:
         self._finished = True
 
     def digest(self) -> str | None:
-        """ "sha256:<hex>" of the bytes fed so far, when an expected digest was given."""
+        """The digest of the bytes fed so far (the expected digest's algorithm), when one was given."""
         return self._hash.digest() if self._hash is not None else None
 
     def _truncation_message(self) -> str:
