@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sync_throughput import HOST, free_port, make_model, peak_rss, raw_tcp_seconds, run_rounds
+from sync_throughput import HOST, free_port, make_model, peak_rss, raw_tcp_seconds, run_rounds, start_coordinator
 
 from fedtrain.wire import EncodedBody, write_file
 
@@ -240,39 +240,11 @@ def run_flower(venv: Path, tmp: Path, n: int, params: int, tensors: int, rounds:
 # ---------------------------------------------------------------- fedtrain
 
 
-def start_fedavg_coordinator(tmp: Path, init: Path, n: int) -> tuple[subprocess.Popen, str]:
-    """sync_throughput.start_coordinator, with the outer optimizer set to plain FedAvg."""
-    import httpx
-
-    cfg = {"name": "bench", "rounds": 0, "min_participants": n, "round_timeout_s": 3600,
-           "heartbeat_interval_s": 30, "heartbeat_timeout_s": 3600, "keep_checkpoints": 1,
-           "max_upload_mb": 100_000, "outer": {"algorithm": "fedavg"}}
-    (tmp / "run.json").write_text(json.dumps(cfg))
-    port = free_port()
-    env = {**os.environ, "FEDTRAIN_TOKEN": "bench-token", "FEDTRAIN_ADMIN_TOKEN": "bench-admin"}
-    log = open(tmp / "coordinator.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedtrain", "--log-level", "warning", "coordinator", "--config", str(tmp / "run.json"),
-         "--state-dir", str(tmp / "state"), "--port", str(port), "--init-weights", str(init)],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    url = f"http://{HOST}:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            httpx.get(f"{url}/v1/healthz", timeout=2)
-            return proc, url
-        except httpx.TransportError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                stop(proc)
-                raise RuntimeError(f"coordinator did not start; log:\n{tail(tmp / 'coordinator.log')}") from None
-            time.sleep(0.2)
-
-
-def run_fedtrain(tmp: Path, init: Path, n: int, model: dict[str, torch.Tensor], rounds: int) -> Result:
+def run_fedtrain(tmp: Path, init: Path, n: int, model: dict[str, torch.Tensor], rounds: int,
+                 publish_first: bool = False) -> Result:
     run_dir = tmp / f"fedtrain-n{n}"
     run_dir.mkdir()
-    proc, url = start_fedavg_coordinator(run_dir, init, n)
+    proc, url = start_coordinator(run_dir, init, n, {"outer": {"algorithm": "fedavg"}, "publish_first": publish_first})
     try:
         times = run_rounds(url, n, model, rounds)
         return Result("fedtrain", times, peak_rss(proc.pid))
@@ -338,7 +310,8 @@ def compare(args: argparse.Namespace) -> None:
     model_bytes = sum(v.numel() * 4 for v in model.values())
     print(f"model: {params / 1e6:.0f}M fp32 parameters ({model_bytes / 1e6:.0f} MB) in {args.tensors} tensors; "
           f"FedAvg; {args.rounds} rounds per system, best round reported (median alongside); flwr {FLWR_VERSION} "
-          f"legacy API, insecure gRPC; loopback; {os.cpu_count()} CPUs", flush=True)
+          f"legacy API, insecure gRPC; loopback; {os.cpu_count()} CPUs; fedtrain "
+          f"{'publish_first' if args.publish_first else 'serves each model once committed'}", flush=True)
     rows: list[tuple[int, Result]] = []
     raw: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="flower-compare-") as tmp_s:
@@ -349,7 +322,7 @@ def compare(args: argparse.Namespace) -> None:
             raw[n] = min(raw_tcp_seconds(EncodedBody(model), 2 * n) for _ in range(3))  # noisy on a shared box
             rows.append((n, Result("raw TCP", [raw[n]])))
             print(f"  N={n}: raw TCP {raw[n]:.2f} s; fedtrain ...", flush=True)
-            rows.append((n, run_fedtrain(tmp, init, n, model, args.rounds)))
+            rows.append((n, run_fedtrain(tmp, init, n, model, args.rounds, args.publish_first)))
             need, avail = flower_needs(n, model_bytes), mem_available()
             if need > 0.9 * avail and not args.force:
                 rows.append((n, Result("Flower", [], note=f"skipped: needs ~{need / 1e9:.0f} GB, "
@@ -375,6 +348,8 @@ def main() -> None:
     p.add_argument("--participants", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed for one Flower run (all rounds)")
     p.add_argument("--force", action="store_true", help="run Flower even where it may not fit in memory")
+    p.add_argument("--publish-first", action="store_true",
+                   help="run the coordinator with publish_first (default: each model served once committed)")
     args = p.parse_args()
     if args.setup:
         setup_venv(args.venv)

@@ -147,24 +147,30 @@ def throughput(args: argparse.Namespace) -> None:
     model = make_model(params, args.tensors)
     model_bytes = sum(v.numel() * 4 for v in model.values())
     print(f"model: {params / 1e6:.0f}M fp32 parameters ({model_bytes / 1e6:.0f} MB) in {args.tensors} tensors; "
-          f"outer optimizer DiLoCo; {args.rounds} rounds, best round reported")
-    print(f"{'N':>3} {'round s':>8} {'MB/s':>8} {'raw TCP MB/s':>13} {'ratio':>6}")
+          f"outer optimizer DiLoCo; {args.rounds} rounds, best round reported (median alongside)")
+    print("commit: each round's model is served once its checkpoint is fsync'd (the default); "
+          "publish_first: served at once, checkpoint written meanwhile")
+    print(f"{'N':>3} {'mode':<14} {'round s':>8} {'median':>7} {'MB/s':>7} {'raw TCP MB/s':>13} {'ratio':>6}")
+    modes = {"commit": {}, "publish_first": {"publish_first": True}}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         init = tmp / "init.safetensors"
         write_file(init, model)
         for n in args.participants:
-            run_dir = tmp / f"n{n}"
-            run_dir.mkdir()
-            proc, url = start_coordinator(run_dir, init, n)
-            try:
-                best = min(run_rounds(url, n, model, args.rounds))
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
             moved = 2 * n * model_bytes
-            raw = raw_tcp_seconds(EncodedBody(model), 2 * n)
-            print(f"{n:>3} {best:8.2f} {moved / best / 1e6:8.0f} {moved / raw / 1e6:13.0f} {raw / best:6.2f}")
+            for mode in args.modes:
+                run_dir = tmp / f"n{n}-{mode}"
+                run_dir.mkdir()
+                proc, url = start_coordinator(run_dir, init, n, modes[mode])
+                try:
+                    times = sorted(run_rounds(url, n, model, args.rounds))
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+                raw = min(raw_tcp_seconds(EncodedBody(model), 2 * n) for _ in range(3))
+                best, median = times[0], times[len(times) // 2]
+                print(f"{n:>3} {mode:<14} {best:8.2f} {median:7.2f} {moved / best / 1e6:7.0f} "
+                      f"{moved / raw / 1e6:13.0f} {raw / best:6.2f}")
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -198,6 +204,8 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--participants", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["commit", "publish_first"],
+                   help="commit,publish_first (default: both)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.memory:

@@ -160,7 +160,7 @@ def fedtrain_worker(args: argparse.Namespace) -> None:
         tmp = Path(tmp_s)
         init = tmp / "init.safetensors"
         write_file(init, model)
-        proc, url = st.start_coordinator(tmp, init, 2)
+        proc, url = st.start_coordinator(tmp, init, 2, {"publish_first": bool(args.publish_first)})
         try:
             times = st.run_rounds(url, 2, model, args.outer_steps + 1)[1:]
             rss = st.peak_rss(proc.pid)
@@ -171,7 +171,7 @@ def fedtrain_worker(args: argparse.Namespace) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=30)
-    # What run_rounds leaves out on a participant: Δ = θ_global − θ_local, its sha256 (the
+    # What run_rounds leaves out on a participant: Δ = θ_global − θ_local, its digest (the
     # body digest), and copying the downloaded θ into the model. Timed here on one thread.
     local = {k: v + 1e-4 for k, v in model.items()}
     delta = {k: torch.empty_like(v) for k, v in model.items()}
@@ -321,12 +321,13 @@ def measure_torchft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "baseline": max(r["baseline"] for r in res)}
 
 
-def measure_fedtrain(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    (res,) = run_workers("fedtrain", [worker_cmd(sys.executable, "fedtrain", args)], args.timeout, tmp)
+def measure_fedtrain(args: argparse.Namespace, tmp: Path, publish_first: bool = False) -> dict[str, Any]:
+    cmd = worker_cmd(sys.executable, "fedtrain", args, publish_first=int(publish_first))
+    (res,) = run_workers("fedtrain-pf" if publish_first else "fedtrain", [cmd], args.timeout, tmp)
     return res
 
 
-def report(args: argparse.Namespace, version: str, gloo: dict, tft: dict, fed: dict) -> None:
+def report(args: argparse.Namespace, version: str, gloo: dict, tft: dict, fed: dict, fed_pf: dict) -> None:
     model_bytes = args.params // args.tensors * args.tensors * 4
     ref = statistics.median(gloo["sync"])
     print(f"\nmodel: {args.params / 1e6:.0f}M fp32 parameters ({model_bytes / 1e6:.0f} MB) in {args.tensors} "
@@ -346,11 +347,14 @@ def report(args: argparse.Namespace, version: str, gloo: dict, tft: dict, fed: d
     row("fedtrain DiLoCo via HTTP coordinator", fed["sync"],
         f"{fed['coordinator_vmhwm'] / model_bytes:.2f} coord.")
     prep = statistics.median(fed["participant_prep"])
-    row("  + participant Δ, sha256, copy-in", [t + prep for t in fed["sync"]], "-")
-    ratio = statistics.median(fed["sync"]) / statistics.median(tft["sync"])
-    ratio_prep = (statistics.median(fed["sync"]) + prep) / statistics.median(tft["sync"])
-    print(f"\nfedtrain / torchft time per outer step: {ratio:.2f} (with participant-side prep {ratio_prep:.2f}); "
-          f"goal <= 0.50 -> {'met' if ratio <= 0.5 else 'NOT met'}")
+    row("  + participant Δ, digest, copy-in", [t + prep for t in fed["sync"]], "-")
+    row("fedtrain, publish_first", fed_pf["sync"], f"{fed_pf['coordinator_vmhwm'] / model_bytes:.2f} coord.")
+    print()
+    for name, f in (("fedtrain", fed), ("fedtrain publish_first", fed_pf)):
+        ratio = statistics.median(f["sync"]) / statistics.median(tft["sync"])
+        ratio_prep = (statistics.median(f["sync"]) + prep) / statistics.median(tft["sync"])
+        print(f"{name} / torchft time per outer step: {ratio:.2f} (with participant-side prep {ratio_prep:.2f}); "
+              f"goal <= 0.50 -> {'met' if ratio <= 0.5 else 'NOT met'}")
     print(f"torchft: median inner step {tft['inner']:.3f} s subtracted; replica interpreter + torch baseline "
           f"{tft['baseline'] / model_bytes:.2f} x model before the model was built. fedtrain participants are "
           f"client threads in one process (sync_throughput), so only the coordinator's RSS is shown.")
@@ -370,6 +374,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
+    p.add_argument("--publish-first", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.params = int(args.params or (25e6 if args.quick else 100e6))
     args.timeout = args.timeout or (300 if args.quick else 900)
@@ -395,9 +400,11 @@ def main() -> None:
             tft = measure_torchft(args, tmp)
             print("fedtrain DiLoCo through the coordinator ...", flush=True)
             fed = measure_fedtrain(args, tmp)
+            print("fedtrain DiLoCo through the coordinator, publish_first ...", flush=True)
+            fed_pf = measure_fedtrain(args, tmp, publish_first=True)
         except RuntimeError as e:
             sys.exit(f"benchmark failed: {e}")
-    report(args, version, gloo, tft, fed)
+    report(args, version, gloo, tft, fed, fed_pf)
 
 
 if __name__ == "__main__":

@@ -12,21 +12,36 @@ staging buffer that the coordinator keeps (the size of the model's largest tenso
 checking values and folding cost no allocation and no parse: the file's pages are still
 in the page cache, and one `readinto` is a memcpy. The staging buffer is shared, so its
 users hold the coordinator's fold lock.
+
+`UploadsMixin`, a part (mixin) of `Coordinator` (`service.py`), puts these together:
+an upload is admitted into the open round (or folded late), verified while it streams in
+(header against the model, the body digest), then checked finite tensor by tensor, and
+only then folded into the running sum and its spool file deleted (or the file kept for
+the round's close, when the aggregator or the outlier rule needs every update at once).
+A bad upload therefore never touches the sum: the run's state is left exactly as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from fedtrain import faults
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.auth import Identity
+from fedtrain.coordinator.base import CoordinatorBase, Refused
+from fedtrain.coordinator.spool import needs_spool
 from fedtrain.errors import WireError
+from fedtrain.merge import all_finite, check_compatible
+from fedtrain.merge.robust import clip_scale, sum_of_squares
 from fedtrain.wire import BodyReader, StreamingDigest, TensorSpec, digests_equal, parse_header
-from fedtrain.wire.compress import SCALE_SUFFIX, decompress
+from fedtrain.wire.compress import SCALE_SUFFIX, decompress, expected_specs, scheme_of
 from fedtrain.wire.digest import parse_digest
 
 # Bytes handed to the writer thread at a time. Two batches are in flight per upload at
@@ -181,3 +196,140 @@ async def drain(chunks: AsyncIterator[bytes]) -> None:
             pass
     except Exception:  # noqa: BLE001 - a client gone away is not our error to report
         pass
+
+
+class UploadsMixin(CoordinatorBase):
+    """The coordinator's side of an upload: admit, receive, verify and fold it."""
+
+    def _check_open(self, round_: int) -> policy.Admission:
+        """Admit an upload for `round_` into the open round (accept or late), or refuse with 409."""
+        admission = policy.admit_upload(round_, self.version, self.closing, self.finished, self.config)
+        if admission.action != "refuse":
+            return admission
+        if admission.code == "run_finished":
+            raise Refused(409, "run_finished", admission.reason, {"current_round": self.version, "finished": True})
+        raise Refused(
+            409,
+            "round_closed",
+            f"{admission.reason}: download the current global model and continue",
+            {"current_round": self.version},
+        )
+
+    def _upload_key(self, pid: str, round_: int, admission: policy.Admission) -> str:
+        return pid if admission.action == "accept" else f"{pid}@late{round_}"
+
+    def _is_duplicate(self, pid: str, round_: int, admission: policy.Admission) -> bool:
+        """Sent before: into the open round, as a late fold, or (late) already part of round_ when it closed."""
+        key = self._upload_key(pid, round_, admission)
+        if key in self.submitted or key in self.late:
+            return True
+        return admission.action == "late" and any(s["participant_id"] == pid for s in self.store.submissions(round_))
+
+    async def receive_update(
+        self,
+        ident: Identity,
+        pid: str,
+        round_: int,
+        tokens: int,
+        digest: str,
+        length: int | None,
+        chunks: AsyncIterator[bytes],
+    ) -> dict[str, Any]:
+        """Verify, spool and fold one participant's pseudo-gradient for `round_`."""
+        p = self._participant(ident, pid)
+        try:
+            admission = self._check_open(round_)
+            if self._is_duplicate(pid, round_, admission):
+                await drain(chunks)
+                return {"accepted": True, "duplicate": True, "round": round_}
+            if self.config.outer.weighting == "tokens" and tokens <= 0:
+                raise Refused(400, "invalid_tokens", "tokens must be a positive count of tokens processed this round")
+            limit = int(self.config.max_upload_mb * 1_000_000)
+            if length is None:
+                raise Refused(411, "length_required", "uploads need a Content-Length header")
+            if length > limit:
+                raise Refused(413, "too_large", f"upload of {length:,} bytes exceeds max_upload_mb ({limit:,} bytes)")
+        except Refused:
+            await drain(chunks)
+            raise
+        path = self.spool / f"{round_}-{pid}.safetensors"
+        try:
+            try:
+                await receive_to_spool(chunks, path, digest=digest, length=length, limit=limit,
+                                       on_header=self._check_header, who=pid, round_=round_)
+            except BaseException:
+                await drain(chunks)
+                raise
+            faults.hit("upload.received", who=pid, round=round_)
+            await asyncio.to_thread(self.check_values, path)
+            norm = await asyncio.to_thread(self._norm, path)
+            admission = self._check_open(round_)  # the round may have closed while the body streamed in
+            key = self._upload_key(pid, round_, admission)
+            if self._is_duplicate(pid, round_, admission):
+                return {"accepted": True, "duplicate": True, "round": round_}
+            weight = float(tokens) if self.config.outer.weighting == "tokens" else 1.0
+            weight *= self.config.staleness_discount**admission.staleness
+            self._folds += 1
+            reserved = self.submitted if admission.action == "accept" else self.late
+            reserved[key] = tokens  # reserved now, so that the round waits for this fold
+            try:
+                if needs_spool(self.config.outer):
+                    self.round_spool.keep(key, path, self.version, weight, norm)
+                else:
+                    scale = clip_scale(norm, self.config.outer.clip_norm)
+                    await asyncio.to_thread(self._fold, path, weight, scale)
+            except BaseException:
+                reserved.pop(key, None)
+                raise
+            finally:
+                self._folds -= 1
+        finally:
+            path.unlink(missing_ok=True)
+        self.bytes_in += length
+        p.bytes_up += length
+        p.tokens += tokens
+        p.round = round_
+        p.last_seen = self.clock()
+        if admission.action == "late":
+            self._event("late", f"{pid}'s update for round {round_}: {admission.reason}", pid)
+        else:
+            self._round_times.append(max(0.0, self.clock() - self.opened_at))
+            self.store.add_submission(round_, pid, tokens, length, digest)
+        self.store.upsert_participant(p)
+        self._maybe_close()
+        self._notify()
+        late = {"folded_into": self.version, "staleness": admission.staleness} if admission.action == "late" else {}
+        return {"accepted": True, "duplicate": False, "round": round_, **late}
+
+    def _check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
+        scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header
+        check_compatible(expected_specs(self.spec, scheme, block), {n: (s.dtype, s.shape) for n, s in specs.items()},
+                         what="update")
+
+    def _norm(self, path: Path) -> float:
+        """The L2 norm of a verified upload when a rule needs it (clip_norm, outlier_factor), else 0."""
+        outer = self.config.outer
+        if outer.clip_norm is None and outer.outlier_factor is None:
+            return 0.0
+        with self._fold_lock:
+            return math.sqrt(sum(sum_of_squares(t) for _, t in self.spooled(path)))
+
+    def _fold(self, path: Path, weight: float, scale: float = 1.0) -> None:
+        """Fold a verified spool file; `scale` < 1 clips the update's norm (its weight counts in full)."""
+        with self._fold_lock:
+            for name, tensor in self.spooled(path):
+                self.acc.fold(name, tensor, weight * scale)
+            self.acc.finish_contribution(weight)
+
+    def spooled(self, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """The decoded tensors of a verified spool file, one at a time, read into the staging
+        buffer (the caller holds the fold lock; each tensor is valid until the next)."""
+        return self._staging.decoded(path, {n: d for n, (d, _) in self.spec.items()})
+
+    def check_values(self, path: Path) -> None:
+        """Refuse a spooled upload with a NaN or Inf anywhere (one tensor in memory at a time,
+        under the fold lock so concurrent uploads do not multiply the memory)."""
+        with self._fold_lock:
+            for name, tensor in self.spooled(path):
+                if not all_finite(tensor):
+                    raise Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")

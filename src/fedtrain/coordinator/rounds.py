@@ -1,0 +1,292 @@
+"""Rounds: closing the open round, merging and committing it, or going back; downloads.
+
+A part (mixin) of `Coordinator` (`service.py`). Whether to close is the decision of
+`policy.decide_round`, asked after each upload and departure and on a periodic tick.
+Closing waits for the folds in flight, aggregates the round, takes the outer step and
+commits: checkpoint files first (fsync'd), then the database row. A failed merge or
+commit goes back to the last committed round, and the uploads since must be sent again.
+With `publish_first` the new weights are served from memory at once (`model_stream`)
+while their commit runs beside the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fedtrain import faults
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.auth import Identity
+from fedtrain.coordinator.base import CoordinatorBase, Refused
+from fedtrain.coordinator.publish import ModelStream, Published
+from fedtrain.errors import StateError
+from fedtrain.merge import OuterOptimizer, contribution_weights
+from fedtrain.wire import EncodedBody
+
+log = logging.getLogger("fedtrain.coordinator")
+
+
+class RoundsMixin(CoordinatorBase):
+    """The coordinator's round closing, commits, roll-backs, long-polls and downloads."""
+
+    def _views(self) -> list[policy.ParticipantView]:
+        return [policy.ParticipantView(p.id, p.state, p.last_seen) for p in self.participants.values()]
+
+    def deadline(self) -> tuple[float, str]:
+        """The open round's deadline in seconds after it opened, and why (fixed or adaptive)."""
+        return policy.adaptive_deadline(self.submit_times, self.config)
+
+    def decide(self) -> policy.Decision:
+        rnd = policy.RoundView(self.version, self.opened_at, frozenset(self.submitted), self.deadline()[0])
+        return policy.decide_round(rnd, self._views(), self.clock(), self.config)
+
+    def _maybe_close(self) -> None:
+        if self.closing or self.finished:
+            return
+        decision = self.decide()
+        self.reason = decision.reason
+        if decision.action == "close":
+            self.closing = True
+            self._close_task = asyncio.create_task(self._close_round(decision.reason))
+
+    async def _close_round(self, reason: str) -> None:
+        while self._folds:
+            await asyncio.sleep(0.01)
+        if not await self._settle_commit():
+            self.closing = False
+            self._notify()
+            return
+        r = self.version
+        publish_first = self.config.publish_first
+        try:
+            record = await asyncio.to_thread(self._merge, r, reason, publish_first)
+            if not publish_first:
+                await asyncio.to_thread(self._commit, r, record)
+        except Exception as e:
+            log.exception("merge of round %d failed", r)
+            await self._roll_back(f"merge of round {r} failed ({e})", "merge_failed")
+            return
+        for key, why in self._rejected.items():
+            self._event("reject", f"the update of {key} for round {r} was left out: {why}", key.split("@")[0])
+        self.version = r + 1
+        if publish_first:
+            self._commit_task = asyncio.create_task(self._commit_in_background(r, record))
+        self.submitted = {}
+        self._end_round_extras(committed=True)
+        self.opened_at = self.clock()
+        self.closing = False
+        self._enter_round()
+        self.reason = "run finished" if self.finished else "round opened"
+        self._event(
+            "round", f"round {r} closed: {reason}; {record['n_submissions']} updates, merge {record['merge_s']:.2f}s"
+        )
+        if self.finished:
+            self._event("finished", f"run finished after {self.version} rounds")
+        self._notify()
+
+    async def _roll_back(self, why: str, kind: str) -> None:
+        """Back to the last committed round: its weights and optimizer state, no uploads."""
+        self._event(kind, f"{why}; reloading the last committed round {self.committed_version}, "
+                          "uploads must be sent again")
+        self.version = self.committed_version
+        self._published = None
+        self._rollbacks += 1
+        await asyncio.to_thread(self._reload_committed)
+        self.submitted = {}
+        self._end_round_extras(committed=False)
+        self.closing = False
+        self._notify()
+
+    def _end_round_extras(self, committed: bool) -> None:
+        """A round closed (or its merge failed): late folds and retained updates go; times count."""
+        if committed:
+            self.submit_times.append(self._round_times)
+        self._round_times = []
+        self.late = {}
+        self.round_spool.clear()
+
+    def _merge(self, r: int, reason: str, publish_first: bool) -> dict[str, Any]:
+        """Aggregate the round and take the outer step; with `publish_first` also make the new
+        weights downloadable at once (their digest, and a body over them)."""
+        t0 = time.perf_counter()
+        with self._fold_lock:
+            tokens = dict(self.submitted)
+            faults.hit("merge.before_step", round=r)
+            dtypes = {n: d for n, (d, _) in self.spec.items()}
+            self._rejected = self.round_spool.aggregate_into(self.acc, self.config.outer, dtypes)
+            weights = self._round_weights(tokens, self._rejected)
+            with self._weights.lock:
+                self._weights.epoch += 1
+                self.outer.step(self.acc.mean())
+            self.acc.reset()
+        record = {
+            "round": r,
+            "opened_at": self.opened_at,
+            "closed_at": self.clock(),
+            "close_reason": reason,
+            "algorithm": self.outer.algorithm,
+            "n_submissions": len(tokens),
+            "tokens": sum(tokens.values()),
+            "bytes_in": sum(s["bytes"] for s in self.store.submissions(r)),
+            "weights": weights,
+            "digest_algorithm": self.config.digest,
+        }
+        if publish_first:
+            body = EncodedBody(self.outer.params, self._model_meta(r + 1), digest_algorithm=self.config.digest)
+            self._published = Published(r + 1, body.digest(), body, self._weights.epoch)
+        record["merge_s"] = time.perf_counter() - t0
+        return record
+
+    def _commit(self, r: int, record: dict[str, Any]) -> None:
+        """Make round r durable: checkpoint files (fsync'd), then the database row."""
+        t0 = time.perf_counter()
+        weights, algorithm = record.pop("weights"), record.pop("digest_algorithm")
+        record["digest"] = self.ckpt.write(r + 1, self.outer.params, self.outer.state_tensors(),
+                                           self.outer.state_metadata(), self._model_meta(r + 1), algorithm)
+        faults.hit("checkpoint.after_global_write", round=r)
+        record["commit_s"] = time.perf_counter() - t0
+        faults.hit("commit.before_db", round=r)
+        self.store.commit_round(record, weights)
+        faults.hit("commit.after_db", round=r)
+        self.committed_version = r + 1
+        # Unlinking the old files (freeing their page cache) takes ~0.1 s per GB: off the round trip.
+        self._janitor.submit(self.ckpt.prune, r + 1, self.config.keep_checkpoints, orphans=False)
+
+    async def _commit_in_background(self, r: int, record: dict[str, Any]) -> None:
+        """publish_first: commit round r while round r + 1 runs; if that fails, go back to the
+        last committed round at once (what was served of r + 1 is dropped)."""
+        published = self._published
+        try:
+            await asyncio.to_thread(self._commit, r, record)
+            if published is not None and record["digest"] != published.digest:  # same bytes by construction
+                raise StateError(f"round {r}'s checkpoint digest differs from the model served from memory")
+        except Exception as e:
+            log.exception("commit of round %d failed", r)
+            self.closing = True  # admit no upload while going back
+            while self._folds:
+                await asyncio.sleep(0.01)
+            await self._roll_back(f"the commit of round {r} failed ({e})", "commit_failed")
+        finally:
+            if self._published is published:
+                self._published = None
+
+    async def _settle_commit(self) -> bool:
+        """Before a merge: wait for the previous round's background commit. False when it failed
+        and the run went back meanwhile: the round being closed no longer exists."""
+        rollbacks = self._rollbacks
+        if self._commit_task is not None:
+            await asyncio.gather(self._commit_task, return_exceptions=True)
+            self._commit_task = None
+        return self._rollbacks == rollbacks
+
+    def _model_meta(self, version: int) -> dict[str, str]:
+        return {"run": self.config.name, "algorithm": self.outer.algorithm, "version": str(version)}
+
+    def _round_weights(self, tokens: dict[str, int], rejected: dict[str, str]) -> dict[str, float]:
+        """Recorded weights: normalised over the kept updates (uniform for median/trimmed mean), 0 if left out."""
+        kept = {k: v for k, v in tokens.items() if k not in rejected}
+        mode = self.config.outer.weighting if self.config.outer.aggregator == "mean" else "uniform"
+        weights = contribution_weights(kept, mode) if kept else {}
+        weights.update({k: 0.0 for k in tokens if k in rejected})
+        return weights
+
+    def _reload_committed(self) -> None:
+        with self._fold_lock:
+            v = self.version
+            params = self.ckpt.load_global(v, self.store.get_meta(f"digest/{v}"))
+            tensors, meta = self.ckpt.load_outer(v)
+            with self._weights.lock:
+                self._weights.epoch += 1
+                self.outer = OuterOptimizer.restore(params, tensors, meta)
+            self.acc.reset()
+            self.store.discard_uncommitted(v)
+            self.ckpt.prune(v, self.config.keep_checkpoints)
+
+    def tick(self) -> None:
+        """Periodic duties: fail silent participants, close rounds whose deadline passed."""
+        now = self.clock()
+        changed = False
+        for pid, why in policy.stale_participants(self._views(), now, self.config):
+            p = self.participants[pid]
+            p.state = policy.FAILED
+            self.store.upsert_participant(p)
+            self._event("fail", f"{pid} failed: {why}", pid)
+            changed = True
+        self._maybe_close()
+        if changed:
+            self._notify()
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("coordinator tick failed")
+
+    def round_info(self, round_: int, pid: str | None = None) -> dict[str, Any]:
+        if round_ < self.version:
+            state = "closed"
+        elif round_ == self.version:
+            state = "finished" if self.finished else ("closing" if self.closing else "open")
+        else:
+            state = "not_open"
+        active = sum(1 for p in self.participants.values() if p.state == policy.ACTIVE)
+        return {
+            "round": round_,
+            "state": state,
+            "current_round": self.version,
+            "finished": self.finished,
+            "submitted": (pid in self.submitted) if pid and round_ == self.version else None,
+            "n_submitted": len(self.submitted) if round_ == self.version else None,
+            "n_active": active,
+            "reason": self.reason,
+            "config_version": self.config_version,
+        }
+
+    async def wait_round(self, ident: Identity, pid: str | None, round_: int, wait_s: float) -> dict[str, Any]:
+        """Long-poll: answer as soon as round `round_` is no longer open, or after `wait_s`."""
+        if pid is not None:
+            self._participant(ident, pid)
+        if round_ > self.version:
+            raise Refused(
+                409,
+                "round_not_open",
+                f"round {round_} has not opened; the current round is {self.version}",
+                {"current_round": self.version},
+            )
+        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        while round_ == self.version and not self.finished:
+            if pid is not None and not self.closing and pid not in self.submitted:
+                break  # its upload is missing (lost, or dropped by a restart): answer now so it resends
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._changed is None:
+                break
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        return self.round_info(round_, pid)
+
+    # -- downloads ------------------------------------------------------------------------------
+
+    def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
+        """A download of global version `version` (default: the newest): from its committed
+        file, or from memory while a `publish_first` round's checkpoint is being written."""
+        v = self.version if version is None else version
+        path = self.ckpt.global_path(v)
+        published = self._published if self._published is not None and self._published.version == v else None
+        if published is not None:
+            stream = ModelStream(v, published.digest, published.body.content_length, path, published, self._weights)
+        else:
+            digest = self.store.get_meta(f"digest/{v}")
+            if v > self.committed_version or digest is None or not path.is_file():
+                kept = [x for x in self.ckpt.versions() if x <= self.committed_version]
+                raise Refused(404, "version_not_kept", f"global model version {v} is not available (kept: {kept})")
+            stream = ModelStream(v, digest, path.stat().st_size, path)
+        self.bytes_out += stream.size
+        if pid is not None and pid in self.participants:
+            self.participants[pid].bytes_down += stream.size
+        return stream
