@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
-from fedtrain.coordinator.uploads import Staging, largest_tensor_bytes, receive_to_spool
+from fedtrain.coordinator.uploads import SpoolFiles, Staging, largest_tensor_bytes, receive_to_spool
 from fedtrain.errors import WireError
 from fedtrain.wire import EncodedBody, StreamingDigest, write_file
 from fedtrain.wire.compress import compress
@@ -175,3 +175,26 @@ def test_background_digest_matches_streaming_digest() -> None:
     assert bg.digest() == expected.digest()
     empty = BackgroundDigest()
     assert empty.digest() == digest_bytes(b"")
+
+
+def test_a_reused_spool_file_holds_exactly_the_new_body(tmp_path: Path) -> None:
+    long, long_digest = body_bytes(tensors(0))
+    short, short_digest = body_bytes({"b": torch.randn(7, 5)})
+    receive(long, long_digest, tmp_path / "u")
+    receive(short, short_digest, tmp_path / "u")  # written over the longer one, then cut to size
+    assert (tmp_path / "u").read_bytes() == short
+
+
+def test_spool_files_are_reused_and_a_refused_upload_leaves_the_directory_as_it_was(tmp_path: Path) -> None:
+    files = SpoolFiles(tmp_path)
+    a, new = files.take()
+    assert new
+    a.write_bytes(b"x" * 100)
+    files.give_back(a)
+    assert files.take() == (a, False)  # the same file again: its pages are warm
+    files.discard(a, new=False)  # refused: emptied, kept for the next upload
+    assert a.read_bytes() == b"" and files.take() == (a, False)
+    b, new = files.take()
+    b.write_bytes(b"y")
+    files.discard(b, new=True)  # refused, and it was new: gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [a.name]

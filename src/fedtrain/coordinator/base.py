@@ -35,7 +35,7 @@ from fedtrain.errors import FedtrainError
 from fedtrain.merge import OuterOptimizer, RunningSum
 
 if TYPE_CHECKING:
-    from fedtrain.coordinator.uploads import Staging
+    from fedtrain.coordinator.uploads import SpoolFiles, Staging
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -84,6 +84,7 @@ class CoordinatorBase:
     store: Store
     ckpt: CheckpointDir
     spool: Path
+    _spool_files: SpoolFiles
     config: RunConfig
     config_version: int
     latest_config_version: int

@@ -48,7 +48,7 @@ from fedtrain.coordinator.publish import Published, WeightsGuard
 from fedtrain.coordinator.rounds import RoundsMixin
 from fedtrain.coordinator.spool import RoundSpool
 from fedtrain.coordinator.store import Store
-from fedtrain.coordinator.uploads import Staging, UploadsMixin, largest_tensor_bytes
+from fedtrain.coordinator.uploads import SpoolFiles, Staging, UploadsMixin, largest_tensor_bytes
 from fedtrain.errors import FedtrainError, MergeError, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum, all_finite
 from fedtrain.wire import iter_file, read_tensors
@@ -121,6 +121,7 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self.spool = self.state_dir / "spool"
         shutil.rmtree(self.spool, ignore_errors=True)
         self.spool.mkdir()
+        self._spool_files = SpoolFiles(self.spool)
         version = self.store.committed_version()
         if version is None:
             self._create()

@@ -50,12 +50,46 @@ BATCH = 512 << 10
 _PREFIX = 8
 
 
+class SpoolFiles:
+    """Spool files for uploads, reused from one upload to the next.
+
+    Overwriting a file whose pages are in the page cache is about twice as fast as writing a
+    fresh one (no page allocation), and there is no unlink to pay: the directory holds one
+    file per upload that was ever in flight at once. Used from the event loop only."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._free: list[Path] = []
+        self._made = 0
+
+    def take(self) -> tuple[Path, bool]:
+        """A file to spool the next upload into, and whether it is new."""
+        if self._free:
+            return self._free.pop(), False
+        self._made += 1
+        return self.root / f"upload-{self._made}.spool", True
+
+    def give_back(self, path: Path) -> None:
+        """Return a file for reuse (one moved away, e.g. kept for a robust aggregator, is not)."""
+        if path.exists():
+            self._free.append(path)
+
+    def discard(self, path: Path, new: bool) -> None:
+        """After a refused upload: its bytes go; the directory is left as the upload found it."""
+        if new:
+            path.unlink(missing_ok=True)
+        elif path.exists():
+            os.truncate(path, 0)
+            self._free.append(path)
+
+
 class _SpoolSink:
-    """The worker-thread half of a receive: append chunks to the file and hash them."""
+    """The worker-thread half of a receive: write chunks over the file and hash them."""
 
     def __init__(self, path: Path, digest: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # no O_TRUNC: overwrite cached pages
         self.hash = StreamingDigest.like(digest)
+        self.written = 0
 
     def take(self, chunks: list[bytes]) -> None:
         for chunk in chunks:
@@ -64,9 +98,13 @@ class _SpoolSink:
         written = os.writev(self.fd, chunks)
         if written != view_total:  # a short write (rare, e.g. a signal): finish it chunk by chunk
             _write_rest(self.fd, chunks, written)
+        self.written += view_total
 
     def close(self) -> None:
-        os.close(self.fd)
+        try:
+            os.ftruncate(self.fd, self.written)  # drop what a longer earlier upload left behind
+        finally:
+            os.close(self.fd)
 
 
 def _write_rest(fd: int, chunks: list[bytes], done: int) -> None:
@@ -252,7 +290,8 @@ class UploadsMixin(CoordinatorBase):
         except Refused:
             await drain(chunks)
             raise
-        path = self.spool / f"{round_}-{pid}.safetensors"
+        path, new = self._spool_files.take()
+        accepted = False
         try:
             try:
                 await receive_to_spool(chunks, path, digest=digest, length=length, limit=limit,
@@ -283,8 +322,12 @@ class UploadsMixin(CoordinatorBase):
                 raise
             finally:
                 self._folds -= 1
+            accepted = True
         finally:
-            path.unlink(missing_ok=True)
+            if accepted:
+                self._spool_files.give_back(path)
+            else:
+                self._spool_files.discard(path, new)
         self.bytes_in += length
         p.bytes_up += length
         p.tokens += tokens
