@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
-from fedtrain.coordinator.uploads import SpoolFiles, Staging, largest_tensor_bytes, receive_to_spool
+from fedtrain.coordinator.uploads import SpoolFiles, Staging, receive_to_spool
 from fedtrain.errors import WireError
 from fedtrain.wire import EncodedBody, StreamingDigest, write_file
 from fedtrain.wire.compress import compress
@@ -100,15 +100,38 @@ def test_malformed_digest_is_refused_before_reading(tmp_path: Path) -> None:
     assert not (tmp_path / "u").exists()
 
 
-def test_staging_reads_back_each_tensor(tmp_path: Path) -> None:
+def test_staging_reads_back_each_tensor_in_pieces(tmp_path: Path) -> None:
     t = tensors(1)
     write_file(tmp_path / "f", t)
-    staging = Staging(largest_tensor_bytes({n: (v.dtype, tuple(v.shape)) for n, v in t.items()}))
-    got = {n: v.clone() for n, v in staging.tensors(tmp_path / "f")}
-    assert set(got) == set(t)
+    staging = Staging(100_000)  # 25,000 fp32 values per piece: tensor "a" comes in 13 pieces
+    got: dict[str, list[torch.Tensor]] = {}
+    for name, start, piece in staging.pieces(tmp_path / "f"):
+        assert start == sum(p.numel() for p in got.get(name, []))
+        assert piece.nbytes <= 100_000
+        got.setdefault(name, []).append(piece.clone())
+    assert len(got["a"]) == 13 and set(got) == set(t)
     for n in t:
-        assert torch.equal(got[n], t[n])
-    assert staging.buffer.numel() == t["a"].numel() * 4  # one buffer, the largest tensor
+        assert torch.equal(torch.cat(got[n]).view(t[n].shape), t[n])
+    whole = {n: v for n, v in staging.tensors(tmp_path / "f")}
+    assert all(torch.equal(whole[n], t[n]) for n in t)
+
+
+def test_running_sum_folds_pieces_in_order() -> None:
+    from fedtrain.errors import MergeError
+    from fedtrain.merge import RunningSum
+
+    t = {"a": torch.randn(10, 3), "b": torch.randn(4)}
+    acc = RunningSum(t)
+    acc.fold_part("a", 0, t["a"].reshape(-1)[:7], 2.0)
+    with pytest.raises(MergeError, match="out of order"):
+        acc.fold_part("a", 8, t["a"].reshape(-1)[8:], 2.0)
+    with pytest.raises(MergeError, match="incomplete"):
+        acc.finish_contribution(2.0)
+    acc.fold_part("a", 7, t["a"].reshape(-1)[7:], 2.0)
+    acc.fold_part("b", 0, t["b"], 2.0)
+    acc.finish_contribution(2.0)
+    for n in t:
+        torch.testing.assert_close(acc.mean()[n], t[n])
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "int8"])
@@ -116,7 +139,7 @@ def test_staging_decodes_compressed_bodies(tmp_path: Path, scheme: str) -> None:
     t = {"a": torch.randn(10_000), "b": torch.randn(64, 3)}
     sent, meta = compress(t, scheme)
     write_file(tmp_path / "f", sent, meta)
-    staging = Staging(largest_tensor_bytes({n: (v.dtype, tuple(v.shape)) for n, v in t.items()}))
+    staging = Staging()
     got = {n: v.clone() for n, v in staging.decoded(tmp_path / "f", {n: v.dtype for n, v in t.items()})}
     for n in t:
         assert got[n].dtype == torch.float32 and got[n].shape == t[n].shape

@@ -48,7 +48,7 @@ from fedtrain.coordinator.publish import Published, WeightsGuard
 from fedtrain.coordinator.rounds import RoundsMixin
 from fedtrain.coordinator.spool import RoundSpool
 from fedtrain.coordinator.store import Store
-from fedtrain.coordinator.uploads import SpoolFiles, Staging, UploadsMixin, largest_tensor_bytes
+from fedtrain.coordinator.uploads import SpoolFiles, Staging, UploadsMixin
 from fedtrain.errors import FedtrainError, MergeError, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum, all_finite
 from fedtrain.wire import iter_file, read_tensors
@@ -130,7 +130,7 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self.committed_version = self.version
         self.spec = {n: (t.dtype, tuple(t.shape)) for n, t in self.outer.params.items()}
         self.acc = RunningSum(self.outer.params)
-        self._staging = Staging(largest_tensor_bytes(self.spec))
+        self._staging = Staging()
         self.participants = {p.id: p for p in self.store.participants()}
         self.live: dict[str, Live] = {pid: Live() for pid in self.participants}
         now = self.clock()

@@ -41,7 +41,7 @@ from fedtrain.errors import WireError
 from fedtrain.merge import all_finite, check_compatible
 from fedtrain.merge.robust import clip_scale, sum_of_squares
 from fedtrain.wire import BodyReader, StreamingDigest, TensorSpec, digests_equal, parse_header
-from fedtrain.wire.compress import SCALE_SUFFIX, decompress, expected_specs, scheme_of
+from fedtrain.wire.compress import decompress, expected_specs, scheme_of
 from fedtrain.wire.digest import parse_digest
 
 # Bytes handed to the writer thread at a time. Two batches are in flight per upload at
@@ -170,43 +170,65 @@ async def receive_to_spool(
     return reader
 
 
-class Staging:
-    """One reusable buffer for reading verified spool files back, tensor by tensor."""
+PIECE_BYTES = 16 << 20
 
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+
+class Staging:
+    """One reusable buffer of `PIECE_BYTES` for reading verified spool files back.
+
+    A plain (uncompressed) body is read in pieces of whole elements, so checking and folding
+    an upload hold 16 MiB, not its largest tensor (an LLM's embedding can be a GB). A
+    compressed body is decoded a whole tensor at a time, into fresh memory."""
+
+    def __init__(self, nbytes: int = PIECE_BYTES) -> None:
+        self.buffer = torch.empty(max(nbytes, 64), dtype=torch.uint8)
         self._bytes = memoryview(self.buffer.numpy())  # type: ignore[arg-type]
 
-    def tensors(self, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of a verified spool file; each tensor is a view of the buffer,
-        valid until the next one is read (int8 scales, needed beside their tensor, are copied)."""
-        with open(path, "rb", buffering=0) as f:
-            n = int.from_bytes(_read_exact(f, _PREFIX), "little")
-            order, _ = parse_header(_read_exact(f, n))
-            for spec in order:
-                yield spec.name, self._read(f, spec)
+    def header(self, path: Path) -> tuple[list[TensorSpec], dict[str, str]]:
+        with open(path, "rb") as f:
+            return _read_header(f)
 
-    def _read(self, f: object, spec: TensorSpec) -> torch.Tensor:
-        nbytes = spec.nbytes
-        if nbytes > self.buffer.numel():  # cannot happen for a body checked against the model
-            raise WireError(f"tensor {spec.name!r} is larger than the model's largest tensor")
-        view = self._bytes[:nbytes]
-        got = 0
-        while got < nbytes:
-            n = f.readinto(view[got:])  # type: ignore[attr-defined]
-            if not n:
-                raise WireError(f"spool file ended inside tensor {spec.name!r}")
-            got += n
-        t = self.buffer[:nbytes].view(spec.dtype).view(spec.shape)
-        return t.clone() if spec.name.endswith(SCALE_SUFFIX) else t
+    def pieces(self, path: Path) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(name, index of its first element, values) of a verified spool file, in file
+        order; each piece is a flat view of the buffer, valid until the next one is read."""
+        with open(path, "rb", buffering=0) as f:
+            order, _ = _read_header(f)
+            for spec in order:
+                per_piece = max(1, self.buffer.numel() // spec.dtype.itemsize)
+                if spec.numel == 0:
+                    yield spec.name, 0, torch.empty(0, dtype=spec.dtype)
+                for start in range(0, spec.numel, per_piece):
+                    n = min(per_piece, spec.numel - start)
+                    _readinto(f, self._bytes[: n * spec.dtype.itemsize], spec.name)
+                    yield spec.name, start, self.buffer[: n * spec.dtype.itemsize].view(spec.dtype)
+
+    def tensors(self, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of a verified spool file, each read whole into fresh memory."""
+        with open(path, "rb", buffering=0) as f:
+            order, _ = _read_header(f)
+            for spec in order:
+                t = torch.empty(spec.shape, dtype=spec.dtype)
+                if spec.nbytes:
+                    _readinto(f, memoryview(t.reshape(-1).view(torch.uint8).numpy()), spec.name)  # type: ignore[arg-type]
+                yield spec.name, t
 
     def decoded(self, path: Path, dtypes: Mapping[str, torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
         """The full tensors of a verified spool file (compressed bodies decoded), one at a time."""
-        meta: dict[str, str] = {}
-        with open(path, "rb") as f:
-            n = int.from_bytes(_read_exact(f, _PREFIX), "little")
-            meta.update(parse_header(_read_exact(f, n))[1])
-        return decompress(self.tensors(path), meta, dtypes)
+        return decompress(self.tensors(path), self.header(path)[1], dtypes)
+
+
+def _read_header(f: object) -> tuple[list[TensorSpec], dict[str, str]]:
+    n = int.from_bytes(_read_exact(f, _PREFIX), "little")
+    return parse_header(_read_exact(f, n))
+
+
+def _readinto(f: object, view: memoryview, name: str) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = f.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            raise WireError(f"spool file ended inside tensor {name!r}")
+        got += n
 
 
 def _read_exact(f: object, n: int) -> bytes:
@@ -214,17 +236,6 @@ def _read_exact(f: object, n: int) -> bytes:
     if len(data) != n:
         raise WireError("spool file is truncated")
     return data
-
-
-def largest_tensor_bytes(spec: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> int:
-    """Bytes of the model's largest tensor (a compressed body's tensors are never larger)."""
-    out = 0
-    for dtype, shape in spec.values():
-        numel = 1
-        for d in shape:
-            numel *= d
-        out = max(out, numel * dtype.itemsize)
-    return out
 
 
 async def drain(chunks: AsyncIterator[bytes]) -> None:
@@ -355,24 +366,28 @@ class UploadsMixin(CoordinatorBase):
         if outer.clip_norm is None and outer.outlier_factor is None:
             return 0.0
         with self._fold_lock:
-            return math.sqrt(sum(sum_of_squares(t) for _, t in self.spooled(path)))
+            return math.sqrt(sum(sum_of_squares(t) for _, _, t in self.spooled(path)))
 
     def _fold(self, path: Path, weight: float, scale: float = 1.0) -> None:
         """Fold a verified spool file; `scale` < 1 clips the update's norm (its weight counts in full)."""
         with self._fold_lock:
-            for name, tensor in self.spooled(path):
-                self.acc.fold(name, tensor, weight * scale)
+            for name, start, values in self.spooled(path):
+                self.acc.fold_part(name, start, values, weight * scale)
             self.acc.finish_contribution(weight)
 
-    def spooled(self, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-        """The decoded tensors of a verified spool file, one at a time, read into the staging
-        buffer (the caller holds the fold lock; each tensor is valid until the next)."""
-        return self._staging.decoded(path, {n: d for n, (d, _) in self.spec.items()})
+    def spooled(self, path: Path) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(name, first element, values) of a verified spool file: pieces of the staging
+        buffer for a plain body, whole decoded tensors for a compressed one. The caller holds
+        the fold lock; each piece is valid until the next."""
+        if scheme_of(self._staging.header(path)[1])[0] == "none":
+            return self._staging.pieces(path)
+        decoded = self._staging.decoded(path, {n: d for n, (d, _) in self.spec.items()})
+        return ((name, 0, t) for name, t in decoded)
 
     def check_values(self, path: Path) -> None:
-        """Refuse a spooled upload with a NaN or Inf anywhere (one tensor in memory at a time,
+        """Refuse a spooled upload with a NaN or Inf anywhere (one piece in memory at a time,
         under the fold lock so concurrent uploads do not multiply the memory)."""
         with self._fold_lock:
-            for name, tensor in self.spooled(path):
-                if not all_finite(tensor):
+            for name, _, values in self.spooled(path):
+                if not all_finite(values):
                     raise Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")

@@ -142,6 +142,7 @@ class RunningSum:
             device = value.device if isinstance(value, torch.Tensor) else None
             self._acc[name] = torch.zeros(self._specs[name][1], dtype=dtype, device=device)
         self._pending: set[str] = set()
+        self._partial: dict[str, int] = {}  # fold_part: elements folded so far of a tensor in progress
         self._total_weight = 0.0
         self._count = 0
         self._averaged = False
@@ -180,6 +181,28 @@ class RunningSum:
         # add_ promotes in the kernel, so a bf16 upload needs no float32 copy of its own.
         acc.add_(tensor.detach().to(device=acc.device), alpha=w)
         self._pending.add(name)
+
+    def fold_part(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
+        """Add weight·values into elements [start, start + n) of the flattened accumulator
+        `name`: a tensor folded piece by piece, in order (a whole tensor, reshaped, is the
+        piece at 0). It counts as folded once its last element is."""
+        self._check_open()
+        w = _check_weight(weight, f"tensor {name!r}")
+        if name not in self._acc:
+            raise MergeError(f"unexpected key {name!r}: the model has no tensor of that name")
+        if not values.is_floating_point():
+            raise MergeError(f"{name} has dtype {values.dtype}; pseudo-gradients must be floating point")
+        flat = self._acc[name].view(-1)
+        n = values.numel()
+        if name in self._pending or start != self._partial.get(name, 0) or start + n > flat.numel():
+            raise MergeError(f"{name}: piece [{start}, {start + n}) is out of order or out of range "
+                             f"for {flat.numel()} elements")
+        flat[start : start + n].add_(values.detach().reshape(-1).to(device=flat.device), alpha=w)
+        if start + n == flat.numel():
+            self._partial.pop(name, None)
+            self._pending.add(name)
+        else:
+            self._partial[name] = start + n
 
     def finish_contribution(self, weight: float) -> None:
         """Record one contributor whose tensors have all been folded with `weight`."""
@@ -224,6 +247,7 @@ class RunningSum:
         for acc in self._acc.values():
             acc.zero_()
         self._pending.clear()
+        self._partial.clear()
         self._total_weight = 0.0
         self._count = 0
         self._averaged = False
