@@ -221,3 +221,12 @@ def test_spool_files_are_reused_and_a_refused_upload_leaves_the_directory_as_it_
     b.write_bytes(b"y")
     files.discard(b, new=True)  # refused, and it was new: gone
     assert sorted(p.name for p in tmp_path.iterdir()) == [a.name]
+
+
+def test_the_participant_client_reads_responses_a_mebibyte_at_a_time() -> None:
+    from httpcore._sync.http11 import HTTP11Connection
+
+    from fedtrain.participant import client
+
+    assert client._use_larger_reads()
+    assert HTTP11Connection.READ_NUM_BYTES >= client.READ_BYTES == 1 << 20
