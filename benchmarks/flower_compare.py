@@ -32,19 +32,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sync_throughput import HOST, free_port, make_model, peak_rss, raw_tcp_seconds, run_rounds, start_coordinator
+from sync_throughput import (
+    HOST,
+    free_port,
+    make_model,
+    peak_rss,
+    raw_tcp_seconds,
+    run_rounds,
+    start_coordinator,
+    wait_port,
+)
 
 from fedtrain.wire import EncodedBody, write_file
 
@@ -172,20 +179,6 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=20)
 
 
-def wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((HOST, port), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited ({proc.returncode}) before listening") from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} not listening on port {port} after {timeout_s:.0f} s") from None
-            time.sleep(0.2)
-
-
 def last_json(path: Path) -> dict | None:
     for line in reversed(path.read_text(errors="replace").splitlines()):
         if line.startswith("{"):
@@ -211,7 +204,7 @@ def run_flower(venv: Path, tmp: Path, n: int, params: int, tensors: int, rounds:
         with open(logs[0], "w") as out:
             procs.append(subprocess.Popen([py, str(script), "server", addr, str(n), str(params), str(tensors),
                                            str(rounds), str(maxmsg)], stdout=out, stderr=subprocess.STDOUT))
-        wait_port(port, procs[0], "Flower server")
+        wait_port(port, procs[0], "Flower server", START_TIMEOUT_S)
         for i in range(n):
             with open(logs[i + 1], "w") as out:
                 procs.append(subprocess.Popen([py, str(script), "client", addr, str(maxmsg)],

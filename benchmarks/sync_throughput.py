@@ -50,6 +50,21 @@ def make_model(params: int, tensors: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(per, generator=g) * 0.02 for i in range(tensors)}
 
 
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 120.0) -> None:
+    """Wait until something listens on `port`; fail early if `proc` (what starts it) exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited ({proc.returncode}) before listening") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} not listening on port {port} after {timeout_s:.0f} s") from None
+            time.sleep(0.1)
+
+
 def start_coordinator(tmp: Path, init: Path, n: int, extra: dict | None = None) -> tuple[subprocess.Popen, str]:
     cfg = {"name": "bench", "rounds": 0, "min_participants": n, "round_timeout_s": 3600,
            "heartbeat_interval_s": 30, "heartbeat_timeout_s": 3600, "keep_checkpoints": 1,

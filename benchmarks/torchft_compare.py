@@ -267,20 +267,6 @@ def tail(logs: list[tuple[Path, Path]]) -> str:
     return "worker output:\n" + "\n".join(parts)
 
 
-def wait_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((HOST, port), timeout=1):
-                return
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}") from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"torchft_lighthouse not listening on {port} after {timeout:.0f} s") from None
-            time.sleep(0.1)
-
-
 def worker_cmd(python: str | Path, kind: str, args: argparse.Namespace, **extra: Any) -> list[str]:
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", kind, "--params", str(args.params),
            "--tensors", str(args.tensors), "--outer-steps", str(args.outer_steps),
@@ -304,7 +290,10 @@ def measure_torchft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         [str(VENV / "bin" / "torchft_lighthouse"), "--bind", f"{HOST}:{port}", "--min_replicas", "2",
          "--join_timeout_ms", "1000"], stdout=lh_log, stderr=lh_log, start_new_session=True)
     try:
-        wait_port(port, lighthouse, 60)
+        sys.path.insert(0, str(BENCH_DIR))  # not at the top: torchft's workers run without fedtrain
+        from sync_throughput import wait_port
+
+        wait_port(port, lighthouse, "torchft_lighthouse", 60)
         addr = f"http://{HOST}:{port}"
         env = {**os.environ, "TORCHFT_LIGHTHOUSE": addr, "PYTHONWARNINGS": "ignore"}
         res = run_workers("torchft", [worker_cmd(venv_python(), "torchft", args, rank=r, lighthouse=addr)

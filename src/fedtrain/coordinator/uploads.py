@@ -7,17 +7,18 @@ worker thread, batch by batch, so the hash (with sha256, the single largest cost
 receive) overlaps with the network instead of following it. A body whose length or digest is
 wrong is refused before anything reads its values.
 
-Once verified, the spool file is read back tensor by tensor with `readinto` into one
-staging buffer that the coordinator keeps (the size of the model's largest tensor), so
-checking values and folding cost no allocation and no parse: the file's pages are still
-in the page cache, and one `readinto` is a memcpy. The staging buffer is shared, so its
-users hold the coordinator's fold lock.
+Once verified, the spool file is read back with `readinto` in 16 MiB pieces through one
+staging buffer that the coordinator keeps, so checking values and folding cost no
+allocation and no parse: the file's pages are still in the page cache, and one `readinto`
+is a memcpy. The staging buffer is shared, so its users hold the coordinator's fold lock.
+Spool files are reused from one upload to the next (`SpoolFiles`).
 
 `UploadsMixin`, a part (mixin) of `Coordinator` (`service.py`), puts these together:
 an upload is admitted into the open round (or folded late), verified while it streams in
 (header against the model, the body digest), then checked finite tensor by tensor, and
-only then folded into the running sum and its spool file deleted (or the file kept for
-the round's close, when the aggregator or the outlier rule needs every update at once).
+only then folded into the running sum and its spool file handed back for reuse (or the
+file kept for the round's close, when the aggregator or the outlier rule needs every
+update at once).
 A bad upload therefore never touches the sum: the run's state is left exactly as it was.
 """
 
@@ -40,9 +41,9 @@ from fedtrain.coordinator.spool import needs_spool
 from fedtrain.errors import WireError
 from fedtrain.merge import all_finite, check_compatible
 from fedtrain.merge.robust import clip_scale, sum_of_squares
-from fedtrain.wire import BodyReader, StreamingDigest, TensorSpec, digests_equal, parse_header
+from fedtrain.wire import BodyReader, StreamingDigest, TensorSpec, parse_header
 from fedtrain.wire.compress import decompress, expected_specs, scheme_of
-from fedtrain.wire.digest import parse_digest
+from fedtrain.wire.digest import parse_digest, verify_digest
 
 # Bytes handed to the writer thread at a time. Two batches are in flight per upload at
 # most (one being written, one being gathered), so concurrent uploads add 2 x BATCH each.
@@ -131,7 +132,7 @@ async def receive_to_spool(
 ) -> BodyReader:
     """Stream a body into `path`, checking header, length and digest; returns the reader
     (its `specs` and `metadata` describe the body). Raises WireError for a bad body; the
-    caller removes the file."""
+    caller disposes of the file (`SpoolFiles.discard`)."""
     parse_digest(digest)  # refuse a malformed digest before reading the body
     reader = BodyReader(max_bytes=limit, expected_length=length, on_header=on_header, store_data=False)
     sink = _SpoolSink(path, digest)
@@ -158,11 +159,7 @@ async def receive_to_spool(
         if batch:
             await asyncio.to_thread(sink.take, batch)
         reader.finish()
-        got = sink.hash.digest()
-        if not digests_equal(got, digest):
-            raise WireError(
-                f"body digest mismatch: expected {digest}, got {got}; the body was corrupted in transit, send it again"
-            )
+        verify_digest(sink.hash.digest(), digest)
     finally:
         if pending is not None:  # an error while a batch was being written: let it finish first
             await asyncio.gather(pending, return_exceptions=True)
@@ -212,9 +209,12 @@ class Staging:
                     _readinto(f, memoryview(t.reshape(-1).view(torch.uint8).numpy()), spec.name)  # type: ignore[arg-type]
                 yield spec.name, t
 
-    def decoded(self, path: Path, dtypes: Mapping[str, torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full tensors of a verified spool file (compressed bodies decoded), one at a time."""
-        return decompress(self.tensors(path), self.header(path)[1], dtypes)
+    def decoded(self, path: Path, dtypes: Mapping[str, torch.dtype],
+                metadata: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full tensors of a verified spool file (compressed bodies decoded), one at a time;
+        pass the header's `metadata` when it was read already."""
+        meta = self.header(path)[1] if metadata is None else metadata
+        return decompress(self.tensors(path), meta, dtypes)
 
 
 def _read_header(f: object) -> tuple[list[TensorSpec], dict[str, str]]:
@@ -379,9 +379,10 @@ class UploadsMixin(CoordinatorBase):
         """(name, first element, values) of a verified spool file: pieces of the staging
         buffer for a plain body, whole decoded tensors for a compressed one. The caller holds
         the fold lock; each piece is valid until the next."""
-        if scheme_of(self._staging.header(path)[1])[0] == "none":
+        metadata = self._staging.header(path)[1]
+        if scheme_of(metadata)[0] == "none":
             return self._staging.pieces(path)
-        decoded = self._staging.decoded(path, {n: d for n, (d, _) in self.spec.items()})
+        decoded = self._staging.decoded(path, {n: d for n, (d, _) in self.spec.items()}, metadata)
         return ((name, 0, t) for name, t in decoded)
 
     def check_values(self, path: Path) -> None:

@@ -28,8 +28,8 @@ from fedtrain.errors import (
     RoundClosedError,
     WireError,
 )
-from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec, digests_equal
-from fedtrain.wire.digest import BackgroundDigest, parse_digest
+from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec
+from fedtrain.wire.digest import BackgroundDigest, parse_digest, verify_digest
 
 log = logging.getLogger("fedtrain.participant")
 
@@ -323,9 +323,7 @@ class CoordinatorClient:
                     reader.finish()
                     if hasher is not None and expected is not None:
                         got, hasher = hasher.digest(), None
-                        if not digests_equal(got, expected):
-                            raise WireError(f"body digest mismatch: expected {expected}, got {got}; "
-                                            "the body was corrupted in transit, send it again")
+                        verify_digest(got, expected)
                 finally:
                     if hasher is not None:
                         hasher.close()

@@ -72,6 +72,14 @@ def digests_equal(a: str, b: str) -> bool:
     return hmac.compare_digest(_normalize(a), _normalize(b))
 
 
+def verify_digest(got: str, expected: str) -> None:
+    """Refuse a body whose digest `got` is not the `expected` one, with the one message."""
+    if not digests_equal(got, expected):
+        raise WireError(
+            f"body digest mismatch: expected {expected}, got {got}; the body was corrupted in transit, send it again"
+        )
+
+
 def _normalize(value: str) -> str:
     algorithm, hexdigest = parse_digest(value)
     return format_digest(hexdigest, algorithm)

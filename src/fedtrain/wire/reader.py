@@ -17,7 +17,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 import torch
 
 from fedtrain.errors import WireError
-from fedtrain.wire.digest import StreamingDigest, digests_equal
+from fedtrain.wire.digest import StreamingDigest, verify_digest
 from fedtrain.wire.format import MAX_HEADER_BYTES, PREFIX_BYTES, TensorSpec, byte_view, parse_header
 
 __all__ = ["Allocate", "BodyReader", "OnHeader", "aread_tensors", "read_tensors"]
@@ -251,13 +251,11 @@ class BodyReader:
             self._failed = self._truncation_message()
             raise WireError(self._failed)
         if self._hash is not None and self._expected_digest is not None and not self._finished:
-            got = self._hash.digest()
-            if not digests_equal(got, self._expected_digest):
-                self._failed = (
-                    f"body digest mismatch: expected {self._expected_digest}, got "
-                    f"{got}; the body was corrupted in transit, send it again"
-                )
-                raise WireError(self._failed)
+            try:
+                verify_digest(self._hash.digest(), self._expected_digest)
+            except WireError as e:
+                self._failed = e.message
+                raise
         self._finished = True
 
     def digest(self) -> str | None:
