@@ -5,23 +5,36 @@ each file is written atomically (temp file, fsync, rename, fsync of the director
 `fedtrain.wire.write_file`, so a file under its final name is always complete. A version
 counts as committed only once the database says so; files of newer versions are orphans of
 a crash between the rename and the database commit, and are removed at start.
+
+Pruned files are kept as spares (up to two, under temp names) and the next checkpoint is
+written over them: a 400 MB file written over cached pages takes ~0.12 s with its fsync,
+a fresh one ~0.19 s plus ~0.07 s to unlink the old one later, and a round writes two. A
+file is made a spare only while no download reads it (`open_reader` counts readers); one
+still being read is unlinked as before, which its open descriptor survives. So the
+directory holds the kept versions plus at most two spare files; a restart removes them
+with the other temp files.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from fedtrain import faults
 from fedtrain.errors import StateError, WireError
-from fedtrain.wire import iter_file, read_tensors, write_file
+from fedtrain.wire import iter_file, read_tensors
 from fedtrain.wire.files import write_temp
 
 _NAME = re.compile(r"^(global|outer)-(\d{6,})\.safetensors$")
+SPARES = 2  # one round writes two files
 
 
 class CheckpointDir:
@@ -30,11 +43,37 @@ class CheckpointDir:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
+        # Readers, spares and their names change on the event loop (downloads), the commit
+        # thread (taking spares) and the janitor (pruning): all under this lock.
+        self._lock = threading.Lock()
+        self._readers: collections.Counter[Path] = collections.Counter()
+        self._spares: list[Path] = []
+        self._spare_names = 0
 
     def remove_temp_files(self) -> None:
-        """Drop half-written files of a crashed writer (only the coordinator itself calls this)."""
+        """Drop half-written files of a crashed writer, and spares (only the coordinator itself calls this)."""
+        with self._lock:
+            self._spares.clear()
         for leftover in self.root.glob("*.tmp*"):
             leftover.unlink(missing_ok=True)
+
+    def open_reader(self, path: Path) -> BinaryIO:
+        """Open a checkpoint file for a download; while it is open the file is never a spare."""
+        with self._lock:
+            f = open(path, "rb")  # noqa: SIM115 - closed by close_reader
+            self._readers[path] += 1
+        return f
+
+    def close_reader(self, path: Path, f: BinaryIO) -> None:
+        f.close()
+        with self._lock:
+            self._readers[path] -= 1
+            if self._readers[path] <= 0:
+                del self._readers[path]
+
+    def _take_spare(self) -> Path | None:
+        with self._lock:
+            return self._spares.pop() if self._spares else None
 
     def global_path(self, version: int) -> Path:
         return self.root / f"global-{version:06d}.safetensors"
@@ -61,7 +100,7 @@ class CheckpointDir:
             outer = pool.submit(self._write_outer, version, outer_tensors, outer_meta, digest_algorithm)
             try:
                 pending = write_temp(self.global_path(version), params, {**run_meta, "version": str(version)},
-                                     digest_algorithm)
+                                     digest_algorithm, reuse=self._take_spare())
             except BaseException:
                 concurrent.futures.wait([outer])
                 raise
@@ -75,7 +114,7 @@ class CheckpointDir:
 
     def _write_outer(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, str],
                      digest_algorithm: str | None) -> None:
-        write_file(self.outer_path(version), tensors, meta, digest_algorithm)
+        write_temp(self.outer_path(version), tensors, meta, digest_algorithm, reuse=self._take_spare()).commit()
         faults.hit("checkpoint.after_outer_write", round=version - 1)
 
     def load_global(self, version: int, digest: str | None) -> dict[str, torch.Tensor]:
@@ -107,8 +146,17 @@ class CheckpointDir:
         return sorted(found)
 
     def remove(self, version: int) -> None:
-        self.global_path(version).unlink(missing_ok=True)
-        self.outer_path(version).unlink(missing_ok=True)
+        """Drop both files of `version`: kept as spares while fewer than `SPARES` are, and
+        nobody reads them; else unlinked."""
+        for path in (self.global_path(version), self.outer_path(version)):
+            with self._lock:
+                if len(self._spares) < SPARES and not self._readers[path] and path.is_file():
+                    self._spare_names += 1
+                    spare = self.root / f".spare-{self._spare_names}.tmp"
+                    os.replace(path, spare)  # not durable, nor need it be: either name is cleaned up
+                    self._spares.append(spare)
+                    continue
+            path.unlink(missing_ok=True)
 
     def prune(self, committed: int, keep: int, orphans: bool = True) -> None:
         """Keep the `keep` newest committed versions; drop older ones and (unless `orphans` is

@@ -18,13 +18,16 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
+from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.wire import EncodedBody
 
 # Below the coordinator's mmap threshold (1 MiB, see `server.tune_allocator`): chunks come from
 # the heap and are reused, where 4 MiB chunks were each a fresh mmap whose page faults and munmap
 # cost more than the copy (downloads ran ~2x faster after the change).
 CHUNK = 512 << 10
+READS_PER_HOP = 8
 
 
 class WeightsGuard:
@@ -53,12 +56,14 @@ class ModelStream:
     digest: str
     size: int
     path: Path
+    files: CheckpointDir
     memory: Published | None = None
     guard: WeightsGuard | None = None
 
     def __post_init__(self) -> None:
-        # Opened now (file mode), so that a later prune cannot take the file mid-stream.
-        self._file = open(self.path, "rb") if self.memory is None else None  # noqa: SIM115
+        # Opened now (file mode), so that a later prune cannot take the file mid-stream: an
+        # open reader keeps it from being reused as a spare, and unlinking it is harmless.
+        self._file: BinaryIO | None = self.files.open_reader(self.path) if self.memory is None else None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         offset = 0
@@ -73,21 +78,32 @@ class ModelStream:
                     yield data
                 else:
                     return
-                self._file = open(self.path, "rb")  # noqa: SIM115
+                self._file = self.files.open_reader(self.path)
                 self._file.seek(offset)
-            assert self._file is not None
-            while True:
-                chunk = await asyncio.to_thread(self._file.read, CHUNK)
-                if not chunk:
-                    break
-                yield chunk
+            file = self._file
+            assert file is not None
+            while chunks := await asyncio.to_thread(_read_chunks, file, READS_PER_HOP):
+                for chunk in chunks:
+                    yield chunk
         finally:
             self.close()
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            self.files.close_reader(self.path, self._file)
             self._file = None
+
+
+def _read_chunks(file: BinaryIO, n: int) -> list[bytes]:
+    """Up to `n` chunks of the file (fewer at its end): one trip to a worker thread reads
+    several, since a hop costs about as much as copying one chunk from the page cache."""
+    chunks = []
+    for _ in range(n):
+        chunk = file.read(CHUNK)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return chunks
 
 
 def _pieces(body: EncodedBody, size: int) -> Iterator[memoryview]:

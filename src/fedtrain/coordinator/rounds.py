@@ -279,13 +279,14 @@ class RoundsMixin(CoordinatorBase):
         path = self.ckpt.global_path(v)
         published = self._published if self._published is not None and self._published.version == v else None
         if published is not None:
-            stream = ModelStream(v, published.digest, published.body.content_length, path, published, self._weights)
+            stream = ModelStream(v, published.digest, published.body.content_length, path, self.ckpt, published,
+                                 self._weights)
         else:
             digest = self.store.get_meta(f"digest/{v}")
             if v > self.committed_version or digest is None or not path.is_file():
                 kept = [x for x in self.ckpt.versions() if x <= self.committed_version]
                 raise Refused(404, "version_not_kept", f"global model version {v} is not available (kept: {kept})")
-            stream = ModelStream(v, digest, path.stat().st_size, path)
+            stream = ModelStream(v, digest, path.stat().st_size, path, self.ckpt)
         self.bytes_out += stream.size
         if pid is not None and pid in self.participants:
             self.participants[pid].bytes_down += stream.size

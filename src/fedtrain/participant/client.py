@@ -316,7 +316,9 @@ class CoordinatorClient:
                 reader = BodyReader(expected_length=length, allocate=allocate, on_header=on_header)
                 out: dict[str, torch.Tensor] = {}
                 try:
-                    for chunk in r.iter_raw(1 << 20):
+                    # No chunk size: httpx would re-chunk through a BytesIO (three more copies
+                    # per byte); socket reads come at most `READ_NUM_BYTES` (1 MiB) at a time.
+                    for chunk in r.iter_raw():
                         out.update(reader.feed(chunk))
                         if hasher is not None:
                             hasher.update(chunk)

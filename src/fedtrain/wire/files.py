@@ -60,18 +60,28 @@ def write_temp(
     tensors: Mapping[str, torch.Tensor],
     metadata: Mapping[str, str] | None = None,
     digest_algorithm: str | None = None,
+    reuse: str | os.PathLike[str] | None = None,
 ) -> PendingFile:
-    """The first half of `write_file`: the body in a temp file next to `path`, fsync'd."""
+    """The first half of `write_file`: the body in a temp file next to `path`, fsync'd.
+
+    `reuse` names a spare file in the same directory (a temp name, owned by the caller and
+    read by nobody) to write over instead of a fresh one: overwriting pages that are in the
+    page cache costs about half as much as allocating new ones. It becomes the temp file."""
     body = EncodedBody(tensors, metadata, digest_algorithm=digest_algorithm)
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    opened = _open_spare(reuse) if reuse is not None else None
+    if opened is None:
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    else:
+        fd, tmp = opened
     state = StreamingDigest(body.digest_algorithm)
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in body:
                 state.update(chunk)
                 f.write(chunk)
+            f.truncate()  # a longer spare's tail goes
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -79,6 +89,14 @@ def write_temp(
             os.unlink(tmp)
         raise
     return PendingFile(tmp, path, state.digest())
+
+
+def _open_spare(path: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """Open a spare file for writing over its cached pages (no O_TRUNC); None when it is gone."""
+    try:
+        return os.open(path, os.O_WRONLY), os.fspath(path)
+    except FileNotFoundError:
+        return None
 
 
 def _fsync_dir(directory: str) -> None:
