@@ -48,41 +48,49 @@ def _check_hp(algorithm: str, hp: Mapping[str, Any]) -> None:
 def build_torch_optimizer(params: list[torch.Tensor], algorithm: str, hp: Mapping[str, Any]) -> torch.optim.Optimizer:
     """The torch optimizer of one algorithm, configured from `outer_defaults`' dict."""
     _check_hp(algorithm, hp)
-    # SGD runs fused where torch has the kernel for the weights' device (one pass over the
+    # SGD runs fused where torch has the kernels for the weights' device (one pass over the
     # memory: 2x faster than foreach on a 400 MB model, and bitwise the same), else foreach.
     # Both update the momentum, the gradient (Nesterov) and the parameters in place; the
     # per-tensor implementation allocates a model-sized temporary per tensor for Nesterov,
     # which would add the largest tensor to the coordinator's peak memory.
-    impl = {"fused": True} if params and _fused_sgd_works(params[0].device) else {"foreach": True}
+    fused = bool(params) and _fused_works(params[0].device)
     try:
         if algorithm == "fedavg":
-            return torch.optim.SGD(params, lr=hp["lr"], momentum=0.0, **impl)
+            return torch.optim.SGD(params, lr=hp["lr"], momentum=0.0, **_impl(fused))
         if algorithm in ("diloco", "fedavgm"):
             return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], nesterov=bool(hp["nesterov"]),
-                                   **impl)
+                                   **_impl(fused))
         betas = (hp["beta1"], hp["beta2"])
         if algorithm == "fedadam":
-            return torch.optim.Adam(params, lr=hp["lr"], betas=betas, eps=hp["eps"])
+            # Fused Adam: ~10x faster than the per-tensor default on CPU (0.06 s vs 0.54 s on
+            # 400 MB) and no temporaries; it rounds differently from it (~1e-7 relative).
+            return torch.optim.Adam(params, lr=hp["lr"], betas=betas, eps=hp["eps"], **_impl(fused))
         return Yogi(params, lr=hp["lr"], betas=betas, eps=hp["eps"])
     except ValueError as e:  # torch's own check of a hyperparameter, e.g. nesterov without momentum
         raise MergeError(f"outer optimizer {algorithm} cannot be built: {e}") from None
 
 
-_FUSED_SGD: dict[str, bool] = {}
+_FUSED: dict[str, bool] = {}
 
 
-def _fused_sgd_works(device: torch.device) -> bool:
-    """Whether this torch has a fused SGD kernel for `device` (CPU since torch 2.4 or so):
-    asked once per device type by stepping a one-element tensor."""
-    if device.type not in _FUSED_SGD:
-        p = torch.zeros(1, device=device, requires_grad=True)
-        p.grad = torch.ones_like(p)
+def _fused_works(device: torch.device) -> bool:
+    """Whether this torch has fused SGD and Adam kernels for `device` (CPU since torch 2.4 or
+    so): asked once per device type by stepping a one-element tensor with each."""
+    if device.type not in _FUSED:
         try:
-            torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, fused=True).step()
-            _FUSED_SGD[device.type] = True
+            for build in (lambda q: torch.optim.SGD(q, lr=0.1, momentum=0.9, nesterov=True, fused=True),
+                          lambda q: torch.optim.Adam(q, lr=0.1, fused=True)):
+                p = torch.zeros(1, device=device)
+                p.grad = torch.ones_like(p)
+                build([p]).step()
+            _FUSED[device.type] = True
         except (RuntimeError, ValueError, TypeError):  # no kernel for the device, or no `fused` argument
-            _FUSED_SGD[device.type] = False
-    return _FUSED_SGD[device.type]
+            _FUSED[device.type] = False
+    return _FUSED[device.type]
+
+
+def _impl(fused: bool) -> dict[str, bool]:
+    return {"fused": True} if fused else {"foreach": True}
 
 
 def _expected_state_keys(algorithm: str, hp: Mapping[str, Any]) -> tuple[str, ...]:
