@@ -198,7 +198,12 @@ class RunConfig(_Strict):
     max_staleness: int = Field(1, ge=1, description="late_uploads=fold: older updates are refused with 409.")
     heartbeat_interval_s: float = Field(5.0, gt=0, description="How often participants heartbeat.")
     heartbeat_timeout_s: float = Field(60.0, gt=0, description="Silence after which a participant is failed.")
-    keep_checkpoints: int = Field(3, ge=1, description="Committed rounds kept on disk.")
+    keep_checkpoints: int = Field(
+        3,
+        ge=1,
+        description="Committed rounds kept on disk. The files of the last version pruned stay as two hidden "
+        "spares (`.spare-*.tmp`) that the next checkpoint is written over, which is faster than a fresh file.",
+    )
     digest: Literal["xxh3-128", "sha256"] = Field(
         "xxh3-128",
         description="The hash of the digests written beside every tensor body and checkpoint (both are "
