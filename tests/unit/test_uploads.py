@@ -165,14 +165,25 @@ def collect(stream: ModelStream, between=None) -> bytes:
     return asyncio.run(run())
 
 
-def test_model_stream_from_file(tmp_path: Path) -> None:
-    t = tensors()
+@pytest.mark.parametrize("slow_disk", [False, True])
+def test_model_stream_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_disk: bool) -> None:
+    """Read in the event loop while reads are fast; after a slow one, on a worker thread."""
+    from fedtrain.coordinator import publish
+
+    t = {"a": torch.randn(1_000_000), "b": torch.randn(10)}  # 4 MB: 8 chunks
     digest = write_file(tmp_path / "g", t, {"version": "3"})
     data = (tmp_path / "g").read_bytes()
+    hops: list[int] = []
+    threaded = publish._read_chunks
+    monkeypatch.setattr(publish, "_read_chunks", lambda f, n: hops.append(n) or threaded(f, n))
+    if slow_disk:
+        monkeypatch.setattr(publish, "SLOW_READ_S", -1.0)  # every read counts as slow
     files = CheckpointDir(tmp_path)
     s = ModelStream(3, digest, len(data), tmp_path / "g", files)
     files.remove(7)  # a prune meanwhile: nothing to do with the file being read
     assert collect(s) == data
+    assert bool(hops) == slow_disk  # the first chunk came from the loop, the rest from the thread
+    assert not files._readers  # the reader was counted out
 
 
 def test_model_stream_from_memory_switches_to_the_file_when_the_weights_move(tmp_path: Path) -> None:

@@ -432,3 +432,53 @@ def test_check_only_reader_keeps_no_data_but_still_checks() -> None:
     flipped.feed(bytes(bad))
     with pytest.raises(WireError, match="digest mismatch"):
         flipped.finish()
+
+
+def test_reading_straight_into_the_tensors_matches_feed() -> None:
+    """`head_needed` + `writable`/`wrote`, as the participant's socket download drives them."""
+    rng = random.Random(7)
+    tensors = {"a": torch.randn(3000), "e": torch.empty(0), "b": torch.arange(17, dtype=torch.int32),
+               "c": torch.randn(5, 7).to(torch.bfloat16)}
+    body = EncodedBody(tensors, {"k": "v"})
+    data = b"".join(bytes(c) for c in body)
+    reader = BodyReader(expected_digest=body.digest(), expected_length=len(data))
+    out: dict[str, torch.Tensor] = {}
+    pos = 0
+    assert reader.writable() is None and reader.head_needed == 8
+    while not reader.done:
+        region = reader.writable()
+        if region is None:
+            n = reader.head_needed
+            out.update(reader.feed(data[pos : pos + n]))
+        else:
+            n = min(region.nbytes, rng.randint(1, 5000))
+            region[:n] = data[pos : pos + n]
+            out.update(reader.wrote(n))
+        pos += n
+    reader.finish()
+    assert pos == len(data) and reader.head_needed == 0 and list(out) == list(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(out[name], t)
+
+
+def test_wrote_refuses_more_than_the_region_and_a_wrong_digest() -> None:
+    body = EncodedBody({"a": torch.randn(10)})
+    data = b"".join(bytes(c) for c in body)
+    reader = BodyReader()
+    reader.feed(data[:8])
+    reader.feed(data[8 : 8 + reader.head_needed])
+    region = reader.writable()
+    assert region is not None and region.nbytes == 40
+    with pytest.raises(WireError, match="does not fit"):
+        reader.wrote(41)
+    with pytest.raises(WireError, match="already refused"):
+        reader.wrote(1)
+
+    bad = BodyReader(expected_digest=EncodedBody({"a": torch.zeros(10)}).digest())
+    bad.feed(data[: len(data) - 40])
+    region = bad.writable()
+    assert region is not None
+    region[:] = data[-40:]
+    bad.wrote(40)
+    with pytest.raises(WireError, match="digest"):
+        bad.finish()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from fedtrain.wire import EncodedBody
 # cost more than the copy (downloads ran ~2x faster after the change).
 CHUNK = 512 << 10
 READS_PER_HOP = 8
+SLOW_READ_S = 0.005
 
 
 class WeightsGuard:
@@ -82,6 +84,20 @@ class ModelStream:
                 self._file.seek(offset)
             file = self._file
             assert file is not None
+            # From the page cache (a checkpoint just written is there) a chunk is a ~50 µs
+            # copy: read in the event loop, a 400 MB download took 0.09-0.14 s on the server
+            # side, against 0.28-0.48 s with the reads on a worker thread (the stream waited
+            # for every hop). A read slower than SLOW_READ_S is a disk's: the rest of the
+            # file is then read on a worker thread, so the loop waits on the disk once.
+            while True:
+                t0 = time.perf_counter()
+                chunk = file.read(CHUNK)
+                slow = time.perf_counter() - t0 > SLOW_READ_S
+                if not chunk:
+                    return
+                yield chunk
+                if slow:
+                    break
             while chunks := await asyncio.to_thread(_read_chunks, file, READS_PER_HOP):
                 for chunk in chunks:
                     yield chunk

@@ -28,6 +28,7 @@ from fedtrain.errors import (
     RoundClosedError,
     WireError,
 )
+from fedtrain.participant.fetch import direct_get, is_direct
 from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec
 from fedtrain.wire.digest import BackgroundDigest, parse_digest, verify_digest
 
@@ -304,6 +305,8 @@ class CoordinatorClient:
             params["participant_id"] = pid
 
         def once() -> tuple[int, dict[str, torch.Tensor]]:
+            if is_direct(self.url):
+                return self._download_direct(params, allocate, on_header)
             with self._http.stream("GET", "/v1/model", params=params) as r:
                 if r.status_code >= 400:
                     r.read()
@@ -332,3 +335,46 @@ class CoordinatorClient:
                 return int(r.headers.get(VERSION_HEADER, -1)), out
 
         return self._call("download of the global model", once)
+
+    def _download_direct(
+        self, params: dict[str, Any], allocate: Callable[[TensorSpec], torch.Tensor] | None,
+        on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None,
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """`download` over `fetch.direct_get`: socket reads land in the tensors' storage."""
+        headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant"}
+        with direct_get(self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
+                        read_timeout=self._timeouts.read, verify=tls_context(self._verify)) as r:
+            if r.status >= 400:
+                raise _error_from(r.as_httpx())
+            length = int(r.headers["content-length"]) if "content-length" in r.headers else None
+            expected = r.headers.get(DIGEST_HEADER)
+            hasher = BackgroundDigest(parse_digest(expected)[0]) if expected is not None else None
+            reader = BodyReader(expected_length=length, allocate=allocate, on_header=on_header)
+            out: dict[str, torch.Tensor] = {}
+            try:
+                while not reader.done:
+                    region = reader.writable()
+                    if region is None:  # the prefix and the header: read exactly those
+                        chunk = r.read(reader.head_needed)
+                        if not chunk:
+                            break
+                        out.update(reader.feed(chunk))
+                        if hasher is not None:
+                            hasher.update(chunk)
+                        continue
+                    n = r.readinto(region)
+                    if not n:
+                        break
+                    if hasher is not None:
+                        hasher.update(region[:n])  # the tensor's own memory: written once, never again
+                    out.update(reader.wrote(n))
+                reader.finish()  # a body cut short: WireError, which the retry loop retries
+                if length is not None and reader.bytes_received != length:
+                    raise WireError(f"the model body is {reader.bytes_received} bytes, its Content-Length {length}")
+                if hasher is not None and expected is not None:
+                    got, hasher = hasher.digest(), None
+                    verify_digest(got, expected)
+            finally:
+                if hasher is not None:
+                    hasher.close()
+            return int(r.headers.get(VERSION_HEADER, -1)), out

@@ -89,6 +89,56 @@ class BodyReader:
             self._failed = str(exc)
             raise
 
+    @property
+    def head_needed(self) -> int:
+        """Bytes still missing from the length prefix or the header (0 once the data begins):
+        reading exactly this many never reads past the header."""
+        if self._state == _PREFIX_STATE:
+            return PREFIX_BYTES - len(self._head)
+        if self._state == _HEADER_STATE:
+            return PREFIX_BYTES + self._header_length - len(self._head)
+        return 0
+
+    def writable(self) -> memoryview | None:
+        """Where the next data bytes go: the unfilled rest of the current tensor's storage,
+        for a caller that reads from its socket straight into it (`readinto`) and then calls
+        `wrote`. None while the header is still expected (`feed` it), when the body is
+        complete, or when the reader keeps no data."""
+        if self._failed is not None or self._state != _DATA_STATE or not self._store:
+            return None
+        if self._view is None:
+            self._current = self._new_tensor(self._order[self._index])
+            self._view, self._filled = byte_view(self._current), 0
+        return self._view[self._filled :]
+
+    def wrote(self, n: int) -> list[tuple[str, torch.Tensor]]:
+        """Account for `n` bytes the caller wrote at the start of `writable()`; return the
+        tensors they completed. Length checks and the digest see them as `feed` would."""
+        if self._failed is not None:
+            raise WireError(f"the body was already refused: {self._failed}")
+        try:
+            view = self._view
+            if view is None or not 0 <= n <= view.nbytes - self._filled:
+                raise WireError(f"wrote({n}) does not fit the writable region")  # a caller's bug
+            if n == 0:
+                return []
+            self._check_room(n)
+            if self._hash is not None:
+                self._hash.update(view[self._filled : self._filled + n])
+            self.bytes_received += n
+            self._filled += n
+            out: list[tuple[str, torch.Tensor]] = []
+            if self._filled == view.nbytes:
+                assert self._current is not None
+                out.append((self._order[self._index].name, self._current))
+                self._current = self._view = None
+                self._index += 1
+                self._advance(out)
+            return out
+        except Exception as exc:
+            self._failed = str(exc)
+            raise
+
     def _feed(self, chunk: bytes | bytearray | memoryview) -> list[tuple[str, torch.Tensor]]:
         mv = memoryview(chunk)
         if mv.ndim != 1 or mv.format != "B":

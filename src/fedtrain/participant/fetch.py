@@ -1,0 +1,119 @@
+"""Model downloads read from the socket straight into the tensors (stdlib `http.client`).
+
+httpx parses a response body through h11, which appends every received block to a
+bytearray and slices it out again: two copies per byte on top of the socket read, about
+30% of a 400 MB download (py-spy). `http.client` hands `readinto` a buffer and, for large
+reads, fills it with one `recv_into`, so the bytes go from the kernel into the parameter
+storage `BodyReader.writable()` names, and nowhere else: a 400 MB download from a local
+coordinator took 0.33-0.37 s through httpx and ~0.2 s this way (docs/benchmarks.md).
+
+Only the download of the global model takes this path, and only where httpx would have
+connected directly: a proxy in the environment (which httpx honours) sends the download
+through httpx as before. TLS uses the same trust as the httpx client (certifi's CAs, or
+the CA file given, or none with `verify=False`). Errors come out as httpx's, so the
+client's retry loop and error reporting treat both paths alike.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ssl
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+import httpx
+
+__all__ = ["Direct", "direct_get", "is_direct"]
+
+# The most a single readinto asks for, so the hash thread receives the body in batches.
+READ_BYTES = 1 << 20
+
+
+def is_direct(url: str) -> bool:
+    """Whether httpx would connect to `url` without a proxy (environment settings)."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies()
+    if not (proxies.get(parts.scheme) or proxies.get("all")):
+        return True
+    return bool(urllib.request.proxy_bypass(parts.hostname or ""))
+
+
+def ssl_context(verify: bool | ssl.SSLContext) -> ssl.SSLContext:
+    """The TLS settings of the httpx client, as a context for `http.client`."""
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    if verify:
+        import certifi  # httpx's own dependency, and the CAs httpx trusts by default
+
+        return ssl.create_default_context(cafile=certifi.where())
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+@dataclass
+class Direct:
+    """A response whose headers are read; its body is read with `readinto`."""
+
+    status: int
+    headers: httpx.Headers
+    response: http.client.HTTPResponse
+
+    def readinto(self, buffer: memoryview) -> int:
+        """Fill the start of `buffer` (at most READ_BYTES); 0 at the end of the body."""
+        try:
+            return self.response.readinto(buffer[:READ_BYTES])
+        except (OSError, http.client.HTTPException) as e:
+            raise httpx.ReadError(f"download interrupted: {e}") from e
+
+    def read(self, n: int) -> bytes:
+        try:
+            return self.response.read(n)
+        except (OSError, http.client.HTTPException) as e:
+            raise httpx.ReadError(f"download interrupted: {e}") from e
+
+    def as_httpx(self) -> httpx.Response:
+        """The whole (small) response as an httpx one, for the client's error reporting."""
+        return httpx.Response(self.status, headers=self.headers, content=self.read(1 << 20))
+
+
+@contextmanager
+def direct_get(
+    base_url: str,
+    path: str,
+    params: dict[str, Any],
+    headers: dict[str, str],
+    *,
+    connect_timeout: float,
+    read_timeout: float,
+    verify: bool | ssl.SSLContext,
+) -> Iterator[Direct]:
+    """GET `base_url + path` on a connection of its own; yields once the headers are in."""
+    parts = urlsplit(base_url)
+    host, port = parts.hostname or "", parts.port
+    conn: http.client.HTTPConnection
+    if parts.scheme == "https":
+        conn = http.client.HTTPSConnection(host, port, timeout=connect_timeout, context=ssl_context(verify))
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=connect_timeout)
+    target = parts.path.rstrip("/") + path + (f"?{urlencode(params)}" if params else "")
+    try:
+        try:
+            conn.connect()
+        except (OSError, http.client.HTTPException) as e:
+            raise httpx.ConnectError(f"cannot connect to {base_url}: {e}") from e
+        try:
+            assert conn.sock is not None
+            conn.sock.settimeout(read_timeout)  # between two bytes, as httpx's read timeout
+            conn.request("GET", target, headers={**headers, "Accept-Encoding": "identity", "Connection": "close"})
+            response = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            raise httpx.ReadError(f"no answer from {base_url}: {e}") from e
+        yield Direct(response.status, httpx.Headers(response.getheaders()), response)
+    finally:
+        conn.close()
