@@ -125,6 +125,48 @@ def _certificate_error(error: BaseException) -> str | None:
     return None
 
 
+class _ModelBody:
+    """What both download paths share: parse the body into place, hash it on a worker
+    thread (overlapping with the network and the copies), check length and digest before
+    anything is returned. A context manager: the hash thread ends with it."""
+
+    def __init__(self, headers: httpx.Headers, allocate: Callable[[TensorSpec], torch.Tensor] | None,
+                 on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None) -> None:
+        self.length = int(headers["content-length"]) if "content-length" in headers else None
+        self.expected = headers.get(DIGEST_HEADER)
+        self.version = int(headers.get(VERSION_HEADER, -1))
+        self.reader = BodyReader(expected_length=self.length, allocate=allocate, on_header=on_header)
+        self.hasher = BackgroundDigest(parse_digest(self.expected)[0]) if self.expected is not None else None
+        self.out: dict[str, torch.Tensor] = {}
+
+    def feed(self, chunk: bytes) -> None:
+        self.out.update(self.reader.feed(chunk))
+        if self.hasher is not None:
+            self.hasher.update(chunk)
+
+    def wrote(self, region: memoryview, n: int) -> None:
+        """`n` bytes were read into the start of `reader.writable()`, i.e. `region`."""
+        if self.hasher is not None:
+            self.hasher.update(region[:n])  # the tensor's own memory: written once, never again
+        self.out.update(self.reader.wrote(n))
+
+    def finish(self) -> tuple[int, dict[str, torch.Tensor]]:
+        self.reader.finish()  # a body cut short: WireError, which the retry loop retries
+        if self.length is not None and self.reader.bytes_received != self.length:
+            raise WireError(f"the model body is {self.reader.bytes_received} bytes, its Content-Length {self.length}")
+        if self.hasher is not None and self.expected is not None:
+            got, self.hasher = self.hasher.digest(), None
+            verify_digest(got, self.expected)
+        return self.version, self.out
+
+    def __enter__(self) -> _ModelBody:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.hasher is not None:
+            self.hasher.close()
+
+
 class CoordinatorClient:
     """Talks to one coordinator with one bearer token."""
 
@@ -311,28 +353,12 @@ class CoordinatorClient:
                 if r.status_code >= 400:
                     r.read()
                     raise _error_from(r)
-                length = int(r.headers["content-length"]) if "content-length" in r.headers else None
-                expected = r.headers.get(DIGEST_HEADER)
-                # The hash runs on a worker thread, overlapping with the network and the copy
-                # into place; it is checked before anything is returned.
-                hasher = BackgroundDigest(parse_digest(expected)[0]) if expected is not None else None
-                reader = BodyReader(expected_length=length, allocate=allocate, on_header=on_header)
-                out: dict[str, torch.Tensor] = {}
-                try:
+                with _ModelBody(r.headers, allocate, on_header) as body:
                     # No chunk size: httpx would re-chunk through a BytesIO (three more copies
                     # per byte); socket reads come at most `READ_NUM_BYTES` (1 MiB) at a time.
                     for chunk in r.iter_raw():
-                        out.update(reader.feed(chunk))
-                        if hasher is not None:
-                            hasher.update(chunk)
-                    reader.finish()
-                    if hasher is not None and expected is not None:
-                        got, hasher = hasher.digest(), None
-                        verify_digest(got, expected)
-                finally:
-                    if hasher is not None:
-                        hasher.close()
-                return int(r.headers.get(VERSION_HEADER, -1)), out
+                        body.feed(chunk)
+                    return body.finish()
 
         return self._call("download of the global model", once)
 
@@ -346,35 +372,18 @@ class CoordinatorClient:
                         read_timeout=self._timeouts.read, verify=tls_context(self._verify)) as r:
             if r.status >= 400:
                 raise _error_from(r.as_httpx())
-            length = int(r.headers["content-length"]) if "content-length" in r.headers else None
-            expected = r.headers.get(DIGEST_HEADER)
-            hasher = BackgroundDigest(parse_digest(expected)[0]) if expected is not None else None
-            reader = BodyReader(expected_length=length, allocate=allocate, on_header=on_header)
-            out: dict[str, torch.Tensor] = {}
-            try:
+            with _ModelBody(r.headers, allocate, on_header) as body:
+                reader = body.reader
                 while not reader.done:
                     region = reader.writable()
                     if region is None:  # the prefix and the header: read exactly those
                         chunk = r.read(reader.head_needed)
                         if not chunk:
                             break
-                        out.update(reader.feed(chunk))
-                        if hasher is not None:
-                            hasher.update(chunk)
+                        body.feed(chunk)
                         continue
                     n = r.readinto(region)
                     if not n:
                         break
-                    if hasher is not None:
-                        hasher.update(region[:n])  # the tensor's own memory: written once, never again
-                    out.update(reader.wrote(n))
-                reader.finish()  # a body cut short: WireError, which the retry loop retries
-                if length is not None and reader.bytes_received != length:
-                    raise WireError(f"the model body is {reader.bytes_received} bytes, its Content-Length {length}")
-                if hasher is not None and expected is not None:
-                    got, hasher = hasher.digest(), None
-                    verify_digest(got, expected)
-            finally:
-                if hasher is not None:
-                    hasher.close()
-            return int(r.headers.get(VERSION_HEADER, -1)), out
+                    body.wrote(region, n)
+                return body.finish()

@@ -106,10 +106,7 @@ class BodyReader:
         complete, or when the reader keeps no data."""
         if self._failed is not None or self._state != _DATA_STATE or not self._store:
             return None
-        if self._view is None:
-            self._current = self._new_tensor(self._order[self._index])
-            self._view, self._filled = byte_view(self._current), 0
-        return self._view[self._filled :]
+        return self._current_view()[self._filled :]
 
     def wrote(self, n: int) -> list[tuple[str, torch.Tensor]]:
         """Account for `n` bytes the caller wrote at the start of `writable()`; return the
@@ -126,14 +123,8 @@ class BodyReader:
             if self._hash is not None:
                 self._hash.update(view[self._filled : self._filled + n])
             self.bytes_received += n
-            self._filled += n
             out: list[tuple[str, torch.Tensor]] = []
-            if self._filled == view.nbytes:
-                assert self._current is not None
-                out.append((self._order[self._index].name, self._current))
-                self._current = self._view = None
-                self._index += 1
-                self._advance(out)
+            self._filled_by(n, out)
             return out
         except Exception as exc:
             self._failed = str(exc)
@@ -246,22 +237,29 @@ class BodyReader:
                 self._index += 1
                 self._advance(out)
             return pos + take
-        if self._view is None:
-            # Allocated on its first byte, so a header that promises more than is sent
-            # costs at most one tensor's allocation.
-            self._current = self._new_tensor(self._order[self._index])
-            self._view, self._filled = byte_view(self._current), 0
-        view = self._view
+        view = self._current_view()
         take = min(view.nbytes - self._filled, mv.nbytes - pos)
         view[self._filled : self._filled + take] = mv[pos : pos + take]
-        self._filled += take
-        if self._filled == view.nbytes:
-            assert self._current is not None
+        self._filled_by(take, out)
+        return pos + take
+
+    def _current_view(self) -> memoryview:
+        """The bytes of the tensor being filled. Allocated on its first byte, so a header
+        that promises more than is sent costs at most one tensor's allocation."""
+        if self._view is None:
+            self._current = self._new_tensor(self._order[self._index])
+            self._view, self._filled = byte_view(self._current), 0
+        return self._view
+
+    def _filled_by(self, n: int, out: list[tuple[str, torch.Tensor]]) -> None:
+        """`n` more bytes of the current tensor are in place; emit it once it is whole."""
+        assert self._view is not None and self._current is not None
+        self._filled += n
+        if self._filled == self._view.nbytes:
             out.append((self._order[self._index].name, self._current))
             self._current = self._view = None
             self._index += 1
             self._advance(out)
-        return pos + take
 
     def _new_tensor(self, spec: TensorSpec) -> torch.Tensor:
         if self._allocate is None:
