@@ -65,6 +65,11 @@ def test_direct_and_httpx_downloads_give_the_same_model(tmp_path: Path, monkeypa
                     cl.download(version=7)
                 assert info.value.status == 404 and info.value.code == "version_not_kept", direct_path
 
+            c.service.ckpt.global_path(0).unlink()  # pruned between the database and the open
+            with pytest.raises(CoordinatorError) as info:
+                cl.download(version=0)
+            assert info.value.status == 404 and info.value.code == "version_not_kept"
+
 
 def test_direct_download_over_tls(tmp_path: Path) -> None:
     ca, cert, key = make_tls(tmp_path / "tls")

@@ -283,10 +283,14 @@ class RoundsMixin(CoordinatorBase):
                                  self._weights)
         else:
             digest = self.store.get_meta(f"digest/{v}")
-            if v > self.committed_version or digest is None or not path.is_file():
+            try:
+                if v > self.committed_version or digest is None:
+                    raise FileNotFoundError(path)
+                stream = ModelStream(v, digest, path.stat().st_size, path, self.ckpt)
+            except FileNotFoundError:  # never kept, or pruned a moment ago
                 kept = [x for x in self.ckpt.versions() if x <= self.committed_version]
-                raise Refused(404, "version_not_kept", f"global model version {v} is not available (kept: {kept})")
-            stream = ModelStream(v, digest, path.stat().st_size, path, self.ckpt)
+                raise Refused(404, "version_not_kept",
+                              f"global model version {v} is not available (kept: {kept})") from None
         self.bytes_out += stream.size
         if pid is not None and pid in self.participants:
             self.participants[pid].bytes_down += stream.size
