@@ -9,6 +9,7 @@ jitter, bounded by `RetryPolicy.max_elapsed_s`; after that `CoordinatorUnavailab
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -28,6 +29,7 @@ from fedtrain.errors import (
     RoundClosedError,
     WireError,
 )
+from fedtrain.participant import fetch
 from fedtrain.participant.fetch import direct_get, is_direct
 from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec
 from fedtrain.wire.digest import BackgroundDigest, parse_digest, verify_digest
@@ -182,12 +184,19 @@ class CoordinatorClient:
         self.url = url.rstrip("/")
         self.retry = retry
         self._token, self._timeouts, self._verify = token, timeouts, verify
+        self._tls = tls_context(verify)
         self._http = httpx.Client(
             base_url=self.url,
             timeout=timeouts.httpx(),
-            verify=tls_context(verify),
+            verify=self._tls,
             headers={"Authorization": f"Bearer {token}", "User-Agent": "fedtrain-participant"},
         )
+
+    @functools.cached_property
+    def _direct_tls(self) -> ssl.SSLContext:
+        """The httpx client's TLS trust as a context for `fetch.direct_get`, built on the
+        first download (loading certifi's CAs takes a moment) and kept."""
+        return fetch.ssl_context(self._tls)
 
     def close(self) -> None:
         self._http.close()
@@ -369,7 +378,7 @@ class CoordinatorClient:
         """`download` over `fetch.direct_get`: socket reads land in the tensors' storage."""
         headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant"}
         with direct_get(self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
-                        read_timeout=self._timeouts.read, verify=tls_context(self._verify)) as r:
+                        read_timeout=self._timeouts.read, tls=self._direct_tls) as r:
             if r.status >= 400:
                 raise _error_from(r.as_httpx())
             with _ModelBody(r.headers, allocate, on_header) as body:

@@ -66,20 +66,25 @@ class Direct:
 
     def readinto(self, buffer: memoryview) -> int:
         """Fill the start of `buffer` (at most READ_BYTES); 0 at the end of the body."""
-        try:
+        with _as_read_error("download interrupted"):
             return self.response.readinto(buffer[:READ_BYTES])
-        except (OSError, http.client.HTTPException) as e:
-            raise httpx.ReadError(f"download interrupted: {e}") from e
 
     def read(self, n: int) -> bytes:
-        try:
+        with _as_read_error("download interrupted"):
             return self.response.read(n)
-        except (OSError, http.client.HTTPException) as e:
-            raise httpx.ReadError(f"download interrupted: {e}") from e
 
     def as_httpx(self) -> httpx.Response:
         """The whole (small) response as an httpx one, for the client's error reporting."""
         return httpx.Response(self.status, headers=self.headers, content=self.read(1 << 20))
+
+
+@contextmanager
+def _as_read_error(what: str) -> Iterator[None]:
+    """Socket and protocol errors as httpx's, which the client's retry loop knows."""
+    try:
+        yield
+    except (OSError, http.client.HTTPException) as e:
+        raise httpx.ReadError(f"{what}: {e}") from e
 
 
 @contextmanager
@@ -91,14 +96,14 @@ def direct_get(
     *,
     connect_timeout: float,
     read_timeout: float,
-    verify: bool | ssl.SSLContext,
+    tls: ssl.SSLContext,
 ) -> Iterator[Direct]:
     """GET `base_url + path` on a connection of its own; yields once the headers are in."""
     parts = urlsplit(base_url)
     host, port = parts.hostname or "", parts.port
     conn: http.client.HTTPConnection
     if parts.scheme == "https":
-        conn = http.client.HTTPSConnection(host, port, timeout=connect_timeout, context=ssl_context(verify))
+        conn = http.client.HTTPSConnection(host, port, timeout=connect_timeout, context=tls)
     else:
         conn = http.client.HTTPConnection(host, port, timeout=connect_timeout)
     target = parts.path.rstrip("/") + path + (f"?{urlencode(params)}" if params else "")
@@ -107,13 +112,11 @@ def direct_get(
             conn.connect()
         except (OSError, http.client.HTTPException) as e:
             raise httpx.ConnectError(f"cannot connect to {base_url}: {e}") from e
-        try:
+        with _as_read_error(f"no answer from {base_url}"):
             assert conn.sock is not None
             conn.sock.settimeout(read_timeout)  # between two bytes, as httpx's read timeout
             conn.request("GET", target, headers={**headers, "Accept-Encoding": "identity", "Connection": "close"})
             response = conn.getresponse()
-        except (OSError, http.client.HTTPException) as e:
-            raise httpx.ReadError(f"no answer from {base_url}: {e}") from e
         yield Direct(response.status, httpx.Headers(response.getheaders()), response)
     finally:
         conn.close()
