@@ -3,13 +3,16 @@
     python benchmarks/sync_throughput.py                 # 100M-parameter fp32 model, N = 1 and 4
     python benchmarks/sync_throughput.py --quick         # 25M parameters, ~1 minute
     python benchmarks/sync_throughput.py --memory        # peak RSS, 400 MB model, N = 1, 2, 4, 8
+    python benchmarks/sync_throughput.py --gap 2         # rounds 2 s apart, as between real syncs
 
 Throughput: N client threads each upload a pseudo-gradient (the participant's own
 `CoordinatorClient.upload` path: zero-copy 1 MiB chunks), the coordinator verifies,
 spools, folds and runs the outer step (DiLoCo), then every client downloads the new
 global model (`CoordinatorClient.download`, straight into preallocated tensors). A round
 trip moves 2 x N x model bytes; it is compared with a raw loopback TCP copy of the same
-bytes measured in the same run.
+bytes measured in the same run. Rounds run back to back unless `--gap` leaves time
+between them, as the inner steps of a real run do: with `publish_first` that is when the
+previous round's checkpoint is written, so the round trip is then upload, merge, download.
 
 Memory: the coordinator runs in its own process; its peak RSS (VmHWM) after N clients
 uploaded into the same round, divided by the model's bytes.
@@ -118,8 +121,10 @@ def raw_tcp_seconds(body: EncodedBody, copies: int) -> float:
         return time.perf_counter() - t0
 
 
-def run_rounds(url: str, n: int, model: dict[str, torch.Tensor], rounds: int, download: bool = True) -> list[float]:
-    """Seconds per round trip (all uploads start together; ends when every client holds the new model)."""
+def run_rounds(url: str, n: int, model: dict[str, torch.Tensor], rounds: int, download: bool = True,
+               gap_s: float = 0.0) -> list[float]:
+    """Seconds per round trip (all uploads start together; ends when every client holds the
+    new model); `gap_s` between rounds stands for the participants' inner steps."""
     delta = {k: torch.full_like(v, 1e-4) for k, v in model.items()}
     body = EncodedBody(delta)
     body.digest()  # computed once, like a participant does before sending
@@ -152,6 +157,7 @@ def run_rounds(url: str, n: int, model: dict[str, torch.Tensor], rounds: int, do
         times.append(time.perf_counter() - t0)
         if errors:
             raise errors[0]
+        time.sleep(gap_s)
     for c in clients:
         c.close()
     return times
@@ -165,6 +171,7 @@ def throughput(args: argparse.Namespace) -> None:
           f"outer optimizer DiLoCo; {args.rounds} rounds, best round reported (median alongside)")
     print("commit: each round's model is served once its checkpoint is fsync'd (the default); "
           "publish_first: served at once, checkpoint written meanwhile")
+    print(f"rounds {'back to back' if not args.gap else f'{args.gap:g} s apart (the inner steps of a real run)'}")
     print(f"{'N':>3} {'mode':<14} {'round s':>8} {'median':>7} {'MB/s':>7} {'raw TCP MB/s':>13} {'ratio':>6}")
     modes = {"commit": {}, "publish_first": {"publish_first": True}}
     with tempfile.TemporaryDirectory() as tmp_s:
@@ -178,7 +185,7 @@ def throughput(args: argparse.Namespace) -> None:
                 run_dir.mkdir()
                 proc, url = start_coordinator(run_dir, init, n, modes[mode])
                 try:
-                    times = sorted(run_rounds(url, n, model, args.rounds))
+                    times = sorted(run_rounds(url, n, model, args.rounds, gap_s=args.gap))
                 finally:
                     proc.terminate()
                     proc.wait(timeout=30)
@@ -219,6 +226,8 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--participants", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    p.add_argument("--gap", type=float, default=0.0,
+                   help="seconds between rounds, as participants train between syncs (default 0: back to back)")
     p.add_argument("--modes", type=lambda s: s.split(","), default=["commit", "publish_first"],
                    help="commit,publish_first (default: both)")
     args = p.parse_args()

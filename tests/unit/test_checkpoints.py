@@ -3,6 +3,7 @@ never while a download reads them."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -80,3 +81,45 @@ def test_spares_are_removed_at_start_and_a_missing_spare_falls_back(tmp_path: Pa
         p.unlink()
     digest = write(ckpt, 4, 100, 4.0)
     torch.testing.assert_close(ckpt.load_global(4, digest)["w"], torch.full((100,), 4.0))
+
+
+def test_writeback_is_started_window_by_window_and_the_file_is_the_same(tmp_path: Path, monkeypatch) -> None:
+    """The sync_file_range hint covers the file in order, once, and changes nothing in it."""
+    from fedtrain.wire import files
+
+    tensors = {"a": torch.arange(3_000_000, dtype=torch.float32), "b": torch.ones(700_000)}
+    monkeypatch.setattr(files, "_sync_file_range", lambda: None)
+    reference = files.write_file(tmp_path / "plain.safetensors", tensors)
+
+    calls: list[tuple[int, int]] = []
+
+    def fake(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        assert flags == files._SYNC_FILE_RANGE_WRITE
+        calls.append((offset, nbytes))
+        return 0
+
+    monkeypatch.setattr(files, "_sync_file_range", lambda: fake)
+    monkeypatch.setattr(files, "WRITEBACK_WINDOW", 4 << 20)
+    digest = files.write_file(tmp_path / "hinted.safetensors", tensors)
+    assert digest == reference
+    assert (tmp_path / "hinted.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+    size = (tmp_path / "hinted.safetensors").stat().st_size
+    assert len(calls) >= 3
+    assert calls[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(calls))  # contiguous, in order
+    assert all(n >= 4 << 20 for _, n in calls)
+    assert calls[-1][0] + calls[-1][1] <= size
+
+    refused: list[int] = []
+    monkeypatch.setattr(files, "_sync_file_range", lambda: lambda fd, o, n, f: refused.append(o) or -1)
+    assert files.write_file(tmp_path / "refused.safetensors", tensors) == reference
+    assert len(refused) == 1  # a file system without it: asked once, then left to the fsync
+
+
+def test_sync_file_range_is_found_on_linux() -> None:
+    import sys
+
+    from fedtrain.wire import files
+
+    if sys.platform.startswith("linux"):
+        assert files._sync_file_range() is not None

@@ -172,8 +172,36 @@ def test_running_sum_add_uniform_weights_and_reset_reuses_memory() -> None:
         assert acc.mean() is not mean and acc.mean()["scale"] is mean["scale"]  # idempotent
         acc.reset()
         assert acc.count == 0 and acc.total_weight == 0.0
-        assert all(float(t.abs().sum()) == 0.0 for t in mean.values()), f"round {rnd}"
+        assert acc._fresh == set(mean), f"round {rnd}"  # no contribution: written over next round
     assert acc.nbytes == 4 * (15 + 3 + 6 + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight", [1.0, 0.3, 7.0])
+def test_a_first_contribution_writes_what_adding_into_zeros_gives(dtype: torch.dtype, weight: float) -> None:
+    gen = torch.Generator().manual_seed(5)
+    first = {"w": torch.randn(4, 5, generator=gen).to(dtype), "b": torch.randn(7, generator=gen).to(dtype)}
+    second = {k: torch.randn(v.shape, generator=gen).to(dtype) for k, v in first.items()}
+    acc = RunningSum(first)
+    for v in acc._acc.values():
+        v.fill_(123.0)  # stale values from an earlier round: they must not count
+    acc.reset()
+    acc.fold("w", first["w"], weight)
+    acc.fold_part("b", 0, first["b"][:3], weight)  # in pieces: each piece written over
+    acc.fold_part("b", 3, first["b"][3:], weight)
+    acc.finish_contribution(weight)
+    acc.add(second, 2.0)
+    for k in first:
+        want = torch.zeros(first[k].shape).add_(first[k], alpha=weight).add_(second[k], alpha=2.0)
+        assert torch.equal(acc._acc[k], want), k
+
+
+def test_reset_undoes_a_first_contribution_that_failed_half_way() -> None:
+    acc = RunningSum({"w": torch.zeros(6), "b": torch.zeros(2)})
+    acc.fold_part("w", 0, torch.full((3,), 5.0), 1.0)
+    acc.reset()
+    acc.add({"w": torch.ones(6), "b": torch.ones(2)}, 1.0)
+    assert acc.count == 1 and torch.equal(acc.mean()["w"], torch.ones(6))
 
 
 def test_running_sum_refuses_bad_input() -> None:

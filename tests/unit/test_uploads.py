@@ -18,6 +18,7 @@ from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
 from fedtrain.coordinator.uploads import SpoolFiles, Staging, receive_to_spool
 from fedtrain.errors import WireError
+from fedtrain.merge import RunningSum
 from fedtrain.wire import EncodedBody, StreamingDigest, write_file
 from fedtrain.wire.compress import compress
 from fedtrain.wire.digest import BackgroundDigest, digest_bytes
@@ -301,15 +302,24 @@ ADMIN_ID = Identity(ADMIN, "admin")
 
 
 def upload(svc: Coordinator, t: dict[str, torch.Tensor], meta: dict[str, str] | None = None,
-           size: int = 1001) -> dict:
+           size: int = 1001, pid: str = "a") -> dict:
     data, digest = raw_body(t, meta)
-    return asyncio.run(svc.receive_update(ADMIN_ID, "a", 0, 10, digest, len(data), chunked(data, size)))
+    return asyncio.run(svc.receive_update(ADMIN_ID, pid, 0, 10, digest, len(data), chunked(data, size)))
 
 
 def assert_untouched(svc: Coordinator) -> None:
     assert svc.version == 0 and svc.submitted == {} and svc.acc.count == 0
-    assert all(float(v.abs().sum()) == 0.0 for v in svc.acc._acc.values())  # the sum is untouched
+    # The sum holds no contribution: whatever its memory holds is written over by the next one.
+    assert svc.acc._fresh == set(svc.acc._acc) and not svc.acc._pending and not svc.acc._partial
     assert list(svc.spool.iterdir()) == []  # the refused upload's new spool file is gone
+
+
+def expected_sum(svc: Coordinator, *updates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What folding `updates` (10 tokens each) into an empty sum gives."""
+    ref = RunningSum(svc.outer.params)
+    for u in updates:
+        ref.add(u, 10.0 if svc.config.outer.weighting == "tokens" else 1.0)
+    return ref._acc
 
 
 @pytest.mark.parametrize("where", ["middle", "last"])
@@ -327,6 +337,24 @@ def test_coordinator_refuses_a_non_finite_plain_upload(service: Coordinator, mon
     assert_untouched(service)
     t[name].nan_to_num_(0.0, 0.0, 0.0)
     assert upload(service, t, POISON)["accepted"] and service.acc.count == 1  # the same layout, finite
+    want = expected_sum(service, t)
+    assert all(torch.equal(service.acc._acc[n], want[n]) for n in want)  # nothing of the refused one is left
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_a_non_finite_second_upload_leaves_the_sum_as_the_first_made_it(service: Coordinator, value: float) -> None:
+    service._staging = Staging(64)
+    first = {n: torch.randn(v.shape) for n, v in service.outer.params.items()}
+    assert upload(service, first)["accepted"]
+    before = {n: v.clone() for n, v in service.acc._acc.items()}
+    second = {n: torch.randn(v.shape) for n, v in service.outer.params.items()}
+    place(second, "last", value)
+    with pytest.raises(Refused) as refused:
+        upload(service, second, pid="b")
+    assert (refused.value.status, refused.value.code) == (422, "non_finite")
+    assert service.acc.count == 1 and list(service.submitted) == ["a"]
+    assert all(torch.equal(service.acc._acc[n], before[n]) for n in before)
+    assert all(torch.equal(before[n], want) for n, want in expected_sum(service, first).items())
 
 
 def test_coordinator_checks_a_compressed_upload_once_decoded(service: Coordinator) -> None:

@@ -15,16 +15,19 @@ Spool files are reused from one upload to the next (`SpoolFiles`).
 
 `UploadsMixin`, a part (mixin) of `Coordinator` (`service.py`), puts these together:
 an upload is admitted into the open round (or folded late), verified while it streams in
-(header against the model, the body digest), then checked finite tensor by tensor, and
-only then folded into the running sum and its spool file handed back for reuse (or the
-file kept for the round's close, when the aggregator or the outlier rule needs every
-update at once).
-A bad upload therefore never touches the sum: the run's state is left exactly as it was.
+(header against the model, the body digest), then checked finite tensor by tensor and
+folded into the running sum, and its spool file handed back for reuse (or the file kept
+for the round's close, when the aggregator or the outlier rule needs every update at once).
+A later update of a round is checked in full before it is added; the round's first is
+checked piece by piece as it is written over the empty sum (one read of the file instead
+of two), and a refusal empties the sum again, exactly.
+A bad upload therefore never changes the sum: the run's state is left exactly as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
@@ -313,7 +316,12 @@ class UploadsMixin(CoordinatorBase):
                 await drain(chunks)
                 raise
             faults.hit("upload.received", who=pid, round=round_)
-            await asyncio.to_thread(self.check_values, path)
+            outer = self.config.outer
+            # With no rule that needs the update whole first (clip_norm, outlier_factor, a robust
+            # aggregator), the values are checked as they are folded (see _check_and_fold).
+            at_fold = not needs_spool(outer) and outer.clip_norm is None
+            if not at_fold:
+                await asyncio.to_thread(self.check_values, path)
             norm = await asyncio.to_thread(self._norm, path)
             admission = self._check_open(round_)  # the round may have closed while the body streamed in
             key = self._upload_key(pid, round_, admission)
@@ -325,11 +333,12 @@ class UploadsMixin(CoordinatorBase):
             reserved = self.submitted if admission.action == "accept" else self.late
             reserved[key] = tokens  # reserved now, so that the round waits for this fold
             try:
-                if needs_spool(self.config.outer):
+                if needs_spool(outer):
                     self.round_spool.keep(key, path, self.version, weight, norm)
+                elif at_fold:
+                    await asyncio.to_thread(self._check_and_fold, path, weight)
                 else:
-                    scale = clip_scale(norm, self.config.outer.clip_norm)
-                    await asyncio.to_thread(self._fold, path, weight, scale)
+                    await asyncio.to_thread(self._fold, path, weight, clip_scale(norm, outer.clip_norm))
             except BaseException:
                 reserved.pop(key, None)
                 raise
@@ -370,12 +379,32 @@ class UploadsMixin(CoordinatorBase):
         with self._fold_lock:
             return math.sqrt(sum(sum_of_squares(t) for _, _, t in self.spooled(path)))
 
-    def _fold(self, path: Path, weight: float, scale: float = 1.0) -> None:
+    def _fold(self, path: Path, weight: float, scale: float = 1.0, locked: bool = False) -> None:
         """Fold a verified spool file; `scale` < 1 clips the update's norm (its weight counts in full)."""
-        with self._fold_lock:
+        with contextlib.nullcontext() if locked else self._fold_lock:
             for name, start, values in self.spooled(path):
                 self.acc.fold_part(name, start, values, weight * scale)
             self.acc.finish_contribution(weight)
+
+    def _check_and_fold(self, path: Path, weight: float) -> None:
+        """Refuse an upload with a NaN or Inf (422), else fold it; the sum is left as it was
+        on refusal. The round's first update is checked piece by piece as it is written
+        over the (empty) sum, one read of the file instead of two, and a refusal undoes it
+        with `reset()`; a later one is checked in full before it is added."""
+        with self._fold_lock:
+            if self.acc.count:
+                self.check_values(path, locked=True)
+                self._fold(path, weight, locked=True)
+                return
+            try:
+                for name, start, values in self.spooled(path):
+                    if not all_finite(values):
+                        raise Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")
+                    self.acc.fold_part(name, start, values, weight)
+                self.acc.finish_contribution(weight)
+            except BaseException:
+                self.acc.reset()  # it was the only contribution: back to none, exactly
+                raise
 
     def spooled(self, path: Path) -> Iterator[tuple[str, int, torch.Tensor]]:
         """(name, first element, values) of a verified spool file: pieces of the staging
@@ -387,10 +416,10 @@ class UploadsMixin(CoordinatorBase):
         decoded = self._staging.decoded(path, {n: d for n, (d, _) in self.spec.items()}, metadata)
         return ((name, 0, t) for name, t in decoded)
 
-    def check_values(self, path: Path) -> None:
+    def check_values(self, path: Path, locked: bool = False) -> None:
         """Refuse a spooled upload with a NaN or Inf anywhere (one piece in memory at a time,
         under the fold lock so concurrent uploads do not multiply the memory)."""
-        with self._fold_lock:
+        with contextlib.nullcontext() if locked else self._fold_lock:
             for name, _, values in self.spooled(path):
                 if not all_finite(values):
                     raise Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")

@@ -131,6 +131,11 @@ class RunningSum:
     Use `fold` for each tensor of one update as it streams in, then `finish_contribution`
     once; or `add` for a whole update at hand. `mean()` divides in place and hands out
     the accumulators themselves; call `reset()` before the next round.
+
+    An accumulator holds no value until the first contribution writes w·Δ over it (a
+    multiply, where adding into zeros would also read the zeros), and `reset()` just marks
+    them all so again: no pass over the memory to zero it. A first contribution that fails
+    half way is undone by `reset()` exactly.
     """
 
     def __init__(self, like: Mapping[str, SpecLike], dtype: torch.dtype = torch.float32) -> None:
@@ -143,6 +148,7 @@ class RunningSum:
             self._acc[name] = torch.zeros(self._specs[name][1], dtype=dtype, device=device)
         self._pending: set[str] = set()
         self._partial: dict[str, int] = {}  # fold_part: elements folded so far of a tensor in progress
+        self._fresh: set[str] = set(self._acc)  # accumulators with no value yet: written over, not added to
         self._total_weight = 0.0
         self._count = 0
         self._averaged = False
@@ -178,8 +184,8 @@ class RunningSum:
             raise MergeError(f"{name} has dtype {tensor.dtype}; pseudo-gradients must be floating point")
         if name in self._pending:
             raise MergeError(f"{name} was folded twice for one contribution")
-        # add_ promotes in the kernel, so a bf16 upload needs no float32 copy of its own.
-        acc.add_(tensor.detach().to(device=acc.device), alpha=w)
+        _accumulate(acc, tensor.detach().to(device=acc.device), w, name in self._fresh)
+        self._fresh.discard(name)
         self._pending.add(name)
 
     def fold_part(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
@@ -197,9 +203,11 @@ class RunningSum:
         if name in self._pending or start != self._partial.get(name, 0) or start + n > flat.numel():
             raise MergeError(f"{name}: piece [{start}, {start + n}) is out of order or out of range "
                              f"for {flat.numel()} elements")
-        flat[start : start + n].add_(values.detach().reshape(-1).to(device=flat.device), alpha=w)
+        _accumulate(flat[start : start + n], values.detach().reshape(-1).to(device=flat.device), w,
+                    name in self._fresh)
         if start + n == flat.numel():
             self._partial.pop(name, None)
+            self._fresh.discard(name)
             self._pending.add(name)
         else:
             self._partial[name] = start + n
@@ -243,14 +251,28 @@ class RunningSum:
         return dict(self._acc)
 
     def reset(self) -> None:
-        """Zero the accumulators in place so the same memory serves the next round."""
-        for acc in self._acc.values():
-            acc.zero_()
+        """Back to no contribution, so the same memory serves the next round (nothing is
+        written: the next first contribution writes over the old values)."""
+        self._fresh = set(self._acc)
         self._pending.clear()
         self._partial.clear()
         self._total_weight = 0.0
         self._count = 0
         self._averaged = False
+
+
+def _accumulate(acc: torch.Tensor, values: torch.Tensor, w: float, fresh: bool) -> None:
+    """acc += w·values; over a `fresh` accumulator (no value yet) acc = w·values, bit for bit
+    what adding into zeros gives (but for the sign of a zero)."""
+    if not fresh:
+        acc.add_(values, alpha=w)  # promotes in the kernel: a bf16 upload needs no float32 copy
+    elif w == 1.0:
+        acc.copy_(values)
+    elif values.dtype == acc.dtype:
+        torch.mul(values, w, out=acc)
+    else:  # multiply in the accumulator's precision, as add_ does, not in a narrower input dtype
+        acc.copy_(values)
+        acc.mul_(w)
 
 
 def weighted_mean(deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> TensorDict:
