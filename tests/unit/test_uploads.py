@@ -367,3 +367,117 @@ def test_coordinator_checks_a_compressed_upload_once_decoded(service: Coordinato
     assert (refused.value.status, refused.value.code) == (422, "non_finite")
     assert refused.value.message == f"tensor {name} contains NaN or Inf; the update was refused"
     assert_untouched(service)
+
+
+# The round's first upload is written straight into the running sum (no spool file).
+
+
+def coordinator(tmp_path: Path, **overrides: object) -> Coordinator:
+    svc = Coordinator(tmp_path / "state", tiny_config(**overrides), Tokens([PTOKEN], ATOKEN))
+    svc.open()
+    for name in ("a", "b", "c"):  # three, so that two uploads leave the round open
+        svc.join(ADMIN_ID, name, {})
+    return svc
+
+
+def updates(svc: Coordinator, n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{k: torch.randn(v.shape, generator=g) for k, v in svc.outer.params.items()} for _ in range(n)]
+
+
+def test_the_first_upload_lands_in_the_sum_and_the_sum_is_what_spooling_gives(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    direct = coordinator(tmp_path / "direct")
+    spooled = coordinator(tmp_path / "spooled", late_uploads="fold")  # a late fold needs the bytes in a file
+    first, second = updates(direct, 2)
+    taken: list[Path] = []
+    real_take = SpoolFiles.take
+    monkeypatch.setattr(SpoolFiles, "take", lambda self: taken.append(self.root) or real_take(self))
+    for svc in (direct, spooled):
+        assert upload(svc, first, size=777)["accepted"]
+        assert upload(svc, second, size=777, pid="b")["accepted"]
+        assert svc.acc.count == 2 and set(svc.submitted) == {"a", "b"}
+    assert taken == [direct.spool, spooled.spool, spooled.spool]  # direct spooled only its second upload
+    want = expected_sum(direct, first, second)
+    for svc in (direct, spooled):
+        assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+        asyncio.run(svc.stop())
+
+
+def test_a_bad_direct_upload_leaves_the_sum_empty(tmp_path: Path) -> None:
+    svc = coordinator(tmp_path)
+    good, bad = updates(svc, 2)
+    data, digest = raw_body(bad)
+    corrupt = data[:-5] + bytes([data[-5] ^ 1]) + data[-4:]
+    cases = [(corrupt, "digest mismatch"), (data[: len(data) // 2], "truncated|ended|incomplete|short")]
+    for body, message in cases:
+        with pytest.raises(WireError, match=message):
+            asyncio.run(svc.receive_update(ADMIN_ID, "a", 0, 10, digest, len(data), chunked(body, 999)))
+        assert_untouched(svc)
+        assert svc._direct is None
+    place(bad, "middle", float("nan"))
+    with pytest.raises(Refused) as non_finite:
+        upload(svc, bad)
+    assert (non_finite.value.status, non_finite.value.code) == (422, "non_finite")
+    assert_untouched(svc)
+    assert upload(svc, good)["accepted"]
+    want = expected_sum(svc, good)
+    assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+    asyncio.run(svc.stop())
+
+
+def test_a_close_stops_a_direct_upload_and_nothing_waits_for_it(tmp_path: Path) -> None:
+    svc = coordinator(tmp_path)
+    first, second = updates(svc, 2)
+    data, digest = raw_body(first)
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield data[:5000]
+            await gate.wait()  # a participant that stops sending half way
+            yield data[5000:]
+
+        slow = asyncio.create_task(svc.receive_update(ADMIN_ID, "a", 0, 10, digest, len(data), stalled()))
+        while svc._direct is None:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        assert svc._direct.streaming
+        svc.closing = True  # what a close does first (here without merging, which needs uploads)
+        svc._abort_direct()
+        assert svc._direct is None and svc.acc.count == 0
+        svc.closing = False
+        # The next upload is not held up by the stalled one, and is itself written straight in.
+        body2, digest2 = raw_body(second)
+        got = await asyncio.wait_for(svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2),
+                                                        chunked(body2, 4096)), timeout=10)
+        assert got["accepted"] and list(svc.submitted) == ["b"]
+        gate.set()
+        with pytest.raises(Refused) as refused:
+            await slow
+        assert (refused.value.status, refused.value.code) == (409, "round_closed")
+        want = expected_sum(svc, second)  # nothing of the stopped upload is in the sum
+        assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+
+    asyncio.run(scenario())
+    asyncio.run(svc.stop())
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 10_000])
+def test_peek_header_reads_ahead_and_gives_every_byte_back(size: int) -> None:
+    from fedtrain.coordinator.uploads import peek_header
+
+    data, _ = raw_body({"w": torch.arange(6.0), "b": torch.ones(2)}, {"k": "v"})
+
+    async def run() -> tuple[object, bytes]:
+        head, chunks = await peek_header(chunked(data, size))
+        return head, b"".join([c async for c in chunks])
+
+    head, again = asyncio.run(run())
+    assert again == data
+    assert head is not None
+    specs, meta = head
+    assert set(specs) == {"w", "b"} and specs["w"].shape == (6,) and meta == {"k": "v"}
+    garbage = asyncio.run(peek_header(chunked(b"\xff" * 64, 7)))[0]
+    assert garbage is None  # not a header: the spooled receive reports why

@@ -35,7 +35,7 @@ from fedtrain.errors import FedtrainError
 from fedtrain.merge import OuterOptimizer, RunningSum
 
 if TYPE_CHECKING:
-    from fedtrain.coordinator.uploads import SpoolFiles, Staging
+    from fedtrain.coordinator.uploads import SpoolFiles, Staging, _Direct
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -71,6 +71,7 @@ class CoordinatorBase:
     clock: Callable[[], float]
     _fold_lock: threading.Lock
     _folds: int
+    _direct: _Direct | None  # an upload being written straight into the running sum
     _changed: asyncio.Event | None
     _close_task: asyncio.Task | None
     _commit_task: asyncio.Task | None
@@ -112,6 +113,9 @@ class CoordinatorBase:
             ...
 
         def _enter_round(self) -> None:  # live_config.py
+            ...
+
+        def _abort_direct(self) -> None:  # uploads.py
             ...
 
     @property

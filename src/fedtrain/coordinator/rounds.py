@@ -49,6 +49,7 @@ class RoundsMixin(CoordinatorBase):
         self.reason = decision.reason
         if decision.action == "close":
             self.closing = True
+            self._abort_direct()
             self._close_task = asyncio.create_task(self._close_round(decision.reason))
 
     async def _close_round(self, reason: str) -> None:
@@ -165,6 +166,7 @@ class RoundsMixin(CoordinatorBase):
         except Exception as e:
             log.exception("commit of round %d failed", r)
             self.closing = True  # admit no upload while going back
+            self._abort_direct()
             while self._folds:
                 await asyncio.sleep(0.01)
             await self._roll_back(f"the commit of round {r} failed ({e})", "commit_failed")

@@ -99,6 +99,7 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self.clock = clock
         self._fold_lock = threading.Lock()
         self._folds = 0
+        self._direct = None
         self._changed: asyncio.Event | None = None
         self._tick_task: asyncio.Task | None = None
         self._close_task: asyncio.Task | None = None

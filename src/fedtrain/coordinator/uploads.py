@@ -22,6 +22,14 @@ A later update of a round is checked in full before it is added; the round's fir
 checked piece by piece as it is written over the empty sum (one read of the file instead
 of two), and a refusal empties the sum again, exactly.
 A bad upload therefore never changes the sum: the run's state is left exactly as it was.
+
+The round's first upload usually skips the spool file altogether: when nothing is in the
+sum yet, the body is plain and of the sum's dtype, and no rule needs the update before it
+is weighted, its bytes are copied from the socket straight into the (empty) sum, verified
+as they land, then checked finite and multiplied by their weight in place. Nothing else
+touches the sum meanwhile (other uploads spool and wait), a close of the round stops the
+writes at once, and whatever goes wrong leaves the sum empty. For a 400 MB model that
+saves the spool write and both read-backs: ~0.1 s of a round trip here.
 """
 
 from __future__ import annotations
@@ -252,6 +260,54 @@ async def drain(chunks: AsyncIterator[bytes]) -> None:
         pass
 
 
+Head = tuple[dict[str, TensorSpec], dict[str, str]]
+PEEK_LIMIT = 1 << 20  # a header longer than this is not worth a direct receive: the body is spooled
+
+
+async def peek_header(chunks: AsyncIterator[bytes]) -> tuple[Head | None, AsyncIterator[bytes]]:
+    """Read a body's header ahead: (specs and metadata, or None when the head is not a
+    header we can read here; the same chunks again from the first). The body is not
+    checked: the receive that follows does that, and reports a bad header."""
+    seen: list[bytes] = []
+    size, need = 0, _PREFIX
+    async for chunk in chunks:
+        seen.append(chunk)
+        size += len(chunk)
+        if size >= _PREFIX:
+            need = _PREFIX + int.from_bytes(b"".join(seen)[:_PREFIX], "little")
+        if size >= need or need > PEEK_LIMIT:
+            break
+    head: Head | None = None
+    if need <= min(size, PEEK_LIMIT):
+        try:
+            order, metadata = parse_header(b"".join(seen)[_PREFIX:need])
+            head = {s.name: s for s in order}, metadata
+        except WireError:
+            head = None
+
+    async def replay() -> AsyncIterator[bytes]:
+        for chunk in seen:
+            yield chunk
+        async for chunk in chunks:
+            yield chunk
+
+    return head, replay()
+
+
+class _Direct:
+    """An upload being written straight into the running sum (`UploadsMixin._receive_direct`)."""
+
+    def __init__(self) -> None:
+        self.streaming = True  # the body is still arriving: a close of the round aborts it
+        self.aborted = False
+        self.finished = asyncio.Event()
+
+    def release(self, owner: UploadsMixin) -> None:
+        if owner._direct is self:
+            owner._direct = None
+        self.finished.set()
+
+
 class UploadsMixin(CoordinatorBase):
     """The coordinator's side of an upload: admit, receive, verify and fold it."""
 
@@ -289,7 +345,8 @@ class UploadsMixin(CoordinatorBase):
         length: int | None,
         chunks: AsyncIterator[bytes],
     ) -> dict[str, Any]:
-        """Verify, spool and fold one participant's pseudo-gradient for `round_`."""
+        """Verify and fold one participant's pseudo-gradient for `round_` (spooled first,
+        or for the round's first upload, straight into the sum)."""
         p = self._participant(ident, pid)
         try:
             admission = self._check_open(round_)
@@ -306,6 +363,39 @@ class UploadsMixin(CoordinatorBase):
         except Refused:
             await drain(chunks)
             raise
+        try:
+            head, chunks = await peek_header(chunks)
+        except BaseException:
+            await drain(chunks)
+            raise
+        if self._can_receive_direct(admission, head):
+            done = await self._receive_direct(pid, round_, tokens, digest, length, limit, chunks)
+        else:
+            done = await self._receive_spooled(pid, round_, tokens, digest, length, limit, chunks)
+        if done is None:
+            return {"accepted": True, "duplicate": True, "round": round_}
+        admission = done
+        self.bytes_in += length
+        p.bytes_up += length
+        p.tokens += tokens
+        p.round = round_
+        p.last_seen = self.clock()
+        if admission.action == "late":
+            self._event("late", f"{pid}'s update for round {round_}: {admission.reason}", pid)
+        else:
+            self._round_times.append(max(0.0, self.clock() - self.opened_at))
+            self.store.add_submission(round_, pid, tokens, length, digest)
+        self.store.upsert_participant(p)
+        self._maybe_close()
+        self._notify()
+        late = {"folded_into": self.version, "staleness": admission.staleness} if admission.action == "late" else {}
+        return {"accepted": True, "duplicate": False, "round": round_, **late}
+
+    async def _receive_spooled(self, pid: str, round_: int, tokens: int, digest: str, length: int, limit: int,
+                               chunks: AsyncIterator[bytes]) -> policy.Admission | None:
+        """Receive an upload into a spool file, check and fold it (or keep it for the round's
+        close); returns its admission, None for a duplicate."""
+        await self._direct_finished()  # the sum is the direct upload's until it is done
         path, new = self._spool_files.take()
         accepted = False
         try:
@@ -323,12 +413,12 @@ class UploadsMixin(CoordinatorBase):
             if not at_fold:
                 await asyncio.to_thread(self.check_values, path)
             norm = await asyncio.to_thread(self._norm, path)
+            await self._direct_finished()
             admission = self._check_open(round_)  # the round may have closed while the body streamed in
             key = self._upload_key(pid, round_, admission)
             if self._is_duplicate(pid, round_, admission):
-                return {"accepted": True, "duplicate": True, "round": round_}
-            weight = float(tokens) if self.config.outer.weighting == "tokens" else 1.0
-            weight *= self.config.staleness_discount**admission.staleness
+                return None
+            weight = self._weight(tokens, admission)
             self._folds += 1
             reserved = self.submitted if admission.action == "accept" else self.late
             reserved[key] = tokens  # reserved now, so that the round waits for this fold
@@ -350,21 +440,102 @@ class UploadsMixin(CoordinatorBase):
                 self._spool_files.give_back(path)
             else:
                 self._spool_files.discard(path, new)
-        self.bytes_in += length
-        p.bytes_up += length
-        p.tokens += tokens
-        p.round = round_
-        p.last_seen = self.clock()
-        if admission.action == "late":
-            self._event("late", f"{pid}'s update for round {round_}: {admission.reason}", pid)
-        else:
-            self._round_times.append(max(0.0, self.clock() - self.opened_at))
-            self.store.add_submission(round_, pid, tokens, length, digest)
-        self.store.upsert_participant(p)
-        self._maybe_close()
-        self._notify()
-        late = {"folded_into": self.version, "staleness": admission.staleness} if admission.action == "late" else {}
-        return {"accepted": True, "duplicate": False, "round": round_, **late}
+        return admission
+
+    def _weight(self, tokens: int, admission: policy.Admission) -> float:
+        weight = float(tokens) if self.config.outer.weighting == "tokens" else 1.0
+        return weight * self.config.staleness_discount**admission.staleness
+
+    def _can_receive_direct(self, admission: policy.Admission, head: Head | None) -> bool:
+        """Whether this upload may be written straight into the running sum: the round's first
+        (nothing folded, none folding, none direct), into the open round, a plain body of the
+        sum's dtype, and no rule that needs the update before it is weighted (clip_norm) or
+        kept whole (a robust aggregator, outlier_factor). With late_uploads=fold an upload
+        whose round closes while it streams in is folded into the next one, which needs its
+        bytes in a file; so then every upload is spooled."""
+        outer, cfg = self.config.outer, self.config
+        if (head is None or admission.action != "accept" or self._direct is not None or self._folds
+                or self.acc.count or needs_spool(outer) or outer.clip_norm is not None
+                or cfg.late_uploads == "fold" or scheme_of(head[1])[0] != "none"):
+            return False
+        targets = self.acc.empty_targets()
+        specs = head[0]
+        return set(specs) == set(targets) and all(
+            t.device.type == "cpu" and specs[n].dtype == t.dtype and specs[n].shape == tuple(t.shape)
+            for n, t in targets.items())
+
+    async def _receive_direct(self, pid: str, round_: int, tokens: int, digest: str, length: int, limit: int,
+                              chunks: AsyncIterator[bytes]) -> policy.Admission | None:
+        """Receive the round's first upload straight into the (empty) running sum: no spool
+        file, no read-back. Its bytes are verified as they land (header, length, digest), then
+        checked finite and weighted in place; anything wrong leaves the sum empty, exactly. A
+        close of the round while the body streams in stops the writes at once (409, as for
+        any upload whose round closed); the sum is then empty again, and the round does not
+        wait for the rest of the body."""
+        direct = _Direct()
+        self._direct = direct
+        targets = self.acc.empty_targets()
+        try:
+            reader = BodyReader(expected_digest=digest, max_bytes=limit, expected_length=length,
+                                on_header=self._check_header, allocate=lambda spec: targets[spec.name])
+            try:
+                async for chunk in chunks:
+                    if not chunk:
+                        continue
+                    if reader.bytes_received == 0:
+                        faults.hit("upload.streaming", who=pid, round=round_)
+                    if direct.aborted:
+                        self._check_open(round_)  # raises: the round closed (or the run finished)
+                        raise Refused(409, "round_closed", "the round closed while the upload streamed in")
+                    reader.feed(chunk)
+                if direct.aborted:
+                    raise Refused(409, "round_closed", "the round closed while the upload streamed in")
+                reader.finish()
+            except BaseException:
+                await drain(chunks)
+                raise
+            direct.streaming = False
+            faults.hit("upload.received", who=pid, round=round_)
+            admission = self._check_open(round_)
+            key = self._upload_key(pid, round_, admission)
+            if self._is_duplicate(pid, round_, admission):
+                return None
+            weight = self._weight(tokens, admission)
+            self._folds += 1
+            self.submitted[key] = tokens  # reserved now, so that the round waits for this fold
+            try:
+                await asyncio.to_thread(self._take_direct, weight)
+            except BaseException:
+                self.submitted.pop(key, None)
+                raise
+            finally:
+                self._folds -= 1
+            return admission
+        finally:  # what was written but not taken is no contribution: the sum stays empty
+            direct.release(self)
+
+    def _take_direct(self, weight: float) -> None:
+        """Count the values written into the sum as its first contribution, or refuse them (422)."""
+        with self._fold_lock:
+            def check(name: str, values: torch.Tensor) -> None:
+                if not all_finite(values):
+                    raise Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")
+            self.acc.take_written(weight, check)
+
+    async def _direct_finished(self) -> None:
+        """Wait until no upload is being written straight into the sum."""
+        while self._direct is not None:
+            await self._direct.finished.wait()
+
+    def _abort_direct(self) -> None:
+        """The round is closing: an upload still streaming into the sum stops writing into it
+        now (it checks before each chunk, on this same event loop) and gives the sum up, so
+        neither the merge nor the next round waits for the rest of its body. One already
+        received is a fold in progress, which the close waits for."""
+        direct = self._direct
+        if direct is not None and direct.streaming:
+            direct.aborted = True
+            direct.release(self)
 
     def _check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
         scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header

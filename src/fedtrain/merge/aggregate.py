@@ -10,7 +10,7 @@ as it streams, so memory does not grow with the number of participants.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -211,6 +211,41 @@ class RunningSum:
             self._pending.add(name)
         else:
             self._partial[name] = start + n
+
+    def empty_targets(self) -> TensorDict:
+        """The accumulators themselves, while no contribution is in them: a receiver may write
+        a first update's raw values straight into them, then count it with `take_written`.
+        Until then they hold no value (whatever was written), so dropping the write needs nothing."""
+        self._check_open()
+        if self._count or self._pending or self._partial:
+            raise MergeError("the sum already holds a contribution: fold into it instead")
+        return dict(self._acc)
+
+    def take_written(self, weight: float, check: Callable[[str, torch.Tensor], None] | None = None,
+                     piece: int = 1 << 22) -> None:
+        """Count the raw values written into `empty_targets()` as the first contribution, with
+        `weight`: each piece of `piece` elements is passed to `check` (which may raise), then
+        multiplied by the weight in place, bit for bit what folding it would give. If anything
+        raises the sum is left empty."""
+        self._check_open()
+        w = _check_weight(weight, "contribution")
+        if self._count or self._pending or self._partial:
+            raise MergeError("the sum already holds a contribution: fold into it instead")
+        try:
+            for name, acc in self._acc.items():
+                flat = acc.view(-1)
+                for start in range(0, flat.numel(), piece):
+                    values = flat[start : start + piece]
+                    if check is not None:
+                        check(name, values)
+                    if w != 1.0:
+                        values.mul_(w)
+        except BaseException:
+            self.reset()
+            raise
+        self._fresh.clear()
+        self._total_weight += w
+        self._count += 1
 
     def finish_contribution(self, weight: float) -> None:
         """Record one contributor whose tensors have all been folded with `weight`."""
