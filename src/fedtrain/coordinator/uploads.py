@@ -55,6 +55,7 @@ from fedtrain.merge.robust import clip_scale, sum_of_squares
 from fedtrain.wire import BodyReader, StreamingDigest, TensorSpec, parse_header
 from fedtrain.wire.compress import decompress, expected_specs, scheme_of
 from fedtrain.wire.digest import parse_digest, verify_digest
+from fedtrain.wire.finite import FiniteScan
 
 # Bytes handed to the writer thread at a time. Two batches are in flight per upload at
 # most (one being written, one being gathered), so concurrent uploads add 2 x BATCH each
@@ -98,16 +99,20 @@ class SpoolFiles:
 
 
 class _SpoolSink:
-    """The worker-thread half of a receive: write chunks over the file and hash them."""
+    """The worker-thread half of a receive: write chunks over the file, hash them and, for a
+    plain body, look for NaN and Inf in them (`scan`, set before the first batch)."""
 
     def __init__(self, path: Path, digest: str) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # no O_TRUNC: overwrite cached pages
         self.hash = StreamingDigest.like(digest)
         self.written = 0
+        self.scan: FiniteScan | None = None
 
     def take(self, chunks: list[bytes]) -> None:
         for chunk in chunks:
             self.hash.update(chunk)
+            if self.scan is not None:
+                self.scan.feed(chunk)
         view_total = sum(len(c) for c in chunks)
         written = os.writev(self.fd, chunks)
         if written != view_total:  # a short write (rare, e.g. a signal): finish it chunk by chunk
@@ -142,13 +147,16 @@ async def receive_to_spool(
     on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None],
     who: str | None = None,
     round_: int | None = None,
-) -> BodyReader:
+) -> tuple[BodyReader, FiniteScan | None]:
     """Stream a body into `path`, checking header, length and digest; returns the reader
-    (its `specs` and `metadata` describe the body). Raises WireError for a bad body; the
-    caller disposes of the file (`SpoolFiles.discard`)."""
+    (its `specs` and `metadata` describe the body) and, for a plain (uncompressed) body,
+    the scan of its values for NaN and Inf made on the way (None: not scanned, e.g. a
+    compressed body, or a header longer than a batch). Raises WireError for a bad body;
+    the caller disposes of the file (`SpoolFiles.discard`)."""
     parse_digest(digest)  # refuse a malformed digest before reading the body
     reader = BodyReader(max_bytes=limit, expected_length=length, on_header=on_header, store_data=False)
     sink = _SpoolSink(path, digest)
+    first = True
     pending: asyncio.Future[None] | None = None
     batch: list[bytes] = []
     size = 0
@@ -162,6 +170,8 @@ async def receive_to_spool(
             batch.append(chunk)
             size += len(chunk)
             if size >= BATCH:
+                if first:
+                    sink.scan, first = _scan_for(reader), False
                 if pending is not None:
                     await pending
                 pending = asyncio.ensure_future(asyncio.to_thread(sink.take, batch))
@@ -170,6 +180,8 @@ async def receive_to_spool(
             await pending
             pending = None
         if batch:
+            if first:
+                sink.scan = _scan_for(reader)
             await asyncio.to_thread(sink.take, batch)
         reader.finish()
         verify_digest(sink.hash.digest(), digest)
@@ -177,7 +189,15 @@ async def receive_to_spool(
         if pending is not None:  # an error while a batch was being written: let it finish first
             await asyncio.gather(pending, return_exceptions=True)
         sink.close()
-    return reader
+    scan = sink.scan if sink.scan is not None and sink.scan.complete else None
+    return reader, scan
+
+
+def _scan_for(reader: BodyReader) -> FiniteScan | None:
+    """A scan of the body's values from its first byte on, for a plain body whose header is read."""
+    if not reader.header_ready or scheme_of(reader.metadata)[0] != "none":
+        return None
+    return FiniteScan(reader.layout)
 
 
 PIECE_BYTES = 16 << 20
@@ -249,6 +269,10 @@ def _read_exact(f: object, n: int) -> bytes:
     if len(data) != n:
         raise WireError("spool file is truncated")
     return data
+
+
+def _non_finite(name: str) -> Refused:
+    return Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")
 
 
 async def drain(chunks: AsyncIterator[bytes]) -> None:
@@ -395,25 +419,27 @@ class UploadsMixin(CoordinatorBase):
                                chunks: AsyncIterator[bytes]) -> policy.Admission | None:
         """Receive an upload into a spool file, check and fold it (or keep it for the round's
         close); returns its admission, None for a duplicate."""
-        await self._direct_finished()  # the sum is the direct upload's until it is done
         path, new = self._spool_files.take()
         accepted = False
         try:
             try:
-                await receive_to_spool(chunks, path, digest=digest, length=length, limit=limit,
-                                       on_header=self._check_header, who=pid, round_=round_)
+                _, scan = await receive_to_spool(chunks, path, digest=digest, length=length, limit=limit,
+                                                 on_header=self._check_header, who=pid, round_=round_)
             except BaseException:
                 await drain(chunks)
                 raise
             faults.hit("upload.received", who=pid, round=round_)
+            if scan is not None and scan.bad is not None:
+                raise _non_finite(scan.bad)
+            checked = scan is not None  # a plain body's values were checked as they arrived
             outer = self.config.outer
-            # With no rule that needs the update whole first (clip_norm, outlier_factor, a robust
-            # aggregator), the values are checked as they are folded (see _check_and_fold).
+            # Otherwise, with no rule that needs the update whole first (clip_norm, outlier_factor,
+            # a robust aggregator), its values are checked as it is folded (see _check_and_fold).
             at_fold = not needs_spool(outer) and outer.clip_norm is None
-            if not at_fold:
+            if not at_fold and not checked:
                 await asyncio.to_thread(self.check_values, path)
             norm = await asyncio.to_thread(self._norm, path)
-            await self._direct_finished()
+            await self._direct_finished()  # the sum is the direct upload's until it is counted
             admission = self._check_open(round_)  # the round may have closed while the body streamed in
             key = self._upload_key(pid, round_, admission)
             if self._is_duplicate(pid, round_, admission):
@@ -426,7 +452,7 @@ class UploadsMixin(CoordinatorBase):
                 if needs_spool(outer):
                     self.round_spool.keep(key, path, self.version, weight, norm)
                 elif at_fold:
-                    await asyncio.to_thread(self._check_and_fold, path, weight)
+                    await asyncio.to_thread(self._check_and_fold, path, weight, checked)
                 else:
                     await asyncio.to_thread(self._fold, path, weight, clip_scale(norm, outer.clip_norm))
             except BaseException:
@@ -519,7 +545,7 @@ class UploadsMixin(CoordinatorBase):
         with self._fold_lock:
             def check(name: str, values: torch.Tensor) -> None:
                 if not all_finite(values):
-                    raise Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")
+                    raise _non_finite(name)
             self.acc.take_written(weight, check)
 
     async def _direct_finished(self) -> None:
@@ -557,20 +583,22 @@ class UploadsMixin(CoordinatorBase):
                 self.acc.fold_part(name, start, values, weight * scale)
             self.acc.finish_contribution(weight)
 
-    def _check_and_fold(self, path: Path, weight: float) -> None:
+    def _check_and_fold(self, path: Path, weight: float, checked: bool = False) -> None:
         """Refuse an upload with a NaN or Inf (422), else fold it; the sum is left as it was
-        on refusal. The round's first update is checked piece by piece as it is written
-        over the (empty) sum, one read of the file instead of two, and a refusal undoes it
-        with `reset()`; a later one is checked in full before it is added."""
+        on refusal. Values `checked` already (as they arrived) are folded at once. Else the
+        round's first update is checked piece by piece as it is written over the (empty)
+        sum, one read of the file instead of two, and a refusal undoes it with `reset()`;
+        a later one is checked in full before it is added."""
         with self._fold_lock:
-            if self.acc.count:
-                self.check_values(path, locked=True)
+            if self.acc.count or checked:
+                if not checked:
+                    self.check_values(path, locked=True)
                 self._fold(path, weight, locked=True)
                 return
             try:
                 for name, start, values in self.spooled(path):
                     if not all_finite(values):
-                        raise Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")
+                        raise _non_finite(name)
                     self.acc.fold_part(name, start, values, weight)
                 self.acc.finish_contribution(weight)
             except BaseException:
@@ -593,4 +621,4 @@ class UploadsMixin(CoordinatorBase):
         with contextlib.nullcontext() if locked else self._fold_lock:
             for name, _, values in self.spooled(path):
                 if not all_finite(values):
-                    raise Refused(422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")
+                    raise _non_finite(name)

@@ -72,6 +72,16 @@ class BodyReader:
         self._finished = False
 
     @property
+    def layout(self) -> list[tuple[TensorSpec, int]]:
+        """Each tensor's spec with the offset of its first byte in the body, in body order
+        (empty until the header has been read)."""
+        out, offset = [], PREFIX_BYTES + self._header_length
+        for spec in self._order:
+            out.append((spec, offset))
+            offset += spec.nbytes
+        return out
+
+    @property
     def header_ready(self) -> bool:
         return self.specs is not None
 
