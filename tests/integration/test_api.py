@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 import torch
@@ -197,3 +199,34 @@ def test_compressed_upload_must_match_its_declared_scheme(coordinator: Backgroun
                      headers={DIGEST_HEADER: enc.digest()})
         assert r.status_code == 200, r.text
         assert all(torch.allclose(t, torch.full_like(t, 2.5)) for t in svc.acc._acc.values())  # 5 tokens x 0.5
+
+
+def test_a_lone_participants_upload_goes_straight_into_the_sum_with_the_same_result(tmp_path: Path) -> None:
+    """One participant: its upload is copied from the socket into the running sum (no spool
+    file); the new global model is bit for bit what the spooled path gives."""
+    from tests.conftest import tiny_config
+
+    g = torch.Generator().manual_seed(3)
+    delta = None
+    results = {}
+    for mode, cfg in (("direct", tiny_config()), ("spooled", tiny_config(late_uploads="fold"))):
+        with BackgroundCoordinator(tmp_path / mode, cfg) as c, client(c) as http:
+            http.post("/v1/join", json={"name": "solo"})
+            if delta is None:
+                delta = {n: torch.randn(t.shape, generator=g) * 1e-3 for n, t in c.service.outer.params.items()}
+            seen: list[str] = []
+            real = c.service._receive_direct
+
+            async def spy(*args, real=real, seen=seen):
+                seen.append("direct")
+                return await real(*args)
+
+            c.service._receive_direct = spy
+            assert put(http, 0, "solo", delta, tokens=7).json()["accepted"]
+            assert http.get("/v1/rounds/0", params={"wait": 10}).json()["state"] == "closed"
+            assert seen == (["direct"] if mode == "direct" else [])
+            if mode == "direct":
+                assert not [p for p in c.service.spool.rglob("*") if p.is_file()]
+            results[mode] = {n: t.clone() for n, t in c.service.outer.params.items()}
+    for n in results["direct"]:
+        assert torch.equal(results["direct"][n], results["spooled"][n]), n

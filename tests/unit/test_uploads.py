@@ -383,6 +383,7 @@ def coordinator(tmp_path: Path, **overrides: object) -> Coordinator:
     svc.open()
     for name in ("a", "b", "c"):  # three, so that two uploads leave the round open
         svc.join(ADMIN_ID, name, {})
+    svc.DIRECT_MAX_ACTIVE = 3  # type: ignore[misc] - direct receives with others active, to test them together
     return svc
 
 
@@ -487,3 +488,47 @@ def test_peek_header_reads_ahead_and_gives_every_byte_back(size: int) -> None:
     assert set(specs) == {"w", "b"} and specs["w"].shape == (6,) and meta == {"k": "v"}
     garbage = asyncio.run(peek_header(chunked(b"\xff" * 64, 7)))[0]
     assert garbage is None  # not a header: the spooled receive reports why
+
+
+def test_with_other_participants_active_the_first_upload_is_spooled(service: Coordinator,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two active: the first upload would make the other wait for it before folding, so it spools."""
+    async def no_direct(*args: object, **kwargs: object) -> None:
+        raise AssertionError("not a direct receive with another participant active")
+
+    monkeypatch.setattr(service, "_receive_direct", no_direct)
+    (first,) = updates(service, 1)
+    assert upload(service, first)["accepted"]
+    want = expected_sum(service, first)
+    assert all(torch.equal(service.acc._acc[n], want[n]) for n in want)
+
+
+def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> None:
+    svc = Coordinator(tmp_path / "state", tiny_config(), Tokens([PTOKEN], ATOKEN))
+    svc.open()
+    pid = svc.join(ADMIN_ID, "solo", {})["participant_id"]
+    (delta,) = updates(svc, 1)
+    data, digest = raw_body(delta)
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield data[:5000]
+            await gate.wait()
+            yield data[5000:]
+
+        task = asyncio.create_task(svc.receive_update(ADMIN_ID, pid, 0, 10, digest, len(data), stalled()))
+        while svc._direct is None:
+            await asyncio.sleep(0)
+        svc.participants[pid].last_seen -= 10_000  # silent for longer than heartbeat_timeout_s
+        svc.tick()
+        assert svc._direct is None and svc.acc.count == 0
+        gate.set()
+        with pytest.raises(Refused) as refused:
+            await task
+        assert (refused.value.status, refused.value.code) == (503, "upload_interrupted")  # retried by the client
+
+    asyncio.run(scenario())
+    assert svc.participants[pid].state == "failed" and svc.submitted == {}
+    asyncio.run(svc.stop())

@@ -115,7 +115,7 @@ class CoordinatorBase:
         def _enter_round(self) -> None:  # live_config.py
             ...
 
-        def _abort_direct(self) -> None:  # uploads.py
+        def _abort_direct(self, pid: str | None = None) -> None:  # uploads.py
             ...
 
     @property

@@ -91,6 +91,7 @@ class ParticipantsMixin(CoordinatorBase):
         p = self._participant(ident, pid)
         p.state = policy.LEFT
         self.store.upsert_participant(p)
+        self._abort_direct(pid)
         self._event("leave", f"{pid} left", pid)
         self._maybe_close()
         self._notify()

@@ -214,6 +214,7 @@ class RoundsMixin(CoordinatorBase):
             p = self.participants[pid]
             p.state = policy.FAILED
             self.store.upsert_participant(p)
+            self._abort_direct(pid)
             self._event("fail", f"{pid} failed: {why}", pid)
             changed = True
         self._maybe_close()

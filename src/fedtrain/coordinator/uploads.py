@@ -321,9 +321,11 @@ async def peek_header(chunks: AsyncIterator[bytes]) -> tuple[Head | None, AsyncI
 class _Direct:
     """An upload being written straight into the running sum (`UploadsMixin._receive_direct`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pid: str) -> None:
+        self.pid = pid
         self.streaming = True  # the body is still arriving: a close of the round aborts it
         self.aborted = False
+        self.interrupted = False  # aborted because its participant failed or left, not by a close
         self.finished = asyncio.Event()
 
     def release(self, owner: UploadsMixin) -> None:
@@ -472,17 +474,24 @@ class UploadsMixin(CoordinatorBase):
         weight = float(tokens) if self.config.outer.weighting == "tokens" else 1.0
         return weight * self.config.staleness_discount**admission.staleness
 
+    # At most this many active participants for a direct receive. With more, the others'
+    # uploads would have to wait for it before they fold, so one slow link (a WAN upload can
+    # take minutes) would hold every other participant's answer; spooling keeps them apart.
+    DIRECT_MAX_ACTIVE = 1
+
     def _can_receive_direct(self, admission: policy.Admission, head: Head | None) -> bool:
         """Whether this upload may be written straight into the running sum: the round's first
-        (nothing folded, none folding, none direct), into the open round, a plain body of the
-        sum's dtype, and no rule that needs the update before it is weighted (clip_norm) or
-        kept whole (a robust aggregator, outlier_factor). With late_uploads=fold an upload
-        whose round closes while it streams in is folded into the next one, which needs its
-        bytes in a file; so then every upload is spooled."""
+        (nothing folded, none folding, none direct) with no other active participant, into
+        the open round, a plain body of the sum's dtype, and no rule that needs the update
+        before it is weighted (clip_norm) or kept whole (a robust aggregator, outlier_factor).
+        With late_uploads=fold an upload whose round closes while it streams in is folded
+        into the next one, which needs its bytes in a file; so then every upload is spooled."""
         outer, cfg = self.config.outer, self.config
+        active = sum(1 for p in self.participants.values() if p.state == policy.ACTIVE)
         if (head is None or admission.action != "accept" or self._direct is not None or self._folds
-                or self.acc.count or needs_spool(outer) or outer.clip_norm is not None
-                or cfg.late_uploads == "fold" or scheme_of(head[1])[0] != "none"):
+                or self.acc.count or active > self.DIRECT_MAX_ACTIVE or needs_spool(outer)
+                or outer.clip_norm is not None or cfg.late_uploads == "fold"
+                or scheme_of(head[1])[0] != "none"):
             return False
         targets = self.acc.empty_targets()
         specs = head[0]
@@ -498,7 +507,7 @@ class UploadsMixin(CoordinatorBase):
         close of the round while the body streams in stops the writes at once (409, as for
         any upload whose round closed); the sum is then empty again, and the round does not
         wait for the rest of the body."""
-        direct = _Direct()
+        direct = _Direct(pid)
         self._direct = direct
         targets = self.acc.empty_targets()
         try:
@@ -511,11 +520,10 @@ class UploadsMixin(CoordinatorBase):
                     if reader.bytes_received == 0:
                         faults.hit("upload.streaming", who=pid, round=round_)
                     if direct.aborted:
-                        self._check_open(round_)  # raises: the round closed (or the run finished)
-                        raise Refused(409, "round_closed", "the round closed while the upload streamed in")
+                        raise self._why_stopped(direct, round_)
                     reader.feed(chunk)
                 if direct.aborted:
-                    raise Refused(409, "round_closed", "the round closed while the upload streamed in")
+                    raise self._why_stopped(direct, round_)
                 reader.finish()
             except BaseException:
                 await drain(chunks)
@@ -540,6 +548,16 @@ class UploadsMixin(CoordinatorBase):
         finally:  # what was written but not taken is no contribution: the sum stays empty
             direct.release(self)
 
+    def _why_stopped(self, direct: _Direct, round_: int) -> Refused:
+        if direct.interrupted:  # its participant failed or left meanwhile: sending again is fine
+            return Refused(503, "upload_interrupted", f"the upload of {direct.pid} was stopped when the coordinator "
+                           "marked it failed or gone; send it again")
+        try:
+            self._check_open(round_)
+        except Refused as closed:
+            return closed
+        return Refused(409, "round_closed", f"round {round_} closed while the upload streamed in")
+
     def _take_direct(self, weight: float) -> None:
         """Count the values written into the sum as its first contribution, or refuse them (422)."""
         with self._fold_lock:
@@ -553,14 +571,15 @@ class UploadsMixin(CoordinatorBase):
         while self._direct is not None:
             await self._direct.finished.wait()
 
-    def _abort_direct(self) -> None:
-        """The round is closing: an upload still streaming into the sum stops writing into it
-        now (it checks before each chunk, on this same event loop) and gives the sum up, so
-        neither the merge nor the next round waits for the rest of its body. One already
-        received is a fold in progress, which the close waits for."""
+    def _abort_direct(self, pid: str | None = None) -> None:
+        """The round is closing (or `pid`, the uploader, failed or left): an upload still
+        streaming into the sum stops writing into it now (it checks before each chunk, on
+        this same event loop) and gives the sum up, so neither the merge nor an upload that
+        waits to fold waits for the rest of its body. One already received is a fold in
+        progress, which the close waits for."""
         direct = self._direct
-        if direct is not None and direct.streaming:
-            direct.aborted = True
+        if direct is not None and direct.streaming and pid in (None, direct.pid):
+            direct.aborted, direct.interrupted = True, pid is not None
             direct.release(self)
 
     def _check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
