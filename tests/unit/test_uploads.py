@@ -383,7 +383,6 @@ def coordinator(tmp_path: Path, **overrides: object) -> Coordinator:
     svc.open()
     for name in ("a", "b", "c"):  # three, so that two uploads leave the round open
         svc.join(ADMIN_ID, name, {})
-    svc.DIRECT_MAX_ACTIVE = 3  # type: ignore[misc] - direct receives with others active, to test them together
     return svc
 
 
@@ -490,11 +489,15 @@ def test_peek_header_reads_ahead_and_gives_every_byte_back(size: int) -> None:
     assert garbage is None  # not a header: the spooled receive reports why
 
 
-def test_with_other_participants_active_the_first_upload_is_spooled(service: Coordinator,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two active: the first upload would make the other wait for it before folding, so it spools."""
+def test_with_many_participants_active_the_first_upload_is_spooled(service: Coordinator,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """More than DIRECT_MAX_ACTIVE: too many folds could queue behind a direct receive, so it spools."""
+    for name in ("c", "d", "e"):
+        service.join(ADMIN_ID, name, {})
+    assert len(service.participants) > service.DIRECT_MAX_ACTIVE
+
     async def no_direct(*args: object, **kwargs: object) -> None:
-        raise AssertionError("not a direct receive with another participant active")
+        raise AssertionError("not a direct receive with this many participants active")
 
     monkeypatch.setattr(service, "_receive_direct", no_direct)
     (first,) = updates(service, 1)
@@ -531,4 +534,77 @@ def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> 
 
     asyncio.run(scenario())
     assert svc.participants[pid].state == "failed" and svc.submitted == {}
+    asyncio.run(svc.stop())
+
+
+def test_an_upload_beside_a_direct_one_is_answered_at_once_and_folded_after_it(tmp_path: Path) -> None:
+    svc = coordinator(tmp_path)
+    first, second = updates(svc, 2)
+    data, digest = raw_body(first)
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def slow() -> AsyncIterator[bytes]:
+            yield data[:5000]
+            await gate.wait()  # a slower link: still sending when the other upload is done
+            yield data[5000:]
+
+        direct = asyncio.create_task(svc.receive_update(ADMIN_ID, "a", 0, 10, digest, len(data), slow()))
+        while svc._direct is None:
+            await asyncio.sleep(0)
+        body2, digest2 = raw_body(second)
+        got = await asyncio.wait_for(svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2),
+                                                        chunked(body2, 4096)), timeout=10)
+        assert got == {"accepted": True, "duplicate": False, "round": 0}  # not held up by the slow link
+        assert set(svc.submitted) == {"b"} and svc._folds == 1 and svc.acc.count == 0  # its fold waits
+        gate.set()
+        assert (await direct)["accepted"]
+        while svc._folds:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+    assert set(svc.submitted) == {"a", "b"} and svc.acc.count == 2 and svc._fold_failure is None
+    want = expected_sum(svc, first, second)  # the direct one first, then the one that waited
+    assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+    asyncio.run(svc.stop())
+
+
+def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedtrain.errors import MergeError
+
+    svc = coordinator(tmp_path)
+    first, second = updates(svc, 2)
+    data, digest = raw_body(first)
+    real = Coordinator._check_and_fold
+
+    def broken(self: Coordinator, path: Path, weight: float, checked: bool = False) -> None:
+        if self.acc.count:  # the deferred one: the disk failed under it
+            raise OSError("read error")
+        real(self, path, weight, checked)
+
+    monkeypatch.setattr(Coordinator, "_check_and_fold", broken)
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def slow() -> AsyncIterator[bytes]:
+            yield data[:5000]
+            await gate.wait()
+            yield data[5000:]
+
+        direct = asyncio.create_task(svc.receive_update(ADMIN_ID, "a", 0, 10, digest, len(data), slow()))
+        while svc._direct is None:
+            await asyncio.sleep(0)
+        body2, digest2 = raw_body(second)
+        assert (await svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2), chunked(body2, 4096)))["accepted"]
+        gate.set()
+        await direct
+        while svc._folds:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+    assert svc._fold_failure is not None and "read error" in svc._fold_failure
+    with pytest.raises(MergeError, match="the fold of an accepted upload failed"):
+        svc._merge(0, "test", False)  # the close then goes back to the last committed round
     asyncio.run(svc.stop())

@@ -72,6 +72,8 @@ class CoordinatorBase:
     _fold_lock: threading.Lock
     _folds: int
     _direct: _Direct | None  # an upload being written straight into the running sum
+    _deferred_folds: set[asyncio.Task[None]]  # folds waiting for the direct upload (uploads.py)
+    _fold_failure: str | None  # a deferred fold failed: the open round cannot be merged
     _changed: asyncio.Event | None
     _close_task: asyncio.Task | None
     _commit_task: asyncio.Task | None

@@ -21,7 +21,7 @@ from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.base import CoordinatorBase, Refused
 from fedtrain.coordinator.publish import ModelStream, Published
-from fedtrain.errors import StateError
+from fedtrain.errors import MergeError, StateError
 from fedtrain.merge import OuterOptimizer, contribution_weights
 from fedtrain.wire import EncodedBody
 
@@ -107,12 +107,15 @@ class RoundsMixin(CoordinatorBase):
         self._round_times = []
         self.late = {}
         self.round_spool.clear()
+        self._fold_failure = None
 
     def _merge(self, r: int, reason: str, publish_first: bool) -> dict[str, Any]:
         """Aggregate the round and take the outer step; with `publish_first` also make the new
         weights downloadable at once (their digest, and a body over them)."""
         t0 = time.perf_counter()
         with self._fold_lock:
+            if self._fold_failure is not None:
+                raise MergeError(self._fold_failure)
             tokens = dict(self.submitted)
             faults.hit("merge.before_step", round=r)
             dtypes = {n: d for n, (d, _) in self.spec.items()}

@@ -100,6 +100,8 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self._fold_lock = threading.Lock()
         self._folds = 0
         self._direct = None
+        self._deferred_folds = set()
+        self._fold_failure = None
         self._changed: asyncio.Event | None = None
         self._tick_task: asyncio.Task | None = None
         self._close_task: asyncio.Task | None = None
@@ -229,7 +231,7 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
     async def stop(self) -> None:
         if self._commit_task is not None:  # a published round is committed before we go
             await asyncio.gather(self._commit_task, return_exceptions=True)
-        for task in (self._tick_task, self._close_task):
+        for task in (self._tick_task, self._close_task, *self._deferred_folds):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down: nothing to report
