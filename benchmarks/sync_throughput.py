@@ -10,7 +10,8 @@ Throughput: N client threads each upload a pseudo-gradient (the participant's ow
 spools, folds and runs the outer step (DiLoCo), then every client downloads the new
 global model (`CoordinatorClient.download`, straight into preallocated tensors). A round
 trip moves 2 x N x model bytes; it is compared with a raw loopback TCP copy of the same
-bytes measured in the same run. Rounds run back to back unless `--gap` leaves time
+bytes measured in the same run (the fastest of 3 copies before and 3 after the rounds).
+Rounds run back to back unless `--gap` leaves time
 between them, as the inner steps of a real run do: with `publish_first` that is when the
 previous round's checkpoint is written, so the round trip is then upload, merge, download.
 
@@ -183,13 +184,16 @@ def throughput(args: argparse.Namespace) -> None:
             for mode in args.modes:
                 run_dir = tmp / f"n{n}-{mode}"
                 run_dir.mkdir()
+                # The reference is the fastest raw copy seen just before and just after the
+                # rounds: one taken at a slow moment of this shared machine would flatter the ratio.
+                raw = min(raw_tcp_seconds(EncodedBody(model), 2 * n) for _ in range(3))
                 proc, url = start_coordinator(run_dir, init, n, modes[mode])
                 try:
                     times = sorted(run_rounds(url, n, model, args.rounds, gap_s=args.gap))
                 finally:
                     proc.terminate()
                     proc.wait(timeout=30)
-                raw = min(raw_tcp_seconds(EncodedBody(model), 2 * n) for _ in range(3))
+                raw = min(raw, *(raw_tcp_seconds(EncodedBody(model), 2 * n) for _ in range(3)))
                 best, median = times[0], times[len(times) // 2]
                 print(f"{n:>3} {mode:<14} {best:8.2f} {median:7.2f} {moved / best / 1e6:7.0f} "
                       f"{moved / raw / 1e6:13.0f} {raw / best:6.2f}")
