@@ -490,11 +490,12 @@ class UploadsMixin(CoordinatorBase):
             try:
                 await self._direct_finished()
                 await asyncio.to_thread(self._check_and_fold, path, weight, True)
-            except BaseException as e:
+            except asyncio.CancelledError:  # shutting down: the round is not merged now
+                self._fold_failure = "the fold of an accepted upload was cancelled"
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure: the round must not be merged without it
                 log.exception("a deferred fold failed")
                 self._fold_failure = f"the fold of an accepted upload failed ({e})"
-                if isinstance(e, asyncio.CancelledError):
-                    raise
             finally:
                 self._folds -= 1
                 self._spool_files.give_back(path)
