@@ -16,7 +16,7 @@ from fedtrain.coordinator.auth import ADMIN, Identity, Tokens
 from fedtrain.coordinator.base import Refused
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
-from fedtrain.coordinator.uploads import SpoolFiles, Staging, receive_to_spool
+from fedtrain.coordinator.receive import SpoolFiles, Staging, receive_to_spool
 from fedtrain.errors import WireError
 from fedtrain.merge import RunningSum
 from fedtrain.wire import EncodedBody, StreamingDigest, write_file
@@ -326,7 +326,7 @@ def expected_sum(svc: Coordinator, *updates: dict[str, torch.Tensor]) -> dict[st
 @pytest.mark.parametrize("value", BAD_VALUES)
 def test_coordinator_refuses_a_non_finite_plain_upload(service: Coordinator, monkeypatch: pytest.MonkeyPatch,
                                                        where: str, value: float) -> None:
-    monkeypatch.setattr("fedtrain.coordinator.uploads.BATCH", 4096)  # batches of 5 chunks of 1001 bytes
+    monkeypatch.setattr("fedtrain.coordinator.receive.BATCH", 4096)  # batches of 5 chunks of 1001 bytes
     service._staging = Staging(64)  # read back in many pieces
     t = {n: torch.randn(v.shape) for n, v in service.outer.params.items()}
     name = place(t, where, value)
@@ -391,6 +391,20 @@ def updates(svc: Coordinator, n: int, seed: int = 0) -> list[dict[str, torch.Ten
     return [{k: torch.randn(v.shape, generator=g) for k, v in svc.outer.params.items()} for _ in range(n)]
 
 
+async def held_upload(svc: Coordinator, pid: str, data: bytes, digest: str, gate: asyncio.Event) -> asyncio.Task:
+    """Start an upload whose body stops after 5000 bytes until `gate` is set (a slow or stalled
+    link); returns once it is being written straight into the sum."""
+    async def body() -> AsyncIterator[bytes]:
+        yield data[:5000]
+        await gate.wait()
+        yield data[5000:]
+
+    task = asyncio.create_task(svc.receive_update(ADMIN_ID, pid, 0, 10, digest, len(data), body()))
+    while svc._direct is None:
+        await asyncio.sleep(0)
+    return task
+
+
 def test_the_first_upload_lands_in_the_sum_and_the_sum_is_what_spooling_gives(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     direct = coordinator(tmp_path / "direct")
@@ -439,15 +453,7 @@ def test_a_close_stops_a_direct_upload_and_nothing_waits_for_it(tmp_path: Path) 
 
     async def scenario() -> None:
         gate = asyncio.Event()
-
-        async def stalled() -> AsyncIterator[bytes]:
-            yield data[:5000]
-            await gate.wait()  # a participant that stops sending half way
-            yield data[5000:]
-
-        slow = asyncio.create_task(svc.receive_update(ADMIN_ID, "a", 0, 10, digest, len(data), stalled()))
-        while svc._direct is None:
-            await asyncio.sleep(0)
+        slow = await held_upload(svc, "a", data, digest, gate)
         await asyncio.sleep(0.01)
         assert svc._direct.streaming
         svc.closing = True  # what a close does first (here without merging, which needs uploads)
@@ -472,7 +478,7 @@ def test_a_close_stops_a_direct_upload_and_nothing_waits_for_it(tmp_path: Path) 
 
 @pytest.mark.parametrize("size", [1, 3, 8, 10_000])
 def test_peek_header_reads_ahead_and_gives_every_byte_back(size: int) -> None:
-    from fedtrain.coordinator.uploads import peek_header
+    from fedtrain.coordinator.receive import peek_header
 
     data, _ = raw_body({"w": torch.arange(6.0), "b": torch.ones(2)}, {"k": "v"})
 
@@ -515,15 +521,7 @@ def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> 
 
     async def scenario() -> None:
         gate = asyncio.Event()
-
-        async def stalled() -> AsyncIterator[bytes]:
-            yield data[:5000]
-            await gate.wait()
-            yield data[5000:]
-
-        task = asyncio.create_task(svc.receive_update(ADMIN_ID, pid, 0, 10, digest, len(data), stalled()))
-        while svc._direct is None:
-            await asyncio.sleep(0)
+        task = await held_upload(svc, pid, data, digest, gate)
         svc.participants[pid].last_seen -= 10_000  # silent for longer than heartbeat_timeout_s
         svc.tick()
         assert svc._direct is None and svc.acc.count == 0
@@ -544,15 +542,7 @@ def test_an_upload_beside_a_direct_one_is_answered_at_once_and_folded_after_it(t
 
     async def scenario() -> None:
         gate = asyncio.Event()
-
-        async def slow() -> AsyncIterator[bytes]:
-            yield data[:5000]
-            await gate.wait()  # a slower link: still sending when the other upload is done
-            yield data[5000:]
-
-        direct = asyncio.create_task(svc.receive_update(ADMIN_ID, "a", 0, 10, digest, len(data), slow()))
-        while svc._direct is None:
-            await asyncio.sleep(0)
+        direct = await held_upload(svc, "a", data, digest, gate)
         body2, digest2 = raw_body(second)
         got = await asyncio.wait_for(svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2),
                                                         chunked(body2, 4096)), timeout=10)
@@ -587,15 +577,7 @@ def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pyt
 
     async def scenario() -> None:
         gate = asyncio.Event()
-
-        async def slow() -> AsyncIterator[bytes]:
-            yield data[:5000]
-            await gate.wait()
-            yield data[5000:]
-
-        direct = asyncio.create_task(svc.receive_update(ADMIN_ID, "a", 0, 10, digest, len(data), slow()))
-        while svc._direct is None:
-            await asyncio.sleep(0)
+        direct = await held_upload(svc, "a", data, digest, gate)
         body2, digest2 = raw_body(second)
         assert (await svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2), chunked(body2, 4096)))["accepted"]
         gate.set()

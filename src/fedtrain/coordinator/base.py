@@ -35,7 +35,8 @@ from fedtrain.errors import FedtrainError
 from fedtrain.merge import OuterOptimizer, RunningSum
 
 if TYPE_CHECKING:
-    from fedtrain.coordinator.uploads import SpoolFiles, Staging, _Direct
+    from fedtrain.coordinator.receive import SpoolFiles, Staging
+    from fedtrain.coordinator.uploads import _Direct
 
 log = logging.getLogger("fedtrain.coordinator")
 

@@ -45,10 +45,11 @@ from fedtrain.coordinator.global_eval import GlobalEvaluator
 from fedtrain.coordinator.live_config import LiveConfigMixin
 from fedtrain.coordinator.participants import ParticipantsMixin
 from fedtrain.coordinator.publish import Published, WeightsGuard
+from fedtrain.coordinator.receive import SpoolFiles, Staging
 from fedtrain.coordinator.rounds import RoundsMixin
 from fedtrain.coordinator.spool import RoundSpool
 from fedtrain.coordinator.store import Store
-from fedtrain.coordinator.uploads import SpoolFiles, Staging, UploadsMixin
+from fedtrain.coordinator.uploads import UploadsMixin
 from fedtrain.errors import FedtrainError, MergeError, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum, all_finite
 from fedtrain.wire import iter_file, read_tensors
