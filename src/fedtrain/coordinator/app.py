@@ -23,7 +23,9 @@ import fedtrain
 from fedtrain.coordinator import dashboard
 from fedtrain.coordinator.auth import Identity, role_check
 from fedtrain.coordinator.broadcast import sse
+from fedtrain.coordinator.httpbody import READINTO
 from fedtrain.coordinator.limits import BodyLimit
+from fedtrain.coordinator.receive import Body
 from fedtrain.coordinator.service import Coordinator, Refused
 from fedtrain.errors import (
     ConfigError,
@@ -296,7 +298,8 @@ def create_app(service: Coordinator) -> FastAPI:
         except ValueError:
             raise Refused(400, "invalid_length", "Content-Length is not a number") from None
         try:
-            return await service.receive_update(ident, pid, round_, tokens, digest, length, request.stream())
+            body = Body(request.stream(), request.scope.get("extensions", {}).get(READINTO))
+            return await service.receive_update(ident, pid, round_, tokens, digest, length, body)
         except ClientDisconnect:
             raise Refused(400, "client_disconnected", "the upload ended before the body was complete") from None
 

@@ -1,11 +1,14 @@
 """Receiving an upload's bytes: stream them to a spool file, verify them, read them back cheaply.
 
-The coordinator never holds an upload in memory of its own. While the body streams in, the event
-loop only parses the safetensors header (checked against the model before a data byte is
-accepted) and counts bytes; writing the spool file and hashing the body happen on a
-worker thread, batch by batch, so the hash (with sha256, the single largest cost of a
-receive) overlaps with the network instead of following it. A body whose length or digest is
-wrong is refused before anything reads its values.
+A body is read into memory the coordinator names (`Body.readinto`): with our HTTP
+protocol (`httpbody.py`) the socket is read straight into it, with no copy on the way.
+
+The coordinator never holds an upload in memory of its own. The body is read into two
+batch buffers in turn; the event loop only parses the safetensors header (checked against
+the model before a data byte is accepted) and counts bytes, while writing the spool file
+and hashing the body happen on a worker thread, batch by batch, so the hash (with sha256,
+the single largest cost of a receive) overlaps with the network instead of following it.
+A body whose length or digest is wrong is refused before anything reads its values.
 
 Once verified, the spool file is read back with `readinto` in 16 MiB pieces through one
 staging buffer that the coordinator keeps, so checking values and folding cost no
@@ -14,32 +17,118 @@ is a memcpy. The staging buffer is shared, so its users hold the coordinator's f
 Spool files are reused from one upload to the next (`SpoolFiles`).
 
 `peek_header` reads a body's header ahead (for the coordinator to choose how to receive
-it) and hands every byte back; `body_chunks` is the stream of a body's non-empty chunks
-that every receiver reads. `UploadsMixin` (`uploads.py`) puts these to use.
+it) and hands every byte back. `UploadsMixin` (`uploads.py`) puts these to use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
-from fedtrain import faults
+from fedtrain.coordinator.httpbody import Abandoned, BodySource
 from fedtrain.errors import WireError
 from fedtrain.wire import BodyReader, StreamingDigest, TensorSpec, parse_header
 from fedtrain.wire.compress import decompress, scheme_of
 from fedtrain.wire.digest import parse_digest, verify_digest
 from fedtrain.wire.finite import FiniteScan
 
-# Bytes handed to the writer thread at a time. Two batches are in flight per upload at
-# most (one being written, one being gathered), so concurrent uploads add 2 x BATCH each
-# (32 MB at N = 8). 2 MiB rather than 512 KiB: a 400 MB upload took 0.31-0.41 s instead
-# of 0.37-0.52 s, fewer trips to the thread.
+# Bytes handed to the writer thread at a time. Each upload has two batch buffers (one being
+# written, one being filled), so concurrent uploads add 2 x BATCH each (32 MB at N = 8).
+# 2 MiB rather than 512 KiB: a 400 MB upload took 0.31-0.41 s instead of 0.37-0.52 s,
+# fewer trips to the thread.
 BATCH = 2 << 20
 _PREFIX = 8
+DRAIN_BYTES = 1 << 20
+
+
+class Body:
+    """An upload's body, read into the coordinator's own memory (`readinto`).
+
+    Served by `httpbody.ReadIntoProtocol`, the socket is read straight into the memory the
+    caller names: no copy of ours, none of the HTTP server's. Otherwise (another server, a
+    test) the body comes as the ASGI app's chunks, copied out. Bytes read ahead (`unread`)
+    are served first. `abandon()` stops a `readinto` in progress at once: it raises
+    `Abandoned`, and nothing is written into its memory after that."""
+
+    def __init__(self, chunks: AsyncIterator[bytes] | None = None, source: BodySource | None = None) -> None:
+        self._chunks = chunks
+        self._source = source
+        self._ahead: deque[memoryview] = deque()
+        self._abandoned = False
+
+    @classmethod
+    def of(cls, body: Body | AsyncIterator[bytes]) -> Body:
+        return body if isinstance(body, Body) else cls(body)
+
+    async def readinto(self, view: memoryview) -> int:
+        """Fill `view` with the next bytes of the body; fewer only at its end (0: no more)."""
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if self._abandoned:
+            self._abandoned = False
+            raise Abandoned()
+        got = 0
+        while self._ahead and got < len(view):
+            piece = self._ahead[0]
+            n = min(len(piece), len(view) - got)
+            view[got : got + n] = piece[:n]
+            got += n
+            if n == len(piece):
+                self._ahead.popleft()
+            else:
+                self._ahead[0] = piece[n:]
+        if got == len(view):
+            return got
+        if self._source is not None:
+            return got + await self._source.readinto(view[got:])
+        while got < len(view) and self._chunks is not None:
+            chunk = await anext(self._chunks, None)
+            if self._abandoned:  # stopped while the chunk was awaited: it does not go into view
+                self._abandoned = False
+                if chunk:
+                    self._ahead.append(memoryview(chunk))
+                raise Abandoned()
+            if chunk is None:
+                self._chunks = None
+                break
+            if not chunk:
+                continue
+            n = min(len(chunk), len(view) - got)
+            view[got : got + n] = memoryview(chunk)[:n]
+            got += n
+            if n < len(chunk):
+                self._ahead.append(memoryview(chunk)[n:])
+        return got
+
+    async def read(self, n: int) -> bytes:
+        """The next `n` bytes of the body (fewer only at its end)."""
+        buf = bytearray(n)
+        return bytes(buf[: await self.readinto(memoryview(buf))])
+
+    def unread(self, data: bytes) -> None:
+        """Give bytes back: the next reads return them first."""
+        if data:
+            self._ahead.appendleft(memoryview(data))
+
+    def abandon(self) -> None:
+        """Stop a `readinto` in progress (or the next one) now: it raises `Abandoned`."""
+        self._abandoned = True
+        if self._source is not None:
+            self._source.abandon()
+
+    async def drain(self) -> None:
+        """Read what is left of the body and drop it, so that the client receives our answer."""
+        self._abandoned = False
+        scratch = memoryview(bytearray(DRAIN_BYTES))
+        try:
+            while await self.readinto(scratch) == len(scratch):
+                pass
+        except Exception:  # noqa: BLE001 - a client gone away is not our error to report
+            pass
 
 
 class SpoolFiles:
@@ -85,7 +174,7 @@ class _SpoolSink:
         self.written = 0
         self.scan: FiniteScan | None = None
 
-    def take(self, chunks: list[bytes]) -> None:
+    def take(self, chunks: list[memoryview]) -> None:
         for chunk in chunks:
             self.hash.update(chunk)
             if self.scan is not None:
@@ -103,7 +192,7 @@ class _SpoolSink:
             os.close(self.fd)
 
 
-def _write_rest(fd: int, chunks: list[bytes], done: int) -> None:
+def _write_rest(fd: int, chunks: list[memoryview], done: int) -> None:
     for chunk in chunks:
         if done >= len(chunk):
             done -= len(chunk)
@@ -115,47 +204,47 @@ def _write_rest(fd: int, chunks: list[bytes], done: int) -> None:
 
 
 async def receive_to_spool(
-    chunks: AsyncIterator[bytes],
+    body: Body | AsyncIterator[bytes],
     path: Path,
     *,
     digest: str,
     length: int,
     limit: int,
     on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None],
-    who: str | None = None,
-    round_: int | None = None,
 ) -> tuple[BodyReader, FiniteScan | None]:
     """Stream a body into `path`, checking header, length and digest; returns the reader
     (its `specs` and `metadata` describe the body) and, for a plain (uncompressed) body,
     the scan of its values for NaN and Inf made on the way (None: not scanned, e.g. a
     compressed body, or a header longer than a batch). Raises WireError for a bad body;
-    the caller disposes of the file (`SpoolFiles.discard`)."""
+    the caller disposes of the file (`SpoolFiles.discard`).
+
+    The body is read in batches into two buffers in turn: one is filled from the socket
+    while the writer thread hashes, scans and writes the other."""
     parse_digest(digest)  # refuse a malformed digest before reading the body
+    body = Body.of(body)
     reader = BodyReader(max_bytes=limit, expected_length=length, on_header=on_header, store_data=False)
     sink = _SpoolSink(path, digest)
-    first = True
+    size = max(1, min(BATCH, length + 1))  # one byte more than declared shows a body that is too long
+    buffers = [memoryview(bytearray(size)) for _ in range(2)]
     pending: asyncio.Future[None] | None = None
-    batch: list[bytes] = []
-    size = 0
+    batches = 0
     try:
-        async for chunk in body_chunks(chunks, who, round_):
-            reader.feed(chunk)
-            batch.append(chunk)
-            size += len(chunk)
-            if size >= BATCH:
-                if first:
-                    sink.scan, first = _scan_for(reader), False
+        while True:
+            buf = buffers[batches % 2]  # the one not being written
+            n = await body.readinto(buf)
+            if n:
+                reader.feed(buf[:n])
+                if batches == 0:
+                    sink.scan = _scan_for(reader)
                 if pending is not None:
                     await pending
-                pending = asyncio.ensure_future(asyncio.to_thread(sink.take, batch))
-                batch, size = [], 0
+                pending = asyncio.ensure_future(asyncio.to_thread(sink.take, [buf[:n]]))
+                batches += 1
+            if n < len(buf):
+                break
         if pending is not None:
             await pending
             pending = None
-        if batch:
-            if first:
-                sink.scan = _scan_for(reader)
-            await asyncio.to_thread(sink.take, batch)
         reader.finish()
         verify_digest(sink.hash.digest(), digest)
     finally:
@@ -244,57 +333,29 @@ def _read_exact(f: object, n: int) -> bytes:
     return data
 
 
-async def body_chunks(chunks: AsyncIterator[bytes], who: str | None = None,
-                      round_: int | None = None) -> AsyncIterator[bytes]:
-    """The non-empty chunks of a body, with the `upload.streaming` fault point before the first."""
-    first = True
-    async for chunk in chunks:
-        if not chunk:
-            continue
-        if first:
-            faults.hit("upload.streaming", who=who, round=round_)
-            first = False
-        yield chunk
-
-
-async def drain(chunks: AsyncIterator[bytes]) -> None:
+async def drain(body: Body | AsyncIterator[bytes]) -> None:
     """Read what is left of a request body, so that the client receives our answer."""
-    try:
-        async for _ in chunks:
-            pass
-    except Exception:  # noqa: BLE001 - a client gone away is not our error to report
-        pass
+    await Body.of(body).drain()
 
 
 Head = tuple[dict[str, TensorSpec], dict[str, str]]
 PEEK_LIMIT = 1 << 20  # a header longer than this is not worth a direct receive: the body is spooled
 
 
-async def peek_header(chunks: AsyncIterator[bytes]) -> tuple[Head | None, AsyncIterator[bytes]]:
+async def peek_header(body: Body | AsyncIterator[bytes]) -> tuple[Head | None, Body]:
     """Read a body's header ahead: (specs and metadata, or None when the head is not a
-    header we can read here; the same chunks again from the first). The body is not
-    checked: the receive that follows does that, and reports a bad header."""
-    seen: list[bytes] = []
-    size, need = 0, _PREFIX
-    async for chunk in chunks:
-        seen.append(chunk)
-        size += len(chunk)
-        if size >= _PREFIX:
-            need = _PREFIX + int.from_bytes(b"".join(seen)[:_PREFIX], "little")
-        if size >= need or need > PEEK_LIMIT:
-            break
-    head: Head | None = None
-    if need <= min(size, PEEK_LIMIT):
-        try:
-            order, metadata = parse_header(b"".join(seen)[_PREFIX:need])
-            head = {s.name: s for s in order}, metadata
-        except WireError:
-            head = None
-
-    async def replay() -> AsyncIterator[bytes]:
-        for chunk in seen:
-            yield chunk
-        async for chunk in chunks:
-            yield chunk
-
-    return head, replay()
+    header we can read here; the body, whose next read starts at its first byte again).
+    The body is not checked: the receive that follows does that, and reports a bad header."""
+    body = Body.of(body)
+    prefix = await body.read(_PREFIX)
+    need = int.from_bytes(prefix, "little") if len(prefix) == _PREFIX else PEEK_LIMIT
+    if need > PEEK_LIMIT - _PREFIX:
+        body.unread(prefix)
+        return None, body
+    header = await body.read(need)
+    body.unread(prefix + header)
+    try:
+        order, metadata = parse_header(header)
+    except WireError:
+        return None, body
+    return ({s.name: s for s in order}, metadata), body

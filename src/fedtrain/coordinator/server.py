@@ -17,6 +17,7 @@ import uvicorn
 from fedtrain.config import RunConfig
 from fedtrain.coordinator.app import create_app
 from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.httpbody import ReadIntoProtocol
 from fedtrain.coordinator.service import Coordinator
 
 M_TRIM_THRESHOLD = -1
@@ -60,7 +61,7 @@ def uvicorn_config(
     return uvicorn.Config(
         create_app(service),
         log_level=log_level,
-        http="httptools",
+        http=ReadIntoProtocol,  # type: ignore[arg-type]  # a BufferedProtocol; uvicorn only constructs it
         loop="auto",
         access_log=False,
         timeout_keep_alive=30,

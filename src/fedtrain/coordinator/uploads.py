@@ -40,13 +40,8 @@ from fedtrain import faults
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.base import CoordinatorBase, Refused, log
-from fedtrain.coordinator.receive import (
-    Head,
-    body_chunks,
-    drain,
-    peek_header,
-    receive_to_spool,
-)
+from fedtrain.coordinator.httpbody import Abandoned
+from fedtrain.coordinator.receive import Body, Head, peek_header, receive_to_spool
 from fedtrain.coordinator.spool import needs_spool
 from fedtrain.merge import all_finite, check_compatible
 from fedtrain.merge.robust import clip_scale, sum_of_squares
@@ -61,8 +56,9 @@ def _non_finite(name: str) -> Refused:
 class _Direct:
     """An upload being written straight into the running sum (`UploadsMixin._receive_direct`)."""
 
-    def __init__(self, pid: str) -> None:
+    def __init__(self, pid: str, body: Body) -> None:
         self.pid = pid
+        self.body = body
         self.streaming = True  # the body is still arriving: a close of the round aborts it
         self.aborted = False
         self.interrupted = False  # aborted because its participant failed or left, not by a close
@@ -72,6 +68,35 @@ class _Direct:
         if owner._direct is self:
             owner._direct = None
         self.finished.set()
+
+
+# A direct receive reads the body into the sum this many bytes at a time, and hashes each
+# piece while it is still in the CPU's cache.
+PIECE = 1 << 20
+
+
+async def _read_into(reader: BodyReader, body: Body) -> None:
+    """Read a whole body through `reader`: its header fed, its data read straight into the
+    tensors the reader allocates. Raises WireError for a bad body."""
+    while not reader.done:
+        need = reader.head_needed
+        if need:
+            head = await body.read(need)
+            reader.feed(head)
+            if len(head) < need:
+                break
+            continue
+        view = reader.writable()
+        assert view is not None
+        view = view[:PIECE]
+        n = await body.readinto(view)
+        reader.wrote(n)
+        if n < len(view):
+            break
+    extra = await body.read(1)
+    if extra:
+        reader.feed(extra)  # raises: trailing bytes
+    reader.finish()
 
 
 class UploadsMixin(CoordinatorBase):
@@ -109,15 +134,16 @@ class UploadsMixin(CoordinatorBase):
         tokens: int,
         digest: str,
         length: int | None,
-        chunks: AsyncIterator[bytes],
+        body: Body | AsyncIterator[bytes],
     ) -> dict[str, Any]:
         """Verify and fold one participant's pseudo-gradient for `round_` (spooled first,
         or for the round's first upload, straight into the sum)."""
         p = self._participant(ident, pid)
+        body = Body.of(body)
         try:
             admission = self._check_open(round_)
             if self._is_duplicate(pid, round_, admission):
-                await drain(chunks)
+                await body.drain()
                 return {"accepted": True, "duplicate": True, "round": round_}
             if self.config.outer.weighting == "tokens" and tokens <= 0:
                 raise Refused(400, "invalid_tokens", "tokens must be a positive count of tokens processed this round")
@@ -127,17 +153,18 @@ class UploadsMixin(CoordinatorBase):
             if length > limit:
                 raise Refused(413, "too_large", f"upload of {length:,} bytes exceeds max_upload_mb ({limit:,} bytes)")
         except Refused:
-            await drain(chunks)
+            await body.drain()
             raise
         try:
-            head, chunks = await peek_header(chunks)
+            head, body = await peek_header(body)
+            faults.hit("upload.streaming", who=pid, round=round_)
         except BaseException:
-            await drain(chunks)
+            await body.drain()
             raise
         if self._can_receive_direct(admission, head):
-            done = await self._receive_direct(pid, round_, tokens, digest, length, limit, chunks)
+            done = await self._receive_direct(pid, round_, tokens, digest, length, limit, body)
         else:
-            done = await self._receive_spooled(pid, round_, tokens, digest, length, limit, chunks)
+            done = await self._receive_spooled(pid, round_, tokens, digest, length, limit, body)
         if done is None:
             return {"accepted": True, "duplicate": True, "round": round_}
         admission = done
@@ -158,17 +185,17 @@ class UploadsMixin(CoordinatorBase):
         return {"accepted": True, "duplicate": False, "round": round_, **late}
 
     async def _receive_spooled(self, pid: str, round_: int, tokens: int, digest: str, length: int, limit: int,
-                               chunks: AsyncIterator[bytes]) -> policy.Admission | None:
+                               body: Body) -> policy.Admission | None:
         """Receive an upload into a spool file, check and fold it (or keep it for the round's
         close); returns its admission, None for a duplicate."""
         path, new = self._spool_files.take()
         accepted = deferred = False
         try:
             try:
-                _, scan = await receive_to_spool(chunks, path, digest=digest, length=length, limit=limit,
-                                                 on_header=self._check_header, who=pid, round_=round_)
+                _, scan = await receive_to_spool(body, path, digest=digest, length=length, limit=limit,
+                                                 on_header=self._check_header)
             except BaseException:
-                await drain(chunks)
+                await body.drain()
                 raise
             faults.hit("upload.received", who=pid, round=round_)
             if scan is not None and scan.bad is not None:
@@ -271,29 +298,27 @@ class UploadsMixin(CoordinatorBase):
             for n, t in targets.items())
 
     async def _receive_direct(self, pid: str, round_: int, tokens: int, digest: str, length: int, limit: int,
-                              chunks: AsyncIterator[bytes]) -> policy.Admission | None:
+                              body: Body) -> policy.Admission | None:
         """Receive the round's first upload straight into the (empty) running sum: no spool
-        file, no read-back. Its bytes are verified as they land (header, length, digest), then
-        checked finite and weighted in place; anything wrong leaves the sum empty, exactly. A
-        close of the round while the body streams in stops the writes at once (409, as for
-        any upload whose round closed); the sum is then empty again, and the round does not
+        file, no read-back; with our HTTP protocol, not even a copy, the socket is read into
+        the sum. Its bytes are verified as they land (header, length, digest), then checked
+        finite and weighted in place; anything wrong leaves the sum empty, exactly. A close
+        of the round while the body streams in stops the writes at once (409, as for any
+        upload whose round closed); the sum is then empty again, and the round does not
         wait for the rest of the body."""
-        direct = _Direct(pid)
+        direct = _Direct(pid, body)
         self._direct = direct
         targets = self.acc.empty_targets()
         try:
             reader = BodyReader(expected_digest=digest, max_bytes=limit, expected_length=length,
                                 on_header=self._check_header, allocate=lambda spec: targets[spec.name])
             try:
-                async for chunk in body_chunks(chunks, pid, round_):
-                    if direct.aborted:
-                        raise self._why_stopped(direct, round_)
-                    reader.feed(chunk)
+                with contextlib.suppress(Abandoned):  # by `_abort_direct`, which marked it aborted
+                    await _read_into(reader, body)
                 if direct.aborted:
                     raise self._why_stopped(direct, round_)
-                reader.finish()
             except BaseException:
-                await drain(chunks)
+                await body.drain()
                 raise
             direct.streaming = False
             faults.hit("upload.received", who=pid, round=round_)
@@ -347,6 +372,7 @@ class UploadsMixin(CoordinatorBase):
         direct = self._direct
         if direct is not None and direct.streaming and pid in (None, direct.pid):
             direct.aborted, direct.interrupted = True, pid is not None
+            direct.body.abandon()  # no byte lands in the sum after this
             direct.release(self)
 
     def _check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:

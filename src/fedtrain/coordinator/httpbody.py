@@ -1,0 +1,215 @@
+"""uvicorn's httptools protocol, with request bodies that can be read straight into the caller's memory.
+
+Stock, each piece of an upload's body is copied four times on its way to our code: the
+event loop reads it into a fresh `bytes`, the HTTP parser copies it out as another,
+uvicorn appends it to the request's buffer and copies that into the ASGI message. For a
+400 MB upload those copies (and a pause and resume of the socket for every ~256 KiB)
+cost more than the network does here.
+
+`ReadIntoProtocol` is an `asyncio.BufferedProtocol` around uvicorn's `HttpToolsProtocol`:
+headers, small bodies, responses and keep-alive are all uvicorn's. A request with a
+Content-Length carries an ASGI extension, `scope["extensions"][READINTO]`, a `BodySource`:
+its `readinto(view) -> int` fills `view` with the next body bytes (fewer only at the end
+of the body; 0 once it is all read), and `abandon()` stops a `readinto` in progress at
+once (it raises `Abandoned`): no byte lands in `view` after that. Bytes the parser has already taken are served first;
+then the socket is read straight into `view`, past the parser, which is replaced by a
+fresh one when the body is complete. If the app answers before it read such a body to
+its end, the rest is read and dropped after the response, as uvicorn does with any body,
+and the connection serves its next request; if a `readinto` is cancelled, the connection
+is closed after the response. Do not mix `readinto` and `receive()` on one request; an
+app that only uses `receive()` never notices the difference.
+
+`readinto` raises starlette's `ClientDisconnect` if the client goes away meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import httptools
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+READINTO = "fedtrain.readinto"
+# The loop reads the socket into this buffer when no `readinto` waits: headers, small bodies.
+BUFFER = 256 << 10
+
+
+class Abandoned(Exception):
+    """A `readinto` stopped by `abandon()`."""
+
+
+class BodySource:
+    """One request's body, read into the caller's memory (the `READINTO` extension)."""
+
+    def __init__(self, protocol: ReadIntoProtocol, cycle: RequestResponseCycle) -> None:
+        self._protocol, self._cycle = protocol, cycle
+
+    async def readinto(self, view: memoryview) -> int:
+        """Fill `view` with the next bytes of the body; fewer only at its end (0: no more)."""
+        return await self._protocol.readinto(self._cycle, view)
+
+    def abandon(self) -> None:
+        """Stop a `readinto` in progress now: it raises `Abandoned`, and `view` is not written again."""
+        self._protocol.abandon(self._cycle)
+
+
+class ReadIntoProtocol(asyncio.BufferedProtocol):
+    """An HTTP/1.1 connection (uvicorn's `HttpToolsProtocol`) whose bodies can be read in place."""
+
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.http = _Http(self, config=config, server_state=server_state, app_state=app_state, _loop=_loop)
+        self._buffer = memoryview(bytearray(BUFFER))
+        self._target: memoryview | None = None  # where the socket's bytes go while a readinto waits
+        self._got = 0
+        self._waiter: asyncio.Future[int] | None = None
+        self._dropping = False  # reading the rest of a body the app answered before reading it all
+
+    # asyncio's side
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.http.connection_made(transport)  # type: ignore[arg-type]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._finish_wait(ClientDisconnect())
+        self.http.connection_lost(exc)
+
+    def eof_received(self) -> None:
+        self.http.eof_received()
+
+    def pause_writing(self) -> None:
+        self.http.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.http.resume_writing()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._target is not None:
+            return self._target[self._got :]
+        if self._dropping:
+            return self._buffer[: min(len(self._buffer), self.http.body_left)]
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._dropping:
+            self.http.body_left -= nbytes
+            if self.http.body_left == 0:
+                self._dropping = False
+                self.http.body_done()
+                self.http.response_done()
+            return
+        if self._target is None:
+            self.http.data_received(self._buffer[:nbytes])  # type: ignore[arg-type]
+            return
+        self._got += nbytes
+        self.http.body_left -= nbytes
+        if self._got == len(self._target):
+            self._target = None
+            self.http.flow.pause_reading()  # until the app asks for more
+            if self.http.body_left == 0:
+                self.http.body_done()
+            self._finish_wait(self._got)
+
+    def _finish_wait(self, result: int | BaseException) -> None:
+        waiter, self._waiter = self._waiter, None
+        self._target = None
+        if waiter is not None and not waiter.done():
+            if isinstance(result, BaseException):
+                waiter.set_exception(result)
+            else:
+                waiter.set_result(result)
+
+    def abandon(self, cycle: RequestResponseCycle) -> None:
+        if self._waiter is not None and cycle is self.http.cycle:
+            self.http.flow.pause_reading()
+            self._finish_wait(Abandoned())
+
+    def drop_rest(self) -> None:
+        """The response is out, but part of the body that went past the parser is not read:
+        read it and drop it, then let the connection go on to its next request."""
+        self._dropping = True
+        self.http.flow.resume_reading()
+
+    # the app's side
+    async def readinto(self, cycle: RequestResponseCycle, view: memoryview) -> int:
+        """Fill `view` with the next bytes of `cycle`'s body; fewer only at its end (0: no more)."""
+        http = self.http
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if self._waiter is not None:
+            raise RuntimeError("readinto: a read of this connection is in progress")
+        if cycle.waiting_for_100_continue and not http.transport.is_closing():
+            http.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            cycle.waiting_for_100_continue = False
+        got = 0
+        if cycle.body:  # taken by the parser already
+            got = min(len(view), len(cycle.body))
+            view[:got] = cycle.body[:got]
+            cycle.body = cycle.body[got:]
+        if cycle is not http.cycle or cycle.response_complete:
+            return got  # the parser took this body whole and went on to a pipelined request; or answered
+        want = min(len(view) - got, http.body_left)
+        if want == 0 or not cycle.more_body:
+            return got
+        if cycle.disconnected:
+            raise ClientDisconnect()
+        http.direct = True
+        self._target, self._got = view[got : got + want], 0
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        http.flow.resume_reading()
+        try:
+            return got + await waiter
+        finally:
+            if self._waiter is waiter or not waiter.done():  # cancelled: the view is not ours to fill any more
+                self._waiter, self._target = None, None
+                http.flow.pause_reading()
+                cycle.keep_alive = False
+
+
+class _Http(HttpToolsProtocol):
+    """uvicorn's protocol, told how much of the body it has not seen and offering `readinto`."""
+
+    def __init__(self, outer: ReadIntoProtocol, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.outer = outer
+        self.body_left = 0  # body bytes of the current request not yet read, by the parser or readinto
+        self.direct = False  # some of them went past the parser
+
+    def on_headers_complete(self) -> None:
+        previous = self.cycle
+        super().on_headers_complete()
+        self.direct = False
+        if self.cycle is previous or self.cycle.scope is not self.scope:
+            return  # an upgrade: no request cycle of ours
+        length = None
+        for name, value in self.headers:
+            if name == b"transfer-encoding":
+                return  # chunked: only the parser knows where it ends
+            if name == b"content-length":
+                length = value
+        if length is None or not length.isdigit():
+            return
+        self.body_left = int(length)
+        extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
+        extensions[READINTO] = BodySource(self.outer, self.cycle)
+
+    def on_body(self, body: bytes) -> None:
+        self.body_left -= len(body)
+        super().on_body(body)
+
+    def on_response_complete(self) -> None:
+        if self.direct and self.body_left > 0 and not self.transport.is_closing():
+            self.outer.drop_rest()  # then `response_done`
+            return
+        super().on_response_complete()
+
+    def response_done(self) -> None:
+        super().on_response_complete()
+
+    def body_done(self) -> None:
+        """The body was read to its end past the parser: the next request needs a fresh one."""
+        self.cycle.more_body = False
+        self.parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3 has no leniencies
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)

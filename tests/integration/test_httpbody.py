@@ -1,0 +1,219 @@
+"""The HTTP protocol whose request bodies are read straight into the app's memory (`httpbody.py`),
+served by uvicorn over loopback and driven by a raw socket, so that keep-alive, pauses
+and pipelining are under the test's control."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.requests import ClientDisconnect
+
+from fedtrain.coordinator.httpbody import READINTO, Abandoned, ReadIntoProtocol
+from fedtrain.coordinator.server import bind
+
+events: list[str] = []
+
+
+async def _json(send: Any, status: int, doc: dict[str, Any]) -> None:
+    body = json.dumps(doc).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    query = dict(p.split("=") for p in scope["query_string"].decode().split("&") if p)
+    source = scope.get("extensions", {}).get(READINTO)
+    path = scope["path"]
+    if path == "/receive":  # the stock way, on the same connection
+        data = bytearray()
+        while True:
+            message = await receive()
+            data += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await _json(send, 200, {"sha": hashlib.sha256(data).hexdigest(), "n": len(data), "port": scope["client"][1]})
+        return
+    if source is None:
+        await _json(send, 200, {"extension": False})
+        return
+    piece = int(query.get("piece", 65536))
+    if path == "/read":
+        data, buf = bytearray(), memoryview(bytearray(piece))
+        while n := await source.readinto(buf):
+            data += buf[:n]
+            if n < piece:
+                assert await source.readinto(buf) == 0  # the end, and it stays the end
+                break
+        await _json(send, 200, {"sha": hashlib.sha256(data).hexdigest(), "n": len(data), "port": scope["client"][1]})
+    elif path == "/partial":  # answers before reading the body to its end
+        buf = memoryview(bytearray(int(query["n"])))
+        got = await source.readinto(buf)
+        await _json(send, 200, {"got": got, "head": bytes(buf[:8]).hex()})
+    elif path == "/abandon":  # a read stopped from elsewhere, then the rest drained, as a round close does
+        buf = memoryview(bytearray(int(query["size"])))
+        asyncio.get_running_loop().call_later(0.2, source.abandon)
+        try:
+            await source.readinto(buf)
+            outcome = "read"
+        except Abandoned:
+            outcome = "abandoned"
+        before = bytes(buf)
+        await asyncio.sleep(0.3)  # the client sends the rest meanwhile: none of it may land in buf
+        untouched = bytes(buf) == before
+        scratch = memoryview(bytearray(1 << 16))
+        while await source.readinto(scratch) == len(scratch):
+            pass
+        await _json(send, 409, {"outcome": outcome, "untouched": untouched})
+    elif path == "/timeout":  # a read cancelled half way: its memory is given up at once
+        buf = memoryview(bytearray(int(query["size"])))
+        try:
+            await asyncio.wait_for(source.readinto(buf), 0.2)
+        except asyncio.TimeoutError:
+            before = bytes(buf)
+            await asyncio.sleep(0.3)
+            await _json(send, 408, {"untouched": bytes(buf) == before})
+    elif path == "/disconnect":
+        buf = memoryview(bytearray(int(query["size"])))
+        try:
+            await source.readinto(buf)
+        except ClientDisconnect:
+            events.append("disconnect")
+            return
+        events.append("read")
+        await _json(send, 200, {})
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[int]:
+    sock = bind("127.0.0.1", 0)
+    config = uvicorn.Config(app, http=ReadIntoProtocol, lifespan="off", log_level="warning", loop="auto")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    yield sock.getsockname()[1]
+    srv.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+def head(path: str, length: int | None, extra: bytes = b"") -> bytes:
+    sized = b"content-length: %d\r\n" % length if length is not None else b"transfer-encoding: chunked\r\n"
+    return b"PUT " + path.encode() + b" HTTP/1.1\r\nhost: test\r\n" + sized + extra + b"\r\n"
+
+
+def response(s: socket.socket) -> tuple[int, dict[str, Any], bytes]:
+    """(status, JSON body, bytes after it) of one response; fails on a closed connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = s.recv(65536)
+        assert more, "the connection closed before a response"
+        data += more
+    top, rest = data.split(b"\r\n\r\n", 1)
+    lines = top.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    fields = dict(line.split(b":", 1) for line in lines[1:])
+    length = int(next(v for k, v in fields.items() if k.strip().lower() == b"content-length"))
+    while len(rest) < length:
+        more = s.recv(65536)
+        assert more
+        rest += more
+    return status, json.loads(rest[:length]), rest[length:]
+
+
+def payload(n: int) -> bytes:
+    return bytes((i * 7 + i // 251) % 256 for i in range(n))
+
+
+@pytest.mark.parametrize("size,piece", [(0, 1024), (10, 3), (300_000, 4096), (2_000_001, 1 << 20), (1 << 20, 1 << 20)])
+def test_a_body_read_in_place_is_the_body_and_the_connection_serves_the_next_request(
+        server: int, size: int, piece: int) -> None:
+    body = payload(size)
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        for _ in range(2):  # twice on one connection: the parser is in step after a body read past it
+            s.sendall(head(f"/read?piece={piece}", size))
+            for i in range(0, size, 100_000):
+                s.sendall(body[i : i + 100_000])
+            status, doc, extra = response(s)
+            assert status == 200 and extra == b""
+            assert doc["n"] == size and doc["sha"] == hashlib.sha256(body).hexdigest()
+        s.sendall(head("/receive", 5) + b"hello")  # and a stock read after it
+        status, doc, _ = response(s)
+        assert doc["sha"] == hashlib.sha256(b"hello").hexdigest()
+
+
+def test_a_body_answered_before_it_was_read_whole_is_dropped_and_the_connection_goes_on(server: int) -> None:
+    body = payload(3_000_000)
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(head("/partial?n=1000000", len(body)))
+        s.sendall(body)
+        status, doc, _ = response(s)
+        assert status == 200 and doc == {"got": 1_000_000, "head": body[:8].hex()}
+        s.sendall(head("/read", 6) + b"second")
+        status, doc, extra = response(s)
+        assert doc["n"] == 6 and doc["sha"] == hashlib.sha256(b"second").hexdigest() and extra == b""
+
+
+def test_an_abandoned_read_writes_nothing_more_and_the_client_gets_the_answer(server: int) -> None:
+    body = payload(1_500_000)
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(head(f"/abandon?size={len(body)}", len(body)))
+        s.sendall(body[:400_000])
+        time.sleep(0.3)  # the server abandons its read meanwhile
+        s.sendall(body[400_000:])
+        status, doc, _ = response(s)
+        assert status == 409 and doc == {"outcome": "abandoned", "untouched": True}
+        s.sendall(head("/read", 4) + b"next")
+        assert response(s)[1]["n"] == 4
+
+
+def test_a_client_gone_mid_body_is_a_client_disconnect(server: int) -> None:
+    events.clear()
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(head("/disconnect?size=1000000", 1_000_000) + payload(300_000))
+        time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while not events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events == ["disconnect"]
+
+
+def test_a_chunked_body_has_no_in_place_read_and_is_served_the_stock_way(server: int) -> None:
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(head("/read", None) + b"5\r\nhello\r\n0\r\n\r\n")
+        status, doc, _ = response(s)
+        assert status == 200 and doc == {"extension": False}
+        s.sendall(head("/receive", None) + b"5\r\nhello\r\n0\r\n\r\n")
+        assert response(s)[1]["n"] == 5
+
+
+def test_a_cancelled_read_gives_its_memory_up_and_the_connection_closes_after_the_answer(server: int) -> None:
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(head("/timeout?size=1000000", 1_000_000) + payload(300_000))
+        time.sleep(0.3)
+        s.sendall(payload(200_000))  # more body after the cancel: it must not land in the buffer
+        status, doc, _ = response(s)
+        assert status == 408 and doc == {"untouched": True}
+        s.settimeout(10)
+        rest = b""
+        try:
+            while more := s.recv(65536):  # the body could not be put back in step: closed
+                rest += more
+        except ConnectionResetError:  # closed with body bytes unread: a reset, not a FIN
+            pass
+        assert rest == b""
