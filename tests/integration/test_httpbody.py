@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from starlette.requests import ClientDisconnect
 
-from fedtrain.coordinator.httpbody import READINTO, Abandoned, ReadIntoProtocol
+from fedtrain.coordinator.httpbody import READINTO, SEND, Abandoned, ReadIntoProtocol
 from fedtrain.coordinator.server import bind
 
 events: list[str] = []
@@ -36,6 +36,18 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     query = dict(p.split("=") for p in scope["query_string"].decode().split("&") if p)
     source = scope.get("extensions", {}).get(READINTO)
     path = scope["path"]
+    if path == "/send":  # a response body written by a worker thread straight to the socket
+        data = memoryview(payload(int(query["n"])))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(data)).encode())]})
+        try:
+            await scope["extensions"][SEND].run(lambda out: out.sendall(data))
+        except ClientDisconnect:
+            events.append("send: disconnect")
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        events.append("send: done")
+        return
     if path == "/receive":  # the stock way, on the same connection
         data = bytearray()
         while True:
@@ -137,7 +149,7 @@ def response(s: socket.socket) -> tuple[int, dict[str, Any], bytes]:
 
 
 def payload(n: int) -> bytes:
-    return bytes((i * 7 + i // 251) % 256 for i in range(n))
+    return (bytes(range(256)) * 7 + b"fedtrain") * (n // 1800) + bytes(n % 1800)
 
 
 @pytest.mark.parametrize("size,piece", [(0, 1024), (10, 3), (300_000, 4096), (2_000_001, 1 << 20), (1 << 20, 1 << 20)])
@@ -217,3 +229,41 @@ def test_a_cancelled_read_gives_its_memory_up_and_the_connection_closes_after_th
         except ConnectionResetError:  # closed with body bytes unread: a reset, not a FIN
             pass
         assert rest == b""
+
+
+def raw_response(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    top, body = data.split(b"\r\n\r\n", 1)
+    assert top.startswith(b"HTTP/1.1 200") and b"content-length: %d" % n in top
+    while len(body) < n:
+        body += s.recv(1 << 20)
+    return body
+
+
+def test_a_response_sent_from_a_worker_thread_arrives_whole_and_the_connection_goes_on(server: int) -> None:
+    events.clear()
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        for n in (0, 10, 5_000_000):
+            s.sendall(b"GET /send?n=%d HTTP/1.1\r\nhost: test\r\n\r\n" % n)
+            assert raw_response(s, n) == payload(n)
+        s.sendall(head("/read", 2) + b"ok")
+        assert response(s)[1]["n"] == 2
+    assert events == ["send: done"] * 3
+
+
+def test_a_client_gone_mid_response_is_a_client_disconnect_and_the_server_goes_on(server: int) -> None:
+    events.clear()
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        s.sendall(b"GET /send?n=50000000 HTTP/1.1\r\nhost: test\r\n\r\n")
+        s.recv(1 << 16)
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while not events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events == ["send: disconnect"]
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(b"GET /send?n=1000 HTTP/1.1\r\nhost: test\r\n\r\n")
+        assert raw_response(s, 1000) == payload(1000)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from fedtrain.coordinator import Coordinator
 from fedtrain.coordinator.auth import ADMIN, Identity, Tokens
 from fedtrain.coordinator.base import Refused
 from fedtrain.coordinator.checkpoints import CheckpointDir
+from fedtrain.coordinator.httpbody import SocketOut
 from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
 from fedtrain.coordinator.receive import SpoolFiles, Staging, receive_to_spool
 from fedtrain.errors import WireError
@@ -208,6 +212,95 @@ def test_model_stream_from_memory_switches_to_the_file_when_the_weights_move(tmp
                          guard)
     got = collect(stream, next_outer_step)
     assert got == expected  # the rest came from the committed file, not from the changed weights
+
+
+def pumped(stream: ModelStream, between=None, *, read: bool = True) -> bytes:
+    """What `ModelStream.pump` sends through one end of a socket pair, read at the other;
+    `between(n)` runs after every read of the reader (n: bytes so far)."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # many small reads
+    got = bytearray()
+
+    def reader() -> None:
+        while data := b.recv(1 << 16):
+            got.extend(data)
+            if between is not None:
+                between(len(got))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        stream.pump(SocketOut(a.fileno()))
+    finally:
+        a.close()
+        thread.join(timeout=30)
+        b.close()
+        stream.close()
+    return bytes(got)
+
+
+def test_model_stream_pumps_the_file_and_switches_from_memory_when_the_weights_move(tmp_path: Path) -> None:
+    t = {"a": torch.randn(3_000_000), "b": torch.randn(1000)}  # 12 MB
+    body = EncodedBody(t, {"version": "1"})
+    guard = WeightsGuard()
+    published = Published(1, body.digest(), body, guard.epoch)
+    write_file(tmp_path / "g", t, {"version": "1"})
+    expected = (tmp_path / "g").read_bytes()
+    files = CheckpointDir(tmp_path)
+    assert pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files)) == expected  # sendfile
+    assert pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files, published, guard)) == expected
+    moved = []
+
+    def next_outer_step(n: int) -> None:  # a few MB in, the weights change in place
+        if n > 3_000_000 and not moved:
+            with guard.lock:
+                guard.epoch += 1
+                t["a"].add_(1.0)
+            moved.append(n)
+
+    got = pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files, published, guard),
+                 next_outer_step)
+    assert moved and got == expected  # the rest came from the committed file, not from the changed weights
+    assert not files._readers
+
+
+def test_a_stalled_download_does_not_hold_the_weights_and_can_be_cancelled(tmp_path: Path) -> None:
+    t = {"a": torch.randn(3_000_000)}
+    body = EncodedBody(t, {"version": "1"})
+    guard = WeightsGuard()
+    published = Published(1, body.digest(), body, guard.epoch)
+    stream = ModelStream(1, published.digest, body.content_length, tmp_path / "g", CheckpointDir(tmp_path),
+                         published, guard)
+    a, b = socket.socketpair()  # nobody reads b: the socket fills up and the pump waits
+    a.setblocking(False)
+    out = SocketOut(a.fileno())
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            stream.pump(out)
+        except BaseException as e:  # noqa: BLE001 - recorded for the test
+            failed.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while out.sent == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert 0 < out.sent < body.content_length
+    assert guard.lock.acquire(timeout=2)  # the next outer step is not held up by the stalled client
+    guard.lock.release()
+    out.cancelled.set()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and isinstance(failed[0], ConnectionAbortedError)
+    b.close()  # and a client gone: the next write fails
+    out2 = SocketOut(a.fileno())
+    with pytest.raises(OSError):
+        for _ in range(100):
+            out2.sendall(memoryview(b"x" * 65536))
+    a.close()
 
 
 def test_background_digest_matches_streaming_digest() -> None:

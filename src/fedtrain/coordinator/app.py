@@ -25,6 +25,7 @@ from fedtrain.coordinator.auth import Identity, role_check
 from fedtrain.coordinator.broadcast import sse
 from fedtrain.coordinator.httpbody import READINTO
 from fedtrain.coordinator.limits import BodyLimit
+from fedtrain.coordinator.publish import ModelResponse
 from fedtrain.coordinator.receive import Body
 from fedtrain.coordinator.service import Coordinator, Refused
 from fedtrain.errors import (
@@ -317,6 +318,6 @@ def create_app(service: Coordinator) -> FastAPI:
         headers = {
             "Content-Length": str(stream.size), DIGEST_HEADER: stream.digest, VERSION_HEADER: str(stream.version)
         }
-        return StreamingResponse(stream.chunks(), media_type="application/octet-stream", headers=headers)
+        return ModelResponse(stream, headers)
 
     return app

@@ -20,12 +20,24 @@ is closed after the response. Do not mix `readinto` and `receive()` on one reque
 app that only uses `receive()` never notices the difference.
 
 `readinto` raises starlette's `ClientDisconnect` if the client goes away meanwhile.
+
+Responses go the other way round: a plain-HTTP request carries `scope["extensions"][SEND]`,
+a `ResponseSink`. Once the response has started, `await sink.run(pump)` runs `pump(out)`
+on a worker thread, where `out` writes to the socket itself: `out.sendfile` from a file
+(the kernel copies page cache to socket, no bytes object on the way) or `out.write_some`
+from memory. Stock, a 400 MB download went through 800 chunks of `bytes` and the
+transport's flow control: 0.18-0.21 s, against 0.11-0.16 s with `sendfile`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -33,6 +45,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 READINTO = "fedtrain.readinto"
+SEND = "fedtrain.send"
 # The loop reads the socket into this buffer when no `readinto` waits: headers, small bodies.
 BUFFER = 256 << 10
 
@@ -54,6 +67,97 @@ class BodySource:
     def abandon(self) -> None:
         """Stop a `readinto` in progress now: it raises `Abandoned`, and `view` is not written again."""
         self._protocol.abandon(self._cycle)
+
+
+class SocketOut:
+    """The socket of one response, written from a worker thread (`ResponseSink.run`)."""
+
+    POLL_MS = 250
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.sent = 0
+        self.cancelled = threading.Event()
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLOUT)
+
+    def write_some(self, view: memoryview) -> int:
+        """Write what the socket takes now of `view` (0 when it takes nothing); never blocks."""
+        try:
+            n = os.write(self.fd, view)
+        except BlockingIOError:
+            return 0
+        self.sent += n
+        return n
+
+    def wait(self) -> None:
+        """Until the socket takes more bytes; raises if the client is gone or the send was cancelled."""
+        while not self.cancelled.is_set():
+            for _, flags in self._poll.poll(self.POLL_MS):
+                if flags & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                    raise ConnectionResetError("the client closed the connection")
+                return
+        raise ConnectionAbortedError("the response was cancelled")
+
+    def sendall(self, view: memoryview) -> None:
+        while view:
+            n = self.write_some(view)
+            if n:
+                view = view[n:]
+            else:
+                self.wait()
+
+    def sendfile(self, fd: int, offset: int, count: int) -> None:
+        """Send `count` bytes of the file `fd` from `offset`; the kernel copies them."""
+        while count:
+            if self.cancelled.is_set():
+                raise ConnectionAbortedError("the response was cancelled")
+            try:
+                n = os.sendfile(self.fd, fd, offset, count)
+            except BlockingIOError:
+                self.wait()
+                continue
+            if n == 0:
+                raise EOFError("the file ended before the response's bytes")
+            offset, count, self.sent = offset + n, count - n, self.sent + n
+
+
+class ResponseSink:
+    """One response's body, written to the socket from a worker thread (the `SEND` extension)."""
+
+    def __init__(self, protocol: ReadIntoProtocol, cycle: RequestResponseCycle) -> None:
+        self._protocol, self._cycle = protocol, cycle
+
+    async def run(self, pump: Callable[[SocketOut], None]) -> None:
+        """Run `pump(out)` on a worker thread once the response's headers are out; the bytes
+        it sends count toward the response's Content-Length. Raises `ClientDisconnect` when
+        the client goes away; if cancelled, the connection is closed."""
+        cycle, http = self._cycle, self._protocol.http
+        transport = http.transport
+        if not cycle.response_started or cycle.response_complete:
+            raise RuntimeError("ResponseSink.run: start the response first, and only once")
+        while transport.get_write_buffer_size() and not cycle.disconnected:  # the headers, normally out at once
+            await (http.flow.drain() if http.flow.write_paused else asyncio.sleep(0.001))
+        if cycle.disconnected or transport.is_closing():
+            raise ClientDisconnect()
+        out = SocketOut(transport.get_extra_info("socket").fileno())
+        done = False
+        try:
+            await asyncio.to_thread(pump, out)
+            done = True
+        except OSError:
+            pass
+        finally:
+            cycle.expected_content_length -= out.sent
+            if not done:  # cancelled, or the client went away: the stream is not in step any more
+                out.cancelled.set()
+                cycle.keep_alive = False
+                transport.close()
+        if not done:
+            deadline = time.monotonic() + 1.0  # let the loop see the connection go, so that uvicorn does too
+            while not cycle.disconnected and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            raise ClientDisconnect()
 
 
 class ReadIntoProtocol(asyncio.BufferedProtocol):
@@ -180,8 +284,12 @@ class _Http(HttpToolsProtocol):
         previous = self.cycle
         super().on_headers_complete()
         self.direct = False
+        self.body_left = 0
         if self.cycle is previous or self.cycle.scope is not self.scope:
             return  # an upgrade: no request cycle of ours
+        extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
+        if self.scheme == "http":  # not through TLS, which must encrypt every byte itself
+            extensions[SEND] = ResponseSink(self.outer, self.cycle)
         length = None
         for name, value in self.headers:
             if name == b"transfer-encoding":
@@ -191,7 +299,6 @@ class _Http(HttpToolsProtocol):
         if length is None or not length.isdigit():
             return
         self.body_left = int(length)
-        extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
         extensions[READINTO] = BodySource(self.outer, self.cycle)
 
     def on_body(self, body: bytes) -> None:

@@ -19,9 +19,13 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
 
 from fedtrain.coordinator.checkpoints import CheckpointDir
+from fedtrain.coordinator.httpbody import SEND, SocketOut
 from fedtrain.wire import EncodedBody
 
 # Below the coordinator's mmap threshold (1 MiB, see `server.tune_allocator`): chunks come from
@@ -29,6 +33,7 @@ from fedtrain.wire import EncodedBody
 # cost more than the copy (downloads ran ~2x faster after the change).
 CHUNK = 512 << 10
 READS_PER_HOP = 8
+SEND_PIECE = 4 << 20  # most a nonblocking write from memory can take at once (the socket buffer takes less)
 SLOW_READ_S = 0.005
 
 
@@ -104,6 +109,30 @@ class ModelStream:
         finally:
             self.close()
 
+    def pump(self, out: SocketOut) -> None:
+        """Send the whole body through `out`, on a worker thread (`httpbody.ResponseSink`): from
+        memory, a nonblocking write at a time under the guard lock (a slow client never holds
+        it while it waits), else or then (once the weights moved on) by `sendfile` from the file."""
+        offset = 0
+        if self.memory is not None and self.guard is not None:
+            moved = False
+            for view in _pieces(self.memory.body, SEND_PIECE):
+                while view and not moved:
+                    with self.guard.lock:
+                        moved = self.guard.epoch != self.memory.epoch
+                        n = 0 if moved else out.write_some(view)
+                    if n:
+                        view, offset = view[n:], offset + n
+                    elif not moved:
+                        out.wait()
+                if moved:
+                    break
+            else:
+                return
+            self._file = self.files.open_reader(self.path)
+        assert self._file is not None
+        out.sendfile(self._file.fileno(), offset, self.size - offset)
+
     def close(self) -> None:
         if self._file is not None:
             self.files.close_reader(self.path, self._file)
@@ -126,3 +155,27 @@ def _pieces(body: EncodedBody, size: int) -> Iterator[memoryview]:
     for view in body:
         for start in range(0, view.nbytes, size):
             yield view[start : start + size]
+
+
+class ModelResponse(StreamingResponse):
+    """A model download: written by `ModelStream.pump` straight to the socket where the server
+    offers it (`httpbody.SEND`: plain HTTP with our protocol), else streamed in chunks."""
+
+    def __init__(self, stream: ModelStream, headers: dict[str, str]) -> None:
+        super().__init__(stream.chunks(), media_type="application/octet-stream", headers=headers)
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        sink = scope.get("extensions", {}).get(SEND)
+        if sink is None:
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await sink.run(self.stream.pump)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientDisconnect:
+            pass  # the client went away: nothing to answer
+        finally:
+            self.stream.close()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # never started: nothing runs
