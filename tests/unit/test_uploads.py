@@ -280,7 +280,7 @@ def test_a_stalled_download_does_not_hold_the_weights_and_can_be_cancelled(tmp_p
     def run() -> None:
         try:
             stream.pump(out)
-        except BaseException as e:  # noqa: BLE001 - recorded for the test
+        except BaseException as e:
             failed.append(e)
 
     thread = threading.Thread(target=run)
