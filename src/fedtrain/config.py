@@ -213,9 +213,10 @@ class RunConfig(_Strict):
     publish_first: bool = Field(
         False,
         description="Serve each round's new global model as soon as the outer step is done and write its "
-        "checkpoint meanwhile (the round commits once the checkpoint is on disk). Takes the checkpoint's "
-        "fsync off the round trip; a coordinator crash in that window loses that one round, and "
-        "participants go back to the last committed model. Off: the model is served only once committed.",
+        "checkpoint once the active participants have fetched it (at most 2 s later; the round commits "
+        "once the checkpoint is on disk). Takes the checkpoint off the round trip; a coordinator crash in "
+        "that window loses that one round, and participants go back to the last committed model. Off: "
+        "the model is served only once committed.",
     )
     max_upload_mb: float = Field(4096.0, gt=0, description="Largest accepted upload body, in MB.")
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -18,8 +15,6 @@ from fedtrain.coordinator import Coordinator
 from fedtrain.coordinator.auth import ADMIN, Identity, Tokens
 from fedtrain.coordinator.base import Refused
 from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.httpbody import SocketOut
-from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
 from fedtrain.coordinator.receive import SpoolFiles, Staging, receive_to_spool
 from fedtrain.errors import WireError
 from fedtrain.merge import RunningSum
@@ -156,151 +151,6 @@ def test_staging_decodes_compressed_bodies(tmp_path: Path, scheme: str) -> None:
     for n in t:
         assert got[n].dtype == torch.float32 and got[n].shape == t[n].shape
         torch.testing.assert_close(got[n], t[n], atol=0.05, rtol=0.02)
-
-
-def collect(stream: ModelStream, between=None) -> bytes:
-    async def run() -> bytes:
-        out = []
-        async for chunk in stream.chunks():
-            out.append(chunk)
-            if between is not None:
-                between(len(out))
-        return b"".join(out)
-
-    return asyncio.run(run())
-
-
-@pytest.mark.parametrize("slow_disk", [False, True])
-def test_model_stream_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_disk: bool) -> None:
-    """Read in the event loop while reads are fast; after a slow one, on a worker thread."""
-    from fedtrain.coordinator import publish
-
-    t = {"a": torch.randn(1_000_000), "b": torch.randn(10)}  # 4 MB: 8 chunks
-    digest = write_file(tmp_path / "g", t, {"version": "3"})
-    data = (tmp_path / "g").read_bytes()
-    hops: list[int] = []
-    threaded = publish._read_chunks
-    monkeypatch.setattr(publish, "_read_chunks", lambda f, n: hops.append(n) or threaded(f, n))
-    if slow_disk:
-        monkeypatch.setattr(publish, "SLOW_READ_S", -1.0)  # every read counts as slow
-    files = CheckpointDir(tmp_path)
-    s = ModelStream(3, digest, len(data), tmp_path / "g", files)
-    files.remove(7)  # a prune meanwhile: nothing to do with the file being read
-    assert collect(s) == data
-    assert bool(hops) == slow_disk  # the first chunk came from the loop, the rest from the thread
-    assert not files._readers  # the reader was counted out
-
-
-def test_model_stream_from_memory_switches_to_the_file_when_the_weights_move(tmp_path: Path) -> None:
-    t = {"a": torch.randn(3_000_000), "b": torch.randn(1000)}  # 12 MB: several chunks
-    body = EncodedBody(t, {"version": "1"})
-    guard = WeightsGuard()
-    published = Published(1, body.digest(), body, guard.epoch)
-    write_file(tmp_path / "g", t, {"version": "1"})  # the commit, done meanwhile
-    expected = (tmp_path / "g").read_bytes()
-    stream = ModelStream(1, published.digest, body.content_length, tmp_path / "g", CheckpointDir(tmp_path), published,
-                         guard)
-    assert collect(stream) == expected
-
-    def next_outer_step(n: int) -> None:  # after the 2nd chunk the weights change in place
-        if n == 2:
-            with guard.lock:
-                guard.epoch += 1
-                t["a"].add_(1.0)
-
-    stream = ModelStream(1, published.digest, body.content_length, tmp_path / "g", CheckpointDir(tmp_path), published,
-                         guard)
-    got = collect(stream, next_outer_step)
-    assert got == expected  # the rest came from the committed file, not from the changed weights
-
-
-def pumped(stream: ModelStream, between=None, *, read: bool = True) -> bytes:
-    """What `ModelStream.pump` sends through one end of a socket pair, read at the other;
-    `between(n)` runs after every read of the reader (n: bytes so far)."""
-    a, b = socket.socketpair()
-    a.setblocking(False)
-    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # many small reads
-    got = bytearray()
-
-    def reader() -> None:
-        while data := b.recv(1 << 16):
-            got.extend(data)
-            if between is not None:
-                between(len(got))
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
-        stream.pump(SocketOut(a.fileno()))
-    finally:
-        a.close()
-        thread.join(timeout=30)
-        b.close()
-        stream.close()
-    return bytes(got)
-
-
-def test_model_stream_pumps_the_file_and_switches_from_memory_when_the_weights_move(tmp_path: Path) -> None:
-    t = {"a": torch.randn(3_000_000), "b": torch.randn(1000)}  # 12 MB
-    body = EncodedBody(t, {"version": "1"})
-    guard = WeightsGuard()
-    published = Published(1, body.digest(), body, guard.epoch)
-    write_file(tmp_path / "g", t, {"version": "1"})
-    expected = (tmp_path / "g").read_bytes()
-    files = CheckpointDir(tmp_path)
-    assert pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files)) == expected  # sendfile
-    assert pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files, published, guard)) == expected
-    moved = []
-
-    def next_outer_step(n: int) -> None:  # a few MB in, the weights change in place
-        if n > 3_000_000 and not moved:
-            with guard.lock:
-                guard.epoch += 1
-                t["a"].add_(1.0)
-            moved.append(n)
-
-    got = pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files, published, guard),
-                 next_outer_step)
-    assert moved and got == expected  # the rest came from the committed file, not from the changed weights
-    assert not files._readers
-
-
-def test_a_stalled_download_does_not_hold_the_weights_and_can_be_cancelled(tmp_path: Path) -> None:
-    t = {"a": torch.randn(3_000_000)}
-    body = EncodedBody(t, {"version": "1"})
-    guard = WeightsGuard()
-    published = Published(1, body.digest(), body, guard.epoch)
-    stream = ModelStream(1, published.digest, body.content_length, tmp_path / "g", CheckpointDir(tmp_path),
-                         published, guard)
-    a, b = socket.socketpair()  # nobody reads b: the socket fills up and the pump waits
-    a.setblocking(False)
-    out = SocketOut(a.fileno())
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            stream.pump(out)
-        except BaseException as e:
-            failed.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while out.sent == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
-    assert 0 < out.sent < body.content_length
-    assert guard.lock.acquire(timeout=2)  # the next outer step is not held up by the stalled client
-    guard.lock.release()
-    out.cancelled.set()
-    thread.join(timeout=10)
-    assert not thread.is_alive() and isinstance(failed[0], ConnectionAbortedError)
-    b.close()  # and a client gone: the next write fails
-    out2 = SocketOut(a.fileno())
-    with pytest.raises(OSError):
-        for _ in range(100):
-            out2.sendall(memoryview(b"x" * 65536))
-    a.close()
 
 
 def test_background_digest_matches_streaming_digest() -> None:

@@ -6,7 +6,9 @@ Closing waits for the folds in flight, aggregates the round, takes the outer ste
 commits: checkpoint files first (fsync'd), then the database row. A failed merge or
 commit goes back to the last committed round, and the uploads since must be sent again.
 With `publish_first` the new weights are served from memory at once (`model_stream`)
-while their commit runs beside the next round.
+and their commit runs beside the next round, once every active participant has fetched
+them (at most `COMMIT_WAIT_S` after the merge): on a small machine a checkpoint written
+during the downloads slows them as much as it would have delayed them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from fedtrain.merge import OuterOptimizer, contribution_weights
 from fedtrain.wire import EncodedBody
 
 log = logging.getLogger("fedtrain.coordinator")
+
+COMMIT_WAIT_S = 2.0  # publish_first: the longest a commit waits for the downloads of its round's model
 
 
 class RoundsMixin(CoordinatorBase):
@@ -139,6 +143,7 @@ class RoundsMixin(CoordinatorBase):
         }
         if publish_first:
             body = EncodedBody(self.outer.params, self._model_meta(r + 1), digest_algorithm=self.config.digest)
+            self._fetched = set()
             self._published = Published(r + 1, body.digest(), body, self._weights.epoch)
         record["merge_s"] = time.perf_counter() - t0
         return record
@@ -163,6 +168,7 @@ class RoundsMixin(CoordinatorBase):
         last committed round at once (what was served of r + 1 is dropped)."""
         published = self._published
         try:
+            await self._downloads_settled()
             await asyncio.to_thread(self._commit, r, record)
             if published is not None and record["digest"] != published.digest:  # same bytes by construction
                 raise StateError(f"round {r}'s checkpoint digest differs from the model served from memory")
@@ -176,6 +182,29 @@ class RoundsMixin(CoordinatorBase):
         finally:
             if self._published is published:
                 self._published = None
+
+    async def _downloads_settled(self) -> None:
+        """Until every active participant has fetched the published model and no download of
+        it is in flight, or `COMMIT_WAIT_S` passed (a participant that fails meanwhile is not
+        waited for)."""
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        while True:
+            active = {pid for pid, p in self.participants.items() if p.state == policy.ACTIVE}
+            left = deadline - time.monotonic()
+            if (self._serving == 0 and active <= self._fetched) or left <= 0:
+                return
+            self._downloads_changed.clear()
+            try:
+                await asyncio.wait_for(self._downloads_changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    def _download_closed(self, version: int, pid: str | None, whole: bool) -> None:
+        self._serving -= 1
+        published = self._published
+        if whole and pid is not None and published is not None and published.version == version:
+            self._fetched.add(pid)
+        self._downloads_changed.set()
 
     async def _settle_commit(self) -> bool:
         """Before a merge: wait for the previous round's background commit. False when it failed
@@ -286,7 +315,8 @@ class RoundsMixin(CoordinatorBase):
         published = self._published if self._published is not None and self._published.version == v else None
         if published is not None:
             stream = ModelStream(v, published.digest, published.body.content_length, path, self.ckpt, published,
-                                 self._weights)
+                                 self._weights, on_close=lambda whole: self._download_closed(v, pid, whole))
+            self._serving += 1
         else:
             digest = self.store.get_meta(f"digest/{v}")
             try:

@@ -1,0 +1,236 @@
+"""Serving the global model (`publish.py`): streamed chunks, the worker-thread pump, and
+publish_first's commit waiting for the downloads of the model it serves from memory."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedtrain.coordinator import Coordinator, rounds
+from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.checkpoints import CheckpointDir
+from fedtrain.coordinator.httpbody import SocketOut
+from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
+from fedtrain.wire import EncodedBody, write_file
+from tests.conftest import ATOKEN, PTOKEN, tiny_config
+from tests.unit.test_uploads import ADMIN_ID, chunked, raw_body
+
+
+def collect(stream: ModelStream, between=None) -> bytes:
+    async def run() -> bytes:
+        out = []
+        async for chunk in stream.chunks():
+            out.append(chunk)
+            if between is not None:
+                between(len(out))
+        return b"".join(out)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("slow_disk", [False, True])
+def test_model_stream_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_disk: bool) -> None:
+    """Read in the event loop while reads are fast; after a slow one, on a worker thread."""
+    from fedtrain.coordinator import publish
+
+    t = {"a": torch.randn(1_000_000), "b": torch.randn(10)}  # 4 MB: 8 chunks
+    digest = write_file(tmp_path / "g", t, {"version": "3"})
+    data = (tmp_path / "g").read_bytes()
+    hops: list[int] = []
+    threaded = publish._read_chunks
+    monkeypatch.setattr(publish, "_read_chunks", lambda f, n: hops.append(n) or threaded(f, n))
+    if slow_disk:
+        monkeypatch.setattr(publish, "SLOW_READ_S", -1.0)  # every read counts as slow
+    files = CheckpointDir(tmp_path)
+    s = ModelStream(3, digest, len(data), tmp_path / "g", files)
+    files.remove(7)  # a prune meanwhile: nothing to do with the file being read
+    assert collect(s) == data
+    assert bool(hops) == slow_disk  # the first chunk came from the loop, the rest from the thread
+    assert not files._readers  # the reader was counted out
+
+
+def test_model_stream_from_memory_switches_to_the_file_when_the_weights_move(tmp_path: Path) -> None:
+    t = {"a": torch.randn(3_000_000), "b": torch.randn(1000)}  # 12 MB: several chunks
+    body = EncodedBody(t, {"version": "1"})
+    guard = WeightsGuard()
+    published = Published(1, body.digest(), body, guard.epoch)
+    write_file(tmp_path / "g", t, {"version": "1"})  # the commit, done meanwhile
+    expected = (tmp_path / "g").read_bytes()
+    stream = ModelStream(1, published.digest, body.content_length, tmp_path / "g", CheckpointDir(tmp_path), published,
+                         guard)
+    assert collect(stream) == expected
+
+    def next_outer_step(n: int) -> None:  # after the 2nd chunk the weights change in place
+        if n == 2:
+            with guard.lock:
+                guard.epoch += 1
+                t["a"].add_(1.0)
+
+    stream = ModelStream(1, published.digest, body.content_length, tmp_path / "g", CheckpointDir(tmp_path), published,
+                         guard)
+    got = collect(stream, next_outer_step)
+    assert got == expected  # the rest came from the committed file, not from the changed weights
+
+
+def pumped(stream: ModelStream, between=None, *, read: bool = True) -> bytes:
+    """What `ModelStream.pump` sends through one end of a socket pair, read at the other;
+    `between(n)` runs after every read of the reader (n: bytes so far)."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # many small reads
+    got = bytearray()
+
+    def reader() -> None:
+        while data := b.recv(1 << 16):
+            got.extend(data)
+            if between is not None:
+                between(len(got))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        stream.pump(SocketOut(a.fileno()))
+    finally:
+        a.close()
+        thread.join(timeout=30)
+        b.close()
+        stream.close()
+    return bytes(got)
+
+
+def test_model_stream_pumps_the_file_and_switches_from_memory_when_the_weights_move(tmp_path: Path) -> None:
+    t = {"a": torch.randn(3_000_000), "b": torch.randn(1000)}  # 12 MB
+    body = EncodedBody(t, {"version": "1"})
+    guard = WeightsGuard()
+    published = Published(1, body.digest(), body, guard.epoch)
+    write_file(tmp_path / "g", t, {"version": "1"})
+    expected = (tmp_path / "g").read_bytes()
+    files = CheckpointDir(tmp_path)
+    assert pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files)) == expected  # sendfile
+    assert pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files, published, guard)) == expected
+    moved = []
+
+    def next_outer_step(n: int) -> None:  # a few MB in, the weights change in place
+        if n > 3_000_000 and not moved:
+            with guard.lock:
+                guard.epoch += 1
+                t["a"].add_(1.0)
+            moved.append(n)
+
+    got = pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files, published, guard),
+                 next_outer_step)
+    assert moved and got == expected  # the rest came from the committed file, not from the changed weights
+    assert not files._readers
+
+
+def test_a_stalled_download_does_not_hold_the_weights_and_can_be_cancelled(tmp_path: Path) -> None:
+    t = {"a": torch.randn(3_000_000)}
+    body = EncodedBody(t, {"version": "1"})
+    guard = WeightsGuard()
+    published = Published(1, body.digest(), body, guard.epoch)
+    stream = ModelStream(1, published.digest, body.content_length, tmp_path / "g", CheckpointDir(tmp_path),
+                         published, guard)
+    a, b = socket.socketpair()  # nobody reads b: the socket fills up and the pump waits
+    a.setblocking(False)
+    out = SocketOut(a.fileno())
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            stream.pump(out)
+        except BaseException as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while out.sent == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert 0 < out.sent < body.content_length
+    assert guard.lock.acquire(timeout=2)  # the next outer step is not held up by the stalled client
+    guard.lock.release()
+    out.cancelled.set()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and isinstance(failed[0], ConnectionAbortedError)
+    b.close()  # and a client gone: the next write fails
+    out2 = SocketOut(a.fileno())
+    with pytest.raises(OSError):
+        for _ in range(100):
+            out2.sendall(memoryview(b"x" * 65536))
+    a.close()
+
+
+
+
+def publishing_coordinator(tmp_path: Path) -> Coordinator:
+    svc = Coordinator(tmp_path / "state", tiny_config(publish_first=True, min_participants=2), Tokens([PTOKEN], ATOKEN))
+    svc.open()
+    for name in ("a", "b"):
+        svc.join(ADMIN_ID, name, {})
+    return svc
+
+
+async def close_round(svc: Coordinator) -> None:
+    """Both participants upload round 0; returns once round 1 is served (from memory)."""
+    g = torch.Generator().manual_seed(0)
+    for pid in ("a", "b"):
+        data, digest = raw_body({k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in svc.outer.params.items()})
+        await svc.receive_update(ADMIN_ID, pid, 0, 10, digest, len(data), chunked(data, 4096))
+    while svc.version != 1:
+        await asyncio.sleep(0.01)
+
+
+async def fetch(svc: Coordinator, pid: str) -> bytes:
+    stream = svc.model_stream(None, pid)
+    return b"".join([c async for c in stream.chunks()])
+
+
+def test_publish_first_commits_once_every_active_participant_fetched_the_model(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rounds, "COMMIT_WAIT_S", 60.0)  # not the cap: the downloads end the wait
+    svc = publishing_coordinator(tmp_path)
+
+    async def scenario() -> None:
+        await close_round(svc)
+        assert svc._published is not None
+        await asyncio.sleep(0.3)
+        assert svc.committed_version == 0  # nobody fetched it yet: the commit waits
+        half = svc.model_stream(None, "b").chunks()
+        await anext(half)
+        await half.aclose()  # b gives up after the first chunk: not fetched
+        served = await fetch(svc, "a")
+        await asyncio.sleep(0.3)
+        assert svc.committed_version == 0  # b has not fetched it whole
+        assert served == await fetch(svc, "b")
+        deadline = time.monotonic() + 10
+        while svc.committed_version != 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert svc.committed_version == 1
+        assert served == svc.ckpt.global_path(1).read_bytes()  # what was served is what was committed
+        await svc.stop()
+
+    asyncio.run(scenario())
+
+
+def test_publish_first_commits_after_a_while_when_a_participant_never_fetches(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rounds, "COMMIT_WAIT_S", 0.5)
+    svc = publishing_coordinator(tmp_path)
+
+    async def scenario() -> None:
+        await close_round(svc)
+        t0 = time.monotonic()
+        await fetch(svc, "a")
+        while svc.committed_version != 1 and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.01)
+        assert svc.committed_version == 1 and time.monotonic() - t0 >= 0.3
+        await svc.stop()
+
+    asyncio.run(scenario())
