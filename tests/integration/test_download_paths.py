@@ -1,5 +1,6 @@
-"""The participant's model download: straight into the tensors (`participant.fetch`), or
-through httpx where a proxy is configured; both give the same model and the same errors."""
+"""The participant's model download and update upload: straight between the socket and the
+tensors (`participant.fetch`), or through httpx where a proxy is configured; both give the
+same model, the same sum and the same errors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.errors import CoordinatorError, CoordinatorUnavailable
+from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, RoundClosedError
 from fedtrain.participant import CoordinatorClient, RetryPolicy, fetch
 from fedtrain.participant import client as client_module
 from fedtrain.wire import EncodedBody, read_tensors, write_file
@@ -86,6 +87,35 @@ def test_direct_download_over_tls(tmp_path: Path) -> None:
                 untrusted.download()
         assert info.value.code == "tls_error" and "--ca-cert" in info.value.message
         assert time.monotonic() - t0 < 10  # refused at once, not retried for 30 s
+
+
+def test_direct_and_httpx_uploads_fold_the_same_and_answer_the_same(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    path, params = init_model(tmp_path)
+    ca, cert, key = make_tls(tmp_path / "tls")
+    g = torch.Generator().manual_seed(1)
+    delta = {n: torch.randn(t.shape, generator=g) * 1e-3 for n, t in params.items()}
+    for tls in (False, True):
+        keys = {"tls_cert": cert, "tls_key": key} if tls else {}
+        with BackgroundCoordinator(tmp_path / f"s{tls}", tiny_config(min_participants=3), init_weights=path,
+                                   **keys) as c, CoordinatorClient(c.url, PTOKEN, verify=str(ca)) as cl:
+            pids = [cl.join(name)["participant_id"] for name in ("a", "b", "c")]
+            for pid, direct in zip(pids, (True, False)):
+                monkeypatch.setattr(client_module, "is_direct", lambda url, d=direct: d)
+                assert cl.upload(0, pid, EncodedBody(delta), tokens=10) == {
+                    "accepted": True, "duplicate": False, "round": 0}
+                assert cl.upload(0, pid, EncodedBody(delta), tokens=10)["duplicate"]
+            summed = c.service.acc._acc
+            for n in params:
+                assert torch.equal(summed[n], 20 * delta[n]), n  # two of the same update, weight 10 each
+            for direct in (True, False):
+                monkeypatch.setattr(client_module, "is_direct", lambda url, d=direct: d)
+                with pytest.raises(RoundClosedError):
+                    cl.upload(7, pids[2], EncodedBody(delta), tokens=10)  # answered after the body is read
+                with CoordinatorClient(c.url, "not-a-token", verify=str(ca)) as stranger, \
+                        pytest.raises(CoordinatorError) as info:
+                    stranger.upload(0, pids[2], EncodedBody(delta), tokens=10)  # answered before it is read
+                assert info.value.status == 401, direct
 
 
 def serve_once(respond) -> tuple[str, threading.Thread]:  # type: ignore[no-untyped-def]

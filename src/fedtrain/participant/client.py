@@ -30,7 +30,7 @@ from fedtrain.errors import (
     WireError,
 )
 from fedtrain.participant import fetch
-from fedtrain.participant.fetch import direct_get, is_direct
+from fedtrain.participant.fetch import direct_get, direct_request, is_direct
 from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec
 from fedtrain.wire.digest import BackgroundDigest, parse_digest, verify_digest
 
@@ -327,6 +327,8 @@ class CoordinatorClient:
         }
 
         def once() -> Any:
+            if is_direct(self.url):
+                return self._upload_direct(f"/v1/rounds/{round_}/updates/{pid}", {"tokens": tokens}, headers, body)
             r = self._http.put(
                 f"/v1/rounds/{round_}/updates/{pid}",
                 params={"tokens": tokens},
@@ -370,6 +372,17 @@ class CoordinatorClient:
                     return body.finish()
 
         return self._call("download of the global model", once)
+
+    def _upload_direct(self, path: str, params: dict[str, Any], headers: dict[str, str], body: EncodedBody) -> Any:
+        """`upload` over `fetch.direct_request`: the body's chunks go to the socket as they are."""
+        fields = {**headers, "Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant"}
+        with direct_request("PUT", self.url, path, params, fields, body=body, connect_timeout=self._timeouts.connect,
+                            read_timeout=self._timeouts.read, write_timeout=self._timeouts.write,
+                            tls=self._direct_tls) as r:
+            answer = r.as_httpx()
+        if answer.status_code >= 400:
+            raise _error_from(answer)
+        return answer.json()
 
     def _download_direct(
         self, params: dict[str, Any], allocate: Callable[[TensorSpec], torch.Tensor] | None,
