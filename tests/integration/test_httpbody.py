@@ -5,6 +5,7 @@ and pipelining are under the test's control."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import socket
@@ -41,7 +42,15 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", str(len(data)).encode())]})
         try:
-            await scope["extensions"][SEND].run(lambda out: out.sendall(data))
+            run = scope["extensions"][SEND].run(lambda out: out.sendall(data))
+            if "timeout" in query:
+                try:
+                    await asyncio.wait_for(run, float(query["timeout"]))
+                except asyncio.TimeoutError:
+                    events.append("send: cancelled")
+                    return
+            else:
+                await run
         except ClientDisconnect:
             events.append("send: disconnect")
             return
@@ -264,6 +273,26 @@ def test_a_client_gone_mid_response_is_a_client_disconnect_and_the_server_goes_o
     while not events and time.monotonic() < deadline:
         time.sleep(0.01)
     assert events == ["send: disconnect"]
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.sendall(b"GET /send?n=1000 HTTP/1.1\r\nhost: test\r\n\r\n")
+        assert raw_response(s, 1000) == payload(1000)
+
+
+def test_a_cancelled_send_closes_the_connection_and_the_server_goes_on(server: int) -> None:
+    events.clear()
+    with socket.create_connection(("127.0.0.1", server)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        s.sendall(b"GET /send?n=50000000&timeout=0.3 HTTP/1.1\r\nhost: test\r\n\r\n")  # and never read
+        deadline = time.monotonic() + 10
+        while "send: cancelled" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the last test's final "send: done" may land here too)
+        assert "send: cancelled" in events
+        s.settimeout(10)
+        got = 0
+        with contextlib.suppress(ConnectionResetError):  # closed under the unread response
+            while more := s.recv(1 << 20):
+                got += len(more)
+        assert got < 50_000_000  # cut short, never left hanging
     with socket.create_connection(("127.0.0.1", server)) as s:
         s.sendall(b"GET /send?n=1000 HTTP/1.1\r\nhost: test\r\n\r\n")
         assert raw_response(s, 1000) == payload(1000)

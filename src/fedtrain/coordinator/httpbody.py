@@ -11,9 +11,9 @@ headers, small bodies, responses and keep-alive are all uvicorn's. A request wit
 Content-Length carries an ASGI extension, `scope["extensions"][READINTO]`, a `BodySource`:
 its `readinto(view) -> int` fills `view` with the next body bytes (fewer only at the end
 of the body; 0 once it is all read), and `abandon()` stops a `readinto` in progress at
-once (it raises `Abandoned`): no byte lands in `view` after that. Bytes the parser has already taken are served first;
-then the socket is read straight into `view`, past the parser, which is replaced by a
-fresh one when the body is complete. If the app answers before it read such a body to
+once (it raises `Abandoned`): no byte lands in `view` after that. Bytes the parser has
+already taken are served first; then the socket is read straight into `view`, past the
+parser, which is replaced by a fresh one when the body is complete. If the app answers before it read such a body to
 its end, the rest is read and dropped after the response, as uvicorn does with any body,
 and the connection serves its next request; if a `readinto` is cancelled, the connection
 is closed after the response. Do not mix `readinto` and `receive()` on one request; an
@@ -140,24 +140,34 @@ class ResponseSink:
             await (http.flow.drain() if http.flow.write_paused else asyncio.sleep(0.001))
         if cycle.disconnected or transport.is_closing():
             raise ClientDisconnect()
-        out = SocketOut(transport.get_extra_info("socket").fileno())
-        done = False
+        # The thread writes through a descriptor of its own: should the loop close the
+        # connection meanwhile (the client reset it), the number cannot be reused under it.
+        out = SocketOut(os.dup(transport.get_extra_info("socket").fileno()))
+        work = asyncio.ensure_future(asyncio.to_thread(pump, out))
         try:
-            await asyncio.to_thread(pump, out)
-            done = True
-        except OSError:
-            pass
-        finally:
-            cycle.expected_content_length -= out.sent
-            if not done:  # cancelled, or the client went away: the stream is not in step any more
-                out.cancelled.set()
-                cycle.keep_alive = False
-                transport.close()
-        if not done:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            out.cancelled.set()
+            await asyncio.wait({work})  # off the socket (within POLL_MS) before it is closed
+            if not work.cancelled():
+                work.exception()  # its ConnectionAbortedError is the cancel's own doing
+            self._give_up(transport)
+            raise
+        except OSError:  # the client went away (or the pump gave up)
+            self._give_up(transport)
             deadline = time.monotonic() + 1.0  # let the loop see the connection go, so that uvicorn does too
             while not cycle.disconnected and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
-            raise ClientDisconnect()
+            raise ClientDisconnect() from None
+        finally:
+            cycle.expected_content_length -= out.sent
+            if work.done():
+                os.close(out.fd)
+
+    def _give_up(self, transport: asyncio.Transport) -> None:
+        """The response is not in step with its Content-Length any more: close the connection."""
+        self._cycle.keep_alive = False
+        transport.close()
 
 
 class ReadIntoProtocol(asyncio.BufferedProtocol):
