@@ -14,7 +14,6 @@ import torch
 from fedtrain.coordinator import Coordinator
 from fedtrain.coordinator.auth import ADMIN, Identity, Tokens
 from fedtrain.coordinator.base import Refused
-from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.receive import SpoolFiles, Staging, receive_to_spool
 from fedtrain.errors import WireError
 from fedtrain.merge import RunningSum
