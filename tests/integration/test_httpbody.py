@@ -296,3 +296,14 @@ def test_a_cancelled_send_closes_the_connection_and_the_server_goes_on(server: i
     with socket.create_connection(("127.0.0.1", server)) as s:
         s.sendall(b"GET /send?n=1000 HTTP/1.1\r\nhost: test\r\n\r\n")
         assert raw_response(s, 1000) == payload(1000)
+
+
+def test_the_coordinator_falls_back_to_the_stock_protocol_on_a_uvicorn_it_was_not_built_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedtrain.coordinator import httpbody, server
+
+    assert httpbody.supported()  # the uvicorn installed here
+    assert server.http_protocol() is ReadIntoProtocol
+    monkeypatch.setitem(httpbody._RELIED_ON, "RequestResponseCycle.__init__", {"body", "renamed_in_a_later_uvicorn"})
+    assert not httpbody.supported()
+    assert server.http_protocol() == "httptools"

@@ -50,6 +50,29 @@ SEND = "fedtrain.send"
 BUFFER = 256 << 10
 
 
+# What this module relies on in uvicorn's httptools protocol, beyond the ASGI interface:
+# names its classes set up (checked in their code, so nothing is started to check them).
+_RELIED_ON = {
+    "HttpToolsProtocol.__init__": {"parser", "cycle", "flow", "transport", "headers", "scope", "scheme"},
+    "RequestResponseCycle.__init__": {"body", "more_body", "keep_alive", "disconnected", "response_started",
+                                      "response_complete", "expected_content_length", "waiting_for_100_continue"},
+}
+_METHODS = ("data_received", "on_headers_complete", "on_body", "on_response_complete", "connection_made",
+            "connection_lost", "eof_received", "pause_writing", "resume_writing")
+
+
+def supported() -> bool:
+    """Whether the installed uvicorn's httptools protocol has what `ReadIntoProtocol` relies on;
+    if not, the coordinator serves with the stock protocol (`server.uvicorn_config`)."""
+    owners = {"HttpToolsProtocol": HttpToolsProtocol, "RequestResponseCycle": RequestResponseCycle}
+    for where, names in _RELIED_ON.items():
+        owner, method = where.split(".")
+        code = getattr(getattr(owners[owner], method, None), "__code__", None)
+        if code is None or not names <= set(code.co_names):
+            return False
+    return all(callable(getattr(HttpToolsProtocol, name, None)) for name in _METHODS)
+
+
 class Abandoned(Exception):
     """A `readinto` stopped by `abandon()`."""
 

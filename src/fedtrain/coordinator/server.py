@@ -7,6 +7,7 @@ port with no race and the caller learns the real address at once.
 from __future__ import annotations
 
 import ctypes
+import logging
 import socket
 import threading
 import time
@@ -15,10 +16,13 @@ from pathlib import Path
 import uvicorn
 
 from fedtrain.config import RunConfig
+from fedtrain.coordinator import httpbody
 from fedtrain.coordinator.app import create_app
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.coordinator.httpbody import ReadIntoProtocol
 from fedtrain.coordinator.service import Coordinator
+
+log = logging.getLogger("fedtrain.coordinator")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -55,13 +59,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_protocol() -> type[ReadIntoProtocol] | str:
+    """Our protocol (bodies read in place, downloads by `sendfile`) where the installed
+    uvicorn has what it relies on; uvicorn's own httptools protocol otherwise."""
+    if httpbody.supported():
+        return ReadIntoProtocol
+    log.warning("this uvicorn's httptools protocol is not the one fedtrain's in-place body reads were built "
+                "on: serving with the stock protocol (correct, but uploads and downloads are slower)")
+    return "httptools"
+
+
 def uvicorn_config(
     service: Coordinator, log_level: str = "warning", tls_cert: Path | None = None, tls_key: Path | None = None
 ) -> uvicorn.Config:
     return uvicorn.Config(
         create_app(service),
         log_level=log_level,
-        http=ReadIntoProtocol,  # type: ignore[arg-type]  # a BufferedProtocol; uvicorn only constructs it
+        http=http_protocol(),  # type: ignore[arg-type]  # a BufferedProtocol; uvicorn only constructs it
         loop="auto",
         access_log=False,
         timeout_keep_alive=30,
