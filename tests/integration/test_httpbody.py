@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import socket
 import threading
 import time
@@ -37,6 +38,10 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     query = dict(p.split("=") for p in scope["query_string"].decode().split("&") if p)
     source = scope.get("extensions", {}).get(READINTO)
     path = scope["path"]
+    if path == "/thread":  # work on asyncio's default thread pool, as spool writes, folds and commits are
+        await asyncio.wait_for(asyncio.to_thread(time.sleep, 0.01), 5)
+        await _json(send, 200, {})
+        return
     if path == "/send":  # a response body written by a worker thread straight to the socket
         data = memoryview(payload(int(query["n"])))
         await send({"type": "http.response.start", "status": 200,
@@ -307,3 +312,22 @@ def test_the_coordinator_falls_back_to_the_stock_protocol_on_a_uvicorn_it_was_no
     monkeypatch.setitem(httpbody._RELIED_ON, "RequestResponseCycle.__init__", {"body", "renamed_in_a_later_uvicorn"})
     assert not httpbody.supported()
     assert server.http_protocol() == "httptools"
+
+
+def test_stalled_downloads_do_not_hold_up_the_default_thread_pool(server: int) -> None:
+    events.clear()
+    stalled = []
+    try:
+        for _ in range(min(32, (os.cpu_count() or 1) + 4) + 2):  # more than asyncio's default pool has threads
+            s = socket.create_connection(("127.0.0.1", server))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            s.sendall(b"GET /send?n=50000000 HTTP/1.1\r\nhost: test\r\n\r\n")  # and never read
+            stalled.append(s)
+        time.sleep(0.5)
+        with socket.create_connection(("127.0.0.1", server)) as s:
+            s.settimeout(20)
+            s.sendall(b"GET /thread HTTP/1.1\r\nhost: test\r\n\r\n")
+            assert response(s)[0] == 200
+    finally:
+        for s in stalled:
+            s.close()

@@ -38,6 +38,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httptools
@@ -145,6 +146,22 @@ class SocketOut:
             offset, count, self.sent = offset + n, count - n, self.sent + n
 
 
+# A download holds its thread for as long as its client takes to read it (minutes over a
+# slow link), so sends have threads of their own: on asyncio's default pool (6 threads on
+# 2 cores) a few slow downloads would hold up every spool write, fold and commit.
+SEND_THREADS = 64
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _send_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix="fedtrain-send")
+        return _pool
+
+
 class ResponseSink:
     """One response's body, written to the socket from a worker thread (the `SEND` extension)."""
 
@@ -166,7 +183,7 @@ class ResponseSink:
         # The thread writes through a descriptor of its own: should the loop close the
         # connection meanwhile (the client reset it), the number cannot be reused under it.
         out = SocketOut(os.dup(transport.get_extra_info("socket").fileno()))
-        work = asyncio.ensure_future(asyncio.to_thread(pump, out))
+        work = asyncio.get_running_loop().run_in_executor(_send_pool(), pump, out)
         try:
             await asyncio.shield(work)
         except asyncio.CancelledError:
