@@ -333,11 +333,6 @@ def _read_exact(f: object, n: int) -> bytes:
     return data
 
 
-async def drain(body: Body | AsyncIterator[bytes]) -> None:
-    """Read what is left of a request body, so that the client receives our answer."""
-    await Body.of(body).drain()
-
-
 Head = tuple[dict[str, TensorSpec], dict[str, str]]
 PEEK_LIMIT = 1 << 20  # a header longer than this is not worth a direct receive: the body is spooled
 

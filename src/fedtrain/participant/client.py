@@ -30,7 +30,7 @@ from fedtrain.errors import (
     WireError,
 )
 from fedtrain.participant import fetch
-from fedtrain.participant.fetch import direct_get, direct_request, is_direct
+from fedtrain.participant.fetch import direct_request, is_direct
 from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec
 from fedtrain.wire.digest import BackgroundDigest, parse_digest, verify_digest
 
@@ -194,7 +194,7 @@ class CoordinatorClient:
 
     @functools.cached_property
     def _direct_tls(self) -> ssl.SSLContext:
-        """The httpx client's TLS trust as a context for `fetch.direct_get`, built on the
+        """The httpx client's TLS trust as a context for `fetch.direct_request`, built on the
         first download (loading certifi's CAs takes a moment) and kept."""
         return fetch.ssl_context(self._tls)
 
@@ -388,10 +388,10 @@ class CoordinatorClient:
         self, params: dict[str, Any], allocate: Callable[[TensorSpec], torch.Tensor] | None,
         on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None,
     ) -> tuple[int, dict[str, torch.Tensor]]:
-        """`download` over `fetch.direct_get`: socket reads land in the tensors' storage."""
+        """`download` over `fetch.direct_request`: socket reads land in the tensors' storage."""
         headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant"}
-        with direct_get(self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
-                        read_timeout=self._timeouts.read, tls=self._direct_tls) as r:
+        with direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
+                            read_timeout=self._timeouts.read, tls=self._direct_tls) as r:
             if r.status >= 400:
                 raise _error_from(r.as_httpx())
             with _ModelBody(r.headers, allocate, on_header) as body:

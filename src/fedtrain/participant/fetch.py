@@ -22,7 +22,6 @@ client's retry loop and error reporting treat both paths alike.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import ssl
 import urllib.request
@@ -34,7 +33,7 @@ from urllib.parse import urlencode, urlsplit
 
 import httpx
 
-__all__ = ["Direct", "direct_get", "direct_request", "is_direct"]
+__all__ = ["Direct", "direct_request", "is_direct"]
 
 # The most a single readinto asks for, so the hash thread receives the body in batches.
 READ_BYTES = 1 << 20
@@ -150,17 +149,3 @@ def direct_request(
     finally:
         conn.close()
 
-
-def direct_get(
-    base_url: str,
-    path: str,
-    params: dict[str, Any],
-    headers: dict[str, str],
-    *,
-    connect_timeout: float,
-    read_timeout: float,
-    tls: ssl.SSLContext,
-) -> contextlib.AbstractContextManager[Direct]:
-    """GET `base_url + path` on a connection of its own; yields once the headers are in."""
-    return direct_request("GET", base_url, path, params, headers, connect_timeout=connect_timeout,
-                          read_timeout=read_timeout, tls=tls)
