@@ -1,6 +1,7 @@
-"""publish_first: a round's model is served before its checkpoint is on disk. When that
-background commit fails, the coordinator goes back to the last committed round at once, and
-participants that already trained on the lost model follow it back and finish the run."""
+"""A round's model is served while its checkpoint is written. When that background commit
+fails, the coordinator goes back to the last committed round at once; with publish_first,
+participants that already trained on the lost model follow it back and finish the run, and
+commit first their downloads of it are cut short."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from fedtrain import faults
@@ -58,10 +60,13 @@ def test_failed_background_commit_goes_back_to_the_committed_round(tmp_path: Pat
             torch.testing.assert_close(t, theta0[n] - (da[n] + db[n]) / 2, rtol=0, atol=1e-6)
 
 
-def test_participants_follow_a_lost_round_back_and_finish(tmp_path: Path) -> None:
-    """The commit of round 1 fails after the participants took its model and trained on it:
-    their round-2 state is gone, they go back to round 1's start and the run still finishes."""
-    cfg = tiny_config(rounds=4, publish_first=True, train={"sync_every": 5, "lr": 1e-2})
+@pytest.mark.parametrize("publish_first", [True, False])
+def test_participants_follow_a_lost_round_back_and_finish(tmp_path: Path, publish_first: bool) -> None:
+    """The commit of round 1 fails. With publish_first the participants took its model and
+    trained on it: their round-2 state is gone, they go back to round 1's start. Commit first,
+    their downloads of it are cut short and they fetch the committed model again. Either way
+    the run still finishes."""
+    cfg = tiny_config(rounds=4, publish_first=publish_first, train={"sync_every": 5, "lr": 1e-2})
     rule = faults.arm(faults.Rule("commit.before_db", "raise", round=1))
     try:
         with BackgroundCoordinator(tmp_path / "state", cfg) as c:

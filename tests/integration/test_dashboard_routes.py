@@ -54,6 +54,7 @@ def test_prometheus_metrics_follow_the_run(coordinator: BackgroundCoordinator) -
         assert http.post("/v1/join", json={"name": "a"}).status_code == 200
         assert put(http, 0, "a", zeros_like_model(coordinator)).status_code == 200
         http.get("/v1/rounds/0", params={"wait": 10})
+        assert http.get("/v1/model").status_code == 200  # ends only once round 0 is committed
         m = metrics(http)
     assert m["fedtrain_rounds_committed_total"] == 1 and m["fedtrain_current_round"] == 1
     assert m['fedtrain_participants{state="active"}'] == 1

@@ -1,5 +1,6 @@
-"""Serving the global model (`publish.py`): streamed chunks, the worker-thread pump, and
-publish_first's commit waiting for the downloads of the model it serves from memory."""
+"""Serving the global model (`publish.py`): streamed chunks, the worker-thread pump, downloads
+held back until their round commits (commit first), and publish_first's commit waiting for
+the downloads of the model it serves from memory."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedtrain import faults
 from fedtrain.coordinator import Coordinator, rounds
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.httpbody import SocketOut
-from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
+from fedtrain.coordinator.publish import ModelStream, NotCommitted, Published, WeightsGuard
 from fedtrain.wire import EncodedBody, write_file
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
 from tests.unit.test_uploads import ADMIN_ID, chunked, raw_body
@@ -61,6 +63,7 @@ def test_model_stream_from_memory_switches_to_the_file_when_the_weights_move(tmp
     guard = WeightsGuard()
     published = Published(1, body.digest(), body, guard.epoch)
     write_file(tmp_path / "g", t, {"version": "1"})  # the commit, done meanwhile
+    published.settle(True)
     expected = (tmp_path / "g").read_bytes()
     stream = ModelStream(1, published.digest, body.content_length, tmp_path / "g", CheckpointDir(tmp_path), published,
                          guard)
@@ -110,6 +113,7 @@ def test_model_stream_pumps_the_file_and_switches_from_memory_when_the_weights_m
     guard = WeightsGuard()
     published = Published(1, body.digest(), body, guard.epoch)
     write_file(tmp_path / "g", t, {"version": "1"})
+    published.settle(True)
     expected = (tmp_path / "g").read_bytes()
     files = CheckpointDir(tmp_path)
     assert pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files)) == expected  # sendfile
@@ -169,8 +173,95 @@ def test_a_stalled_download_does_not_hold_the_weights_and_can_be_cancelled(tmp_p
 
 
 
-def publishing_coordinator(tmp_path: Path) -> Coordinator:
-    svc = Coordinator(tmp_path / "state", tiny_config(publish_first=True, min_participants=2), Tokens([PTOKEN], ATOKEN))
+def held(t: dict[str, torch.Tensor]) -> tuple[Published, WeightsGuard, bytes, int]:
+    """A model served from memory whose downloads wait for its commit; the bytes of its last piece."""
+    body = EncodedBody(t, {"version": "1"})
+    guard = WeightsGuard()
+    published = Published(1, body.digest(), body, guard.epoch, hold=True)
+    return published, guard, b"".join(bytes(v) for v in body), t["b"].numel() * 4
+
+
+def wait_until(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_held_download_sends_its_last_piece_once_committed(tmp_path: Path, committed: bool) -> None:
+    published, guard, expected, last = held({"a": torch.randn(3_000_000), "b": torch.randn(1000)})
+    progress = [0]
+    result: dict[str, object] = {}
+
+    def download() -> None:
+        stream = ModelStream(1, published.digest, len(expected), tmp_path / "g", CheckpointDir(tmp_path),
+                             published, guard)
+        try:
+            result["got"] = pumped(stream, lambda n: progress.__setitem__(0, n))
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=download)
+    thread.start()
+    wait_until(lambda: progress[0] == len(expected) - last, "the download did not get all but its last piece")
+    time.sleep(0.3)
+    assert progress[0] == len(expected) - last and thread.is_alive()  # held
+    published.settle(committed)
+    thread.join(timeout=10)
+    if committed:
+        assert result["got"] == expected
+    else:  # the commit failed: cut short, the last piece never sent
+        assert isinstance(result["error"], NotCommitted) and progress[0] == len(expected) - last
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_held_chunks_wait_for_the_commit(tmp_path: Path, committed: bool) -> None:
+    published, guard, expected, last = held({"a": torch.randn(3_000_000), "b": torch.randn(1000)})
+    stream = ModelStream(1, published.digest, len(expected), tmp_path / "g", CheckpointDir(tmp_path), published, guard)
+
+    async def scenario() -> tuple[bytes, BaseException | None]:
+        got = bytearray()
+
+        async def read() -> None:
+            async for chunk in stream.chunks():
+                got.extend(chunk)
+
+        task = asyncio.create_task(read())
+        await asyncio.sleep(0.3)
+        assert len(got) == len(expected) - last and not task.done()
+        published.settle(committed)
+        error = None
+        try:
+            await task
+        except NotCommitted as e:
+            error = e
+        return bytes(got), error
+
+    got, error = asyncio.run(scenario())
+    assert (got, error is None) == ((expected, True) if committed else (expected[:-last], False))
+
+
+def test_a_download_that_moves_to_the_file_after_a_failed_commit_is_cut_short(tmp_path: Path) -> None:
+    """A roll back moves the weights: an uncommitted version must not go on from its file."""
+    published, guard, expected, _ = held({"a": torch.randn(3_000_000), "b": torch.randn(1000)})
+    published.hold = False  # publish_first: nothing held, but the file is not the committed model
+    write_file(tmp_path / "g", {"a": torch.zeros(3_000_000), "b": torch.zeros(1000)}, {"version": "1"})
+    published.settle(False)
+
+    def roll_back(n: int) -> None:
+        if n > 3_000_000 and guard.epoch == published.epoch:
+            with guard.lock:
+                guard.epoch += 1
+
+    stream = ModelStream(1, published.digest, len(expected), tmp_path / "g", CheckpointDir(tmp_path), published, guard)
+    with pytest.raises(NotCommitted):
+        pumped(stream, roll_back)
+
+
+def publishing_coordinator(tmp_path: Path, publish_first: bool = True) -> Coordinator:
+    svc = Coordinator(tmp_path / "state", tiny_config(publish_first=publish_first, min_participants=2),
+                      Tokens([PTOKEN], ATOKEN))
     svc.open()
     for name in ("a", "b"):
         svc.join(ADMIN_ID, name, {})
@@ -231,6 +322,50 @@ def test_publish_first_commits_after_a_while_when_a_participant_never_fetches(tm
         while svc.committed_version != 1 and time.monotonic() - t0 < 10:
             await asyncio.sleep(0.01)
         assert svc.committed_version == 1 and time.monotonic() - t0 >= 0.3
+        await svc.stop()
+
+    asyncio.run(scenario())
+
+
+def test_commit_first_serves_the_model_during_the_commit_and_completes_downloads_after_it(tmp_path: Path) -> None:
+    svc = publishing_coordinator(tmp_path, publish_first=False)
+
+    async def scenario() -> None:
+        await svc.start()  # (long-polls)
+        with faults.inject("checkpoint.after_global_write", "sleep", seconds=1.0, round=0):
+            await close_round(svc)  # the next round is open while the commit is under way
+            assert svc.committed_version == 0 and svc._published is not None and svc._published.hold
+            assert (await svc.wait_round(ADMIN_ID, "a", 0, 5))["state"] == "committing"  # a participant goes on
+            observer = asyncio.create_task(svc.wait_round(ADMIN_ID, None, 0, 5))  # anyone else: until committed
+            stream = svc.model_stream(None, "a")
+            assert stream.memory is not None
+            chunks = stream.chunks()
+            first = await anext(chunks)  # served at once, from memory
+            assert svc.committed_version == 0 and not observer.done()
+            rest = b"".join([c async for c in chunks])
+            assert svc.committed_version == 1  # the download ended only once the round was committed
+            assert (await observer)["state"] == "closed"
+        assert first + rest == svc.ckpt.global_path(1).read_bytes()
+        await svc.stop()
+
+    asyncio.run(scenario())
+
+
+def test_commit_first_cuts_downloads_short_when_the_commit_fails(tmp_path: Path) -> None:
+    svc = publishing_coordinator(tmp_path, publish_first=False)
+
+    async def scenario() -> None:
+        with faults.inject("checkpoint.after_global_write", "sleep", seconds=0.5, round=0), \
+                faults.inject("commit.before_db", "raise", round=0):
+            await close_round(svc)  # (the commit takes long enough for round 1 to be seen open)
+            stream = svc.model_stream(None, "a")
+            with pytest.raises(NotCommitted):
+                async for _ in stream.chunks():
+                    pass
+            while svc.version != 0 or svc.closing:  # gone back to the last committed round
+                await asyncio.sleep(0.01)
+        assert svc.committed_version == 0 and svc.model_stream(None, "a").memory is None
+        assert not svc.ckpt.global_path(1).exists()
         await svc.stop()
 
     asyncio.run(scenario())

@@ -1,11 +1,15 @@
-"""Serving the global model: from its checkpoint file, or from memory before it is on disk.
+"""Serving the global model: from memory while its checkpoint is written, then from the file.
 
-By default a round's new model is served only once it is committed: its checkpoint files
-are written and fsync'd and the database says so. With `publish_first: true` the
-coordinator serves the new model straight from the master weights as soon as the outer
-step is done and writes the checkpoint meanwhile, which takes the commit off the round
-trip. The weights must then not change under a download: every chunk is copied out under
-the `WeightsGuard` lock, and the next outer step (which takes the same lock and bumps the
+A round's new model is served straight from the master weights as soon as the outer step
+is done, while its checkpoint files are written and fsync'd beside the downloads. By
+default (commit first) a download holds back its last piece until the round is committed
+(files and database row): no participant holds a whole model that a crash could still
+take back, and the commit no longer sits between the merge and the downloads. Should the
+commit fail, those downloads are cut short. With `publish_first: true` nothing is held
+back, and the commit waits for the downloads instead (`rounds`).
+
+The weights must not change under a download: every piece is copied out under the
+`WeightsGuard` lock, and the next outer step (which takes the same lock and bumps the
 epoch) only runs once this round's commit is done; a download still streaming from memory
 when the epoch moves continues from the committed file at the same offset. The bytes are
 the same either way: the file is the same `EncodedBody` (same tensors, same metadata).
@@ -17,7 +21,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -45,6 +49,10 @@ class WeightsGuard:
         self.epoch = 0  # bumped (under the lock) by every change of the master weights
 
 
+class NotCommitted(ConnectionAbortedError):
+    """The commit of a version served from memory failed: its downloads are cut short."""
+
+
 @dataclass
 class Published:
     """A version served from memory while its checkpoint is being written."""
@@ -53,6 +61,30 @@ class Published:
     digest: str
     body: EncodedBody
     epoch: int
+    hold: bool = False  # commit first: each download's last piece waits for the commit
+    durable: bool = False
+    settled: threading.Event = field(default_factory=threading.Event)  # the commit is over, either way
+
+    def settle(self, durable: bool) -> None:
+        if not self.settled.is_set():
+            self.durable = durable
+            self.settled.set()
+
+    def check_durable(self) -> None:
+        if not (self.settled.is_set() and self.durable):
+            raise NotCommitted(f"global model version {self.version} was not committed")
+
+    def wait_durable(self, cancelled: threading.Event) -> None:
+        """On a worker thread: until the commit is over; raises if it failed or the send was cancelled."""
+        while not self.settled.wait(0.25):
+            if cancelled.is_set():
+                raise ConnectionAbortedError("the response was cancelled")
+        self.check_durable()
+
+    async def durable_async(self) -> None:
+        while not self.settled.is_set():
+            await asyncio.sleep(0.005)
+        self.check_durable()
 
 
 @dataclass
@@ -78,7 +110,9 @@ class ModelStream:
         offset = 0
         try:
             if self.memory is not None and self.guard is not None:
-                for view in _pieces(self.memory.body, CHUNK):
+                for view, last in _pieces(self.memory.body, CHUNK):
+                    if last and self.memory.hold:
+                        await self.memory.durable_async()
                     with self.guard.lock:
                         if self.guard.epoch != self.memory.epoch:
                             break  # the weights moved on: the rest comes from the committed file
@@ -88,6 +122,7 @@ class ModelStream:
                 else:
                     self._sent_all = True
                     return
+                self.memory.check_durable()  # a move after a failed commit: no file to go on from
                 self._file = self.files.open_reader(self.path)
                 self._file.seek(offset)
             file = self._file
@@ -117,11 +152,15 @@ class ModelStream:
     def pump(self, out: SocketOut) -> None:
         """Send the whole body through `out`, on a worker thread (`httpbody.ResponseSink`): from
         memory, a nonblocking write at a time under the guard lock (a slow client never holds
-        it while it waits), else or then (once the weights moved on) by `sendfile` from the file."""
+        it while it waits), else or then (once the weights moved on) by `sendfile` from the file.
+        A held download waits for the commit before its last piece; raises `NotCommitted` (the
+        connection is closed) when that commit failed."""
         offset = 0
         if self.memory is not None and self.guard is not None:
             moved = False
-            for view in _pieces(self.memory.body, SEND_PIECE):
+            for view, last in _pieces(self.memory.body, SEND_PIECE):
+                if last and self.memory.hold:
+                    self.memory.wait_durable(out.cancelled)
                 while view and not moved:
                     with self.guard.lock:
                         moved = self.guard.epoch != self.memory.epoch
@@ -135,6 +174,7 @@ class ModelStream:
             else:
                 self._sent_all = True
                 return
+            self.memory.check_durable()
             self._file = self.files.open_reader(self.path)
         assert self._file is not None
         out.sendfile(self._file.fileno(), offset, self.size - offset)
@@ -161,10 +201,16 @@ def _read_chunks(file: BinaryIO, n: int) -> list[bytes]:
     return chunks
 
 
-def _pieces(body: EncodedBody, size: int) -> Iterator[memoryview]:
+def _pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
+    """The body in pieces of at most `size` bytes, each with whether it is the last."""
+    held: memoryview | None = None
     for view in body:
         for start in range(0, view.nbytes, size):
-            yield view[start : start + size]
+            if held is not None:
+                yield held, False
+            held = view[start : start + size]
+    if held is not None:
+        yield held, True
 
 
 class ModelResponse(StreamingResponse):

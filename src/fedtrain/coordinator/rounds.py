@@ -5,10 +5,12 @@ A part (mixin) of `Coordinator` (`service.py`). Whether to close is the decision
 Closing waits for the folds in flight, aggregates the round, takes the outer step and
 commits: checkpoint files first (fsync'd), then the database row. A failed merge or
 commit goes back to the last committed round, and the uploads since must be sent again.
-With `publish_first` the new weights are served from memory at once (`model_stream`)
-and their commit runs beside the next round, once every active participant has fetched
-them (at most `COMMIT_WAIT_S` after the merge): on a small machine a checkpoint written
-during the downloads slows them as much as it would have delayed them.
+The new weights are served from memory at once (`model_stream`, `publish.py`) and the
+next round opens; the commit runs beside it. By default (commit first) it starts at once,
+and no download completes before it is done. With `publish_first` downloads are not held
+back and the commit waits until every active participant has fetched the model (at most
+`COMMIT_WAIT_S` after the merge): on a small machine a checkpoint written during the
+downloads slows them about as much as it would have delayed them.
 """
 
 from __future__ import annotations
@@ -64,11 +66,8 @@ class RoundsMixin(CoordinatorBase):
             self._notify()
             return
         r = self.version
-        publish_first = self.config.publish_first
         try:
-            record = await asyncio.to_thread(self._merge, r, reason, publish_first)
-            if not publish_first:
-                await asyncio.to_thread(self._commit, r, record)
+            record = await asyncio.to_thread(self._merge, r, reason, self.config.publish_first)
         except Exception as e:
             log.exception("merge of round %d failed", r)
             await self._roll_back(f"merge of round {r} failed ({e})", "merge_failed")
@@ -76,8 +75,7 @@ class RoundsMixin(CoordinatorBase):
         for key, why in self._rejected.items():
             self._event("reject", f"the update of {key} for round {r} was left out: {why}", key.split("@")[0])
         self.version = r + 1
-        if publish_first:
-            self._commit_task = asyncio.create_task(self._commit_in_background(r, record))
+        self._commit_task = asyncio.create_task(self._commit_in_background(r, record, self._published))
         self.submitted = {}
         self._end_round_extras(committed=True)
         self.opened_at = self.clock()
@@ -114,8 +112,8 @@ class RoundsMixin(CoordinatorBase):
         self._fold_failure = None
 
     def _merge(self, r: int, reason: str, publish_first: bool) -> dict[str, Any]:
-        """Aggregate the round and take the outer step; with `publish_first` also make the new
-        weights downloadable at once (their digest, and a body over them)."""
+        """Aggregate the round, take the outer step and make the new weights downloadable at
+        once (their digest, and a body over them); held back until committed unless `publish_first`."""
         t0 = time.perf_counter()
         with self._fold_lock:
             if self._fold_failure is not None:
@@ -141,10 +139,9 @@ class RoundsMixin(CoordinatorBase):
             "weights": weights,
             "digest_algorithm": self.config.digest,
         }
-        if publish_first:
-            body = EncodedBody(self.outer.params, self._model_meta(r + 1), digest_algorithm=self.config.digest)
-            self._fetched = set()
-            self._published = Published(r + 1, body.digest(), body, self._weights.epoch)
+        body = EncodedBody(self.outer.params, self._model_meta(r + 1), digest_algorithm=self.config.digest)
+        self._fetched = set()
+        self._published = Published(r + 1, body.digest(), body, self._weights.epoch, hold=not publish_first)
         record["merge_s"] = time.perf_counter() - t0
         return record
 
@@ -163,16 +160,22 @@ class RoundsMixin(CoordinatorBase):
         # Unlinking the old files (freeing their page cache) takes ~0.1 s per GB: off the round trip.
         self._janitor.submit(self.ckpt.prune, r + 1, self.config.keep_checkpoints, orphans=False)
 
-    async def _commit_in_background(self, r: int, record: dict[str, Any]) -> None:
-        """publish_first: commit round r while round r + 1 runs; if that fails, go back to the
-        last committed round at once (what was served of r + 1 is dropped)."""
-        published = self._published
+    async def _commit_in_background(self, r: int, record: dict[str, Any], published: Published | None) -> None:
+        """Commit round r while round r + 1 runs (with `publish_first`, once its model was
+        fetched); if that fails, go back to the last committed round at once (what was served
+        of r + 1 is dropped, and held downloads of it are cut short)."""
         try:
-            await self._downloads_settled()
+            if published is not None and not published.hold:
+                await self._downloads_settled()
             await asyncio.to_thread(self._commit, r, record)
             if published is not None and record["digest"] != published.digest:  # same bytes by construction
                 raise StateError(f"round {r}'s checkpoint digest differs from the model served from memory")
+            if published is not None:
+                published.settle(True)
+            self._notify()  # round r is closed now, not committing
         except Exception as e:
+            if published is not None:
+                published.settle(False)  # before the roll back moves the weights
             log.exception("commit of round %d failed", r)
             self.closing = True  # admit no upload while going back
             self._abort_direct()
@@ -180,6 +183,8 @@ class RoundsMixin(CoordinatorBase):
                 await asyncio.sleep(0.01)
             await self._roll_back(f"the commit of round {r} failed ({e})", "commit_failed")
         finally:
+            if published is not None:
+                published.settle(False)  # cancelled: no-op once settled
             if self._published is published:
                 self._published = None
 
@@ -262,8 +267,8 @@ class RoundsMixin(CoordinatorBase):
                 log.exception("coordinator tick failed")
 
     def round_info(self, round_: int, pid: str | None = None) -> dict[str, Any]:
-        if round_ < self.version:
-            state = "closed"
+        if round_ < self.version:  # merged; "committing" until its checkpoint and record are durable
+            state = "closed" if round_ < self.committed_version else "committing"
         elif round_ == self.version:
             state = "finished" if self.finished else ("closing" if self.closing else "open")
         else:
@@ -282,7 +287,9 @@ class RoundsMixin(CoordinatorBase):
         }
 
     async def wait_round(self, ident: Identity, pid: str | None, round_: int, wait_s: float) -> dict[str, Any]:
-        """Long-poll: answer as soon as round `round_` is no longer open, or after `wait_s`."""
+        """Long-poll: answer as soon as round `round_` is closed (committed), or after `wait_s`.
+        A participant (`pid`) is answered as soon as the round is merged ("committing"): its
+        next step, the download of the new model, completes once the round is committed."""
         if pid is not None:
             self._participant(ident, pid)
         if round_ > self.version:
@@ -293,8 +300,9 @@ class RoundsMixin(CoordinatorBase):
                 {"current_round": self.version},
             )
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
-        while round_ == self.version and not self.finished:
-            if pid is not None and not self.closing and pid not in self.submitted:
+        while (round_ == self.version and not self.finished) or (pid is None and self.committed_version <= round_
+                                                                  < self.version):
+            if round_ == self.version and pid is not None and not self.closing and pid not in self.submitted:
                 break  # its upload is missing (lost, or dropped by a restart): answer now so it resends
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._changed is None:
@@ -309,7 +317,7 @@ class RoundsMixin(CoordinatorBase):
 
     def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
         """A download of global version `version` (default: the newest): from its committed
-        file, or from memory while a `publish_first` round's checkpoint is being written."""
+        file, or from memory while its round's checkpoint is being written."""
         v = self.version if version is None else version
         path = self.ckpt.global_path(v)
         published = self._published if self._published is not None and self._published.version == v else None

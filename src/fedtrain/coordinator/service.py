@@ -106,7 +106,7 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self._changed: asyncio.Event | None = None
         self._tick_task: asyncio.Task | None = None
         self._close_task: asyncio.Task | None = None
-        self._commit_task: asyncio.Task | None = None  # publish_first: the open round's predecessor
+        self._commit_task: asyncio.Task | None = None  # the commit of the open round's predecessor
         self._published: Published | None = None
         self._serving = 0  # downloads of the published model in flight
         self._fetched: set[str] = set()  # participants that fetched it whole
