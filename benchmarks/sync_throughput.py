@@ -170,8 +170,8 @@ def throughput(args: argparse.Namespace) -> None:
     model_bytes = sum(v.numel() * 4 for v in model.values())
     print(f"model: {params / 1e6:.0f}M fp32 parameters ({model_bytes / 1e6:.0f} MB) in {args.tensors} tensors; "
           f"outer optimizer DiLoCo; {args.rounds} rounds, best round reported (median alongside)")
-    print("commit: each round's model is served once its checkpoint is fsync'd (the default); "
-          "publish_first: served at once, checkpoint written meanwhile")
+    print("commit (the default): each round's model is sent while its checkpoint is written, downloads end once "
+          "it is fsync'd and committed; publish_first: downloads end at once, checkpoint written after them")
     print(f"rounds {'back to back' if not args.gap else f'{args.gap:g} s apart (the inner steps of a real run)'}")
     print(f"{'N':>3} {'mode':<14} {'round s':>8} {'median':>7} {'MB/s':>7} {'raw TCP MB/s':>13} {'ratio':>6}")
     modes = {"commit": {}, "publish_first": {"publish_first": True}}

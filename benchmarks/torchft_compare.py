@@ -19,8 +19,10 @@ loopback, one after the other, each started fresh:
   step, both download θ. Participants are client threads of one process there, so only
   the coordinator's memory is a separate figure.
 
-The first outer step of each system is a warm-up (connections, torchft's process-group
-configuration) and is dropped. Times on this shared machine drift, so read the ratios.
+The first outer steps of each system (`--warmup`, default 3) are a warm-up and are
+dropped: connections, torchft's process-group configuration, and fedtrain's first
+checkpoints, which go to fresh files until the coordinator has spares to write over (its
+second and third round took ~1.5 s, then ~0.75 s on). Times on this shared machine drift, so read the ratios.
 torchft runs from its own venv because it pins a different dependency set; the workers
 are this same file started with `--worker`.
 """
@@ -96,14 +98,14 @@ def gloo_worker(args: argparse.Namespace) -> None:
     try:
         ts = replica_tensors(args.params, args.tensors)
         times = []
-        for _ in range(args.outer_steps + 1):
+        for _ in range(args.warmup + args.outer_steps):
             dist.barrier()
             t0 = time.perf_counter()
             works = [dist.all_reduce(t, async_op=True) for t in ts]
             for w in works:
                 w.wait()
             times.append(time.perf_counter() - t0)
-        emit({"sync": times[1:], "vmhwm": vm_hwm()})
+        emit({"sync": times[args.warmup:], "vmhwm": vm_hwm()})
     finally:
         dist.destroy_process_group()
 
@@ -133,7 +135,7 @@ def torchft_worker(args: argparse.Namespace) -> None:
     sync_step_s: list[float] = []
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every):
-            for step in range(1, (args.outer_steps + 1) * args.sync_every + 1):
+            for step in range(1, (args.warmup + args.outer_steps) * args.sync_every + 1):
                 for p in model:  # fresh each step, as backward would: DiLoCo replaces .grad at a sync
                     p.grad = torch.full_like(p, 1e-4)
                 t0 = time.perf_counter()
@@ -142,7 +144,7 @@ def torchft_worker(args: argparse.Namespace) -> None:
                 (sync_step_s if step % args.sync_every == 0 else inner_s).append(dt)
         if manager.errored():
             raise RuntimeError(f"torchft manager errored: {manager.errored()}")
-        emit({"sync_step": sync_step_s[1:], "inner": inner_s, "vmhwm": vm_hwm(), "baseline": baseline,
+        emit({"sync_step": sync_step_s[args.warmup:], "inner": inner_s, "vmhwm": vm_hwm(), "baseline": baseline,
               "commits": manager.batches_committed()})
     finally:
         manager.shutdown(wait=False)
@@ -162,7 +164,7 @@ def fedtrain_worker(args: argparse.Namespace) -> None:
         write_file(init, model)
         proc, url = st.start_coordinator(tmp, init, 2, {"publish_first": bool(args.publish_first)})
         try:
-            times = st.run_rounds(url, 2, model, args.outer_steps + 1)[1:]
+            times = st.run_rounds(url, 2, model, args.warmup + args.outer_steps)[args.warmup:]
             rss = st.peak_rss(proc.pid)
         finally:
             proc.terminate()
@@ -269,7 +271,7 @@ def tail(logs: list[tuple[Path, Path]]) -> str:
 
 def worker_cmd(python: str | Path, kind: str, args: argparse.Namespace, **extra: Any) -> list[str]:
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", kind, "--params", str(args.params),
-           "--tensors", str(args.tensors), "--outer-steps", str(args.outer_steps),
+           "--tensors", str(args.tensors), "--outer-steps", str(args.outer_steps), "--warmup", str(args.warmup),
            "--sync-every", str(args.sync_every), "--op-timeout", str(args.op_timeout), "--timeout", str(args.timeout)]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
@@ -301,7 +303,7 @@ def measure_torchft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     finally:
         kill_group(lighthouse)
         lh_log.close()
-    want = 2 * (args.outer_steps + 1)  # every outer step committed with both replicas in the quorum
+    want = 2 * (args.warmup + args.outer_steps)  # every outer step committed with both replicas in the quorum
     if any(r["commits"] != want for r in res):
         raise RuntimeError(f"torchft committed {[r['commits'] for r in res]} replica-steps, expected {want} each")
     inner = statistics.median(res[0]["inner"] + res[1]["inner"])
@@ -320,7 +322,7 @@ def report(args: argparse.Namespace, version: str, gloo: dict, tft: dict, fed: d
     model_bytes = args.params // args.tensors * args.tensors * 4
     ref = statistics.median(gloo["sync"])
     print(f"\nmodel: {args.params / 1e6:.0f}M fp32 parameters ({model_bytes / 1e6:.0f} MB) in {args.tensors} "
-          f"tensors; 2 replicas on loopback; {args.outer_steps} outer steps each after 1 warm-up; "
+          f"tensors; 2 replicas on loopback; {args.outer_steps} outer steps each after {args.warmup} warm-up; "
           f"torchft sync_every={args.sync_every}; torchft/torch {version}; {os.cpu_count()} CPU cores")
     head = f"{'system':<44} {'s/outer step':>12} {'best s':>7} {'x gloo':>7} {'peak RSS x model':>17}"
     print(head)
@@ -355,7 +357,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setup", action="store_true", help=f"create {VENV} with torchft {TORCHFT_VERSION}, then run")
     p.add_argument("--params", type=float, default=None, help="model parameters (default 100e6, --quick 25e6)")
     p.add_argument("--tensors", type=int, default=8)
-    p.add_argument("--outer-steps", type=int, default=3, help="measured outer steps per system (plus 1 warm-up)")
+    p.add_argument("--outer-steps", type=int, default=3, help="measured outer steps per system")
+    p.add_argument("--warmup", type=int, default=3, help="outer steps per system run first and not measured")
     p.add_argument("--sync-every", type=int, default=4, help="torchft inner steps per outer step (H)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per system (default 300, full 900)")
     p.add_argument("--op-timeout", type=float, default=300, help="torchft/gloo collective and quorum timeout")
