@@ -299,9 +299,14 @@ class RoundsMixin(CoordinatorBase):
                 f"round {round_} has not opened; the current round is {self.version}",
                 {"current_round": self.version},
             )
+
+        def pending() -> bool:
+            if round_ == self.version:
+                return not self.finished
+            return pid is None and self.committed_version <= round_ < self.version  # merged, committing
+
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
-        while (round_ == self.version and not self.finished) or (pid is None and self.committed_version <= round_
-                                                                  < self.version):
+        while pending():
             if round_ == self.version and pid is not None and not self.closing and pid not in self.submitted:
                 break  # its upload is missing (lost, or dropped by a restart): answer now so it resends
             remaining = deadline - time.monotonic()
