@@ -13,11 +13,12 @@ its `readinto(view) -> int` fills `view` with the next body bytes (fewer only at
 of the body; 0 once it is all read), and `abandon()` stops a `readinto` in progress at
 once (it raises `Abandoned`): no byte lands in `view` after that. Bytes the parser has
 already taken are served first; then the socket is read straight into `view`, past the
-parser, which is replaced by a fresh one when the body is complete. If the app answers before it read such a body to
-its end, the rest is read and dropped after the response, as uvicorn does with any body,
-and the connection serves its next request; if a `readinto` is cancelled, the connection
-is closed after the response. Do not mix `readinto` and `receive()` on one request; an
-app that only uses `receive()` never notices the difference.
+parser, which is replaced by a fresh one when the body is complete. If the app answers
+before it read such a body to its end, the rest is read and dropped after the response,
+as uvicorn does with any body, and the connection serves its next request; if a
+`readinto` is cancelled, the connection is closed after the response. Do not mix
+`readinto` and `receive()` on one request; an app that only uses `receive()` never
+notices the difference.
 
 `readinto` raises starlette's `ClientDisconnect` if the client goes away meanwhile.
 

@@ -75,7 +75,9 @@ class RoundsMixin(CoordinatorBase):
         for key, why in self._rejected.items():
             self._event("reject", f"the update of {key} for round {r} was left out: {why}", key.split("@")[0])
         self.version = r + 1
-        self._commit_task = asyncio.create_task(self._commit_in_background(r, record, self._published))
+        published = self._published
+        assert published is not None  # every merge publishes its model
+        self._commit_task = asyncio.create_task(self._commit_in_background(r, record, published))
         self.submitted = {}
         self._end_round_extras(committed=True)
         self.opened_at = self.clock()
@@ -160,22 +162,20 @@ class RoundsMixin(CoordinatorBase):
         # Unlinking the old files (freeing their page cache) takes ~0.1 s per GB: off the round trip.
         self._janitor.submit(self.ckpt.prune, r + 1, self.config.keep_checkpoints, orphans=False)
 
-    async def _commit_in_background(self, r: int, record: dict[str, Any], published: Published | None) -> None:
+    async def _commit_in_background(self, r: int, record: dict[str, Any], published: Published) -> None:
         """Commit round r while round r + 1 runs (with `publish_first`, once its model was
         fetched); if that fails, go back to the last committed round at once (what was served
         of r + 1 is dropped, and held downloads of it are cut short)."""
         try:
-            if published is not None and not published.hold:
+            if not published.hold:
                 await self._downloads_settled()
             await asyncio.to_thread(self._commit, r, record)
-            if published is not None and record["digest"] != published.digest:  # same bytes by construction
+            if record["digest"] != published.digest:  # same bytes by construction
                 raise StateError(f"round {r}'s checkpoint digest differs from the model served from memory")
-            if published is not None:
-                published.settle(True)
+            published.settle(True)
             self._notify()  # round r is closed now, not committing
         except Exception as e:
-            if published is not None:
-                published.settle(False)  # before the roll back moves the weights
+            published.settle(False)  # before the roll back moves the weights
             log.exception("commit of round %d failed", r)
             self.closing = True  # admit no upload while going back
             self._abort_direct()
@@ -183,8 +183,7 @@ class RoundsMixin(CoordinatorBase):
                 await asyncio.sleep(0.01)
             await self._roll_back(f"the commit of round {r} failed ({e})", "commit_failed")
         finally:
-            if published is not None:
-                published.settle(False)  # cancelled: no-op once settled
+            published.settle(False)  # cancelled: no-op once settled
             if self._published is published:
                 self._published = None
 

@@ -20,10 +20,9 @@ and no rule needs the update before it is weighted, its bytes are read from the 
 straight into the empty sum (with our HTTP protocol, `httpbody.py`, no copy on the way),
 verified as they land, then checked finite and multiplied by their weight in place.
 Uploads ready meanwhile are answered at once and folded after it (`_fold_later`), so
-none waits on another's link; a close of the round or the
-uploader's failure stops its writes at once, and whatever goes wrong leaves the sum
-empty. For a 400 MB model that saves the spool write and the read-back: ~0.15 s of a
-0.7 s round trip here.
+none waits on another's link; a close of the round or the uploader's failure stops its
+writes at once, and whatever goes wrong leaves the sum empty. For a 400 MB model that
+saves the spool write and the read-back: ~0.15 s of a 0.7 s round trip here.
 """
 
 from __future__ import annotations

@@ -148,4 +148,3 @@ def direct_request(
         yield Direct(response.status, httpx.Headers(response.getheaders()), response)
     finally:
         conn.close()
-
