@@ -198,7 +198,9 @@ def test_compressed_upload_must_match_its_declared_scheme(coordinator: Backgroun
         r = http.put("/v1/rounds/0/updates/a", params={"tokens": 5}, content=b"".join(bytes(c) for c in enc),
                      headers={DIGEST_HEADER: enc.digest()})
         assert r.status_code == 200, r.text
-        assert all(torch.allclose(t, torch.full_like(t, 2.5)) for t in svc.acc._acc.values())  # 5 tokens x 0.5
+        # decoded and folded: the first contribution as it is (its weight, 5 tokens, is the sum's scale)
+        assert svc.acc.count == 1 and svc.acc.total_weight == 5
+        assert all(torch.allclose(t, torch.full_like(t, 0.5)) for t in svc.acc._acc.values())
 
 
 def test_a_lone_participants_upload_goes_straight_into_the_sum_with_the_same_result(tmp_path: Path) -> None:

@@ -105,9 +105,11 @@ def test_direct_and_httpx_uploads_fold_the_same_and_answer_the_same(tmp_path: Pa
                 assert cl.upload(0, pid, EncodedBody(delta), tokens=10) == {
                     "accepted": True, "duplicate": False, "round": 0}
                 assert cl.upload(0, pid, EncodedBody(delta), tokens=10)["duplicate"]
+            # two of the same update, weight 10 each: the sum holds them over its scale (the first weight)
             summed = c.service.acc._acc
             for n in params:
-                assert torch.equal(summed[n], 20 * delta[n]), n  # two of the same update, weight 10 each
+                assert torch.equal(summed[n], 2 * delta[n]), n
+            assert c.service.acc.total_weight == 20
             for direct in (True, False):
                 monkeypatch.setattr(client_module, "is_direct", lambda url, d=direct: d)
                 with pytest.raises(RoundClosedError):

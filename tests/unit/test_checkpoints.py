@@ -123,3 +123,20 @@ def test_sync_file_range_is_found_on_linux() -> None:
 
     if sys.platform.startswith("linux"):
         assert files._sync_file_range() is not None
+
+
+def test_a_known_digest_is_taken_and_the_files_are_the_same(tmp_path: Path) -> None:
+    """The commit passes the served model's digest: nothing is hashed again, the bytes do not change."""
+    from fedtrain.wire import EncodedBody
+
+    hashed, known = CheckpointDir(tmp_path / "hashed"), CheckpointDir(tmp_path / "known")
+    params = model(1000, 1.5)
+    served = EncodedBody(params, {"run": "t", "version": "1"}).digest()
+    outer = {"momentum_buffer/w": params["w"] * 2, "momentum_buffer/b": params["b"] * 2}
+    got = hashed.write(1, params, outer, {"algorithm": "diloco"}, {"run": "t"})
+    assert got == served  # the served body and the file are the same bytes
+    assert known.write(1, params, outer, {"algorithm": "diloco"}, {"run": "t"}, digest="xxh3-128:given") == \
+        "xxh3-128:given"
+    for a, b in ((hashed.global_path(1), known.global_path(1)), (hashed.outer_path(1), known.outer_path(1))):
+        assert a.read_bytes() == b.read_bytes()
+    torch.testing.assert_close(known.load_global(1, served)["w"], params["w"])

@@ -178,7 +178,7 @@ def test_running_sum_add_uniform_weights_and_reset_reuses_memory() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight", [1.0, 0.3, 7.0])
-def test_a_first_contribution_writes_what_adding_into_zeros_gives(dtype: torch.dtype, weight: float) -> None:
+def test_a_first_contribution_is_written_as_it_is_and_sets_the_scale(dtype: torch.dtype, weight: float) -> None:
     gen = torch.Generator().manual_seed(5)
     first = {"w": torch.randn(4, 5, generator=gen).to(dtype), "b": torch.randn(7, generator=gen).to(dtype)}
     second = {k: torch.randn(v.shape, generator=gen).to(dtype) for k, v in first.items()}
@@ -190,10 +190,16 @@ def test_a_first_contribution_writes_what_adding_into_zeros_gives(dtype: torch.d
     acc.fold_part("b", 0, first["b"][:3], weight)  # in pieces: each piece written over
     acc.fold_part("b", 3, first["b"][3:], weight)
     acc.finish_contribution(weight)
+    for k in first:  # the first contribution's values as they are: what adding into zeros gives
+        assert torch.equal(acc._acc[k], torch.zeros(first[k].shape).add_(first[k])), k
     acc.add(second, 2.0)
+    tensors, divisor = acc.scaled()  # Σ wᵢΔᵢ / weight, and (weight + 2) / weight
+    assert divisor == (weight + 2.0) / weight
     for k in first:
-        want = torch.zeros(first[k].shape).add_(first[k], alpha=weight).add_(second[k], alpha=2.0)
-        assert torch.equal(acc._acc[k], want), k
+        want = torch.zeros(first[k].shape).add_(first[k]).add_(second[k], alpha=2.0 / weight)
+        assert torch.equal(tensors[k], want), k
+        mean = (first[k].double() * weight + second[k].double() * 2.0) / (weight + 2.0)
+        torch.testing.assert_close(tensors[k] / divisor, mean.float(), rtol=1e-6, atol=1e-6)
 
 
 def test_reset_undoes_a_first_contribution_that_failed_half_way() -> None:
@@ -291,25 +297,68 @@ HAND_COMPUTED = {
 }
 
 
-def run_round(outer: OuterOptimizer, acc: RunningSum, deltas: dict[str, list[float]]) -> None:
+def run_round(outer: OuterOptimizer, acc: RunningSum, deltas: dict[str, list[float]], scaled: bool = False) -> None:
     tokens = {"A": 3, "B": 1}
     weights = contribution_weights(tokens, "tokens")
     acc.reset()
     for who, d in deltas.items():
         local = {"x": outer.params["x"] - torch.tensor(d)}
         acc.add(pseudo_gradient(outer.params, local), weights[who])
-    outer.step(acc.mean())
+    if scaled:  # as the coordinator does: the step divides as it reads
+        outer.step(*acc.scaled())
+    else:
+        outer.step(acc.mean())
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_two_rounds_match_hand_computed_values(algorithm: str) -> None:
+def test_two_rounds_match_hand_computed_values(algorithm: str, scaled: bool) -> None:
     outer = OuterOptimizer({"x": torch.tensor([1.0, 2.0])}, algorithm, hp_for(algorithm))
     acc = RunningSum(outer.params)
     for rnd, expected in enumerate(HAND_COMPUTED[algorithm]):
-        run_round(outer, acc, ROUND_DELTAS[rnd])
+        run_round(outer, acc, ROUND_DELTAS[rnd], scaled)
         got = outer.params["x"]
         torch.testing.assert_close(got, torch.tensor(expected), rtol=0, atol=5e-7)
     assert outer.steps == 2
+
+
+@pytest.mark.parametrize("divisor", [1.0, 2.5, 0.4])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_step_with_a_divisor_is_bitwise_a_step_on_the_divided_delta(algorithm: str, divisor: float) -> None:
+    gen = torch.Generator().manual_seed(11)
+    start = random_model(gen)
+    deltas = [random_model(gen) for _ in range(3)]
+    divided = OuterOptimizer(start, algorithm, hp_for(algorithm))
+    fused_in = OuterOptimizer(start, algorithm, hp_for(algorithm))
+    for d in deltas:  # several steps, so that momentum and moments take part
+        divided.step({k: v.clone().div_(divisor) for k, v in d.items()})
+        fused_in.step({k: v.clone() for k, v in d.items()}, divisor)
+        assert not hasattr(fused_in.optimizer, "grad_scale")
+    for k in start:
+        assert torch.equal(fused_in.params[k], divided.params[k]), k
+    for k, v in divided.state_tensors().items():
+        assert torch.equal(fused_in.state_tensors()[k], v), k
+
+
+@pytest.mark.parametrize("divisor", [0.0, -1.0, float("nan"), float("inf")])
+def test_step_refuses_a_bad_divisor(divisor: float) -> None:
+    outer = OuterOptimizer({"x": torch.ones(3)}, "diloco", hp_for("diloco"))
+    with pytest.raises(MergeError, match="divisor must be finite and positive"):
+        outer.step({"x": torch.ones(3)}, divisor)
+    assert torch.equal(outer.params["x"], torch.ones(3)) and outer.steps == 0
+
+
+def test_scaled_sum_of_one_contribution_needs_no_division() -> None:
+    acc = RunningSum({"w": torch.zeros(4)})
+    acc.add({"w": torch.arange(4.0)}, 1234.0)
+    tensors, divisor = acc.scaled()
+    assert divisor == 1.0 and torch.equal(tensors["w"], torch.arange(4.0))
+    with pytest.raises(MergeError, match="already taken"):
+        acc.mean()  # handed over undivided: no mean of it any more
+    acc.reset()
+    acc.add({"w": torch.ones(4)}, 0.0)  # a first weight of 0 sets no scale: the values count as 0
+    acc.add({"w": torch.full((4,), 3.0)}, 2.0)
+    assert torch.equal(acc.mean()["w"], torch.full((4,), 3.0))
 
 
 def test_fedavg_equals_token_weighted_mean_of_participant_weights() -> None:

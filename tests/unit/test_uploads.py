@@ -120,6 +120,18 @@ def test_staging_reads_back_each_tensor_in_pieces(tmp_path: Path) -> None:
         assert torch.equal(torch.cat(got[n]).view(t[n].shape), t[n])
     whole = {n: v for n, v in staging.tensors(tmp_path / "f")}
     assert all(torch.equal(whole[n], t[n]) for n in t)
+    if Path("/proc/self/maps").exists():  # each piece maps the file; a piece let go is unmapped
+        def mapped() -> int:
+            return Path("/proc/self/maps").read_text().count(str(tmp_path / "f"))
+        most = 0
+        for _, _, _piece in staging.pieces(tmp_path / "f"):
+            most = max(most, mapped())
+        del _piece  # held while the next piece is mapped, as a fold loop does
+        assert most in (1, 2) and mapped() == 0
+    with open(tmp_path / "f", "r+b") as f:  # a file shorter than its header says: an error, never a SIGBUS
+        f.truncate(f.seek(0, 2) - 4)
+    with pytest.raises(WireError, match="spool file ended inside tensor"):
+        list(staging.pieces(tmp_path / "f"))
 
 
 def test_running_sum_folds_pieces_in_order() -> None:

@@ -25,7 +25,7 @@ from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.base import CoordinatorBase, Refused
 from fedtrain.coordinator.publish import ModelStream, Published
-from fedtrain.errors import MergeError, StateError
+from fedtrain.errors import MergeError
 from fedtrain.merge import OuterOptimizer, contribution_weights
 from fedtrain.wire import EncodedBody
 
@@ -127,7 +127,7 @@ class RoundsMixin(CoordinatorBase):
             weights = self._round_weights(tokens, self._rejected)
             with self._weights.lock:
                 self._weights.epoch += 1
-                self.outer.step(self.acc.mean())
+                self.outer.step(*self.acc.scaled())
             self.acc.reset()
         record = {
             "round": r,
@@ -147,12 +147,15 @@ class RoundsMixin(CoordinatorBase):
         record["merge_s"] = time.perf_counter() - t0
         return record
 
-    def _commit(self, r: int, record: dict[str, Any]) -> None:
-        """Make round r durable: checkpoint files (fsync'd), then the database row."""
+    def _commit(self, r: int, record: dict[str, Any], digest: str) -> None:
+        """Make round r durable: checkpoint files (fsync'd), then the database row. `digest` is
+        the served model's: the model file holds the same bytes, which are not hashed again
+        (a restart checks the file against it)."""
         t0 = time.perf_counter()
         weights, algorithm = record.pop("weights"), record.pop("digest_algorithm")
         record["digest"] = self.ckpt.write(r + 1, self.outer.params, self.outer.state_tensors(),
-                                           self.outer.state_metadata(), self._model_meta(r + 1), algorithm)
+                                           self.outer.state_metadata(), self._model_meta(r + 1), algorithm,
+                                           digest=digest)
         faults.hit("checkpoint.after_global_write", round=r)
         record["commit_s"] = time.perf_counter() - t0
         faults.hit("commit.before_db", round=r)
@@ -169,9 +172,7 @@ class RoundsMixin(CoordinatorBase):
         try:
             if not published.hold:
                 await self._downloads_settled()
-            await asyncio.to_thread(self._commit, r, record)
-            if record["digest"] != published.digest:  # same bytes by construction
-                raise StateError(f"round {r}'s checkpoint digest differs from the model served from memory")
+            await asyncio.to_thread(self._commit, r, record, published.digest)
             published.settle(True)
             self._notify()  # round r is closed now, not committing
         except Exception as e:

@@ -130,12 +130,17 @@ class RunningSum:
     Memory is one copy of the sync set (in `dtype`) whatever the number of contributors.
     Use `fold` for each tensor of one update as it streams in, then `finish_contribution`
     once; or `add` for a whole update at hand. `mean()` divides in place and hands out
-    the accumulators themselves; call `reset()` before the next round.
+    the accumulators themselves (`scaled()` hands them out with the divisor, for the outer
+    step to divide as it reads); call `reset()` before the next round.
 
-    An accumulator holds no value until the first contribution writes w·Δ over it (a
-    multiply, where adding into zeros would also read the zeros), and `reset()` just marks
-    them all so again: no pass over the memory to zero it. A first contribution that fails
-    half way is undone by `reset()` exactly.
+    The accumulators hold Σ wᵢΔᵢ / s, where the scale s is the first contribution's weight:
+    the first contribution is written over them as it is, without a multiply (a received
+    upload lands in them straight from the socket and only needs its values checked), the
+    others are folded with wᵢ / s, and the mean is Σ wᵢΔᵢ / Σ wᵢ = acc · s / Σ wᵢ, one
+    multiply that the outer step can fuse and that a single contribution does not need.
+    An accumulator holds no value until the first contribution writes over it, and
+    `reset()` just marks them all so again: no pass over the memory to zero it. A first
+    contribution that fails half way is undone by `reset()` exactly.
     """
 
     def __init__(self, like: Mapping[str, SpecLike], dtype: torch.dtype = torch.float32) -> None:
@@ -149,9 +154,11 @@ class RunningSum:
         self._pending: set[str] = set()
         self._partial: dict[str, int] = {}  # fold_part: elements folded so far of a tensor in progress
         self._fresh: set[str] = set(self._acc)  # accumulators with no value yet: written over, not added to
+        self._scale: float | None = None  # the accumulators hold Σ wᵢΔᵢ / _scale; None: not set yet
         self._total_weight = 0.0
         self._count = 0
-        self._averaged = False
+        self._averaged = False  # handed out (`scaled` or `mean`): no fold until `reset`
+        self._divided = False  # `mean` divided the accumulators in place
 
     @property
     def total_weight(self) -> float:
@@ -184,7 +191,7 @@ class RunningSum:
             raise MergeError(f"{name} has dtype {tensor.dtype}; pseudo-gradients must be floating point")
         if name in self._pending:
             raise MergeError(f"{name} was folded twice for one contribution")
-        _accumulate(acc, tensor.detach().to(device=acc.device), w, name in self._fresh)
+        _accumulate(acc, tensor.detach().to(device=acc.device), self._alpha(w), name in self._fresh)
         self._fresh.discard(name)
         self._pending.add(name)
 
@@ -203,7 +210,7 @@ class RunningSum:
         if name in self._pending or start != self._partial.get(name, 0) or start + n > flat.numel():
             raise MergeError(f"{name}: piece [{start}, {start + n}) is out of order or out of range "
                              f"for {flat.numel()} elements")
-        _accumulate(flat[start : start + n], values.detach().reshape(-1).to(device=flat.device), w,
+        _accumulate(flat[start : start + n], values.detach().reshape(-1).to(device=flat.device), self._alpha(w),
                     name in self._fresh)
         if start + n == flat.numel():
             self._partial.pop(name, None)
@@ -211,6 +218,13 @@ class RunningSum:
             self._pending.add(name)
         else:
             self._partial[name] = start + n
+
+    def _alpha(self, w: float) -> float:
+        """The factor a value folded with weight `w` is multiplied by: w / scale, where the
+        sum's first fold sets the scale to its weight (a weight of 0 leaves it at 1)."""
+        if self._scale is None:
+            self._scale = w if w > 0 else 1.0
+        return w / self._scale
 
     def empty_targets(self) -> TensorDict:
         """The accumulators themselves, while no contribution is in them: a receiver may write
@@ -224,9 +238,9 @@ class RunningSum:
     def take_written(self, weight: float, check: Callable[[str, torch.Tensor], None] | None = None,
                      piece: int = 1 << 22) -> None:
         """Count the raw values written into `empty_targets()` as the first contribution, with
-        `weight`: each piece of `piece` elements is passed to `check` (which may raise), then
-        multiplied by the weight in place, bit for bit what folding it would give. If anything
-        raises the sum is left empty."""
+        `weight`: each piece of `piece` elements is passed to `check` (which may raise); the
+        values stay as they are (the weight becomes the sum's scale), bit for bit what
+        folding them would give. If anything raises the sum is left empty."""
         self._check_open()
         w = _check_weight(weight, "contribution")
         if self._count or self._pending or self._partial:
@@ -238,12 +252,13 @@ class RunningSum:
                     values = flat[start : start + piece]
                     if check is not None:
                         check(name, values)
-                    if w != 1.0:
+                    if w == 0:  # no scale of 0: the values are multiplied (by 0), as a fold would
                         values.mul_(w)
         except BaseException:
             self.reset()
             raise
         self._fresh.clear()
+        self._scale = w if w > 0 else 1.0
         self._total_weight += w
         self._count += 1
 
@@ -269,8 +284,22 @@ class RunningSum:
 
     def mean(self) -> TensorDict:
         """Σ wᵢΔᵢ / Σ wᵢ, computed in place: the returned tensors are the accumulators."""
-        if self._averaged:
+        if self._divided:
             return dict(self._acc)
+        tensors, divisor = self.scaled()
+        if divisor != 1.0:
+            for acc in tensors.values():
+                acc.div_(divisor)
+        self._divided = True
+        return tensors
+
+    def scaled(self) -> tuple[TensorDict, float]:
+        """The accumulators and a divisor d with Σ wᵢΔᵢ / Σ wᵢ = acc / d, without the pass over
+        the memory that dividing costs (d is 1 for a single contribution, and ≥ 1 unless a
+        contribution was folded with more than its weight). They are handed over as they
+        are: call `reset()` before folding again."""
+        if self._averaged:
+            raise MergeError("the mean was already taken from this sum; call reset() before using it again")
         if self._pending:
             raise MergeError(
                 f"a contribution is half folded ({_listed(sorted(self._pending))}); "
@@ -280,20 +309,20 @@ class RunningSum:
             raise MergeError("no contribution was added, so there is no mean to take")
         if self._total_weight <= 0:
             raise MergeError("contributions have a total weight of 0, so their mean is undefined")
-        for acc in self._acc.values():
-            acc.div_(self._total_weight)
         self._averaged = True
-        return dict(self._acc)
+        return dict(self._acc), self._total_weight / (self._scale or 1.0)
 
     def reset(self) -> None:
         """Back to no contribution, so the same memory serves the next round (nothing is
         written: the next first contribution writes over the old values)."""
         self._fresh = set(self._acc)
+        self._scale = None
         self._pending.clear()
         self._partial.clear()
         self._total_weight = 0.0
         self._count = 0
         self._averaged = False
+        self._divided = False
 
 
 def _accumulate(acc: torch.Tensor, values: torch.Tensor, w: float, fresh: bool) -> None:

@@ -10,6 +10,7 @@ rebuilds it so that training continues bitwise as if it had never stopped.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -122,21 +123,38 @@ class OuterOptimizer:
         }
         self.optimizer = build_torch_optimizer(list(self.params.values()), algorithm, self.hp)
 
-    def step(self, mean_delta: Mapping[str, torch.Tensor]) -> None:
-        """θ ← OuterOpt(θ, grad=Δ); Δ is consumed.
+    def step(self, mean_delta: Mapping[str, torch.Tensor], divisor: float = 1.0) -> None:
+        """θ ← OuterOpt(θ, grad=Δ / divisor); Δ is consumed.
 
         Δ's tensors become `.grad` as they are (no copy when dtype and device match), and
         torch may write into them: foreach SGD with Nesterov, torch's default on GPU, adds
         the momentum into the gradient in place. Pass the round's accumulator, not a tensor
         still needed. A refused Δ (keys, shapes, not floating, NaN/inf) changes nothing.
+        A `divisor` (`RunningSum.scaled`) is applied by the fused kernels as they read the
+        gradient (their `grad_scale`, bit for bit a division first), else by dividing first.
         """
         check_compatible(self.params, mean_delta, what="mean pseudo-gradient", check_dtype=False)
+        d = float(divisor)
+        if not (math.isfinite(d) and d > 0):
+            raise MergeError(f"the mean pseudo-gradient's divisor must be finite and positive, got {divisor!r}")
+        if d < 1.0:  # a division that could overflow: done first, so that the check below sees it
+            mean_delta = {k: v.div(d) for k, v in mean_delta.items()}
+            d = 1.0
         grads = {k: self._as_grad(k, mean_delta[k]) for k in self.params}
+        fused = d != 1.0 and all(group.get("fused") for group in self.optimizer.param_groups)
+        if d != 1.0 and not fused:
+            for g in grads.values():
+                g.div_(d)
         try:
             for name, p in self.params.items():
                 p.grad = grads[name]
+            if fused:
+                first = next(iter(self.params.values()))
+                self.optimizer.grad_scale = torch.tensor(d, dtype=torch.float32, device=first.device)  # type: ignore[attr-defined]
             self.optimizer.step()
         finally:
+            if fused:
+                del self.optimizer.grad_scale  # type: ignore[attr-defined]
             for p in self.params.values():
                 p.grad = None
         self.steps += 1

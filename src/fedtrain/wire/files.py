@@ -71,12 +71,16 @@ def write_temp(
     metadata: Mapping[str, str] | None = None,
     digest_algorithm: str | None = None,
     reuse: str | os.PathLike[str] | None = None,
+    digest: str | None = None,
 ) -> PendingFile:
     """The first half of `write_file`: the body in a temp file next to `path`, fsync'd.
 
     `reuse` names a spare file in the same directory (a temp name, owned by the caller and
     read by nobody) to write over instead of a fresh one: overwriting pages that are in the
-    page cache costs about half as much as allocating new ones. It becomes the temp file."""
+    page cache costs about half as much as allocating new ones. It becomes the temp file.
+    `digest`, when the caller has hashed the same body already (same tensors, metadata and
+    algorithm), is taken as the file's digest and the bytes are not hashed again; `""`
+    for a file whose digest nobody asks for."""
     body = EncodedBody(tensors, metadata, digest_algorithm=digest_algorithm)
     path = os.fspath(path)
     opened = _open_spare(reuse) if reuse is not None else None
@@ -85,12 +89,13 @@ def write_temp(
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     else:
         fd, tmp = opened
-    state = StreamingDigest(body.digest_algorithm)
+    state = StreamingDigest(body.digest_algorithm) if digest is None else None
     try:
         with os.fdopen(fd, "wb") as f:
             writeback = _Writeback(f.fileno())
             for chunk in body:
-                state.update(chunk)
+                if state is not None:
+                    state.update(chunk)
                 f.write(chunk)
                 writeback.wrote(len(chunk))
             f.truncate()  # a longer spare's tail goes
@@ -100,7 +105,7 @@ def write_temp(
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return PendingFile(tmp, path, state.digest())
+    return PendingFile(tmp, path, state.digest() if state is not None else str(digest))
 
 
 WRITEBACK_WINDOW = 16 << 20
