@@ -76,3 +76,17 @@ def test_a_dtype_it_cannot_read_makes_the_scan_incomplete() -> None:
     data, layout = body_of({"a": torch.ones(4), "q": torch.zeros(8).to(torch.float8_e4m3fn)})
     s = scan(data, layout, 5)
     assert not s.complete and s.bad is None
+
+
+def test_the_header_can_be_skipped_but_no_value() -> None:
+    t = model(torch.float32)
+    t["c"][1] = float("nan")
+    data, layout = body_of(t)
+    first = min(start for _, start in layout)
+    s = FiniteScan(layout)
+    s.skip(first)  # the header, unread
+    for i in range(first, len(data), 5):
+        s.feed(data[i : i + 5])
+    assert s.bad == "c"
+    with pytest.raises(ValueError, match="before the first value"):
+        FiniteScan(layout).skip(first + 1)

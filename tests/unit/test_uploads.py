@@ -378,6 +378,31 @@ def test_the_first_upload_lands_in_the_sum_and_the_sum_is_what_spooling_gives(tm
         asyncio.run(svc.stop())
 
 
+@pytest.mark.parametrize("where", ["middle", "last"])
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_a_direct_upload_is_checked_finite_as_it_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      where: str, value: float) -> None:
+    """Its values are scanned piece by piece as they are read into the sum (header bytes
+    skipped, even ones that read as NaN), so counting it makes no second pass over them."""
+    svc = coordinator(tmp_path)
+
+    def no_second_pass(t: torch.Tensor) -> bool:
+        raise AssertionError("the direct upload's values were checked again after the scan")
+
+    monkeypatch.setattr("fedtrain.coordinator.uploads.all_finite", no_second_pass)
+    good, bad = updates(svc, 2)
+    name = place(bad, where, value)
+    with pytest.raises(Refused) as refused:
+        upload(svc, bad, POISON, size=997)
+    assert (refused.value.status, refused.value.code, refused.value.message) == (
+        422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")
+    assert_untouched(svc)
+    assert upload(svc, good, POISON, size=997)["accepted"] and svc.acc.count == 1
+    want = expected_sum(svc, good)
+    assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+    asyncio.run(svc.stop())
+
+
 def test_a_bad_direct_upload_leaves_the_sum_empty(tmp_path: Path) -> None:
     svc = coordinator(tmp_path)
     good, bad = updates(svc, 2)

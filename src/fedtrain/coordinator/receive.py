@@ -237,7 +237,7 @@ async def receive_to_spool(
             if n:
                 reader.feed(buf[:n])
                 if batches == 0:
-                    sink.scan = _scan_for(reader)
+                    sink.scan = scan_for(reader)
                 if pending is not None:
                     await pending
                 pending = asyncio.ensure_future(asyncio.to_thread(sink.take, [buf[:n]]))
@@ -257,7 +257,7 @@ async def receive_to_spool(
     return reader, scan
 
 
-def _scan_for(reader: BodyReader) -> FiniteScan | None:
+def scan_for(reader: BodyReader) -> FiniteScan | None:
     """A scan of the body's values from its first byte on, for a plain body whose header is read."""
     if not reader.header_ready or scheme_of(reader.metadata)[0] != "none":
         return None

@@ -18,7 +18,8 @@ With at most `DIRECT_MAX_ACTIVE` (4) active participants, the round's first uplo
 the spool file altogether (`_receive_direct`): if the body is plain, of the sum's dtype,
 and no rule needs the update before it is weighted, its bytes are read from the socket
 straight into the empty sum (with our HTTP protocol, `httpbody.py`, no copy on the way),
-verified as they land, then checked finite and multiplied by their weight in place.
+hashed and checked finite as they land, then counted with their weight as the sum's scale
+(`RunningSum`): no pass over them once the body is in.
 Uploads ready meanwhile are answered at once and folded after it (`_fold_later`), so
 none waits on another's link; a close of the round or the uploader's failure stops its
 writes at once, and whatever goes wrong leaves the sum empty. For a 400 MB model that
@@ -41,12 +42,13 @@ from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.base import CoordinatorBase, Refused, log
 from fedtrain.coordinator.httpbody import Abandoned
-from fedtrain.coordinator.receive import Body, Head, peek_header, receive_to_spool
+from fedtrain.coordinator.receive import Body, Head, peek_header, receive_to_spool, scan_for
 from fedtrain.coordinator.spool import needs_spool
 from fedtrain.merge import all_finite, check_compatible
 from fedtrain.merge.robust import clip_scale, sum_of_squares
 from fedtrain.wire import BodyReader, TensorSpec
 from fedtrain.wire.compress import expected_specs, scheme_of
+from fedtrain.wire.finite import FiniteScan
 
 
 def _non_finite(name: str) -> Refused:
@@ -75,28 +77,40 @@ class _Direct:
 PIECE = 1 << 20
 
 
-async def _read_into(reader: BodyReader, body: Body) -> None:
+async def _read_into(reader: BodyReader, body: Body) -> FiniteScan | None:
     """Read a whole body through `reader`: its header fed, its data read straight into the
-    tensors the reader allocates. Raises WireError for a bad body."""
+    tensors the reader allocates, each piece hashed and scanned for NaN and Inf as it lands
+    (still in the CPU's cache). Raises WireError for a bad body; returns the scan, None
+    when it could not look at every value (a dtype it cannot read)."""
+    scan: FiniteScan | None = None
+    head_bytes = 0
     while not reader.done:
         need = reader.head_needed
         if need:
             head = await body.read(need)
             reader.feed(head)
+            head_bytes += len(head)
             if len(head) < need:
                 break
             continue
+        if scan is None:
+            scan = scan_for(reader)
+            if scan is not None:
+                scan.skip(head_bytes)
         view = reader.writable()
         assert view is not None
         view = view[:PIECE]
         n = await body.readinto(view)
         reader.wrote(n)
+        if scan is not None:
+            scan.feed(view[:n])
         if n < len(view):
             break
     extra = await body.read(1)
     if extra:
         reader.feed(extra)  # raises: trailing bytes
     reader.finish()
+    return scan if scan is not None and scan.complete else None
 
 
 class UploadsMixin(CoordinatorBase):
@@ -301,8 +315,8 @@ class UploadsMixin(CoordinatorBase):
                               body: Body) -> policy.Admission | None:
         """Receive the round's first upload straight into the (empty) running sum: no spool
         file, no read-back; with our HTTP protocol, not even a copy, the socket is read into
-        the sum. Its bytes are verified as they land (header, length, digest), then checked
-        finite and weighted in place; anything wrong leaves the sum empty, exactly. A close
+        the sum. Its bytes are verified as they land (header, length, digest, NaN and Inf),
+        then counted with their weight; anything wrong leaves the sum empty, exactly. A close
         of the round while the body streams in stops the writes at once (409, as for any
         upload whose round closed); the sum is then empty again, and the round does not
         wait for the rest of the body."""
@@ -313,8 +327,9 @@ class UploadsMixin(CoordinatorBase):
             reader = BodyReader(expected_digest=digest, max_bytes=limit, expected_length=length,
                                 on_header=self._check_header, allocate=lambda spec: targets[spec.name])
             try:
+                scan = None
                 with contextlib.suppress(Abandoned):  # by `_abort_direct`, which marked it aborted
-                    await _read_into(reader, body)
+                    scan = await _read_into(reader, body)
                 if direct.aborted:
                     raise self._why_stopped(direct, round_)
             except BaseException:
@@ -330,7 +345,7 @@ class UploadsMixin(CoordinatorBase):
             self._folds += 1
             self.submitted[key] = tokens  # reserved now, so that the round waits for this fold
             try:
-                await asyncio.to_thread(self._take_direct, weight)
+                await asyncio.to_thread(self._take_direct, weight, scan)
             except BaseException:
                 self.submitted.pop(key, None)
                 raise
@@ -350,13 +365,16 @@ class UploadsMixin(CoordinatorBase):
             return closed
         return Refused(409, "round_closed", f"round {round_} closed while the upload streamed in")
 
-    def _take_direct(self, weight: float) -> None:
-        """Count the values written into the sum as its first contribution, or refuse them (422)."""
+    def _take_direct(self, weight: float, scan: FiniteScan | None) -> None:
+        """Count the values written into the sum as its first contribution, or refuse them
+        (422): as `scan` found them as they landed, else checked now."""
+        if scan is not None and scan.bad is not None:
+            raise _non_finite(scan.bad)  # not taken: the sum stays empty
         with self._fold_lock:
             def check(name: str, values: torch.Tensor) -> None:
                 if not all_finite(values):
                     raise _non_finite(name)
-            self.acc.take_written(weight, check)
+            self.acc.take_written(weight, check if scan is None else None)
 
     async def _direct_finished(self) -> None:
         """Wait until no upload is being written straight into the sum."""

@@ -59,6 +59,12 @@ class FiniteScan:
         self._next = 0  # index of the first range not yet fully seen
         self._carry = bytearray()  # the first bytes of an element split between chunks
 
+    def skip(self, n: int) -> None:
+        """Step over the body's first `n` bytes without looking at them: its header."""
+        if self._ranges and self._pos + n > self._ranges[0][0]:
+            raise ValueError("only the bytes before the first value can be skipped")
+        self._pos += n
+
     def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         mv = memoryview(chunk).cast("B")
         lo, hi = self._pos, self._pos + mv.nbytes
