@@ -11,7 +11,9 @@ spools, folds and runs the outer step (DiLoCo), then every client downloads the 
 global model (`CoordinatorClient.download`, straight into preallocated tensors). A round
 trip moves 2 x N x model bytes; it is compared with a raw loopback TCP copy of the same
 bytes measured in the same run (the fastest of 3 copies before and 3 after the rounds).
-Rounds run back to back unless `--gap` leaves time
+The first `--warmup` rounds (3) are not measured: connections, and the coordinator's first
+checkpoints, which go to fresh files until it has spares to write over. Then `--rounds`
+(5) are, and the best and the median are reported. Rounds run back to back unless `--gap` leaves time
 between them, as the inner steps of a real run do: with `publish_first` that is when the
 previous round's checkpoint is written, so the round trip is then upload, merge, download.
 
@@ -169,7 +171,8 @@ def throughput(args: argparse.Namespace) -> None:
     model = make_model(params, args.tensors)
     model_bytes = sum(v.numel() * 4 for v in model.values())
     print(f"model: {params / 1e6:.0f}M fp32 parameters ({model_bytes / 1e6:.0f} MB) in {args.tensors} tensors; "
-          f"outer optimizer DiLoCo; {args.rounds} rounds, best round reported (median alongside)")
+          f"outer optimizer DiLoCo; {args.rounds} rounds after {args.warmup} warm-up, best round reported "
+          "(median alongside)")
     print("commit (the default): each round's model is sent while its checkpoint is written, downloads end once "
           "it is fsync'd and committed; publish_first: downloads end at once, checkpoint written after them")
     print(f"rounds {'back to back' if not args.gap else f'{args.gap:g} s apart (the inner steps of a real run)'}")
@@ -189,7 +192,7 @@ def throughput(args: argparse.Namespace) -> None:
                 raw = min(raw_tcp_seconds(EncodedBody(model), 2 * n) for _ in range(3))
                 proc, url = start_coordinator(run_dir, init, n, modes[mode])
                 try:
-                    times = sorted(run_rounds(url, n, model, args.rounds, gap_s=args.gap))
+                    times = sorted(run_rounds(url, n, model, args.warmup + args.rounds, gap_s=args.gap)[args.warmup:])
                 finally:
                     proc.terminate()
                     proc.wait(timeout=30)
@@ -228,7 +231,10 @@ def main() -> None:
     p.add_argument("--memory", action="store_true", help="measure coordinator peak RSS instead")
     p.add_argument("--params", type=float, default=None, help="model parameters (default 100e6; memory: 100e6)")
     p.add_argument("--tensors", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="rounds run first and not measured (default 3: until the coordinator has spare "
+                        "checkpoint files to write over, its rounds are slower)")
     p.add_argument("--participants", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--gap", type=float, default=0.0,
                    help="seconds between rounds, as participants train between syncs (default 0: back to back)")

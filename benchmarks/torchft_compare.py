@@ -22,7 +22,9 @@ loopback, one after the other, each started fresh:
 The first outer steps of each system (`--warmup`, default 3) are a warm-up and are
 dropped: connections, torchft's process-group configuration, and fedtrain's first
 checkpoints, which go to fresh files until the coordinator has spares to write over (its
-second and third round took ~1.5 s, then ~0.75 s on). Times on this shared machine drift, so read the ratios.
+second and third round took ~1.5 s, then ~0.75 s on). Five outer steps are measured
+(`--outer-steps`) and their median reported: with three, one slow step on this shared
+machine moved the median by 0.05 s. Times here drift, so read the ratios.
 torchft runs from its own venv because it pins a different dependency set; the workers
 are this same file started with `--worker`.
 """
@@ -173,20 +175,22 @@ def fedtrain_worker(args: argparse.Namespace) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=30)
-    # What run_rounds leaves out on a participant: Δ = θ_global − θ_local, its digest (the
-    # body digest), and copying the downloaded θ into the model. Timed here on one thread.
+    # What run_rounds leaves out on a participant, done as `Participant` does it: Δ = θ_round −
+    # θ_local written over its snapshot of θ_round, the body's digest, and copying the
+    # downloaded θ (into that snapshot) into the model. Timed on one thread; the first of
+    # three times is dropped, as its buffers are touched for the first time.
     local = {k: v + 1e-4 for k, v in model.items()}
-    delta = {k: torch.empty_like(v) for k, v in model.items()}
+    snapshot = {k: v.clone() for k, v in model.items()}
     prep = []
-    for _ in range(2):
+    for _ in range(3):
         t0 = time.perf_counter()
         for k in model:
-            torch.sub(model[k], local[k], out=delta[k])
-        EncodedBody(delta).digest()
+            snapshot[k].sub_(local[k])
+        EncodedBody(snapshot).digest()
         for k in model:
-            local[k].copy_(model[k])
+            local[k].copy_(snapshot[k])
         prep.append(time.perf_counter() - t0)
-    emit({"sync": times, "coordinator_vmhwm": rss, "participant_prep": prep})
+    emit({"sync": times, "coordinator_vmhwm": rss, "participant_prep": prep[1:]})
 
 
 # ---------------------------------------------------------------- orchestration
@@ -357,7 +361,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setup", action="store_true", help=f"create {VENV} with torchft {TORCHFT_VERSION}, then run")
     p.add_argument("--params", type=float, default=None, help="model parameters (default 100e6, --quick 25e6)")
     p.add_argument("--tensors", type=int, default=8)
-    p.add_argument("--outer-steps", type=int, default=3, help="measured outer steps per system")
+    p.add_argument("--outer-steps", type=int, default=5, help="measured outer steps per system")
     p.add_argument("--warmup", type=int, default=3, help="outer steps per system run first and not measured")
     p.add_argument("--sync-every", type=int, default=4, help="torchft inner steps per outer step (H)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per system (default 300, full 900)")

@@ -22,7 +22,7 @@ def run(*args: str) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_throughput_rows_for_both_modes() -> None:
-    out = run("--params", "2e6", "--participants", "1,2", "--rounds", "2")
+    out = run("--params", "2e6", "--participants", "1,2", "--rounds", "2", "--warmup", "1")
     rows = re.findall(r"^\s+(\d+) (commit|publish_first)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)$", out, re.M)
     assert {(n, mode) for n, mode, *_ in rows} == {("1", "commit"), ("1", "publish_first"),
                                                    ("2", "commit"), ("2", "publish_first")}, out
