@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig, load_config
+from fedtrain.coordinator.auth import Tokens
 from fedtrain.errors import FedtrainError
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy
 from fedtrain.report import eval_rows, format_evals, human_bytes, table
@@ -89,11 +89,11 @@ class Demo:
         self.dir = args.state_dir or Path(tempfile.mkdtemp(prefix="fedtrain-demo-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "logs").mkdir(exist_ok=True)
-        self.token = secrets.token_urlsafe(16)
+        self.token = Tokens.generate()
         self.env = {
             **os.environ,
             "FEDTRAIN_TOKEN": self.token,
-            "FEDTRAIN_ADMIN_TOKEN": secrets.token_urlsafe(16),
+            "FEDTRAIN_ADMIN_TOKEN": Tokens.generate(),
             "PYTHONUNBUFFERED": "1",
         }
         self.procs: dict[str, subprocess.Popen] = {}

@@ -21,3 +21,16 @@ def test_from_env(monkeypatch) -> None:
     t = Tokens.from_env()
     assert t.participant == ["a", "b"] and t.admin == "z"
     assert Tokens.from_env(["x"], "y").participant == ["x"]
+
+
+def test_generated_tokens_can_follow_an_option_on_a_command_line() -> None:
+    """URL-safe base64 starts with "-" one time in 64: argparse then reads `--token -x…` as
+    two options ("expected one argument"). A generated token never does."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--token")
+    for _ in range(500):
+        token = Tokens.generate()
+        assert not token.startswith("-") and len(token) >= 32
+        assert parser.parse_args(["--token", token]).token == token

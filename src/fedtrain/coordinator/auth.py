@@ -60,7 +60,9 @@ class Tokens:
 
     @staticmethod
     def generate() -> str:
-        return secrets.token_urlsafe(24)
+        """A new random token. URL-safe base64 may start with "-", which a command line takes
+        for an option (`--token -x…`: "expected one argument"), so it carries a prefix."""
+        return "ft_" + secrets.token_urlsafe(24)
 
     def identify(self, authorization: str | None) -> Identity | None:
         """The identity behind an `Authorization: Bearer …` header, or None."""
