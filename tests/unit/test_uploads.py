@@ -134,6 +134,26 @@ def test_staging_reads_back_each_tensor_in_pieces(tmp_path: Path) -> None:
         list(staging.pieces(tmp_path / "f"))
 
 
+def test_staging_reads_pieces_through_a_buffer_where_files_cannot_be_mapped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import mmap
+
+    def no_mmap(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(19, "No such device")  # what mmap says on a file system without it
+
+    monkeypatch.setattr("fedtrain.coordinator.receive.mmap.mmap", no_mmap)
+    t = tensors(1)
+    write_file(tmp_path / "f", t)
+    staging = Staging(100_000)
+    got: dict[str, list[torch.Tensor]] = {}
+    for name, _, piece in staging.pieces(tmp_path / "f"):
+        got.setdefault(name, []).append(piece.clone())
+    assert len(got["a"]) == 13
+    for n in t:
+        assert torch.equal(torch.cat(got[n]).view(t[n].shape), t[n])
+    assert "cannot be mapped here" in caplog.text
+
+
 def test_running_sum_folds_pieces_in_order() -> None:
     from fedtrain.errors import MergeError
     from fedtrain.merge import RunningSum

@@ -24,11 +24,13 @@ it) and hands every byte back. `UploadsMixin` (`uploads.py`) puts these to use.
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -38,6 +40,8 @@ from fedtrain.wire import BodyReader, StreamingDigest, TensorSpec, parse_header
 from fedtrain.wire.compress import decompress, scheme_of
 from fedtrain.wire.digest import parse_digest, verify_digest
 from fedtrain.wire.finite import FiniteScan
+
+log = logging.getLogger("fedtrain.coordinator")
 
 # Bytes handed to the writer thread at a time. Each upload has two batch buffers (one being
 # written, one being filled), so concurrent uploads add 2 x BATCH each (32 MB at N = 8).
@@ -276,6 +280,7 @@ class Staging:
 
     def __init__(self, nbytes: int = PIECE_BYTES) -> None:
         self.piece_bytes = max(nbytes, 64)
+        self._buffer: torch.Tensor | None = None  # where pieces are read when mapping fails
 
     def header(self, path: Path) -> tuple[list[TensorSpec], dict[str, str]]:
         with open(path, "rb") as f:
@@ -284,7 +289,9 @@ class Staging:
     def pieces(self, path: Path) -> Iterator[tuple[str, int, torch.Tensor]]:
         """(name, index of its first element, values) of a verified spool file, in file
         order; each piece is a flat view of the file's pages, mapped (copy on write: the
-        file never changes), and unmapped once the caller lets go of it."""
+        file never changes), and unmapped once the caller lets go of it. Where the file
+        cannot be mapped (a file system without mmap) pieces are read into one buffer
+        instead, each valid until the next."""
         with open(path, "rb", buffering=0) as f:
             order, _ = _read_header(f)
             offset, size = f.tell(), os.fstat(f.fileno()).st_size
@@ -296,8 +303,20 @@ class Staging:
                     yield spec.name, 0, torch.empty(0, dtype=spec.dtype)
                 for start in range(0, spec.numel, per_piece):
                     nbytes = min(per_piece, spec.numel - start) * spec.dtype.itemsize
-                    yield spec.name, start, _mapped(f.fileno(), offset, nbytes).view(spec.dtype)
+                    yield spec.name, start, self._piece(f, offset, nbytes, spec.name).view(spec.dtype)
                     offset += nbytes
+
+    def _piece(self, f: BinaryIO, offset: int, nbytes: int, name: str) -> torch.Tensor:
+        if self._buffer is None:
+            try:
+                return _mapped(f.fileno(), offset, nbytes)
+            except (OSError, ValueError) as e:
+                log.warning("spool files cannot be mapped here (%s); reading them back through a buffer", e)
+                self._buffer = torch.empty(self.piece_bytes, dtype=torch.uint8)
+        piece = self._buffer[:nbytes]
+        f.seek(offset)
+        _readinto(f, memoryview(piece.numpy()), name)  # type: ignore[arg-type]
+        return piece
 
     def tensors(self, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of a verified spool file, each read whole into fresh memory."""
