@@ -83,7 +83,7 @@ async def _read_into(reader: BodyReader, body: Body) -> FiniteScan | None:
     (still in the CPU's cache). Raises WireError for a bad body; returns the scan, None
     when it could not look at every value (a dtype it cannot read)."""
     scan: FiniteScan | None = None
-    head_bytes = 0
+    head_bytes, data = 0, False
     while not reader.done:
         need = reader.head_needed
         if need:
@@ -93,8 +93,8 @@ async def _read_into(reader: BodyReader, body: Body) -> FiniteScan | None:
             if len(head) < need:
                 break
             continue
-        if scan is None:
-            scan = scan_for(reader)
+        if not data:  # the header is in: the first data byte comes next
+            data, scan = True, scan_for(reader)
             if scan is not None:
                 scan.skip(head_bytes)
         view = reader.writable()
