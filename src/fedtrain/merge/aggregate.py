@@ -245,6 +245,7 @@ class RunningSum:
         w = _check_weight(weight, "contribution")
         if self._count or self._pending or self._partial:
             raise MergeError("the sum already holds a contribution: fold into it instead")
+        alpha = self._alpha(w)  # 1: the values stay as they are (0 for a weight of 0)
         try:
             for name, acc in self._acc.items():
                 flat = acc.view(-1)
@@ -252,13 +253,12 @@ class RunningSum:
                     values = flat[start : start + piece]
                     if check is not None:
                         check(name, values)
-                    if w == 0:  # no scale of 0: the values are multiplied (by 0), as a fold would
-                        values.mul_(w)
+                    if alpha != 1.0:
+                        values.mul_(alpha)
         except BaseException:
             self.reset()
             raise
         self._fresh.clear()
-        self._scale = w if w > 0 else 1.0
         self._total_weight += w
         self._count += 1
 
