@@ -145,3 +145,11 @@ def test_outer_algorithm_switch_starts_fresh_state(tmp_path: Path) -> None:
             assert svc.version == 2 and svc.outer.algorithm == "fedadam" and svc.outer.steps == 0
             events = [e["message"] for e in svc.store.events()]
             assert any("switched to fedadam with fresh state" in m for m in events), events
+    # Version 2 is the outcome of round 1, merged by DiLoCo: its checkpoint holds DiLoCo's
+    # state, and the model file the bytes that were served (the switch came in force between
+    # the merge and the commit written beside round 2). A restart reads both back.
+    with BackgroundCoordinator(tmp_path / "s") as c:
+        svc = c.service
+        assert svc.version == 2 and svc.outer.algorithm == "fedadam" and svc.outer.steps == 0
+        _, meta = svc.ckpt.load_outer(2)
+        assert meta["algorithm"] == "diloco" and meta["steps"] == "2"

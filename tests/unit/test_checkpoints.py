@@ -19,7 +19,7 @@ def model(n: int, value: float) -> dict[str, torch.Tensor]:
 def write(ckpt: CheckpointDir, version: int, n: int, value: float) -> str:
     params = model(n, value)
     return ckpt.write(version, params, {f"momentum_buffer/{k}": v * 2 for k, v in params.items()},
-                      {"algorithm": "diloco"}, {"run": "t"})
+                      {"algorithm": "diloco"}, {"run": "t"}).digest
 
 
 def spares(ckpt: CheckpointDir) -> list[Path]:
@@ -133,9 +133,9 @@ def test_a_known_digest_is_taken_and_the_files_are_the_same(tmp_path: Path) -> N
     params = model(1000, 1.5)
     served = EncodedBody(params, {"run": "t", "version": "1"}).digest()
     outer = {"momentum_buffer/w": params["w"] * 2, "momentum_buffer/b": params["b"] * 2}
-    got = hashed.write(1, params, outer, {"algorithm": "diloco"}, {"run": "t"})
+    got = hashed.write(1, params, outer, {"algorithm": "diloco"}, {"run": "t"}).digest
     assert got == served  # the served body and the file are the same bytes
-    assert known.write(1, params, outer, {"algorithm": "diloco"}, {"run": "t"}, digest="xxh3-128:given") == \
+    assert known.write(1, params, outer, {"algorithm": "diloco"}, {"run": "t"}, digest="xxh3-128:given").digest == \
         "xxh3-128:given"
     for a, b in ((hashed.global_path(1), known.global_path(1)), (hashed.outer_path(1), known.outer_path(1))):
         assert a.read_bytes() == b.read_bytes()

@@ -33,6 +33,8 @@ from fedtrain.coordinator.spool import RoundSpool
 from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.errors import FedtrainError
 from fedtrain.merge import OuterOptimizer, RunningSum
+from fedtrain.wire import EncodedBody
+from fedtrain.wire.files import DIRECT_ALIGN
 
 if TYPE_CHECKING:
     from fedtrain.coordinator.receive import SpoolFiles, Staging
@@ -150,6 +152,20 @@ class CoordinatorBase:
         if p.state == policy.EVICTED and not ident.is_admin:
             raise Refused(403, "evicted", f"participant {pid!r} was evicted from this run by an admin")
         return p
+
+    def _write_checkpoint(self, version: int, outer: OuterOptimizer, body: EncodedBody) -> str:
+        """Both files of `version`: the model file holds `body` (the weights of `outer`, as
+        served: same metadata and digest algorithm, and its digest is not computed again when
+        known), the other `outer`'s state. Returns the model file's digest. Tensors that could
+        not go to the disk straight from memory are then moved to where they can (`checkpoints`)."""
+        written = self.ckpt.write(
+            version, outer.params, outer.state_tensors(), outer.state_metadata(), body.metadata,
+            body.digest_algorithm, digest=body.known_digest,
+        )
+        if written.misfits or written.state_misfits:
+            with self._weights.lock:
+                outer.realign(written.misfits, written.state_misfits, DIRECT_ALIGN)
+        return written.digest
 
     def _require_admin(self, ident: Identity, what: str) -> None:
         if not ident.is_admin:

@@ -1,7 +1,9 @@
-"""Serving the global model: from memory while its checkpoint is written, then from the file.
+"""Serving the global model: from memory until the weights move on, then from the file.
 
 A round's new model is served straight from the master weights as soon as the outer step
-is done, while its checkpoint files are written and fsync'd beside the downloads. By
+is done, while its checkpoint files are written and fsync'd beside the downloads, and after
+that until the next outer step (the checkpoint is written past the page cache, so its file
+is read from the disk: the memory is the faster source while it holds the same bytes). By
 default (commit first) a download holds back its last piece until the round is committed
 (files and database row): no participant holds a whole model that a crash could still
 take back, and the commit no longer sits between the merge and the downloads. Should the
@@ -55,7 +57,8 @@ class NotCommitted(ConnectionAbortedError):
 
 @dataclass
 class Published:
-    """A version served from memory while its checkpoint is being written."""
+    """A version served from memory: while its checkpoint is being written, and once committed
+    until the next outer step."""
 
     version: int
     digest: str
@@ -127,11 +130,12 @@ class ModelStream:
                 self._file.seek(offset)
             file = self._file
             assert file is not None
-            # From the page cache (a checkpoint just written is there) a chunk is a ~50 µs
-            # copy: read in the event loop, a 400 MB download took 0.09-0.14 s on the server
-            # side, against 0.28-0.48 s with the reads on a worker thread (the stream waited
-            # for every hop). A read slower than SLOW_READ_S is a disk's: the rest of the
-            # file is then read on a worker thread, so the loop waits on the disk once.
+            # From the page cache (a file read recently) a chunk is a ~50 µs copy: read in
+            # the event loop, a 400 MB download took 0.09-0.14 s on the server side, against
+            # 0.28-0.48 s with the reads on a worker thread (the stream waited for every hop).
+            # A read slower than SLOW_READ_S is a disk's (a checkpoint is written past the
+            # page cache): the rest of the file is then read on a worker thread, so the loop
+            # waits on the disk once.
             while True:
                 t0 = time.perf_counter()
                 chunk = file.read(CHUNK)

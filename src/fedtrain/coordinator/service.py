@@ -52,7 +52,7 @@ from fedtrain.coordinator.store import Store
 from fedtrain.coordinator.uploads import UploadsMixin
 from fedtrain.errors import FedtrainError, MergeError, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum, all_finite
-from fedtrain.wire import iter_file, read_tensors
+from fedtrain.wire import EncodedBody, iter_file, read_tensors
 
 __all__ = ["Coordinator", "Live", "Refused", "all_finite", "frozen_base_fingerprint", "initial_weights"]
 
@@ -169,7 +169,8 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self.config_version = self.store.add_config_version(cfg.model_dump(mode="json"), author="start")
         self.latest_config_version = self.config_version
         self.outer = OuterOptimizer(params, cfg.outer.algorithm, outer_defaults(cfg.outer))
-        digest = self._write_checkpoint(0)
+        digest = self._write_checkpoint(
+            0, self.outer, EncodedBody(self.outer.params, self._model_meta(0), digest_algorithm=cfg.digest))
         with self.store.write() as db:
             self.store.set_meta("global_version", "0", db)
             self.store.set_meta("digest/0", digest, db)
@@ -215,12 +216,6 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self.ckpt.prune(version, self.config.keep_checkpoints)
         self.store.add_event(
             "run", f"resumed at round {version} (last committed); {dropped} uncommitted submissions to be sent again"
-        )
-
-    def _write_checkpoint(self, version: int) -> str:
-        return self.ckpt.write(
-            version, self.outer.params, self.outer.state_tensors(), self.outer.state_metadata(),
-            self._model_meta(version), self.config.digest,
         )
 
     async def start(self) -> None:

@@ -74,23 +74,33 @@ class EncodedBody:
         self._digest: str | None = None
 
     def __iter__(self) -> Iterator[memoryview]:
-        yield memoryview(self.header)
         step = self.chunk_size
-        for t in self._tensors.values():
+        for _, view in self.segments():
+            for start in range(0, view.nbytes, step):
+                yield view[start : start + step]
+
+    def segments(self) -> Iterator[tuple[str | None, memoryview]]:
+        """The same bytes in larger pieces: the header (named None), then each non-empty
+        tensor's whole storage (named), for a writer that wants each tensor at once."""
+        yield None, memoryview(self.header)
+        for name, t in self._tensors.items():
             if t.numel() == 0:
                 continue
             if t.device.type != "cpu" or not t.is_contiguous():
                 # One tensor at a time, only when reached: peak extra memory is the
                 # largest such tensor, not the body.
                 t = t.detach().contiguous().to("cpu")
-            view = byte_view(t)
-            for start in range(0, view.nbytes, step):
-                yield view[start : start + step]
+            yield name, byte_view(t)
 
     async def aiter_chunks(self) -> AsyncIterator[memoryview]:
         """The same chunks as an async iterator, for `httpx.AsyncClient(content=...)`."""
         for chunk in self:
             yield chunk
+
+    @property
+    def known_digest(self) -> str | None:
+        """The digest if `digest()` computed it already, else None (nothing is hashed)."""
+        return self._digest
 
     def digest(self) -> str:
         """The body's digest ("<digest_algorithm>:<hex>"), computed by one pass and then cached."""

@@ -10,18 +10,34 @@ writing each 16 MiB window to disk as soon as it is copied, so the disk works wh
 rest is copied and the closing fsync finds little left: a 400 MB file took 0.09 s instead
 of 0.14 s here, and the two files of a checkpoint written side by side 0.18 s instead of
 0.23 s. Durability still comes from the fsync alone; elsewhere the hint is skipped.
+
+The coordinator's checkpoints are written with `direct=True` (Linux's O_DIRECT): the disk
+reads each tensor straight from its memory, so the CPU copies nothing into the page cache.
+That copy was a commit's whole CPU time, taken from the downloads running beside it: the two
+400 MB files of a round took 0.17 s and 0.17-0.19 CPU-s through the page cache, and take
+0.13-0.15 s and 0.013 CPU-s direct (written over spare files; fresh ones 0.22-0.28 s). O_DIRECT
+needs block-aligned memory, offsets and lengths: a tensor whose memory lies at the same offset
+from a 4 KiB boundary as its bytes in the file goes to the disk directly, everything else
+(the header, small tensors, a tensor that does not line up) through an aligned bounce buffer.
+The tensors that did not line up are named (`PendingFile.misfits`) so the caller can move them
+(`OuterOptimizer.realign`) and write them directly the next time. Where the file system refuses
+O_DIRECT, the file is written through the page cache as above, with one warning.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
+import logging
+import mmap
 import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from fedtrain import faults
@@ -30,6 +46,8 @@ from fedtrain.wire.encode import EncodedBody
 from fedtrain.wire.format import DEFAULT_CHUNK
 
 __all__ = ["PendingFile", "iter_file", "write_file", "write_temp"]
+
+log = logging.getLogger("fedtrain.wire")
 
 
 def write_file(
@@ -47,8 +65,11 @@ def write_file(
 class PendingFile:
     """A fully written and fsync'd temp file, not yet under its final name."""
 
-    def __init__(self, tmp: str, path: str, digest: str) -> None:
+    def __init__(self, tmp: str, path: str, digest: str, misfits: dict[str, int] | None = None) -> None:
         self.tmp, self.path, self.digest = tmp, path, digest
+        # Written direct: tensors of at least REALIGN_MIN bytes that went through the bounce
+        # buffer, each with the offset from a DIRECT_ALIGN boundary its memory should have.
+        self.misfits: dict[str, int] = misfits or {}
 
     def commit(self) -> None:
         """Rename it into place and make the rename durable."""
@@ -72,6 +93,7 @@ def write_temp(
     digest_algorithm: str | None = None,
     reuse: str | os.PathLike[str] | None = None,
     digest: str | None = None,
+    direct: bool = False,
 ) -> PendingFile:
     """The first half of `write_file`: the body in a temp file next to `path`, fsync'd.
 
@@ -80,7 +102,8 @@ def write_temp(
     page cache costs about half as much as allocating new ones. It becomes the temp file.
     `digest`, when the caller has hashed the same body already (same tensors, metadata and
     algorithm), is taken as the file's digest and the bytes are not hashed again; `""`
-    for a file whose digest nobody asks for."""
+    for a file whose digest nobody asks for. `direct` writes it with O_DIRECT where the
+    file system allows (see the module's doc)."""
     body = EncodedBody(tensors, metadata, digest_algorithm=digest_algorithm)
     path = os.fspath(path)
     opened = _open_spare(reuse) if reuse is not None else None
@@ -89,23 +112,166 @@ def write_temp(
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     else:
         fd, tmp = opened
-    state = StreamingDigest(body.digest_algorithm) if digest is None else None
+    written: tuple[str, dict[str, int]] | None = None
     try:
-        with os.fdopen(fd, "wb") as f:
-            writeback = _Writeback(f.fileno())
-            for chunk in body:
-                if state is not None:
-                    state.update(chunk)
-                f.write(chunk)
-                writeback.wrote(len(chunk))
-            f.truncate()  # a longer spare's tail goes
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            if direct and _set_direct(fd, True):
+                written = _write_direct(fd, body, digest)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            _warn_direct(e)  # refused after all (alignment, file system): the page cache it is
+            _set_direct(fd, False)
+        if written is None:
+            written = _write_buffered(fd, body, digest), {}
+        os.fsync(fd)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return PendingFile(tmp, path, state.digest() if state is not None else str(digest))
+    finally:
+        os.close(fd)
+    return PendingFile(tmp, path, *written)
+
+
+def _write_buffered(fd: int, body: EncodedBody, digest: str | None) -> str:
+    """The body through the page cache from offset 0; returns its digest (`digest` if known)."""
+    state = StreamingDigest(body.digest_algorithm) if digest is None else None
+    with os.fdopen(fd, "wb", closefd=False) as f:
+        f.seek(0)
+        writeback = _Writeback(fd)
+        for chunk in body:
+            if state is not None:
+                state.update(chunk)
+            f.write(chunk)
+            writeback.wrote(len(chunk))
+        f.truncate()  # a longer spare's tail goes
+    return state.digest() if state is not None else str(digest)
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT's alignment of memory, offsets and lengths (the page size covers every block size)
+BOUNCE_BYTES = 8 << 20
+DIRECT_PIECE = 64 << 20  # the most one direct write hands the kernel
+REALIGN_MIN = 1 << 20  # smaller tensors are not worth moving: the bounce buffer takes them
+
+
+def _write_direct(fd: int, body: EncodedBody, digest: str | None) -> tuple[str, dict[str, int]]:
+    """The body with O_DIRECT set on `fd`; returns its digest and the misfits (`PendingFile`)."""
+    state = StreamingDigest(body.digest_algorithm) if digest is None else None
+    writer = _DirectWriter(fd)
+    try:
+        for name, view in body.segments():
+            if state is not None:
+                state.update(view)
+            writer.write(name, view)
+        writer.finish()
+    finally:
+        writer.close()
+    return (state.digest() if state is not None else str(digest)), writer.misfits
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class _DirectWriter:
+    """Writes pieces at consecutive file offsets from 0 on an O_DIRECT descriptor.
+
+    A piece whose memory is congruent with its file offset (mod `DIRECT_ALIGN`) goes to the
+    disk from where it lies, but for its unaligned head and tail; everything else is copied
+    into the bounce buffer, which is written a block-aligned stretch at a time. The bounce
+    buffer always holds the bytes from `start` (aligned) up to the end written so far."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.bounce = mmap.mmap(-1, BOUNCE_BYTES)  # page aligned
+        self.view = memoryview(self.bounce)
+        self.start = 0
+        self.fill = 0
+        self.misfits: dict[str, int] = {}
+
+    def write(self, name: str | None, view: memoryview) -> None:
+        cursor = self.start + self.fill
+        head = -cursor % DIRECT_ALIGN
+        lined_up = (_address(view) - cursor) % DIRECT_ALIGN == 0
+        if lined_up and view.nbytes >= head + DIRECT_ALIGN:
+            self._buffer(view[:head])  # completes the bounce buffer's last block
+            self._flush()
+            aligned = (view.nbytes - head) // DIRECT_ALIGN * DIRECT_ALIGN
+            self._pwrite(view[head : head + aligned])
+            self._buffer(view[head + aligned :])
+            return
+        if name is not None and not lined_up and view.nbytes >= REALIGN_MIN:
+            self.misfits[name] = cursor % DIRECT_ALIGN
+        self._buffer(view)
+
+    def finish(self) -> None:
+        """Write what the bounce buffer holds (its last block padded), then cut the padding off."""
+        size = self.start + self.fill
+        padded = -self.fill % DIRECT_ALIGN
+        self.view[self.fill : self.fill + padded] = bytes(padded)
+        self.fill += padded
+        self._flush()
+        os.ftruncate(self.fd, size)  # the padding, and a longer spare's tail
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self.bounce.close()
+        except BufferError:
+            pass  # a failed write's traceback still holds a slice: unmapped once it goes
+
+    def _buffer(self, view: memoryview) -> None:
+        pos = 0
+        while pos < view.nbytes:
+            n = min(BOUNCE_BYTES - self.fill, view.nbytes - pos)
+            self.view[self.fill : self.fill + n] = view[pos : pos + n]
+            self.fill += n
+            pos += n
+            if self.fill == BOUNCE_BYTES:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self.fill:
+            self._pwrite(self.view[: self.fill])
+            self.fill = 0
+
+    def _pwrite(self, view: memoryview) -> None:
+        """Write `view` (block-aligned memory and length) at `start`, and move `start` past it."""
+        pos = 0
+        while pos < view.nbytes:
+            n = os.pwrite(self.fd, view[pos : pos + DIRECT_PIECE], self.start + pos)
+            if n <= 0 or (n % DIRECT_ALIGN and pos + n < view.nbytes):
+                raise OSError(errno.EIO, f"a direct write of {view.nbytes - pos} bytes wrote {n}")
+            pos += n
+        self.start += view.nbytes
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for `fd`; False where there is no such thing or it is refused."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        import fcntl
+
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | flag) if on else (flags & ~flag))
+    except (ImportError, OSError) as e:
+        if on:
+            _warn_direct(e)
+        return False
+    return True
+
+
+_warned_direct = False
+
+
+def _warn_direct(error: BaseException) -> None:
+    global _warned_direct
+    if not _warned_direct:
+        _warned_direct = True
+        log.warning("files cannot be written with O_DIRECT here (%s); writing them through the page cache", error)
 
 
 WRITEBACK_WINDOW = 16 << 20
