@@ -9,13 +9,9 @@ rebuilds it so that training continues bitwise as if it had never stopped.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import json
 import math
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +19,7 @@ import torch
 from fedtrain.errors import MergeError
 from fedtrain.merge.aggregate import TensorDict, _listed, all_finite, check_compatible
 from fedtrain.merge.yogi import Yogi
+from fedtrain.wire.files import aligned_copy
 
 ALGORITHMS = ("fedavg", "diloco", "fedavgm", "fedadam", "fedyogi")
 
@@ -196,7 +193,7 @@ class OuterOptimizer:
         CPU tensor, or whose offset does not suit its dtype, stays where it is."""
         for name, offset in params.items():
             p = self.params.get(name)
-            moved = _aligned_copy(p, offset, align) if p is not None else None
+            moved = aligned_copy(p, offset, align) if p is not None else None
             if moved is not None:
                 p.data = moved  # type: ignore[union-attr]
         for flat, offset in state.items():
@@ -205,7 +202,7 @@ class OuterOptimizer:
             slot = self.optimizer.state.get(p) if p is not None else None
             value = slot.get(key) if slot is not None else None
             if slot is not None and isinstance(value, torch.Tensor):
-                moved = _aligned_copy(value, offset, align)
+                moved = aligned_copy(value, offset, align)
                 if moved is not None:
                     slot[key] = moved
 
@@ -247,47 +244,6 @@ class OuterOptimizer:
         outer.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
         outer.steps = steps
         return outer
-
-
-def _aligned_copy(t: torch.Tensor, offset: int, align: int) -> torch.Tensor | None:
-    """A copy of `t` whose data lies `offset` bytes past an `align` boundary, or None."""
-    if t.device.type != "cpu" or not t.is_contiguous() or offset % t.element_size():
-        return None
-    nbytes = t.numel() * t.element_size()
-    raw = torch.empty(nbytes + align, dtype=torch.uint8)
-    _huge_pages(raw.data_ptr(), nbytes + align)
-    shift = (offset - raw.data_ptr()) % align  # a multiple of the element size: torch aligns to 64
-    moved = raw[shift : shift + nbytes].view(t.dtype).view(t.shape)
-    moved.copy_(t)
-    return moved
-
-
-HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def _huge_pages(address: int, nbytes: int) -> None:
-    """Ask Linux to back the whole 2 MiB pages of a fresh, untouched allocation with huge
-    pages (where transparent huge pages are left to `madvise`): the disk reads memory in far
-    fewer pieces when a checkpoint is written with O_DIRECT. A hint; nothing happens elsewhere."""
-    madvise = _madvise()
-    start = -address % HUGE_PAGE + address
-    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if madvise is not None and end > start:
-        madvise(start, end - start, _MADV_HUGEPAGE)
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
 
 
 def _parse_metadata(metadata: Mapping[str, str]) -> tuple[str, dict[str, Any], int, list[str]]:

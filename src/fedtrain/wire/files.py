@@ -36,6 +36,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -247,6 +248,37 @@ class _DirectWriter:
         self.start += view.nbytes
 
 
+def aligned_copy(t: torch.Tensor, offset: int, align: int = DIRECT_ALIGN) -> torch.Tensor | None:
+    """A copy of `t` whose data lies `offset` bytes past an `align` boundary (where its bytes
+    lie in a file, so that `_DirectWriter` takes them from memory), backed by huge pages where
+    Linux leaves them to `madvise`; None for a tensor that is not a contiguous CPU tensor, or
+    whose offset does not suit its dtype."""
+    if t.device.type != "cpu" or not t.is_contiguous() or offset % t.element_size():
+        return None
+    nbytes = t.numel() * t.element_size()
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    _huge_pages(raw.data_ptr(), nbytes + align)
+    shift = (offset - raw.data_ptr()) % align  # a multiple of the element size: torch aligns to 64
+    moved = raw[shift : shift + nbytes].view(t.dtype).view(t.shape)
+    moved.copy_(t)
+    return moved
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _huge_pages(address: int, nbytes: int) -> None:
+    """Ask for huge pages behind the whole 2 MiB pages of a fresh, untouched allocation (a hint).
+    With 4 KiB pages a direct write of 2 x 400 MB took 0.27 s here, with huge pages 0.13 s: the
+    disk is handed the memory in far fewer pieces."""
+    madvise = _madvise()
+    start = -address % HUGE_PAGE + address
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if madvise is not None and end > start:
+        madvise(start, end - start, _MADV_HUGEPAGE)
+
+
 def _set_direct(fd: int, on: bool) -> bool:
     """Turn O_DIRECT on or off for `fd`; False where there is no such thing or it is refused."""
     flag = getattr(os, "O_DIRECT", 0)
@@ -278,18 +310,28 @@ WRITEBACK_WINDOW = 16 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
 
 
-@functools.cache
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's sync_file_range, or None where there is none (not Linux, no libc found)."""
+def _linux_libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """A function of Linux's libc returning int, or None where there is none (not Linux, no libc found)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range, or None where there is none."""
+    return _linux_libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    return _linux_libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 class _Writeback:
