@@ -212,10 +212,10 @@ class RunConfig(_Strict):
     )
     publish_first: bool = Field(
         False,
-        description="Let downloads of each round's new global model complete before the round is committed, "
-        "and write its checkpoint once the active participants have fetched it (at most 2 s later; the round "
-        "commits once the checkpoint is on disk). Takes the checkpoint off the round trip; a coordinator crash "
-        "in that window loses that one round, and participants go back to the last committed model. Off "
+        description="Let downloads of each round's new global model complete before the round is committed "
+        "(its checkpoint is written beside them; the round commits once it is on disk). Takes the checkpoint "
+        "off the round trip; a coordinator crash in that window loses that one round, and participants go "
+        "back to the last committed model. Off "
         "(commit first): the new model is sent while its checkpoint is written, but each download holds back "
         "its last piece until the round is committed, so no participant holds a model that is not durable.",
     )

@@ -81,9 +81,6 @@ class CoordinatorBase:
     _close_task: asyncio.Task | None
     _commit_task: asyncio.Task | None
     _published: Published | None
-    _serving: int
-    _fetched: set[str]
-    _downloads_changed: asyncio.Event
     _weights: WeightsGuard
     _rollbacks: int
     _janitor: ThreadPoolExecutor

@@ -8,7 +8,7 @@ default (commit first) a download holds back its last piece until the round is c
 (files and database row): no participant holds a whole model that a crash could still
 take back, and the commit no longer sits between the merge and the downloads. Should the
 commit fail, those downloads are cut short. With `publish_first: true` nothing is held
-back, and the commit waits for the downloads instead (`rounds`).
+back (`rounds`).
 
 The weights must not change under a download: every piece is copied out under the
 `WeightsGuard` lock, and the next outer step (which takes the same lock and bumps the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -101,13 +101,11 @@ class ModelStream:
     files: CheckpointDir
     memory: Published | None = None
     guard: WeightsGuard | None = None
-    on_close: Callable[[bool], None] | None = None  # told, once, whether the whole body went out
 
     def __post_init__(self) -> None:
         # Opened now (file mode), so that a later prune cannot take the file mid-stream: an
         # open reader keeps it from being reused as a spare, and unlinking it is harmless.
         self._file: BinaryIO | None = self.files.open_reader(self.path) if self.memory is None else None
-        self._sent_all = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
         offset = 0
@@ -123,7 +121,6 @@ class ModelStream:
                     offset += len(data)
                     yield data
                 else:
-                    self._sent_all = True
                     return
                 self.memory.check_durable()  # a move after a failed commit: no file to go on from
                 self._file = self.files.open_reader(self.path)
@@ -141,7 +138,6 @@ class ModelStream:
                 chunk = file.read(CHUNK)
                 slow = time.perf_counter() - t0 > SLOW_READ_S
                 if not chunk:
-                    self._sent_all = True
                     return
                 yield chunk
                 if slow:
@@ -149,7 +145,6 @@ class ModelStream:
             while chunks := await asyncio.to_thread(_read_chunks, file, READS_PER_HOP):
                 for chunk in chunks:
                     yield chunk
-            self._sent_all = True
         finally:
             self.close()
 
@@ -176,21 +171,16 @@ class ModelStream:
                 if moved:
                     break
             else:
-                self._sent_all = True
                 return
             self.memory.check_durable()
             self._file = self.files.open_reader(self.path)
         assert self._file is not None
         out.sendfile(self._file.fileno(), offset, self.size - offset)
-        self._sent_all = True
 
     def close(self) -> None:
         if self._file is not None:
             self.files.close_reader(self.path, self._file)
             self._file = None
-        on_close, self.on_close = self.on_close, None
-        if on_close is not None:
-            on_close(self._sent_all)
 
 
 def _read_chunks(file: BinaryIO, n: int) -> list[bytes]:

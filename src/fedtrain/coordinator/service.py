@@ -108,9 +108,6 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self._close_task: asyncio.Task | None = None
         self._commit_task: asyncio.Task | None = None  # the commit of the open round's predecessor
         self._published: Published | None = None
-        self._serving = 0  # downloads of the published model in flight
-        self._fetched: set[str] = set()  # participants that fetched it whole
-        self._downloads_changed = asyncio.Event()
         self._weights = WeightsGuard()
         self._rollbacks = 0
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-prune")
