@@ -247,3 +247,53 @@ def test_the_coordinator_moves_its_tensors_once_then_writes_them_from_memory(
         params = c.service.ckpt.load_global(2, got[2].digest)
         for n, t in c.service.outer.params.items():
             assert torch.equal(params[n], t)
+
+
+def test_a_consuming_move_gives_the_old_pages_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`aligned_copy(consume=True)` copies piece by piece and releases each piece's whole
+    pages of the source behind it (they read as zeros then): the move never holds two copies."""
+    monkeypatch.setattr(files, "MOVE_PIECE", 3 * files.PAGE + 100)  # pieces that end mid-page
+    t = torch.arange(1, 300_001, dtype=torch.float32)
+    expected = t.clone()
+    moved = files.aligned_copy(t, 1234 * 4, consume=True)
+    assert moved is not None and torch.equal(moved, expected)
+    assert (moved.data_ptr() - 1234 * 4) % DIRECT_ALIGN == 0
+    raw = t.view(torch.uint8)
+    first = -t.data_ptr() % files.PAGE
+    last = (t.data_ptr() + raw.numel()) // files.PAGE * files.PAGE - t.data_ptr()
+    assert last - first > 100 * files.PAGE
+    assert not raw[first:last].any()  # every whole page of the source was given back
+    assert torch.equal(raw[:first], expected.view(torch.uint8)[:first])  # bytes sharing a page with others stay
+
+
+def test_a_config_change_between_merge_and_commit_keeps_the_new_optimizers_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """New outer hyperparameters at a round boundary restore the optimizer around the same
+    state tensors, while the old one is still being committed: its misfits must not be
+    moved (the move gives the old memory back), or the new optimizer loses its momentum."""
+    import httpx
+
+    from fedtrain.coordinator import BackgroundCoordinator
+    from tests.conftest import ATOKEN, tiny_config
+    from tests.integration.test_api import put
+
+    monkeypatch.setattr(files, "REALIGN_MIN", 64)
+    with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=3)) as c, httpx.Client(
+            base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as http:
+        http.post("/v1/join", json={"name": "a"})
+        r = http.put("/v1/config", json={"changes": {"outer": {"lr": 0.5}}}).json()
+        assert r["effective_round"] == 1  # in force right after round 0's merge, during its commit
+        delta = {n: torch.full_like(t, 0.01) for n, t in c.service.outer.params.items()}
+        assert put(http, 0, "a", delta).status_code == 200
+        http.get("/v1/rounds/0", params={"wait": 10})
+        deadline = time.monotonic() + 10
+        while c.service.committed_version < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        outer = c.service.outer
+        assert outer.hp["lr"] == 0.5 and outer.steps == 1
+        saved, _ = c.service.ckpt.load_outer(1)
+        live = outer.state_tensors()
+        assert saved.keys() == live.keys()
+        for k, v in saved.items():
+            assert torch.equal(live[k], v), k  # the momentum survived the old optimizer's commit
+            assert v.abs().sum() > 0

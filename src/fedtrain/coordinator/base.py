@@ -159,9 +159,13 @@ class CoordinatorBase:
             version, outer.params, outer.state_tensors(), outer.state_metadata(), body.metadata,
             body.digest_algorithm, digest=body.known_digest,
         )
+        # Only the optimizer in force is moved: one replaced meanwhile by a config change may
+        # share its state with the new one (`live_config`), which its move would destroy. The
+        # fold lock keeps such a change from coming in during the move.
         if written.misfits or written.state_misfits:
-            with self._weights.lock:
-                outer.realign(written.misfits, written.state_misfits, DIRECT_ALIGN)
+            with self._fold_lock, self._weights.lock:
+                if outer is self.outer:
+                    outer.realign(written.misfits, written.state_misfits, DIRECT_ALIGN)
         return written.digest
 
     def _require_admin(self, ident: Identity, what: str) -> None:

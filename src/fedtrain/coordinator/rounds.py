@@ -159,7 +159,7 @@ class RoundsMixin(CoordinatorBase):
         self.store.commit_round(record, weights)
         faults.hit("commit.after_db", round=r)
         self.committed_version = r + 1
-        # Unlinking the old files (freeing their page cache) takes ~0.1 s per GB: off the round trip.
+        # Unlinking old files (freeing their blocks, and pages a download cached) takes time: off the round trip.
         self._janitor.submit(self.ckpt.prune, r + 1, self.config.keep_checkpoints, orphans=False)
 
     async def _commit_in_background(self, r: int, record: dict[str, Any], published: Published,

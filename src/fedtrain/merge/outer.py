@@ -190,7 +190,12 @@ class OuterOptimizer:
         unchanged: the place their bytes have in a checkpoint file, so that the next one is
         written straight from memory with O_DIRECT (`fedtrain.wire.files`). The tensors keep
         their identity (the optimizer's state is keyed by them); one that is not a contiguous
-        CPU tensor, or whose offset does not suit its dtype, stays where it is."""
+        CPU tensor, or whose offset does not suit its dtype, stays where it is.
+
+        The state tensors are moved piece by piece, their old memory given back as they go
+        (`aligned_copy(consume=True)`): the caller makes sure that no other optimizer shares
+        them (`OuterOptimizer.restore` may adopt the tensors it is given). The weights are
+        copied whole: a download may still read the old ones."""
         for name, offset in params.items():
             p = self.params.get(name)
             moved = aligned_copy(p, offset, align) if p is not None else None
@@ -202,7 +207,7 @@ class OuterOptimizer:
             slot = self.optimizer.state.get(p) if p is not None else None
             value = slot.get(key) if slot is not None else None
             if slot is not None and isinstance(value, torch.Tensor):
-                moved = aligned_copy(value, offset, align)
+                moved = aligned_copy(value, offset, align, consume=True)
                 if moved is not None:
                     slot[key] = moved
 
