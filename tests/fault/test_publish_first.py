@@ -1,7 +1,7 @@
 """A round's model is served while its checkpoint is written. When that background commit
-fails, the coordinator goes back to the last committed round at once; with publish_first,
-participants that already trained on the lost model follow it back and finish the run, and
-commit first their downloads of it are cut short."""
+fails (a fault, a full disk), the coordinator goes back to the last committed round at once;
+with publish_first, participants that already trained on the lost model follow it back and
+finish the run, and commit first their downloads of it are cut short."""
 
 from __future__ import annotations
 
@@ -81,3 +81,51 @@ def test_participants_follow_a_lost_round_back_and_finish(tmp_path: Path, publis
     assert "commit_failed" in kinds
     assert sorted(r["round"] for r in rounds) == [0, 1, 2, 3]
     assert_all_on(results, final)
+
+
+def test_a_full_disk_during_the_commit_goes_back_and_the_round_commits_once_there_is_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint's direct writes fail with ENOSPC (commit first): the commit fails, its
+    temp files go, the run goes back to the last committed round; with room again the
+    round is sent again and commits."""
+    import errno
+    import os
+
+    cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, min_participants=2)
+    headers = {"Authorization": f"Bearer {PTOKEN}"}
+    real = os.pwrite
+    full = {"on": False, "refused": 0}
+
+    def pwrite(fd: int, data, offset: int) -> int:  # type: ignore[no-untyped-def]
+        if full["on"]:
+            full["refused"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with BackgroundCoordinator(tmp_path / "state", cfg, tokens=Tokens([PTOKEN], "admin")) as c, \
+            httpx.Client(base_url=c.url, headers=headers, timeout=30) as http:
+        for pid in ("a", "b"):
+            assert http.post("/v1/join", json={"name": pid}).status_code == 200
+        _, theta0 = download(http)
+        full["on"] = True
+        for who, pid in enumerate(("a", "b")):
+            assert upload(http, 0, pid, delta(theta0, who, 0)).status_code == 200
+        wait_for(lambda: full["refused"] > 0, "the commit of round 0 never wrote")
+        wait_for(lambda: c.service.version == 0 and not c.service.closing, "no roll back")
+        full["on"] = False
+        assert c.service.committed_version == 0
+        left = [p.name for p in (tmp_path / "state" / "checkpoints").glob("*.tmp")]
+        assert all(name.startswith(".spare-") for name in left), left  # the failed writes' temp files went
+        events = http.get("/v1/events", params={"limit": 20}).json()["events"]
+        assert any(e["kind"] == "commit_failed" and "No space" in e["message"] for e in events), events
+        version, theta = download(http)
+        assert version == 0 and all(torch.equal(t, theta0[n]) for n, t in theta.items())
+        da, db = delta(theta0, 0, 0), delta(theta0, 1, 0)
+        for pid, d in (("a", da), ("b", db)):
+            assert upload(http, 0, pid, d).status_code == 200
+        wait_for(lambda: c.service.committed_version == 1, "round 0 did not commit once there was room")
+        version, theta = download(http)
+        assert version == 1
+        for n, t in theta.items():
+            torch.testing.assert_close(t, theta0[n] - (da[n] + db[n]) / 2, rtol=0, atol=1e-6)

@@ -101,7 +101,9 @@ def write_temp(
 
     `reuse` names a spare file in the same directory (a temp name, owned by the caller and
     read by nobody) to write over instead of a fresh one: overwriting pages that are in the
-    page cache costs about half as much as allocating new ones. It becomes the temp file.
+    page cache costs about half as much as allocating new ones, and written direct, blocks the
+    disk has allocated already are cheaper too (two 400 MB files: 0.13-0.15 s against
+    0.22-0.28 s fresh). It becomes the temp file.
     `digest`, when the caller has hashed the same body already (same tensors, metadata and
     algorithm), is taken as the file's digest and the bytes are not hashed again; `""`
     for a file whose digest nobody asks for. `direct` writes it with O_DIRECT where the
@@ -151,7 +153,7 @@ def _write_buffered(fd: int, body: EncodedBody, digest: str | None) -> str:
     return state.digest() if state is not None else str(digest)
 
 
-DIRECT_ALIGN = 4096  # O_DIRECT's alignment of memory, offsets and lengths (the page size covers every block size)
+DIRECT_ALIGN = 4096  # O_DIRECT's alignment of memory, offsets and lengths: covers 512-byte and 4 KiB blocks
 BOUNCE_BYTES = 8 << 20
 DIRECT_PIECE = 64 << 20  # the most one direct write hands the kernel
 REALIGN_MIN = 1 << 20  # smaller tensors are not worth moving: the bounce buffer takes them
