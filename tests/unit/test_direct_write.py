@@ -20,6 +20,20 @@ from fedtrain.wire.files import DIRECT_ALIGN, REALIGN_MIN, write_temp
 META = {"run": "t", "version": "3"}
 
 
+@pytest.fixture
+def needs_o_direct(tmp_path: Path) -> None:
+    """Skips a test of direct writes themselves where tmp_path's file system refuses O_DIRECT
+    (the fallback has tests of its own)."""
+    probe = tmp_path / ".probe"
+    fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        if not files._set_direct(fd, True):
+            pytest.skip("this file system refuses O_DIRECT")
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
 def mixed(seed: int = 0) -> dict[str, torch.Tensor]:
     """Small and large tensors, several dtypes, odd sizes, an empty one."""
     g = torch.Generator().manual_seed(seed)
@@ -51,7 +65,7 @@ def written(tmp_path: Path, name: str, tensors: dict[str, torch.Tensor], **kw) -
     return (tmp_path / name).read_bytes(), pending
 
 
-def test_direct_writes_the_same_bytes_and_names_the_misfits(tmp_path: Path) -> None:
+def test_direct_writes_the_same_bytes_and_names_the_misfits(tmp_path: Path, needs_o_direct: None) -> None:
     tensors = mixed()
     plain, p0 = written(tmp_path, "plain", tensors)
     direct, p1 = written(tmp_path, "direct", tensors, direct=True)
@@ -67,7 +81,8 @@ def test_direct_writes_the_same_bytes_and_names_the_misfits(tmp_path: Path) -> N
             assert name not in p1.misfits
 
 
-def test_tensors_moved_by_realign_go_from_their_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensors_moved_by_realign_go_from_their_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      needs_o_direct: None) -> None:
     """After `realign`, a tensor's memory lines up with its bytes in the file; the writer hands
     its memory to the kernel (no copy through the bounce buffer) and reports no misfits."""
     params = {"a": torch.randn(REALIGN_MIN // 4 + 5), "b": torch.randn(3 * REALIGN_MIN // 4 + 11),
@@ -209,7 +224,7 @@ def test_a_failing_disk_fails_the_write_and_leaves_no_temp_file(tmp_path: Path,
 
 
 def test_the_coordinator_moves_its_tensors_once_then_writes_them_from_memory(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, needs_o_direct: None) -> None:
     """The start's checkpoint names the misfits (every tensor of the tiny model counts here);
     the coordinator moves them, and the round commits after it write every tensor direct."""
     import httpx
