@@ -26,6 +26,24 @@ def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def back_at_round_0_then_commit_it(c: BackgroundCoordinator, http: httpx.Client,
+                                   theta0: dict[str, torch.Tensor]) -> None:
+    """After a failed commit of round 0: the served model is the committed one again, and
+    round 0, open again, commits this time (FedAvg of two known deltas)."""
+    version, theta = download(http)
+    assert version == 0
+    for n, t in theta.items():
+        assert torch.equal(t, theta0[n])
+    da, db = delta(theta0, 0, 0), delta(theta0, 1, 0)
+    for pid, d in (("a", da), ("b", db)):
+        assert upload(http, 0, pid, d).status_code == 200
+    wait_for(lambda: c.service.committed_version == 1, "round 0 did not commit on the second try")
+    version, theta = download(http)
+    assert version == 1
+    for n, t in theta.items():
+        torch.testing.assert_close(t, theta0[n] - (da[n] + db[n]) / 2, rtol=0, atol=1e-6)
+
+
 def test_failed_background_commit_goes_back_to_the_committed_round(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, publish_first=True, min_participants=2)
     headers = {"Authorization": f"Bearer {PTOKEN}"}
@@ -43,21 +61,9 @@ def test_failed_background_commit_goes_back_to_the_committed_round(tmp_path: Pat
         finally:
             faults.disarm()
         assert c.service.committed_version == 0
-        version, theta = download(http)  # the served model is the committed one again
-        assert version == 0
-        for n, t in theta.items():
-            assert torch.equal(t, theta0[n])
         kinds = [e["kind"] for e in http.get("/v1/events", params={"limit": 20}).json()["events"]]
         assert "commit_failed" in kinds
-        # round 0 is open again and commits this time
-        da, db = delta(theta0, 0, 0), delta(theta0, 1, 0)
-        for pid, d in (("a", da), ("b", db)):
-            assert upload(http, 0, pid, d).status_code == 200
-        wait_for(lambda: c.service.committed_version == 1, "round 0 did not commit on the second try")
-        version, theta = download(http)
-        assert version == 1
-        for n, t in theta.items():
-            torch.testing.assert_close(t, theta0[n] - (da[n] + db[n]) / 2, rtol=0, atol=1e-6)
+        back_at_round_0_then_commit_it(c, http, theta0)
 
 
 @pytest.mark.parametrize("publish_first", [True, False])
@@ -119,13 +125,4 @@ def test_a_full_disk_during_the_commit_goes_back_and_the_round_commits_once_ther
         assert all(name.startswith(".spare-") for name in left), left  # the failed writes' temp files went
         events = http.get("/v1/events", params={"limit": 20}).json()["events"]
         assert any(e["kind"] == "commit_failed" and "No space" in e["message"] for e in events), events
-        version, theta = download(http)
-        assert version == 0 and all(torch.equal(t, theta0[n]) for n, t in theta.items())
-        da, db = delta(theta0, 0, 0), delta(theta0, 1, 0)
-        for pid, d in (("a", da), ("b", db)):
-            assert upload(http, 0, pid, d).status_code == 200
-        wait_for(lambda: c.service.committed_version == 1, "round 0 did not commit once there was room")
-        version, theta = download(http)
-        assert version == 1
-        for n, t in theta.items():
-            torch.testing.assert_close(t, theta0[n] - (da[n] + db[n]) / 2, rtol=0, atol=1e-6)
+        back_at_round_0_then_commit_it(c, http, theta0)
