@@ -3,10 +3,12 @@ staleness discount, adaptive deadlines, heartbeat failure, recovery and rejoin."
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from fedtrain import faults
@@ -71,13 +73,16 @@ def test_adaptive_deadline_closes_a_stalled_round_early(tmp_path: Path) -> None:
         put(http, 0, "b", rand_like(c, 1))
         wait_round(http, 0)
         status = http.get("/v1/status").json()
-        assert status["deadline_s"] == 0.5 and "adaptive" in status["deadline_reason"]
-        t0 = time.monotonic()
+        # The rule, not the stopwatch: 2 x the median submit time observed, at least deadline_min_s,
+        # well under the fixed 120 s (how long the submits took depends on the machine's load).
+        deadline_s = status["deadline_s"]
+        assert 0.5 <= deadline_s < 120.0 and "adaptive deadline" in status["deadline_reason"]
+        typical = float(re.search(r"median submit time ([0-9.]+)s", status["deadline_reason"])[1])
+        assert deadline_s == pytest.approx(max(0.5, 2.0 * typical), abs=0.1)  # the reason rounds to 0.1 s
         put(http, 1, "a", rand_like(c, 2))  # b stalls; the fixed deadline would wait 120 s
-        wait_round(http, 1)
-        assert time.monotonic() - t0 < 10
+        wait_round(http, 1, timeout=60)
         reason = c.service.store.rounds()[0]["close_reason"]
-        assert "deadline of 0.5s" in reason and "b" in reason
+        assert f"deadline of {deadline_s:g}s passed" in reason and "b" in reason
 
 
 def test_silent_participant_fails_then_recovers_on_heartbeat(tmp_path: Path) -> None:

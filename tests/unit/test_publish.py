@@ -292,9 +292,8 @@ def test_publish_first_commits_at_once_and_downloads_end_before_it(tmp_path: Pat
         with faults.inject("checkpoint.after_global_write", "sleep", seconds=1.0, round=0):
             await close_round(svc)
             assert svc._published is not None and not svc._published.hold
-            t0 = time.monotonic()
             served = await fetch(svc, "a")  # not held: done while the commit sleeps
-            assert svc.committed_version == 0 and time.monotonic() - t0 < 0.9
+            assert svc.committed_version == 0  # it ended while the commit still sleeps: not held back
             deadline = time.monotonic() + 10
             while svc.committed_version != 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
