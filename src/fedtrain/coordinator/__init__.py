@@ -1,7 +1,26 @@
-"""The coordinator: HTTP routes (app), side effects (service), pure decisions (policy), state (store)."""
+"""The coordinator: HTTP routes (app), side effects (service), pure decisions (policy), state (store).
 
-from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.server import BackgroundCoordinator
-from fedtrain.coordinator.service import Coordinator
+The names below load on first use (see `fedtrain/__init__.py`), so importing a light part
+such as `fedtrain.coordinator.policy` does not start the server stack (uvicorn, FastAPI).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedtrain import _lazy_exports
+
+_SOURCES = {
+    "fedtrain.coordinator.auth": ("Tokens",),
+    "fedtrain.coordinator.server": ("BackgroundCoordinator",),
+    "fedtrain.coordinator.service": ("Coordinator",),
+}
+
+if TYPE_CHECKING:
+    from fedtrain.coordinator.auth import Tokens
+    from fedtrain.coordinator.server import BackgroundCoordinator
+    from fedtrain.coordinator.service import Coordinator
+else:
+    __getattr__, __dir__ = _lazy_exports(__name__, _SOURCES)
 
 __all__ = ["BackgroundCoordinator", "Coordinator", "Tokens"]

@@ -1,17 +1,44 @@
-"""Pure tensor math of a merge: weighting, running weighted sums and the outer optimizers."""
+"""Pure tensor math of a merge: weighting, running weighted sums and the outer optimizers.
 
-from fedtrain.merge.aggregate import (
-    RunningSum,
-    TensorDict,
-    TensorSpec,
-    all_finite,
-    check_compatible,
-    contribution_weights,
-    pseudo_gradient,
-    weighted_mean,
-)
-from fedtrain.merge.outer import ALGORITHMS, OuterOptimizer, build_torch_optimizer
-from fedtrain.merge.yogi import Yogi
+The names below load on first use (see `fedtrain/__init__.py`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedtrain import _lazy_exports
+
+_SOURCES = {
+    "fedtrain.merge.aggregate": (
+        "RunningSum",
+        "TensorDict",
+        "TensorSpec",
+        "all_finite",
+        "check_compatible",
+        "contribution_weights",
+        "pseudo_gradient",
+        "weighted_mean",
+    ),
+    "fedtrain.merge.outer": ("ALGORITHMS", "OuterOptimizer", "build_torch_optimizer"),
+    "fedtrain.merge.yogi": ("Yogi",),
+}
+
+if TYPE_CHECKING:
+    from fedtrain.merge.aggregate import (
+        RunningSum,
+        TensorDict,
+        TensorSpec,
+        all_finite,
+        check_compatible,
+        contribution_weights,
+        pseudo_gradient,
+        weighted_mean,
+    )
+    from fedtrain.merge.outer import ALGORITHMS, OuterOptimizer, build_torch_optimizer
+    from fedtrain.merge.yogi import Yogi
+else:
+    __getattr__, __dir__ = _lazy_exports(__name__, _SOURCES)
 
 __all__ = [
     "ALGORITHMS",

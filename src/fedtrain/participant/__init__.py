@@ -1,12 +1,33 @@
 """The participant side: HTTP client (timeouts, retries), the `Participant` runner, its torchrun
-form (`DistributedParticipant`), and its local state (checkpoint, metrics log)."""
+form (`DistributedParticipant`), and its local state (checkpoint, metrics log).
 
-from fedtrain.participant.checkpoint import LocalCheckpoint
-from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
-from fedtrain.participant.distributed import DistributedParticipant, DistributedSyncError
-from fedtrain.participant.metrics_log import MetricsLog
-from fedtrain.participant.outage import OutagePolicy
-from fedtrain.participant.runner import Participant, sync_set
+The names below load on first use (see `fedtrain/__init__.py`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedtrain import _lazy_exports
+
+_SOURCES = {
+    "fedtrain.participant.checkpoint": ("LocalCheckpoint",),
+    "fedtrain.participant.client": ("CoordinatorClient", "RetryPolicy", "Timeouts"),
+    "fedtrain.participant.distributed": ("DistributedParticipant", "DistributedSyncError"),
+    "fedtrain.participant.metrics_log": ("MetricsLog",),
+    "fedtrain.participant.outage": ("OutagePolicy",),
+    "fedtrain.participant.runner": ("Participant", "sync_set"),
+}
+
+if TYPE_CHECKING:
+    from fedtrain.participant.checkpoint import LocalCheckpoint
+    from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
+    from fedtrain.participant.distributed import DistributedParticipant, DistributedSyncError
+    from fedtrain.participant.metrics_log import MetricsLog
+    from fedtrain.participant.outage import OutagePolicy
+    from fedtrain.participant.runner import Participant, sync_set
+else:
+    __getattr__, __dir__ = _lazy_exports(__name__, _SOURCES)
 
 __all__ = [
     "CoordinatorClient",

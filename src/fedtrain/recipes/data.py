@@ -343,8 +343,10 @@ def parse_data_spec(spec: str) -> list[Path]:
         if not (sep and k_str.isdigit() and n_str.isdigit()):
             raise ConfigError(f"data spec {spec!r}: expected stdlib:K/N (e.g. stdlib:0/4) or stdlib:heldout")
         k, n = int(k_str), int(n_str)
-        if not 0 <= k < n:
-            raise ConfigError(f"data spec {spec!r}: shard K must be in 0..{n - 1}")
+        if n < 1:
+            raise ConfigError(f"data spec {spec!r}: the number of shards N must be at least 1 (e.g. stdlib:0/4)")
+        if k >= n:
+            raise ConfigError(f"data spec {spec!r}: shard K must be in 0..{n - 1} (K counts from 0)")
         return stdlib_shards(n)[k]
     if not spec:
         raise ConfigError("empty data spec: give a path, stdlib:K/N or stdlib:heldout")
