@@ -270,6 +270,14 @@ class CoordinatorClient:
         """Admin token: change the run config live (in force from the next round boundary)."""
         return self._json("PUT", "/v1/config", json={"changes": changes})
 
+    def validate_config(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Admin token: dry run of a change: {"valid", "error", "diff"}; nothing is applied."""
+        return self._json("POST", "/v1/config/validate", json={"changes": changes})
+
+    def config_history(self, limit: int = 50) -> list[dict[str, Any]]:
+        """Accepted config versions, newest first: version, created_at, author, diff, effective_round."""
+        return self._json("GET", "/v1/config/history", params={"limit": limit})["versions"]
+
     def events(self, stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, Any]]:
         """Server-sent events of the run as (kind, data), one connection, no retry: the caller
         reconnects. Ends when the server closes the stream or `stop()` is true at an event."""
