@@ -21,10 +21,10 @@ loopback, one after the other, each started fresh:
 
 The first outer steps of each system (`--warmup`, default 3) are a warm-up and are
 dropped: connections, torchft's process-group configuration, and fedtrain's first
-checkpoints, which go to fresh files until the coordinator has spares to write over (its
-second and third round took ~1.5 s, then ~0.75 s on). Five outer steps are measured
-(`--outer-steps`) and their median reported: with three, one slow step on this shared
-machine moved the median by 0.05 s. Times here drift, so read the ratios.
+checkpoints, which go to fresh files until the coordinator has spares to write over, and
+are slower for it. Five outer steps are measured (`--outer-steps`) and their median
+reported, so that one slow step on a shared machine barely moves it. Times here drift, so
+read the ratios.
 torchft runs from its own venv because it pins a different dependency set; the workers
 are this same file started with `--worker`.
 """

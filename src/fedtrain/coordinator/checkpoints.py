@@ -12,12 +12,11 @@ into the page cache. `write` names the tensors that were not placed in memory fo
 (`Written`), and the coordinator moves them (`OuterOptimizer.realign`) after the first commit.
 
 Pruned files are kept as spares (up to two, under temp names) and the next checkpoint is
-written over them: the two 400 MB files of a round take 0.13-0.15 s written direct over
-spares, 0.22-0.28 s as fresh files (the disk allocates their blocks). A
-file is made a spare only while no download reads it (`open_reader` counts readers); one
-still being read is unlinked as before, which its open descriptor survives. So the
-directory holds the kept versions plus at most two spare files; a restart removes them
-with the other temp files.
+written over them: blocks the disk has allocated already are written faster than fresh
+ones, whose blocks it must allocate first (figures in docs/benchmarks.md). A file is made a
+spare only while no download reads it (`open_reader` counts readers); one still being read
+is unlinked instead, which its open descriptor survives. So the directory holds the kept
+versions plus at most two spare files; a restart removes them with the other temp files.
 """
 
 from __future__ import annotations

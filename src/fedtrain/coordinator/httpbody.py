@@ -26,8 +26,8 @@ Responses go the other way round: a plain-HTTP request carries `scope["extension
 a `ResponseSink`. Once the response has started, `await sink.run(pump)` runs `pump(out)`
 on a worker thread, where `out` writes to the socket itself: `out.sendfile` from a file
 (the kernel copies page cache to socket, no bytes object on the way) or `out.write_some`
-from memory. Stock, a 400 MB download went through 800 chunks of `bytes` and the
-transport's flow control: 0.18-0.21 s, against 0.11-0.16 s with `sendfile`.
+from memory. Stock, a 400 MB download goes through 800 chunks of `bytes` and the
+transport's flow control; `out` skips both.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ that until the next outer step (the checkpoint is written past the page cache, s
 is read from the disk: the memory is the faster source while it holds the same bytes). By
 default (commit first) a download holds back its last piece until the round is committed
 (files and database row): no participant holds a whole model that a crash could still
-take back, and the commit no longer sits between the merge and the downloads. Should the
+take back, and yet the commit does not sit between the merge and the downloads. Should the
 commit fail, those downloads are cut short. With `publish_first: true` nothing is held
 back (`rounds`).
 
@@ -35,8 +35,8 @@ from fedtrain.coordinator.httpbody import SEND, SocketOut
 from fedtrain.wire import EncodedBody
 
 # Below the coordinator's mmap threshold (1 MiB, see `server.tune_allocator`): chunks come from
-# the heap and are reused, where 4 MiB chunks were each a fresh mmap whose page faults and munmap
-# cost more than the copy (downloads ran ~2x faster after the change).
+# the heap and are reused, where a chunk above it would be a fresh mmap whose page faults and
+# munmap cost more than the copy.
 CHUNK = 512 << 10
 READS_PER_HOP = 8
 SEND_PIECE = 4 << 20  # most a nonblocking write from memory can take at once (the socket buffer takes less)
@@ -127,12 +127,11 @@ class ModelStream:
                 self._file.seek(offset)
             file = self._file
             assert file is not None
-            # From the page cache (a file read recently) a chunk is a ~50 µs copy: read in
-            # the event loop, a 400 MB download took 0.09-0.14 s on the server side, against
-            # 0.28-0.48 s with the reads on a worker thread (the stream waited for every hop).
-            # A read slower than SLOW_READ_S is a disk's (a checkpoint is written past the
-            # page cache): the rest of the file is then read on a worker thread, so the loop
-            # waits on the disk once.
+            # From the page cache (a file read recently) a chunk is a ~50 µs copy, so it is read
+            # in the event loop: on a worker thread the stream would wait for a hop per batch of
+            # reads, which costs more than the reads. A read slower than SLOW_READ_S is a disk's
+            # (a checkpoint is written past the page cache): the rest of the file is then read on
+            # a worker thread, so the loop waits on the disk once.
             while True:
                 t0 = time.perf_counter()
                 chunk = file.read(CHUNK)

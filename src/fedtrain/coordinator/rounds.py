@@ -9,9 +9,9 @@ The new weights are served from memory at once (`model_stream`, `publish.py`) an
 next round opens; the commit starts at once beside it. By default (commit first) no
 download completes before it is done; with `publish_first` downloads are not held back.
 The checkpoint goes to the disk with O_DIRECT (`checkpoints.py`), which costs the downloads
-beside it almost no CPU. (Before, `publish_first` made the commit wait for the downloads;
-at the same speed with rounds apart, that made back-to-back rounds slower: 400 MB, N = 4,
-0.44 of a raw copy against 0.56.)
+beside it almost no CPU, so `publish_first` too starts its commit at once rather than after
+the downloads: waiting for them gains nothing with rounds apart, and with rounds back to
+back it delays the next merge.
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ class RoundsMixin(CoordinatorBase):
             if self._published is published and not published.durable:
                 self._published = None
             # Committed, it stays published until the next merge: a later download of it still
-            # comes from memory (the file was written past the page cache: from the disk, a
-            # 400 MB file read 0.6 s here), and from the file only once the weights move on.
+            # comes from memory (the file was written past the page cache, so reading it would
+            # go to the disk), and from the file only once the weights move on.
 
     async def _settle_commit(self) -> bool:
         """Before a merge: wait for the previous round's background commit. False when it failed

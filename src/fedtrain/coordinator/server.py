@@ -34,14 +34,14 @@ def tune_allocator(threshold: int = 1 << 20, trim: int = 16 << 20) -> bool:
 
     glibc keeps freed large blocks in per-thread arenas and raises its mmap threshold after
     each free, so tensors read on the worker threads of concurrent uploads ratchet the
-    coordinator's RSS up with the number of participants (measured: +0.9 model sizes per
-    participant). A fixed threshold keeps the peak flat.
+    coordinator's RSS up with the number of participants. A fixed threshold keeps the peak
+    flat.
 
     Fixing it also fixes the trim threshold, at 128 KiB: the heap was then shrunk and grown
     again all through an upload, whose ~160 KiB body chunks are held a few MiB at a time
     until the spool writer is done with them, and every regrown page was faulted in and
-    zeroed again. A 400 MB upload took 0.32-0.48 s against 0.20-0.21 s with 16 MiB kept,
-    the same as a server that drops the body. No effect outside glibc."""
+    zeroed again. With `trim` kept, an upload is received as fast as by a server that drops
+    the body. No effect outside glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim))

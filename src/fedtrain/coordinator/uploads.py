@@ -22,8 +22,8 @@ hashed and checked finite as they land, then counted with their weight as the su
 (`RunningSum`): no pass over them once the body is in.
 Uploads ready meanwhile are answered at once and folded after it (`_fold_later`), so
 none waits on another's link; a close of the round or the uploader's failure stops its
-writes at once, and whatever goes wrong leaves the sum empty. For a 400 MB model that
-saves the spool write and the read-back: ~0.15 s of a 0.7 s round trip here.
+writes at once, and whatever goes wrong leaves the sum empty. That saves the first
+upload's spool write and read-back, a sizeable part of a round trip.
 """
 
 from __future__ import annotations
@@ -287,8 +287,8 @@ class UploadsMixin(CoordinatorBase):
 
     # At most this many active participants for a direct receive. The others' uploads are
     # answered at once but fold only after it is counted, so if it ends last their folds
-    # (~0.05 s per 400 MB each) follow it instead of overlapping the network; with three at
-    # most that is about what the direct receive saves.
+    # follow it instead of overlapping the network; with three of them at most, that delay is
+    # about what the direct receive saves.
     DIRECT_MAX_ACTIVE = 4
 
     def _can_receive_direct(self, admission: policy.Admission, head: Head | None) -> bool:

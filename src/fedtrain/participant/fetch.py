@@ -2,21 +2,19 @@
 tensors' memory (stdlib `http.client`).
 
 httpx parses a response body through h11, which appends every received block to a
-bytearray and slices it out again: two copies per byte on top of the socket read, about
-30% of a 400 MB download (py-spy). `http.client` hands `readinto` a buffer and, for large
-reads, fills it with one `recv_into`, so the bytes go from the kernel into the parameter
-storage `BodyReader.writable()` names, and nowhere else: a 400 MB download from a local
-coordinator took 0.33-0.37 s through httpx and ~0.2 s this way (docs/benchmarks.md).
+bytearray and slices it out again: two copies per byte on top of the socket read.
+`http.client` hands `readinto` a buffer and, for large reads, fills it with one
+`recv_into`, so the bytes go from the kernel into the parameter storage
+`BodyReader.writable()` names, and nowhere else.
 
 Uploads go the other way: httpx hands every chunk of a body to h11, which joins it into a
 fresh `bytes` before the socket sees it. Here each chunk (a view of a tensor) goes to
-`sendall` as it is: a 400 MB upload to a local coordinator took 0.11-0.12 s through
-httpx and 0.085 s this way.
+`sendall` as it is.
 
 Only the download of the global model and the upload of an update take this path, and
-only where httpx would have connected directly: a proxy in the environment (which httpx honours) sends the download
-through httpx as before. TLS uses the same trust as the httpx client (certifi's CAs, or
-the CA file given, or none with `verify=False`). Errors come out as httpx's, so the
+only where httpx would have connected directly: where a proxy in the environment applies
+(which httpx honours), both go through httpx. TLS uses the same trust as the httpx client
+(certifi's CAs, or the CA file given, or none with `verify=False`). Errors come out as httpx's, so the
 client's retry loop and error reporting treat both paths alike.
 """
 

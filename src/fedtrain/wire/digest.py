@@ -10,7 +10,7 @@ sender chose: "xxh3-128" (the default: xxHash's XXH3, 128 bits, ~20 GB/s) and "s
 attacker: it travels in the same request as the body, so whoever could alter the body could
 recompute any unkeyed hash too; TLS and the bearer tokens are what keep bodies authentic.
 For that job a 128-bit non-cryptographic hash is as good as sha256 and ten times cheaper,
-and the hash was the largest per-byte cost of a sync. The run config's `digest` picks the
+and with sha256 the hash is the largest per-byte cost of a sync. The run config's `digest` picks the
 algorithm the coordinator and its participants write. An unknown algorithm is refused
 rather than skipped, so a typo can never turn the check off.
 """

@@ -7,22 +7,21 @@ for `read_tensors` or `digest_chunks`.
 
 While a file is written, the kernel is asked (Linux's `sync_file_range`, a hint) to start
 writing each 16 MiB window to disk as soon as it is copied, so the disk works while the
-rest is copied and the closing fsync finds little left: a 400 MB file took 0.09 s instead
-of 0.14 s here, and the two files of a checkpoint written side by side 0.18 s instead of
-0.23 s. Durability still comes from the fsync alone; elsewhere the hint is skipped.
+rest is copied and the closing fsync finds little left. Durability still comes from the
+fsync alone; elsewhere the hint is skipped.
 
 The coordinator's checkpoints are written with `direct=True` (Linux's O_DIRECT): the disk
 reads each tensor straight from its memory, so the CPU copies nothing into the page cache.
-That copy was a commit's whole CPU time, taken from the downloads running beside it: the two
-400 MB files of a round took 0.17 s and 0.17-0.19 CPU-s through the page cache, and take
-0.13-0.15 s and 0.013 CPU-s direct (written over spare files; fresh ones 0.22-0.28 s). O_DIRECT
-needs block-aligned memory, offsets and lengths: a tensor whose memory lies at the same offset
-from a 4 KiB boundary as its bytes in the file goes to the disk directly, everything else
-(the header, small tensors, a tensor that does not line up) through an aligned bounce buffer.
-The tensors that did not line up are named (`PendingFile.misfits`) so the caller can move them
-(`OuterOptimizer.realign`, through `aligned_copy`, which also asks for huge pages: from 4 KiB
-pages the same writes took 0.27 s) and write them directly the next time. Where the file system refuses
-O_DIRECT, the file is written through the page cache as above, with one warning.
+That copy is a buffered commit's whole CPU time, taken from the downloads running beside it;
+written direct, a commit costs a small fraction of it (figures in docs/benchmarks.md).
+O_DIRECT needs block-aligned memory, offsets and lengths: a tensor whose memory lies at the
+same offset from a 4 KiB boundary as its bytes in the file goes to the disk directly,
+everything else (the header, small tensors, a tensor that does not line up) through an
+aligned bounce buffer. The tensors that did not line up are named (`PendingFile.misfits`)
+so the caller can move them (`OuterOptimizer.realign`, through `aligned_copy`, which also
+asks for huge pages: the disk is then handed the memory in far fewer pieces) and write them
+directly the next time. Where the file system refuses O_DIRECT, the file is written through
+the page cache as above, with one warning.
 """
 
 from __future__ import annotations
@@ -102,8 +101,7 @@ def write_temp(
     `reuse` names a spare file in the same directory (a temp name, owned by the caller and
     read by nobody) to write over instead of a fresh one: overwriting pages that are in the
     page cache costs about half as much as allocating new ones, and written direct, blocks the
-    disk has allocated already are cheaper too (two 400 MB files: 0.13-0.15 s against
-    0.22-0.28 s fresh). It becomes the temp file.
+    disk has allocated already are cheaper too. It becomes the temp file.
     `digest`, when the caller has hashed the same body already (same tensors, metadata and
     algorithm), is taken as the file's digest and the bytes are not hashed again; `""`
     for a file whose digest nobody asks for. `direct` writes it with O_DIRECT where the
@@ -302,8 +300,8 @@ def _release(address: int, nbytes: int) -> None:
 
 def _huge_pages(address: int, nbytes: int) -> None:
     """Ask for huge pages behind the whole 2 MiB pages of a fresh, untouched allocation (a hint).
-    With 4 KiB pages a direct write of 2 x 400 MB took 0.27 s here, with huge pages 0.13 s: the
-    disk is handed the memory in far fewer pieces."""
+    A direct write then hands the disk the memory in far fewer pieces than from 4 KiB pages,
+    and is faster for it."""
     madvise = _madvise()
     start = -address % HUGE_PAGE + address
     end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
@@ -380,7 +378,7 @@ class _Writeback:
         if self.fn is None or self.written - self.started < WRITEBACK_WINDOW:
             return
         if self.fn(self.fd, self.started, self.written - self.started, _SYNC_FILE_RANGE_WRITE) != 0:
-            self.fn = None  # e.g. a file system without it: the fsync does all the work, as before
+            self.fn = None  # e.g. a file system without it: the fsync then does all the work
         self.started = self.written
 
 
