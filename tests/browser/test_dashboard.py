@@ -1,7 +1,7 @@
 """The dashboard in headless Chromium against a live run: the page fills from the API and
 the SSE stream, a config change made in the form reaches every participant at one round
 boundary, an invalid change shows its error and changes nothing, participant tokens get a
-read-only view, and an admin can evict."""
+read-only view, an admin can evict, and the event log filters by kind."""
 
 from __future__ import annotations
 
@@ -150,4 +150,37 @@ def test_admin_evicts_from_the_dashboard(page: Page, live_run: LiveRun) -> None:
     expect(row).to_have_attribute("data-state", "evicted")
     expect(pg.locator("#events li[data-kind=evict]")).to_contain_text("ghost evicted by an admin")
     assert live_run.coordinator.service.participants["ghost"].state == "evicted"
+    assert not page.errors, page.errors
+
+
+def test_event_log_filters_by_kind_and_keeps_the_choice(page: Page, live_run: LiveRun) -> None:
+    pg = page.page
+    pg.goto(f"{live_run.url}/#token={ATOKEN}")  # not open_dashboard: an earlier test may have added a participant
+    expect(pg.locator("body")).to_have_attribute("data-ready", "1")
+    rows, chips = pg.locator("#events li"), pg.locator("#events-filter button")
+    expect(pg.locator('#events-filter button[data-kind="all"]')).to_have_attribute("aria-pressed", "true")
+    expect(pg.locator("#events li[data-kind=round]").first).to_be_visible()  # "all" is the default
+    join = pg.locator('#events-filter button[data-kind="join"]')
+    expect(join.locator(".ev-chip-count")).to_have_text(re.compile(r"^\d+$"))
+    join.click()
+    expect(join).to_have_attribute("aria-pressed", "true")
+    wait_for(lambda: rows.count() == int(join.locator(".ev-chip-count").inner_text()), 30, "the join rows alone")
+    assert rows.count() >= len(SITES)
+    assert set(rows.evaluate_all("els => els.map(e => e.dataset.kind)")) == {"join"}
+    # rounds keep closing: their events arrive (the "all" count grows) but stay out of the list
+    everything = chips.filter(has=pg.locator(".ev-chip-label", has_text=re.compile("^all$")))
+    before = int(everything.locator(".ev-chip-count").inner_text())
+    wait_for(lambda: int(everything.locator(".ev-chip-count").inner_text()) > before, 60, "a new round event")
+    assert set(rows.evaluate_all("els => els.map(e => e.dataset.kind)")) == {"join"}
+    # the choice is kept in the page's storage: a reload shows the same filter
+    pg.reload()
+    expect(pg.locator("body")).to_have_attribute("data-ready", "1")
+    expect(join).to_have_attribute("aria-pressed", "true")
+    expect(rows.first).to_have_attribute("data-kind", "join")
+    assert set(rows.evaluate_all("els => els.map(e => e.dataset.kind)")) == {"join"}
+    pg.locator('#events-filter button[data-kind="not-round"]').click()
+    expect(pg.locator("#events li[data-kind=join]")).not_to_have_count(0)
+    expect(pg.locator("#events li[data-kind=round]")).to_have_count(0)
+    pg.locator('#events-filter button[data-kind="all"]').click()
+    expect(pg.locator("#events li[data-kind=round]").first).to_be_visible()
     assert not page.errors, page.errors

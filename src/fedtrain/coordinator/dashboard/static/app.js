@@ -8,6 +8,8 @@ const TOKEN_KEY = "fedtrain.token";
 const STATUS_REFRESH_MS = 5000; // heartbeats do not push a status: refresh ages now and then
 const GLOBAL_EVAL_REFRESH_MS = 10000; // the coordinator's global eval runs on its own thread, unannounced
 const MAX_EVENTS = 500;
+const EVENT_KIND_KEY = "fedtrain.eventKind"; // the event log's filter, kept across reloads
+const NOT_ROUND = "not-round"; // the filter value for every kind but "round"
 
 // Live fields offered as a form; anything else can be typed into the JSON change.
 const QUICK_FIELDS = [
@@ -26,6 +28,7 @@ const S = {
   token: null, role: null, offset: 0, source: null, timers: [],
   status: null, config: null, history: [], events: [], metrics: [],
   evictArmed: null, validateTimer: null, validateSeq: 0, chartsQueued: false,
+  eventKind: localStorage.getItem(EVENT_KIND_KEY) || "all",
 };
 
 class ApiError extends Error {
@@ -177,7 +180,9 @@ function renderCards(st) {
   const by = (state) => st.participants.filter((p) => p.state === state);
   const active = by("active");
   $("c-round").textContent = st.rounds ? `${st.current_round} / ${st.rounds}` : String(st.current_round);
-  $("c-round-sub").textContent = st.finished ? "run finished" : st.closing ? "closing: merging the updates"
+  const past = st.rounds_configured != null && st.rounds_configured !== st.rounds;
+  $("c-round-sub").textContent = st.finished ? (past ? `run finished past the config's ${st.rounds_configured} rounds`
+    : "run finished") : st.closing ? "closing: merging the updates"
     : `open · ${st.submitted.length} of ${active.length} active submitted`;
   $("c-parts").textContent = `${active.length} active`;
   $("c-parts-sub").textContent = ["failed", "left", "evicted"].map((s) => `${by(s).length} ${s}`).join(" · ");
@@ -293,11 +298,53 @@ function addEvents(list) {
     if (!dup) S.events.push(e);
   }
   S.events = S.events.slice(-MAX_EVENTS);
-  $("events").replaceChildren(...S.events.slice().reverse().map((e) => el("li", { dataset: { kind: e.kind } },
+  renderEvents();
+}
+
+function eventShown(e, kind) {
+  return kind === "all" || (kind === NOT_ROUND ? e.kind !== "round" : e.kind === kind);
+}
+
+function renderEvents() {
+  const kind = S.eventKind;
+  const counts = new Map();
+  for (const e of S.events) counts.set(e.kind, (counts.get(e.kind) || 0) + 1);
+  const rounds = counts.get("round") || 0;
+  const options = [["all", "all", S.events.length]];
+  if ((rounds && rounds < S.events.length) || kind === NOT_ROUND) {
+    options.push([NOT_ROUND, "all but round", S.events.length - rounds]);
+  }
+  if (kind !== "all" && kind !== NOT_ROUND && !counts.has(kind)) counts.set(kind, 0); // a kept choice stays visible
+  for (const k of [...counts.keys()].sort()) options.push([k, k, counts.get(k)]);
+  renderEventFilter(options, kind);
+  const shown = S.events.filter((e) => eventShown(e, kind));
+  $("events").replaceChildren(...shown.reverse().map((e) => el("li", { dataset: { kind: e.kind } },
     el("span", { class: "ev-time", text: fmt.clock(e.ts) }),
     el("span", { class: "ev-kind " + e.kind, text: e.kind }),
     el("span", { class: "ev-msg", text: e.message }))));
-  $("events-hint").textContent = `${S.events.length} shown, newest first`;
+  $("events-hint").textContent = kind === "all" ? `${S.events.length} shown, newest first`
+    : `${shown.length} of ${S.events.length} shown, newest first`;
+}
+
+// The filter's chips are updated in place, never rebuilt: events arrive every round, and a
+// chip replaced between a press and its release would swallow the click.
+function renderEventFilter(options, kind) {
+  const box = $("events-filter");
+  const have = new Map([...box.children].map((b) => [b.dataset.kind, b]));
+  const chips = options.map(([value, label, n]) => {
+    const chip = have.get(value) || el("button", { type: "button", class: "ev-chip", dataset: { kind: value } },
+      el("span", { class: "ev-chip-label", text: label }), " ", el("span", { class: "ev-chip-count" }));
+    chip.querySelector(".ev-chip-count").textContent = String(n);
+    chip.setAttribute("aria-pressed", String(value === kind));
+    return chip;
+  });
+  if (chips.length !== box.children.length || chips.some((c, i) => box.children[i] !== c)) box.replaceChildren(...chips);
+}
+
+function setEventKind(kind) {
+  S.eventKind = kind;
+  localStorage.setItem(EVENT_KIND_KEY, kind);
+  renderEvents();
 }
 
 // -- charts ------------------------------------------------------------------------------------
@@ -486,6 +533,10 @@ function init() {
     validateSoon();
   });
   $("config-apply").addEventListener("click", applyChange);
+  $("events-filter").addEventListener("click", (e) => {
+    const chip = e.target.closest("button[data-kind]");
+    if (chip) setEventKind(chip.dataset.kind);
+  });
   $("config-reset").addEventListener("click", () => { resetEditor(); $("config-result").textContent = ""; });
   window.addEventListener("resize", queueCharts);
   setValidation("idle", "No change yet.");
