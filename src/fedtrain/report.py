@@ -29,8 +29,12 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 def format_status(s: dict[str, Any]) -> str:
     now = time.time()
     rounds = f"{s['current_round']}/{s['rounds'] or '∞'}"
+    finished = ""
+    if s["finished"]:
+        configured = s.get("rounds_configured", s["rounds"])
+        finished = " (finished)" if configured == s["rounds"] else f" (finished past the config's {configured} rounds)"
     head = (
-        f"run {s['run']!r}: round {rounds}{' (finished)' if s['finished'] else ''}, "
+        f"run {s['run']!r}: round {rounds}{finished}, "
         f"{s['algorithm']}, {s['parameters']:,} parameters ({human_bytes(s['model_bytes'])}), "
         f"config v{s['config_version']}\n"
         f"round state: {s['reason']}\n"

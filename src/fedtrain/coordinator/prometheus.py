@@ -5,9 +5,9 @@ every committed round and a few counters into the text a Prometheus scraper read
 `GET /metrics`. Nothing here reads a clock, a socket or the database, so the output is
 tested from plain dicts.
 
-Counters (`*_total`) count from the start of the run where the database keeps the figure
-(rounds, tokens) and from the start of the coordinator process otherwise (bytes):
-Prometheus' `rate()` handles the reset a restart causes.
+Counters (`*_total`) count from the start of the run: the database keeps every figure
+(rounds, tokens, the participants' bytes), so a coordinator restart resets none of them.
+The run's bytes are the sums of the per-participant counters, which they always equal.
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ def render(status: dict[str, Any], timings: Sequence[tuple[float, float]], subsc
         w.sample("fedtrain_participants", n, {"state": state})
 
     w.metric("fedtrain_bytes_received_total", "counter",
-             "Update bytes received from participants since the coordinator started.", status["bytes_in"])
+             "Update bytes received from participants since the run began.", status["bytes_in"])
     w.metric("fedtrain_bytes_sent_total", "counter",
-             "Model bytes sent to participants since the coordinator started.", status["bytes_out"])
+             "Model bytes sent to participants since the run began.", status["bytes_out"])
     w.metric("fedtrain_tokens_total", "counter", "Tokens processed by all participants in submitted rounds.",
              sum(p["tokens"] for p in status["participants"]))
 

@@ -111,7 +111,8 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self._weights = WeightsGuard()
         self._rollbacks = 0
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-prune")
-        self.bytes_in = 0
+        # Every download's bytes, counted by `model_stream`; not reported: the run's totals are
+        # the sums of the participants' counters, which the store keeps across restarts (`status`).
         self.bytes_out = 0
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -236,9 +237,19 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self._janitor.shutdown(wait=True)
         if getattr(self, "_global_eval", None) is not None:
             self._global_eval.stop()
+        for p in self.participants.values():  # downloads since a participant's last heartbeat count too
+            self.store.upsert_participant(p)
         self.store.close()
 
     # -- status ---------------------------------------------------------------------------------
+
+    def rounds_total(self) -> int:
+        """The rounds the run has in all (0: no end): the config's `rounds`, or, for a run that
+        finished past it, the rounds it committed. A config in force with fewer rounds than
+        were already committed (lowered live, or a restart with another --config) finishes the
+        run where it stands; its total is then the committed count, not the lower figure, so
+        that the open round never reads as past the end (`round 408/400`)."""
+        return self.version if self.finished else self.config.rounds
 
     def status(self) -> dict[str, Any]:
         params = sum(math.prod(s) for _, s in self.spec.values())
@@ -247,7 +258,8 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         return {
             "run": self.config.name,
             "current_round": self.version,
-            "rounds": self.config.rounds,
+            "rounds": self.rounds_total(),
+            "rounds_configured": self.config.rounds,
             "finished": self.finished,
             "closing": self.closing,
             "reason": self.reason,
@@ -258,8 +270,10 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
             "latest_config_version": self.latest_config_version,
             "parameters": params,
             "model_bytes": sum(t.numel() * t.element_size() for t in self.outer.params.values()),
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
+            # The run's traffic: the sums of the participants' counters, which persist (a
+            # download without a participant_id, such as `fedtrain export`, is not counted).
+            "bytes_in": sum(p.bytes_up for p in self.participants.values()),
+            "bytes_out": sum(p.bytes_down for p in self.participants.values()),
             "submitted": sorted(self.submitted),
             "participants": [
                 {

@@ -182,7 +182,6 @@ class UploadsMixin(CoordinatorBase):
         if done is None:
             return {"accepted": True, "duplicate": True, "round": round_}
         admission = done
-        self.bytes_in += length
         p.bytes_up += length
         p.tokens += tokens
         p.round = round_
