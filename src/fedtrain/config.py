@@ -5,6 +5,11 @@ refused (a typo is an error, never silently ignored), every field has a default 
 description. `load_config(path)` reads YAML or JSON and turns every problem into a
 `ConfigError` that names the file, the field and what is wrong.
 
+Every number is finite (no `.inf`, `Infinity` or NaN: JSON would show them as null) and
+within a range that can work: durations at most `MAX_SECONDS`, an upload limit of at
+least `MIN_UPLOAD_MB`. What only the model can tell (whether `max_upload_mb` holds one
+update of it) is `check_upload_limit`, for the coordinator, which knows the model.
+
 Secrets (tokens) are *not* part of the run config: the config is readable by every
 participant, so the coordinator's tokens live in `CoordinatorSettings` (cli/env).
 """
@@ -12,6 +17,8 @@ participant, so the coordinator's tokens live in `CoordinatorSettings` (cli/env)
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,8 +30,26 @@ from fedtrain.errors import ConfigError
 Algorithm = Literal["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"]
 
 
+MB = 1_000_000
+"""The megabyte of `max_upload_mb`, as the coordinator counts it."""
+MIN_UPLOAD_MB = 0.01
+"""The smallest `max_upload_mb`: 10 kB, the header and data of a toy model's update."""
+MAX_UPLOAD_MB = 1_000_000.0
+"""The largest `max_upload_mb`: 1 TB."""
+MAX_SECONDS = 366 * 86400.0
+"""The longest duration a field may name (a year): longer is a typo, and `threading` waits
+refuse timeouts beyond `threading.TIMEOUT_MAX`."""
+MIN_HEARTBEAT_S = 0.05
+"""The shortest heartbeat interval: shorter makes each participant a busy loop of requests."""
+MAX_LR = 10.0
+"""The largest learning rate, inner or outer: above it every step diverges."""
+SEED_RANGE = (-(2**63), 2**63 - 2)
+"""Seeds `torch.manual_seed` takes, with the `seed + 1` a recipe derives from it."""
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float field refuses inf and NaN (YAML .inf, JSON Infinity).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class HFModelConfig(_Strict):
@@ -58,7 +83,22 @@ class HFModelConfig(_Strict):
             raise ValueError("model.hf.gguf_file needs model.hf.path (the directory holding it)")
         if self.tokenizer == "model" and self.path is None:
             raise ValueError("model.hf.tokenizer `model` needs model.hf.path")
+        bad = _non_finite(self.config)
+        if bad is not None:
+            raise ValueError(f"model.hf.config.{bad} is not a finite number")
         return self
+
+
+def _non_finite(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first inf or NaN inside a plain JSON-like value, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "(value)"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class LoraConfig(_Strict):
@@ -113,7 +153,7 @@ class TrainConfig(_Strict):
     """What each participant does between two syncs (the inner loop)."""
 
     sync_every: int = Field(20, ge=1, description="H: inner steps between two syncs.")
-    lr: float = Field(3e-3, gt=0, description="Inner optimizer (AdamW) learning rate.")
+    lr: float = Field(3e-3, gt=0, le=MAX_LR, description="Inner optimizer (AdamW) learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Inner AdamW weight decay.")
     batch_size: int = Field(16, ge=1, description="Sequences per inner step.")
     seq_len: int = Field(128, ge=2, description="Tokens per sequence (at most model.block_size).")
@@ -137,7 +177,7 @@ class OuterConfig(_Strict):
     """The coordinator's outer optimizer, applied to the weighted mean pseudo-gradient."""
 
     algorithm: Algorithm = Field("diloco", description="fedavg | diloco | fedavgm | fedadam | fedyogi.")
-    lr: float | None = Field(None, gt=0, description="Outer learning rate (default per algorithm).")
+    lr: float | None = Field(None, gt=0, le=MAX_LR, description="Outer learning rate (default per algorithm).")
     momentum: float | None = Field(None, ge=0, lt=1, description="SGD momentum (diloco 0.9, fedavgm 0.9).")
     nesterov: bool | None = Field(None, description="Nesterov momentum (default: on for diloco).")
     beta1: float = Field(0.9, ge=0, lt=1, description="FedAdam/FedYogi first-moment decay.")
@@ -170,14 +210,14 @@ class RunConfig(_Strict):
     """Everything that defines a run; shared with every participant at join."""
 
     name: str = Field("fedtrain-run", min_length=1, description="Human name of the run.")
-    seed: int = Field(0, description="Seed of the initial global weights.")
+    seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="Seed of the initial global weights.")
     rounds: int = Field(10, ge=0, description="Rounds until the run is finished (0: no end).")
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     min_participants: int = Field(1, ge=1, description="Submissions needed to close at the deadline.")
-    round_timeout_s: float = Field(600.0, gt=0, description="Deadline of a round after it opens.")
+    round_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Deadline of a round after it opens.")
     deadline: Literal["fixed", "adaptive"] = Field(
         "fixed",
         description="fixed: every round's deadline is round_timeout_s. adaptive: deadline_factor times the median "
@@ -185,7 +225,9 @@ class RunConfig(_Strict):
         "[deadline_min_s, round_timeout_s].",
     )
     deadline_factor: float = Field(3.0, ge=1, description="adaptive deadline: multiple of the median submit time.")
-    deadline_min_s: float = Field(10.0, gt=0, description="adaptive deadline: never shorter than this.")
+    deadline_min_s: float = Field(
+        10.0, gt=0, le=MAX_SECONDS, description="adaptive deadline: never shorter than this."
+    )
     deadline_window: int = Field(5, ge=1, description="adaptive deadline: closed rounds whose submit times count.")
     late_uploads: Literal["refuse", "fold"] = Field(
         "refuse",
@@ -196,8 +238,12 @@ class RunConfig(_Strict):
         0.5, gt=0, le=1, description="late_uploads=fold: weight factor per round an update is late."
     )
     max_staleness: int = Field(1, ge=1, description="late_uploads=fold: older updates are refused with 409.")
-    heartbeat_interval_s: float = Field(5.0, gt=0, description="How often participants heartbeat.")
-    heartbeat_timeout_s: float = Field(60.0, gt=0, description="Silence after which a participant is failed.")
+    heartbeat_interval_s: float = Field(
+        5.0, ge=MIN_HEARTBEAT_S, le=MAX_SECONDS, description="How often participants heartbeat."
+    )
+    heartbeat_timeout_s: float = Field(
+        60.0, gt=0, le=MAX_SECONDS, description="Silence after which a participant is failed."
+    )
     keep_checkpoints: int = Field(
         3,
         ge=1,
@@ -219,7 +265,13 @@ class RunConfig(_Strict):
         "(commit first): the new model is sent while its checkpoint is written, but each download holds back "
         "its last piece until the round is committed, so no participant holds a model that is not durable.",
     )
-    max_upload_mb: float = Field(4096.0, gt=0, description="Largest accepted upload body, in MB.")
+    max_upload_mb: float = Field(
+        4096.0,
+        ge=MIN_UPLOAD_MB,
+        le=MAX_UPLOAD_MB,
+        description="Largest accepted upload body, in MB (10^6 bytes). The coordinator refuses a value "
+        "smaller than one update of the run's model, which every upload would exceed.",
+    )
 
     @model_validator(mode="after")
     def _seq_fits(self) -> RunConfig:
@@ -228,6 +280,21 @@ class RunConfig(_Strict):
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
         return self
+
+
+def check_upload_limit(config: RunConfig, update_bytes: int, *, source: str = "config") -> None:
+    """Refuse a config whose `max_upload_mb` is smaller than one update of the run's model
+    (`update_bytes`: the body a participant sends under this config's `train.compression`),
+    since every upload would then be refused with 413. The caller knows the model; this
+    decides, with the reason, as a ConfigError naming the field."""
+    limit = int(config.max_upload_mb * MB)
+    if update_bytes > limit:
+        need = math.ceil(update_bytes / MB * 100) / 100
+        raise ConfigError(
+            f"{source}: max_upload_mb: {config.max_upload_mb:g} MB ({limit:,} bytes) is smaller than one update "
+            f"of this run's model ({update_bytes:,} bytes with train.compression {config.train.compression}): "
+            f"every upload would be refused; set it to at least {need:g}"
+        )
 
 
 def _format_validation(err: ValidationError) -> str:
@@ -334,11 +401,19 @@ def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> d
     return diff
 
 
-def apply_change(current: RunConfig, patch: Any, *, source: str = "config change") -> tuple[RunConfig, dict]:
+def apply_change(
+    current: RunConfig,
+    patch: Any,
+    *,
+    source: str = "config change",
+    update_bytes: Callable[[RunConfig], int] | None = None,
+) -> tuple[RunConfig, dict]:
     """Validate a partial (merge-patch) change against the running config.
 
     Returns the new config and its diff; raises ConfigError naming the field and the reason
-    when the result is invalid or touches a field fixed for the life of the run."""
+    when the result is invalid or touches a field fixed for the life of the run. With
+    `update_bytes` (the size of one update of the run's model under a config), the new
+    config must also hold one update (`check_upload_limit`)."""
     if not isinstance(patch, dict):
         raise ConfigError(f"{source}: expected a mapping of fields to change, got {type(patch).__name__}")
     old = current.model_dump(mode="json")
@@ -348,4 +423,6 @@ def apply_change(current: RunConfig, patch: Any, *, source: str = "config change
     if fixed:
         why = FIXED_FIELDS[fixed[0].split(".")[0]]
         raise ConfigError(f"{source}: {', '.join(fixed)} cannot change during a run ({why})")
+    if update_bytes is not None:
+        check_upload_limit(new_cfg, update_bytes(new_cfg), source=source)
     return new_cfg, diff

@@ -7,6 +7,7 @@ import json
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
+import annotated_types
 from pydantic import BaseModel
 
 from fedtrain.config import FIXED_FIELDS, RunConfig
@@ -17,7 +18,11 @@ Generated from `fedtrain.config.RunConfig` by `python -m fedtrain.config_doc > d
 (a test checks it is current). A run config is YAML or JSON; unknown fields are refused.
 Fields under `name`, `seed` and `model` are fixed for the life of a run; every other field
 can change live (admin API, dashboard, or SIGHUP) and takes effect at the next round boundary.
+Every number must be finite (no `.inf`, `Infinity` or NaN) and within the range shown.
 """
+
+_BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
+           (annotated_types.Lt, "lt", "<"), (annotated_types.Le, "le", "<="))
 
 
 def _default(field: Any) -> str:
@@ -39,6 +44,17 @@ def _type(annotation: Any) -> str:
     return text.replace("typing.", "").replace("fedtrain.config.", "")
 
 
+def _range(field: Any) -> str:
+    """The field's bounds as " (range: > 0, <= 10)", or "" for an unbounded field."""
+    parts = [f"{sign} {_number(getattr(m, attr))}"
+             for kind, attr, sign in _BOUNDS for m in field.metadata if isinstance(m, kind)]
+    return f" (range: {', '.join(parts)})" if parts else ""
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows: list[str] = []
     nested: list[tuple[str, type[BaseModel]]] = []
@@ -53,7 +69,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
                 rows.append(f"| `{path}` | section | `null` | {(field.description or '').strip()} |")
             continue
         fixed = " (fixed for the run)" if path.split(".")[0] in FIXED_FIELDS else ""
-        meaning = (field.description or "").strip() + fixed
+        meaning = (field.description or "").strip() + _range(field) + fixed
         rows.append(f"| `{path}` | {_type(annotation)} | {_default(field)} | {meaning} |")
     for path, sub in nested:
         doc = (sub.__doc__ or "").strip().splitlines()[0] if sub.__doc__ else ""

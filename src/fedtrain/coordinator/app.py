@@ -140,18 +140,15 @@ def create_app(service: Coordinator) -> FastAPI:
             status_code=500,
         )
 
-    @role_check
-    def identity(request: Request) -> Identity:
-        authorization = request.headers.get("authorization")
+    def authenticate(authorization: str | None) -> Identity:
         ident = service.tokens.identify(authorization)
         if ident is None:
-            if service.tokens.is_revoked(authorization):
-                raise Refused(401, "token_revoked", "this token was revoked by the run's admin")
-            missing = not authorization
-            raise Refused(
-                401, "unauthorized", "missing bearer token" if missing else "invalid token: not a token of this run"
-            )
+            raise Refused(401, *service.tokens.refusal(authorization))
         return ident
+
+    @role_check
+    def identity(request: Request) -> Identity:
+        return authenticate(request.headers.get("authorization"))
 
     dashboard.add_routes(app, service, identity)  # /, /static, /v1 (JSON index), /v1/whoami, /metrics
 
@@ -216,10 +213,7 @@ def create_app(service: Coordinator) -> FastAPI:
     @role_check
     def stream_identity(request: Request, token: str | None = Query(None, description="for EventSource")) -> Identity:
         if token and not request.headers.get("authorization"):
-            ident = service.tokens.identify(f"Bearer {token}")
-            if ident is None:
-                raise Refused(401, "unauthorized", "invalid token: not a token of this run")
-            return ident
+            return authenticate(f"Bearer {token}")  # a revoked one is `token_revoked` here too
         return identity(request)
 
     @app.get("/v1/stream", summary="Server-sent events: config changes, run events, status updates",

@@ -66,12 +66,9 @@ class Tokens:
 
     def identify(self, authorization: str | None) -> Identity | None:
         """The identity behind an `Authorization: Bearer …` header, or None."""
-        if not authorization:
+        token = _bearer(authorization)
+        if token is None:
             return None
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return None
-        token = token.strip()
         found: Identity | None = None
         # Compare against every token so that timing says nothing about which one matched.
         if self.admin is not None and hmac.compare_digest(token.encode(), self.admin.encode()):
@@ -85,5 +82,21 @@ class Tokens:
 
     def is_revoked(self, authorization: str | None) -> bool:
         """Whether the header carries a participant token that was revoked (for a clearer 401)."""
-        _, _, token = (authorization or "").partition(" ")
-        return bool(token.strip()) and fingerprint(token.strip()) in self.revoked
+        token = _bearer(authorization)
+        return token is not None and fingerprint(token) in self.revoked
+
+    def refusal(self, authorization: str | None) -> tuple[str, str]:
+        """The 401's code and message for a header that `identify` found no one behind: the
+        one answer of every way a token arrives (the header, or `?token=` for EventSource)."""
+        if self.is_revoked(authorization):
+            return "token_revoked", "this token was revoked by the run's admin"
+        if not authorization:
+            return "unauthorized", "missing bearer token"
+        return "unauthorized", "invalid token: not a token of this run"
+
+
+def _bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, or None."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None

@@ -6,6 +6,15 @@ each file is written atomically (temp file, fsync, rename, fsync of the director
 counts as committed only once the database says so; files of newer versions are orphans of
 a crash between the rename and the database commit, and are removed at start.
 
+Every file is verified when it is loaded. The model file's digest is the one served with
+it, kept in the database (`digest/<version>`). The outer state file carries its own, in its
+metadata (`STATE_DIGEST_KEY`): the digest of the body the file would be without that key,
+header and data, so a flipped byte anywhere in it (a tensor, the step count, the
+hyperparameters) is found. An outer file written before this key existed still loads, once
+checked for non-finite values: refusing it would strand every older state directory for a
+file whose model beside it is still verified, and the next commit writes it with a digest.
+It is logged and listed by `unverified()`.
+
 The files are written with O_DIRECT (`write_temp(direct=True)`): the disk takes the tensors
 from memory, and the CPU, which the round's downloads need at the same time, copies nothing
 into the page cache. `write` names the tensors that were not placed in memory for that
@@ -23,9 +32,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +46,17 @@ import torch
 
 from fedtrain import faults
 from fedtrain.errors import StateError, WireError
-from fedtrain.wire import iter_file, read_tensors
+from fedtrain.wire import EncodedBody, StreamingDigest, iter_file, read_tensors
+from fedtrain.wire.digest import digests_equal, parse_digest
 from fedtrain.wire.files import write_temp
+from fedtrain.wire.reader import OnHeader
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(global|outer)-(\d{6,})\.safetensors$")
 SPARES = 2  # one round writes two files
+STATE_DIGEST_KEY = "fedtrain.state_digest"
+"""Metadata key of an outer state file: the digest of the file's body without this key."""
 
 
 @dataclass
@@ -64,6 +81,7 @@ class CheckpointDir:
         self._readers: collections.Counter[Path] = collections.Counter()
         self._spares: list[Path] = []
         self._spare_names = 0
+        self._unverified: set[str] = set()  # names of outer files loaded without a digest
 
     def remove_temp_files(self) -> None:
         """Drop half-written files of a crashed writer, and spares (only the coordinator itself calls this)."""
@@ -132,9 +150,13 @@ class CheckpointDir:
 
     def _write_outer(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, str],
                      digest_algorithm: str | None) -> dict[str, int]:
-        # Nothing checks this file's digest (the model file's names the version): not hashed.
-        pending = write_temp(self.outer_path(version), tensors, meta, digest_algorithm, reuse=self._take_spare(),
-                             digest="", direct=True)
+        if STATE_DIGEST_KEY in meta:
+            raise StateError(f"outer optimizer metadata may not use the key {STATE_DIGEST_KEY!r}")
+        # One hash pass over the state in memory (on this worker thread; the hash releases the
+        # GIL); the file's own bytes, which hold the result, are then not hashed.
+        claimed = EncodedBody(tensors, meta, digest_algorithm=digest_algorithm).digest()
+        pending = write_temp(self.outer_path(version), tensors, {**meta, STATE_DIGEST_KEY: claimed},
+                             digest_algorithm, reuse=self._take_spare(), digest="", direct=True)
         pending.commit()
         faults.hit("checkpoint.after_outer_write", round=version - 1)
         return pending.misfits
@@ -143,21 +165,52 @@ class CheckpointDir:
         return self._load(self.global_path(version), digest)
 
     def load_outer(self, version: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The outer optimizer state of `version` and its metadata, verified against the digest
+        the file carries (`STATE_DIGEST_KEY`, not part of the metadata returned)."""
         path = self.outer_path(version)
-        tensors = self._load(path, None)
-        from safetensors import safe_open  # header-only read for the metadata
+        meta: dict[str, str] = {}
+        tensors = self._load(path, None, on_header=lambda _specs, m: meta.update(m))
+        claimed = meta.pop(STATE_DIGEST_KEY, None)
+        if claimed is None:
+            self._accept_unverified(path, tensors)
+            return tensors, meta
+        try:
+            got = EncodedBody(tensors, meta, digest_algorithm=parse_digest(claimed)[0]).digest()
+            same = digests_equal(got, claimed)
+        except WireError as e:
+            raise StateError(f"checkpoint {path} is damaged on disk: its {STATE_DIGEST_KEY} is unusable "
+                             f"({e.message})") from None
+        if not same:
+            raise StateError(_damaged(path, claimed, got))
+        return tensors, meta
 
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        return tensors, dict(meta)
+    def unverified(self) -> list[str]:
+        """Names of the outer state files loaded without a digest (written by an older fedtrain)."""
+        with self._lock:
+            return sorted(self._unverified)
 
-    def _load(self, path: Path, digest: str | None) -> dict[str, torch.Tensor]:
+    def _accept_unverified(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        # No digest to check: at least the values that would make the next model non-finite.
+        for name, t in tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
+                raise StateError(f"checkpoint {path} is damaged on disk: tensor {name!r} holds non-finite "
+                                 "values (the file carries no digest, written by an older fedtrain)")
+        log.warning("checkpoint %s carries no digest (written by an older fedtrain): loaded unverified; "
+                    "the next commit writes the optimizer state with one", path)
+        with self._lock:
+            self._unverified.add(path.name)
+
+    def _load(self, path: Path, digest: str | None, on_header: OnHeader | None = None) -> dict[str, torch.Tensor]:
         if not path.is_file():
             raise StateError(f"checkpoint {path} is missing; the state directory is damaged")
+        state = StreamingDigest.like(digest) if digest is not None else None
         try:
-            return dict(read_tensors(iter_file(path), expected_digest=digest))
+            tensors = dict(read_tensors(_hashed(iter_file(path), state), on_header=on_header))
         except WireError as e:
-            raise StateError(f"checkpoint {path} is damaged: {e.message}") from None
+            raise StateError(f"checkpoint {path} is damaged on disk: {e.message}") from None
+        if state is not None and digest is not None and not digests_equal(state.digest(), digest):
+            raise StateError(_damaged(path, digest, state.digest()))
+        return tensors
 
     def versions(self) -> list[int]:
         found = set()
@@ -186,3 +239,16 @@ class CheckpointDir:
         for v in self.versions():
             if (orphans and v > committed) or v <= committed - keep:
                 self.remove(v)
+
+
+def _hashed(chunks: Iterator[bytes], state: StreamingDigest | None) -> Iterator[bytes]:
+    for chunk in chunks:
+        if state is not None:
+            state.update(chunk)
+        yield chunk
+
+
+def _damaged(path: Path, expected: str, got: str) -> str:
+    return (f"checkpoint {path} is damaged on disk: its content does not match the digest it was written "
+            f"with (expected {expected}, got {got}); restore the state directory from a backup, or start "
+            "from an older version")

@@ -5,13 +5,16 @@ spaces so the data starts 8-byte aligned), then the tensors' bytes back to back.
 names that layout (`PREFIX_BYTES`, `MAX_HEADER_BYTES`, the dtype tables), describes a tensor
 by its `TensorSpec`, and validates a received header in full with `parse_header`. Nothing
 here unpickles: the header is JSON and the data are raw bytes, so a hostile header can at
-worst be refused with a `WireError`.
+worst be refused with a `WireError`. A well-formed header nests three levels deep (header,
+entry, shape); one nested deeper than `MAX_HEADER_DEPTH` is refused before the JSON parser
+sees it, since that parser recurses once per level and a few thousand levels exhaust it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +27,7 @@ __all__ = [
     "DEFAULT_CHUNK",
     "DTYPE_TO_ST",
     "MAX_HEADER_BYTES",
+    "MAX_HEADER_DEPTH",
     "PREFIX_BYTES",
     "ST_TO_DTYPE",
     "TensorSpec",
@@ -33,9 +37,14 @@ __all__ = [
 ]
 
 MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
+MAX_HEADER_DEPTH = 8  # header > entry > shape is 3; the rest is room, far below the parser's limit
 DEFAULT_CHUNK = 1 << 20
 PREFIX_BYTES = 8  # the little-endian u64 header length that starts every body
 _ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
+# A JSON string (unrolled so that matching is linear), whose brackets are no nesting.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
 
 _NAMES = [
     ("F64", "float64"),
@@ -91,11 +100,16 @@ def byte_view(t: torch.Tensor) -> memoryview:
 def parse_header(raw: bytes) -> tuple[list[TensorSpec], dict[str, str]]:
     """Validate a safetensors JSON header; return the specs in offset order and metadata."""
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise WireError(f"tensor body header is not valid UTF-8: {exc}") from None
+    _check_depth(raw)
+    try:
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
         raise WireError(f"tensor body header is not valid JSON: {exc}") from None
+    except RecursionError:  # _check_depth refuses far less; kept so that no header is ever a 500
+        raise WireError("tensor body header is nested too deeply to parse") from None
     if not isinstance(header, dict):
         raise WireError(f"tensor body header must be a JSON object, got {type(header).__name__}")
     metadata = header.pop("__metadata__", {})
@@ -113,6 +127,27 @@ def parse_header(raw: bytes) -> tuple[list[TensorSpec], dict[str, str]]:
             )
         expected = end
     return [e[0] for e in entries], metadata
+
+
+def _check_depth(raw: bytes) -> None:
+    """Refuse a header whose arrays and objects nest deeper than `MAX_HEADER_DEPTH`.
+
+    Strings are dropped (their brackets are text), then everything but brackets, as "[" and
+    "]"; each pass of `replace` removes the innermost pairs, one level, in C. What pairs no
+    more is "]]…[[…": its openers are never closed, and nest as deep as there are of them.
+    Other unbalanced brackets are left for the JSON parser to name.
+    """
+    skeleton = _JSON_STRING.sub(b"", raw).translate(_TO_SQUARE, _NOT_BRACKETS)
+    for _ in range(MAX_HEADER_DEPTH):
+        inner = skeleton.replace(b"[]", b"")
+        if inner == skeleton:
+            break
+        skeleton = inner
+    if b"[]" in skeleton or skeleton.count(b"[") > MAX_HEADER_DEPTH:
+        raise WireError(
+            f"tensor body header nests arrays or objects more than {MAX_HEADER_DEPTH} levels deep; "
+            "a safetensors header needs 3"
+        )
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
