@@ -8,10 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.report import format_status
-from tests.conftest import ATOKEN, tiny_config
+from fedtrain.wire import read_tensors
+from tests.conftest import ATOKEN, PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
 from tests.integration.test_api import client, put, zeros_like_model
 
 
@@ -57,6 +59,30 @@ def test_bytes_in_and_out_persist_across_a_restart(tmp_path: Path) -> None:
         later = http.get("/v1/status").json()
     assert later["bytes_in"] > before["bytes_in"] and later["bytes_out"] > before["bytes_out"]
     assert later["bytes_in"] == sum(p["bytes_up"] for p in later["participants"])
+
+
+def test_a_coordinator_process_stopped_with_sigterm_and_started_again_keeps_the_totals(tmp_path: Path) -> None:
+    cfg_path, state, log, port = tmp_path / "run.json", tmp_path / "state", tmp_path / "coordinator.log", free_port()
+    cfg_path.write_text(tiny_config(rounds=0).model_dump_json())
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {PTOKEN}"}, timeout=30)
+    proc = start_coordinator(cfg_path, state, port, log)
+    try:
+        http.post("/v1/join", json={"name": "a"})
+        model = http.get("/v1/model", params={"participant_id": "a"}).content
+        zeros = {n: torch.zeros_like(t) for n, t in read_tensors([model])}
+        assert put(http, 0, "a", zeros).json()["accepted"] is True
+        assert http.get("/v1/rounds/0", params={"wait": 20}).json()["current_round"] == 1
+        assert http.get("/v1/model", params={"participant_id": "a"}).status_code == 200  # nothing stored after it
+        before = http.get("/v1/status").json()
+        stop_coordinator(proc)  # SIGTERM: the coordinator's clean stop
+        proc = start_coordinator(cfg_path, state, port, log)
+        after = http.get("/v1/status").json()
+    finally:
+        http.close()
+        stop_coordinator(proc)
+    assert before["bytes_in"] > 0 and before["bytes_out"] > len(model) > 0
+    assert (after["bytes_in"], after["bytes_out"]) == (before["bytes_in"], before["bytes_out"])
+    assert after["participants"][0]["bytes_down"] == before["bytes_out"]
 
 
 def test_a_run_restarted_with_fewer_rounds_than_it_committed_is_finished_at_its_count(tmp_path: Path) -> None:
