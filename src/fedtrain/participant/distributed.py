@@ -27,6 +27,11 @@ refused) is broadcast as ERROR with its message, and every rank raises
 `DistributedSyncError`. θ is the sync set only (the trainable parameters): frozen
 weights are the same on every rank by construction. Messages are a fixed int64 tensor
 plus an optional JSON byte tensor: nothing is pickled (`broadcast_object_list` would).
+
+Stopping: a SIGTERM (or Ctrl+C) reaches every rank, which stops like any `fedtrain`
+command: "fedtrain participant: stopped", status 130, no traceback. torchrun's own
+launcher then prints torch's `SignalException` traceback, in its process, which no code of
+ours runs in; `launch` runs that launcher in our process and ends it with one line instead.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -47,7 +53,7 @@ from fedtrain.config import RunConfig
 from fedtrain.errors import FedtrainError
 from fedtrain.participant.runner import Participant, sync_set
 
-__all__ = ["DistributedParticipant", "DistributedSyncError", "init_from_env", "world_from_env"]
+__all__ = ["DistributedParticipant", "DistributedSyncError", "init_from_env", "launch", "world_from_env"]
 
 log = logging.getLogger("fedtrain.participant")
 
@@ -83,6 +89,29 @@ def init_from_env(device: str = "cpu") -> tuple[int, int, torch.device]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if where.type == "cuda" else "gloo")
     return rank, world, where
+
+
+def launch(argv: Sequence[str], prog: str = "fedtrain torchrun") -> int:
+    """torchrun in this process (`argv` as torchrun takes them), ending as a `fedtrain` command does.
+
+    On SIGTERM, SIGINT or SIGHUP torchrun's agent passes the signal on to the ranks, waits
+    for them, then raises `SignalException`; uncaught, as under `torchrun`, that prints a
+    traceback after the ranks' own clean stop. Here it is one line and status 130. A failed
+    rank (`ChildFailedError`) prints torch's failure summary without the traceback, status 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(list(argv))
+    except (SignalException, KeyboardInterrupt) as e:  # KeyboardInterrupt: before the agent's handlers are set
+        why = f" ({e.sigval.name})" if isinstance(e, SignalException) else ""
+        print(f"{prog}: stopped{why}", file=sys.stderr)
+        return 130
+    except ChildFailedError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 @dataclass
