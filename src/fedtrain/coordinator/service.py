@@ -25,6 +25,7 @@ import json
 import math
 import shutil
 import signal
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -38,7 +39,7 @@ import torch
 from fedtrain.config import RunConfig, outer_defaults, parse_config
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.base import Live, Refused
+from fedtrain.coordinator.base import Live, Refused, log
 from fedtrain.coordinator.broadcast import Broadcaster
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.global_eval import GlobalEvaluator
@@ -237,8 +238,10 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self._janitor.shutdown(wait=True)
         if getattr(self, "_global_eval", None) is not None:
             self._global_eval.stop()
-        for p in self.participants.values():  # downloads since a participant's last heartbeat count too
-            self.store.upsert_participant(p)
+        try:  # a participant's downloads since its row was last stored count too
+            self.store.upsert_participants(list(self.participants.values()))
+        except sqlite3.Error as e:
+            log.warning("the participants' counters could not be stored at the stop: %s", e)
         self.store.close()
 
     # -- status ---------------------------------------------------------------------------------

@@ -189,8 +189,12 @@ class Store:
         return [_participant(r) for r in rows]
 
     def upsert_participant(self, row: ParticipantRow) -> None:
+        self.upsert_participants([row])
+
+    def upsert_participants(self, rows: list[ParticipantRow]) -> None:
+        """Store these participants' rows, all in one transaction."""
         with self.write() as db:
-            db.execute(
+            db.executemany(
                 """INSERT INTO participants (id, name, token_id, state, joined_at, last_seen, round,
                        tokens, bytes_up, bytes_down, info, config_version)
                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
@@ -198,20 +202,11 @@ class Store:
                        round = excluded.round, tokens = excluded.tokens, bytes_up = excluded.bytes_up,
                        bytes_down = excluded.bytes_down, info = excluded.info,
                        config_version = excluded.config_version""",
-                (
-                    row.id,
-                    row.name,
-                    row.token_id,
-                    row.state,
-                    row.joined_at,
-                    row.last_seen,
-                    row.round,
-                    row.tokens,
-                    row.bytes_up,
-                    row.bytes_down,
-                    json.dumps(row.info),
-                    row.config_version,
-                ),
+                [
+                    (row.id, row.name, row.token_id, row.state, row.joined_at, row.last_seen, row.round,
+                     row.tokens, row.bytes_up, row.bytes_down, json.dumps(row.info), row.config_version)
+                    for row in rows
+                ],
             )
 
     # -- rounds and submissions ---------------------------------------------------------------
