@@ -9,7 +9,12 @@
     └── CoordinatorError       the coordinator answered with an error (status, code, message)
         ├── AuthError          401/403: missing, wrong or insufficient token
         ├── RoundClosedError   409: the round is over; move on to the current global model
-        └── CoordinatorUnavailable  no answer after bounded retries (network, timeouts, 5xx)
+        ├── CoordinatorUnavailable  no answer after bounded retries (refused, timeouts, 5xx)
+        ├── NotACoordinatorError    something answers at the address, but not a fedtrain coordinator
+        └── TLSError           https against plain HTTP or the reverse, or a certificate not trusted
+
+AuthError, NotACoordinatorError and TLSError are permanent: retrying cannot fix them, so the
+client raises them at once, with the setting to change in the message.
 
 Low-level errors (httpx, starlette, safetensors, sqlite3) are translated into this tree at
 one boundary each: `participant/client.py` on the client side, `coordinator/app.py` on the
@@ -78,6 +83,15 @@ class RoundClosedError(CoordinatorError):
 
 class CoordinatorUnavailable(CoordinatorError):
     pass
+
+
+class NotACoordinatorError(CoordinatorError):
+    """The address answers, but not as a fedtrain coordinator (an HTML page, a 404 on /v1/join)."""
+
+
+class TLSError(CoordinatorError):
+    """TLS does not match at the address (https to a plain-HTTP port or the reverse), or its
+    certificate cannot be verified."""
 
 
 def error_body(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> dict:

@@ -5,6 +5,14 @@ Every request fedtrain makes is idempotent (join by name, heartbeat, upload per 
 participant), downloads, status), so a transient failure — connection refused while the
 coordinator restarts, a timeout, a 502/503/504 — is retried with exponential backoff and
 jitter, bounded by `RetryPolicy.max_elapsed_s`; after that `CoordinatorUnavailable`.
+
+Until the coordinator has answered once, an address that refuses connections is more likely
+wrong than restarting, so those retries stop after `RetryPolicy.first_contact_s`. Errors
+that retrying cannot fix fail at once, saying what to change: TLS that does not match the
+URL's scheme or a certificate not trusted (`TLSError`), something at the address that is
+not a fedtrain coordinator (`NotACoordinatorError`), a refused token (`AuthError`).
+
+No torch here at module level: `fedtrain status` uses this client and never a tensor.
 """
 
 from __future__ import annotations
@@ -13,30 +21,37 @@ import functools
 import json
 import logging
 import random
+import socket
 import ssl
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import httpx
-import torch
 
 from fedtrain.errors import (
     AuthError,
     CoordinatorError,
     CoordinatorUnavailable,
+    NotACoordinatorError,
     RoundClosedError,
+    TLSError,
     WireError,
 )
 from fedtrain.participant import fetch
-from fedtrain.participant.fetch import direct_request, is_direct
-from fedtrain.wire import DIGEST_HEADER, BodyReader, EncodedBody, TensorSpec
-from fedtrain.wire.digest import BackgroundDigest, parse_digest, verify_digest
+from fedtrain.participant.fetch import VERSION_HEADER, ModelBody, direct_request, is_direct
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedtrain.wire.encode import EncodedBody
+    from fedtrain.wire.format import TensorSpec
+
+__all__ = ["VERSION_HEADER", "CoordinatorClient", "RetryPolicy", "Timeouts", "tls_context"]
 
 log = logging.getLogger("fedtrain.participant")
-
-VERSION_HEADER = "X-Fedtrain-Version"
 
 # httpcore reads a response 64 KiB at a time and runs its HTTP/1.1 parser per read, which
 # caps a model download at ~0.7 GB/s; 1 MiB reads move a 400 MB model ~2.5x faster. The size
@@ -57,6 +72,8 @@ def _use_larger_reads() -> bool:
 
 _use_larger_reads()
 _RETRY_STATUS = {502, 503, 504}
+# What OpenSSL says when the other end answers a ClientHello in plain text (its versions differ).
+_PLAIN_TEXT_REASONS = {"WRONG_VERSION_NUMBER", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE", "UNKNOWN_PROTOCOL"}
 
 
 @dataclass(frozen=True)
@@ -74,33 +91,49 @@ class Timeouts:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    initial_s: float = 0.5
-    max_backoff_s: float = 10.0
-    max_elapsed_s: float = 300.0
+    """Backoff of one call to the coordinator. Seconds, counted in waits between attempts."""
 
-    def delays(self) -> Iterator[float]:
-        """Backoff delays (with jitter) until max_elapsed_s is spent."""
-        spent, delay = 0.0, self.initial_s
-        while spent < self.max_elapsed_s:
-            d = min(delay, self.max_backoff_s) * (0.5 + random.random() / 2)
-            d = min(d, self.max_elapsed_s - spent)
-            spent += d
-            yield d
-            delay *= 2
+    initial_s: float = 0.5  # the first wait; doubles after each failed attempt
+    max_backoff_s: float = 10.0  # the longest single wait
+    max_elapsed_s: float = 300.0  # all the waits of one call, once the coordinator has answered this client
+    first_contact_s: float = 20.0  # the same before it ever has (a wrong address fails sooner than an outage)
+
+    def __post_init__(self) -> None:
+        if min(self.initial_s, self.max_backoff_s, self.max_elapsed_s, self.first_contact_s) < 0:
+            raise ValueError(f"RetryPolicy seconds must not be negative: {self}")
+
+    def budget_s(self, first_contact: bool) -> float:
+        return min(self.first_contact_s, self.max_elapsed_s) if first_contact else self.max_elapsed_s
+
+    def next_delay(self, attempt: int, spent_s: float, *, first_contact: bool) -> float | None:
+        """The wait (with jitter) after failed attempt number `attempt` (0 first), `spent_s`
+        seconds of waits into the call; None once the budget is spent."""
+        budget = self.budget_s(first_contact)
+        if spent_s >= budget:
+            return None
+        delay = min(self.initial_s * 2**attempt, self.max_backoff_s) * (0.5 + random.random() / 2)
+        return min(delay, budget - spent_s)
 
 
-def _error_from(response: httpx.Response) -> CoordinatorError:
+@dataclass(frozen=True)
+class _Failure:
+    """One failed attempt: what happened (logged while retrying), and what to check if it lasts."""
+
+    what: str
+    advice: str = ""
+    refused: bool = False
+
+
+def _error_body(response: httpx.Response) -> tuple[str, str, dict[str, Any]] | None:
+    """(message, code, details) when the body is the coordinator's JSON error shape, else None."""
     try:
         err = response.json()["error"]
         message, code, details = err["message"], err.get("code", "error"), err.get("details") or {}
-    except Exception:  # noqa: BLE001 - not our JSON shape (a proxy, say): report the status
-        message, code, details = f"HTTP {response.status_code}: {response.text[:200]}", "http_error", {}
-    status = response.status_code
-    if status in (401, 403):
-        return AuthError(message, status=status, code=code, details=details)
-    if status == 409 and code in ("round_closed", "run_finished"):
-        return RoundClosedError(message, status=status, code=code, details=details)
-    return CoordinatorError(message, status=status, code=code, details=details)
+    except Exception:  # noqa: BLE001 - not our JSON shape: an HTML page, a proxy, another server
+        return None
+    if not isinstance(message, str) or not isinstance(details, dict):
+        return None
+    return message, str(code), details
 
 
 def tls_context(verify: bool | str) -> bool | ssl.SSLContext:
@@ -109,64 +142,35 @@ def tls_context(verify: bool | str) -> bool | ssl.SSLContext:
         try:
             return ssl.create_default_context(cafile=verify)
         except (OSError, ssl.SSLError) as e:
-            raise CoordinatorError(f"cannot use {verify} as a CA certificate: {e}", code="tls_error") from None
+            raise TLSError(f"cannot use {verify} as a CA certificate: {e}", code="tls_error") from None
     return verify
 
 
-def _certificate_error(error: BaseException) -> str | None:
-    """The reason when `error` is (caused by) a failed certificate verification."""
+def _cause(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """`error` or the first exception of that kind among its causes."""
     seen: BaseException | None = error
     for _ in range(8):
         if seen is None:
             return None
-        if isinstance(seen, ssl.SSLCertVerificationError):
-            return seen.verify_message or str(seen)
-        if "CERTIFICATE_VERIFY_FAILED" in str(seen):
-            return "certificate verify failed"
+        if isinstance(seen, kind):
+            return seen
         seen = seen.__cause__ or seen.__context__
     return None
 
 
-class _ModelBody:
-    """What both download paths share: parse the body into place, hash it on a worker
-    thread (overlapping with the network and the copies), check length and digest before
-    anything is returned. A context manager: the hash thread ends with it."""
-
-    def __init__(self, headers: httpx.Headers, allocate: Callable[[TensorSpec], torch.Tensor] | None,
-                 on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None) -> None:
-        self.length = int(headers["content-length"]) if "content-length" in headers else None
-        self.expected = headers.get(DIGEST_HEADER)
-        self.version = int(headers.get(VERSION_HEADER, -1))
-        self.reader = BodyReader(expected_length=self.length, allocate=allocate, on_header=on_header)
-        self.hasher = BackgroundDigest(parse_digest(self.expected)[0]) if self.expected is not None else None
-        self.out: dict[str, torch.Tensor] = {}
-
-    def feed(self, chunk: bytes) -> None:
-        self.out.update(self.reader.feed(chunk))
-        if self.hasher is not None:
-            self.hasher.update(chunk)
-
-    def wrote(self, region: memoryview, n: int) -> None:
-        """`n` bytes were read into the start of `reader.writable()`, i.e. `region`."""
-        if self.hasher is not None:
-            self.hasher.update(region[:n])  # the tensor's own memory: written once, never again
-        self.out.update(self.reader.wrote(n))
-
-    def finish(self) -> tuple[int, dict[str, torch.Tensor]]:
-        self.reader.finish()  # a body cut short: WireError, which the retry loop retries
-        if self.length is not None and self.reader.bytes_received != self.length:
-            raise WireError(f"the model body is {self.reader.bytes_received} bytes, its Content-Length {self.length}")
-        if self.hasher is not None and self.expected is not None:
-            got, self.hasher = self.hasher.digest(), None
-            verify_digest(got, self.expected)
-        return self.version, self.out
-
-    def __enter__(self) -> _ModelBody:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.hasher is not None:
-            self.hasher.close()
+def _certificate_error(error: BaseException) -> str | None:
+    """The reason when `error` is (caused by) a failed certificate verification."""
+    found = _cause(error, ssl.SSLCertVerificationError)
+    if isinstance(found, ssl.SSLCertVerificationError):
+        return found.verify_message or str(found)
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return None
+        if "CERTIFICATE_VERIFY_FAILED" in str(seen):
+            return "certificate verify failed"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class CoordinatorClient:
@@ -184,6 +188,16 @@ class CoordinatorClient:
         self.url = url.rstrip("/")
         self.retry = retry
         self._token, self._timeouts, self._verify = token, timeouts, verify
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise NotACoordinatorError(
+                f"{url!r} is not a coordinator URL: give http://HOST:PORT or https://HOST:PORT", code="bad_url"
+            )
+        self._scheme, self._host = parts.scheme, parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        # Has the coordinator ever answered this client (or the one it was cloned from)? Only ever
+        # goes from False to True, so the threads that share a client need no lock for it.
+        self._reached = False
         self._tls = tls_context(verify)
         self._http = httpx.Client(
             base_url=self.url,
@@ -198,14 +212,23 @@ class CoordinatorClient:
         first download (loading certifi's CAs takes a moment) and kept."""
         return fetch.ssl_context(self._tls)
 
+    @property
+    def reached(self) -> bool:
+        """Whether the coordinator has answered this client once: from then on a refused
+        connection is an outage (retried for `retry.max_elapsed_s`), before it a likely wrong
+        address (retried for `retry.first_contact_s`)."""
+        return self._reached
+
     def close(self) -> None:
         self._http.close()
 
     def clone(self, retry: RetryPolicy | None = None) -> CoordinatorClient:
         """A second client to the same coordinator (its own connections), e.g. for heartbeats."""
-        return CoordinatorClient(
+        other = CoordinatorClient(
             self.url, self._token, timeouts=self._timeouts, retry=retry or self.retry, verify=self._verify
         )
+        other._reached = self._reached  # the same coordinator: what this one learnt holds for both
+        return other
 
     def __enter__(self) -> CoordinatorClient:
         return self
@@ -216,51 +239,142 @@ class CoordinatorClient:
     # -- the retry boundary ------------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        delays = self.retry.delays()
+        attempt, spent = 0, 0.0
         while True:
             try:
-                return fn()
+                result = fn()
+                self._reached = True
+                return result
             except CoordinatorError as e:
                 if e.status not in _RETRY_STATUS:
                     raise
-                problem: str = e.message
+                failure = _Failure(e.message)
             except (httpx.TransportError, WireError) as e:
-                if _certificate_error(e):  # retrying cannot fix a certificate: say so at once
-                    raise CoordinatorError(
-                        f"{what}: the TLS certificate of {self.url} cannot be verified ({_certificate_error(e)}); "
-                        "pass the CA that signed it (--ca-cert PEM), or --insecure for a test setup",
-                        status=0,
-                        code="tls_error",
-                    ) from None
-                # A download cut short surfaces as a WireError (truncated body): retry it too.
-                problem = f"{type(e).__name__}: {e}"
-            delay = next(delays, None)
+                failure = self._transport_failure(what, e)  # raises at once what retrying cannot fix
+            first_contact = not self._reached
+            delay = self.retry.next_delay(attempt, spent, first_contact=first_contact)
             if delay is None:
                 raise CoordinatorUnavailable(
-                    f"{what}: the coordinator at {self.url} did not answer within "
-                    f"{self.retry.max_elapsed_s:g}s ({problem})",
-                    status=0,
-                    code="unavailable",
+                    self._gave_up(what, failure, self.retry.budget_s(first_contact)), status=0, code="unavailable"
                 )
-            log.warning("%s failed (%s); retrying in %.1fs", what, problem, delay)
+            log.warning("%s failed (%s); retrying in %.1fs", what, failure.what, delay)
             time.sleep(delay)
+            attempt, spent = attempt + 1, spent + delay
+
+    def _gave_up(self, what: str, failure: _Failure, budget_s: float) -> str:
+        if failure.refused and self._reached:
+            return f"{what}: {failure.what} for {budget_s:g}s: the coordinator answered before; is it still running?"
+        if failure.advice:
+            return f"{what}: {failure.what}: {failure.advice} (retried for {budget_s:g}s)"
+        return f"{what}: the coordinator at {self.url} did not answer within {budget_s:g}s ({failure.what})"
+
+    def _transport_failure(self, what: str, error: Exception) -> _Failure:
+        """A failed attempt that got no answer, described; raises TLSError where retrying cannot help."""
+        where = f"{self._host}:{self._port}"
+        cert = _certificate_error(error)
+        if cert:
+            raise TLSError(
+                f"{what}: the TLS certificate of {self.url} cannot be verified ({cert}); "
+                "pass the CA that signed it (--ca-cert PEM), or --insecure for a test setup",
+                code="tls_error",
+            ) from None
+        ssl_error = _cause(error, ssl.SSLError)
+        if self._scheme == "https" and getattr(ssl_error, "reason", None) in _PLAIN_TEXT_REASONS:
+            raise TLSError(
+                f"{what}: the coordinator at {self.url} does not speak TLS: use http://{where} "
+                "(or start the coordinator with --tls-cert and --tls-key)",
+                code="tls_error",
+            ) from None
+        if _cause(error, ConnectionRefusedError) is not None:
+            return _Failure(f"connection refused at {where}", "is the coordinator running, and is that its port?",
+                            refused=True)
+        unknown = _cause(error, socket.gaierror)
+        if isinstance(unknown, socket.gaierror):
+            return _Failure(f"the host name {self._host} does not resolve ({unknown.strerror})", "check the address")
+        if isinstance(error, httpx.ConnectTimeout):
+            return _Failure(f"no answer from {where} within {self._timeouts.connect:g}s (connect timeout)",
+                            "is the address right, and does a firewall let that port through?")
+        if isinstance(error, (httpx.RemoteProtocolError, httpx.ReadError)) and self._wants_tls():
+            raise TLSError(
+                f"{what}: the coordinator at {self.url} speaks TLS: use https://{where} "
+                "(with --ca-cert PEM if its certificate is self-signed)",
+                code="tls_error",
+            ) from None
+        # A download cut short surfaces as a WireError (truncated body): retry it too.
+        return _Failure(f"{type(error).__name__}: {error}")
+
+    def _wants_tls(self) -> bool:
+        """At first contact over http://, after the other end hung up without an answer: does
+        that port speak TLS? (A TLS server hangs up on plain HTTP; mid-run this is a restart.)"""
+        if self._reached or self._scheme != "http" or not is_direct(self.url):
+            return False
+        return fetch.speaks_tls(self._host, self._port, timeout_s=min(self._timeouts.connect, 2.0))
+
+    def _not_a_coordinator(self, why: str, status: int = 0) -> NotACoordinatorError:
+        return NotACoordinatorError(
+            f"{self.url} does not look like a fedtrain coordinator ({why}): check the address and port",
+            status=status,
+            code="not_a_coordinator",
+        )
+
+    def _refusal(self, response: httpx.Response, where: str) -> CoordinatorError:
+        """The error for an answer of 400 or more to `where` ("METHOD /path"). Never the body
+        of a page that is not the coordinator's JSON: only its status goes into the message."""
+        status = response.status_code
+        body = _error_body(response)
+        if body is None:
+            if status in _RETRY_STATUS:  # a proxy in front of a coordinator that restarts: retried
+                return CoordinatorError(
+                    f"HTTP {status} {response.reason_phrase} from {where}, not from the coordinator (a proxy?)",
+                    status=status,
+                    code="http_error",
+                )
+            return self._not_a_coordinator(f"HTTP {status} from {where}", status)
+        self._reached = True
+        message, code, details = body
+        if status == 404 and code == "not_found":  # no such route (not a 404 of the run's own, e.g. no_config)
+            return self._not_a_coordinator(f"HTTP 404 from {where}", status)
+        if status in (401, 403):
+            advice = " (check --token or $FEDTRAIN_TOKEN)" if status == 401 else ""
+            return AuthError(
+                f"the coordinator at {self.url} refused the token: {message}{advice}",
+                status=status,
+                code=code,
+                details=details,
+            )
+        if status == 409 and code in ("round_closed", "run_finished"):
+            return RoundClosedError(message, status=status, code=code, details=details)
+        return CoordinatorError(message, status=status, code=code, details=details)
+
+    def _answer(self, response: httpx.Response, where: str) -> Any:
+        """The JSON of a (small) answer, or the error it stands for."""
+        if response.status_code >= 400:
+            raise self._refusal(response, where)
+        try:
+            return response.json()
+        except ValueError:
+            kind = response.headers.get("content-type", "no content type").split(";")[0]
+            why = f"its answer to {where} is not JSON but {kind}"
+            raise self._not_a_coordinator(why, response.status_code) from None
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        def once() -> Any:
-            r = self._http.request(method, path, **kwargs)
-            if r.status_code >= 400:
-                raise _error_from(r)
-            return r.json()
-
-        return self._call(f"{method} {path}", once)
+        what = f"{method} {path}"
+        return self._call(what, lambda: self._answer(self._http.request(method, path, **kwargs), what))
 
     # -- the routes ----------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        return self._json("GET", "/v1/healthz")
+        return self._expect(self._json("GET", "/v1/healthz"), "GET /v1/healthz", "ok")
 
     def join(self, name: str | None, info: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self._json("POST", "/v1/join", json={"name": name, "info": info or {}})
+        joined = self._json("POST", "/v1/join", json={"name": name, "info": info or {}})
+        return self._expect(joined, "POST /v1/join", "participant_id")
+
+    def _expect(self, answer: Any, where: str, key: str) -> dict[str, Any]:
+        """`answer` when it is the JSON object a coordinator gives (it has `key`)."""
+        if not isinstance(answer, dict) or key not in answer:
+            raise self._not_a_coordinator(f"its answer to {where} has no {key!r}")
+        return answer
 
     def get_config(self, round_: int | None = None) -> dict[str, Any]:
         """The config in force now, or at round `round_`: {"version", "config", ...}."""
@@ -284,7 +398,7 @@ class CoordinatorClient:
         with self._http.stream("GET", "/v1/stream", timeout=httpx.Timeout(5.0, read=60.0)) as r:
             if r.status_code >= 400:
                 r.read()
-                raise _error_from(r)
+                raise self._refusal(r, "GET /v1/stream")
             kind, data = "message", ""
             for line in r.iter_lines():
                 if stop is not None and stop():
@@ -328,6 +442,9 @@ class CoordinatorClient:
 
     def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int) -> dict[str, Any]:
         """PUT one pseudo-gradient; RoundClosedError (409) when the round is already over."""
+        from fedtrain.wire.digest import DIGEST_HEADER
+
+        path = f"/v1/rounds/{round_}/updates/{pid}"
         headers = {
             DIGEST_HEADER: body.digest(),
             "Content-Length": str(body.content_length),
@@ -336,16 +453,9 @@ class CoordinatorClient:
 
         def once() -> Any:
             if is_direct(self.url):
-                return self._upload_direct(f"/v1/rounds/{round_}/updates/{pid}", {"tokens": tokens}, headers, body)
-            r = self._http.put(
-                f"/v1/rounds/{round_}/updates/{pid}",
-                params={"tokens": tokens},
-                content=iter(body),  # type: ignore[arg-type]
-                headers=headers,
-            )
-            if r.status_code >= 400:
-                raise _error_from(r)
-            return r.json()
+                return self._upload_direct(path, {"tokens": tokens}, headers, body)
+            r = self._http.put(path, params={"tokens": tokens}, content=iter(body), headers=headers)  # type: ignore[arg-type]
+            return self._answer(r, f"PUT {path}")
 
         return self._call(f"upload of round {round_}", once)
 
@@ -371,8 +481,8 @@ class CoordinatorClient:
             with self._http.stream("GET", "/v1/model", params=params) as r:
                 if r.status_code >= 400:
                     r.read()
-                    raise _error_from(r)
-                with _ModelBody(r.headers, allocate, on_header) as body:
+                    raise self._refusal(r, "GET /v1/model")
+                with ModelBody(r.headers, allocate, on_header) as body:
                     # No chunk size: httpx would re-chunk through a BytesIO (three more copies
                     # per byte); socket reads come at most `READ_NUM_BYTES` (1 MiB) at a time.
                     for chunk in r.iter_raw():
@@ -388,9 +498,7 @@ class CoordinatorClient:
                             read_timeout=self._timeouts.read, write_timeout=self._timeouts.write,
                             tls=self._direct_tls) as r:
             answer = r.as_httpx()
-        if answer.status_code >= 400:
-            raise _error_from(answer)
-        return answer.json()
+        return self._answer(answer, f"PUT {path}")
 
     def _download_direct(
         self, params: dict[str, Any], allocate: Callable[[TensorSpec], torch.Tensor] | None,
@@ -401,19 +509,6 @@ class CoordinatorClient:
         with direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
                             read_timeout=self._timeouts.read, tls=self._direct_tls) as r:
             if r.status >= 400:
-                raise _error_from(r.as_httpx())
-            with _ModelBody(r.headers, allocate, on_header) as body:
-                reader = body.reader
-                while not reader.done:
-                    region = reader.writable()
-                    if region is None:  # the prefix and the header: read exactly those
-                        chunk = r.read(reader.head_needed)
-                        if not chunk:
-                            break
-                        body.feed(chunk)
-                        continue
-                    n = r.readinto(region)
-                    if not n:
-                        break
-                    body.wrote(region, n)
-                return body.finish()
+                raise self._refusal(r.as_httpx(), "GET /v1/model")
+            with ModelBody(r.headers, allocate, on_header) as body:
+                return body.read_from(r)

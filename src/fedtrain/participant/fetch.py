@@ -21,17 +21,27 @@ client's retry loop and error reporting treat both paths alike.
 from __future__ import annotations
 
 import http.client
+import socket
 import ssl
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 import httpx
 
-__all__ = ["Direct", "direct_request", "is_direct"]
+from fedtrain.errors import WireError
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedtrain.wire.format import TensorSpec
+
+__all__ = ["VERSION_HEADER", "Direct", "ModelBody", "direct_request", "is_direct", "speaks_tls"]
+
+VERSION_HEADER = "X-Fedtrain-Version"
 
 # The most a single readinto asks for, so the hash thread receives the body in batches.
 READ_BYTES = 1 << 20
@@ -146,3 +156,84 @@ def direct_request(
         yield Direct(response.status, httpx.Headers(response.getheaders()), response)
     finally:
         conn.close()
+
+
+def speaks_tls(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TLS handshake completes at host:port (no certificate check: this only asks
+    whether the port wants TLS, it trusts nothing it learns)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=host),
+        ):
+            return True
+    except (OSError, ssl.SSLError):
+        return False
+
+
+class ModelBody:
+    """What both download paths share: parse the body into place, hash it on a worker
+    thread (overlapping with the network and the copies), check length and digest before
+    anything is returned. A context manager: the hash thread ends with it."""
+
+    def __init__(self, headers: httpx.Headers, allocate: Callable[[TensorSpec], torch.Tensor] | None,
+                 on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None) -> None:
+        # torch comes in with the first download, not with the client
+        from fedtrain.wire.digest import DIGEST_HEADER, BackgroundDigest, parse_digest
+        from fedtrain.wire.reader import BodyReader
+
+        self.length = int(headers["content-length"]) if "content-length" in headers else None
+        self.expected = headers.get(DIGEST_HEADER)
+        self.version = int(headers.get(VERSION_HEADER, -1))
+        self.reader = BodyReader(expected_length=self.length, allocate=allocate, on_header=on_header)
+        self.hasher = BackgroundDigest(parse_digest(self.expected)[0]) if self.expected is not None else None
+        self.out: dict[str, torch.Tensor] = {}
+
+    def feed(self, chunk: bytes) -> None:
+        self.out.update(self.reader.feed(chunk))
+        if self.hasher is not None:
+            self.hasher.update(chunk)
+
+    def wrote(self, region: memoryview, n: int) -> None:
+        """`n` bytes were read into the start of `reader.writable()`, i.e. `region`."""
+        if self.hasher is not None:
+            self.hasher.update(region[:n])  # the tensor's own memory: written once, never again
+        self.out.update(self.reader.wrote(n))
+
+    def read_from(self, response: Direct) -> tuple[int, dict[str, torch.Tensor]]:
+        """The whole body of a direct response, read straight into the tensors' storage."""
+        reader = self.reader
+        while not reader.done:
+            region = reader.writable()
+            if region is None:  # the prefix and the header: read exactly those
+                chunk = response.read(reader.head_needed)
+                if not chunk:
+                    break
+                self.feed(chunk)
+                continue
+            n = response.readinto(region)
+            if not n:
+                break
+            self.wrote(region, n)
+        return self.finish()
+
+    def finish(self) -> tuple[int, dict[str, torch.Tensor]]:
+        from fedtrain.wire.digest import verify_digest
+
+        self.reader.finish()  # a body cut short: WireError, which the retry loop retries
+        if self.length is not None and self.reader.bytes_received != self.length:
+            raise WireError(f"the model body is {self.reader.bytes_received} bytes, its Content-Length {self.length}")
+        if self.hasher is not None and self.expected is not None:
+            got, self.hasher = self.hasher.digest(), None
+            verify_digest(got, self.expected)
+        return self.version, self.out
+
+    def __enter__(self) -> ModelBody:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.hasher is not None:
+            self.hasher.close()

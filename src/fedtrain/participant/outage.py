@@ -14,12 +14,13 @@ outage has lasted `budget_s` does `CoordinatorUnavailable` reach the user's loop
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from fedtrain.errors import AuthError, CoordinatorError, CoordinatorUnavailable
-from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+from fedtrain.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NotACoordinatorError, TLSError
+from fedtrain.participant.client import CoordinatorClient
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,9 @@ def next_attempt(state: OutageState, now: float, policy: OutagePolicy, budget_s:
 
 
 def is_transient(error: BaseException) -> bool:
-    """Errors a participant rides out: no answer, or the coordinator's own failure (5xx)."""
-    if isinstance(error, AuthError):
+    """Errors a participant rides out: no answer, or the coordinator's own failure (5xx).
+    Never a refused token, a TLS mismatch or an address that is not a coordinator."""
+    if isinstance(error, (AuthError, NotACoordinatorError, TLSError)):
         return False
     if isinstance(error, CoordinatorUnavailable):
         return True
@@ -84,7 +86,7 @@ def is_transient(error: BaseException) -> bool:
 def short_retries(client: CoordinatorClient, seconds: float) -> Iterator[None]:
     """Bound each call of `client` to `seconds` of retries for the duration of a sync attempt."""
     saved = client.retry
-    client.retry = RetryPolicy(saved.initial_s, min(saved.max_backoff_s, seconds), seconds)
+    client.retry = dataclasses.replace(saved, max_backoff_s=min(saved.max_backoff_s, seconds), max_elapsed_s=seconds)
     try:
         yield
     finally:
