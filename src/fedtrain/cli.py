@@ -1,7 +1,12 @@
-"""The `fedtrain` command: coordinator | participant | demo | status | export.
+"""The `fedtrain` command: coordinator | participant | demo | status | config | export | recipes.
 
-Every command turns fedtrain errors into one line on stderr and exit status 2 (never a
-traceback), and Ctrl+C into a clean stop with status 130.
+Every command turns fedtrain errors, and the OSErrors of its own files and pipes, into one
+line on stderr and exit status 2 (never a traceback); a reader that goes away (`| head`) ends
+it quietly; Ctrl+C is a clean stop with status 130.
+
+Startup stays light: this module imports only the standard library and `fedtrain.errors`,
+and each command imports what it needs, so `fedtrain --help` and `fedtrain status` never
+load torch or the server stack.
 """
 
 from __future__ import annotations
@@ -12,30 +17,85 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedtrain.errors import FedtrainError
+import fedtrain
+from fedtrain.errors import ConfigError, FedtrainError
+
+if TYPE_CHECKING:
+    from fedtrain.participant.client import CoordinatorClient
 
 DEFAULT_PORT = 8000
+EXIT_READER_GONE = 128 + 13  # what a shell reports for a process killed by SIGPIPE
+log = logging.getLogger("fedtrain.cli")
+
+TOKEN_HELP = (
+    "bearer token; visible to every user of this machine in `ps`: prefer --token-file or $FEDTRAIN_TOKEN"
+)
+TOKEN_FILE_HELP = (
+    "file holding the token: the token alone, or a coordinator's tokens.json (its first participant token; "
+    "the admin token for admin commands)"
+)
+ENV_HELP = (
+    "Without --token or --token-file: $FEDTRAIN_TOKEN (the first, if comma-separated), else $FEDTRAIN_ADMIN_TOKEN."
+)
+
+CHANGE_HELP = "a dotted field and its value, e.g. train.sync_every=30 outer.lr=0.5 (JSON, else YAML)"
+
+
+def _add_token_args(p: argparse.ArgumentParser) -> None:
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--token", default=None, help=TOKEN_HELP)
+    given.add_argument("--token-file", type=Path, default=None, metavar="PATH", help=TOKEN_FILE_HELP)
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", required=True, metavar="URL", help="coordinator URL, e.g. http://HOST:8000")
-    p.add_argument("--token", default=None, help="bearer token (default: $FEDTRAIN_TOKEN, else $FEDTRAIN_ADMIN_TOKEN)")
+    _add_token_args(p)
     p.add_argument("--ca-cert", default=None, metavar="PEM", help="CA bundle to verify the coordinator's TLS cert")
     p.add_argument("--insecure", action="store_true", help="do not verify TLS certificates (testing only)")
 
 
-def _token(args: argparse.Namespace) -> str:
-    token = (
-        args.token
-        or os.environ.get("FEDTRAIN_TOKEN", "").split(",")[0].strip()
-        or os.environ.get("FEDTRAIN_ADMIN_TOKEN")
-    )
+def _token(args: argparse.Namespace, *, admin: bool = False) -> str:
+    """--token, else --token-file, else the environment. Admin commands look for the admin token
+    first (in the file and the environment), the others for a participant token."""
+    if args.token:
+        return str(args.token)
+    if getattr(args, "token_file", None) is not None:
+        return read_token_file(args.token_file, admin=admin)
+    participant = os.environ.get("FEDTRAIN_TOKEN", "").split(",")[0].strip()
+    admin_token = os.environ.get("FEDTRAIN_ADMIN_TOKEN", "").strip()
+    token = (admin_token or participant) if admin else (participant or admin_token)
     if not token:
-        raise FedtrainError("no token: pass --token or set FEDTRAIN_TOKEN")
+        wanted = "FEDTRAIN_ADMIN_TOKEN" if admin else "FEDTRAIN_TOKEN"
+        raise FedtrainError(f"no token: pass --token-file PATH (or --token) or set {wanted}")
     return token
+
+
+def read_token_file(path: Path, *, admin: bool = False) -> str:
+    """The token in `path`: its whole content stripped, or from a coordinator's tokens.json
+    ({"participant": [...], "admin": ...}) the admin token if `admin` and it has one, else the
+    first participant token."""
+    try:
+        text = path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read the token file {path}: {e.strerror or e}") from None
+    if text.startswith("{"):
+        try:
+            saved = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"token file {path}: not valid JSON ({e})") from None
+        participant = saved.get("participant") if isinstance(saved, dict) else None
+        if admin and isinstance(saved.get("admin"), str) and saved["admin"]:
+            return str(saved["admin"])
+        if isinstance(participant, list) and participant and isinstance(participant[0], str) and participant[0]:
+            return participant[0]
+        raise ConfigError(f"token file {path}: expected a tokens.json with a \"participant\" list of tokens")
+    if not text or len(text.split()) != 1:
+        raise ConfigError(f"token file {path}: expected one token, found {'nothing' if not text else 'several words'}")
+    return text
 
 
 def _verify(args: argparse.Namespace) -> bool | str:
@@ -46,8 +106,12 @@ def _verify(args: argparse.Namespace) -> bool | str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fedtrain", description="Fault-tolerant federated and DiLoCo training for PyTorch."
+        prog="fedtrain",
+        description="Fault-tolerant federated and DiLoCo training for PyTorch.",
+        epilog="Tokens: a --token on the command line shows in `ps` to every user of the machine; "
+        "prefer --token-file PATH or $FEDTRAIN_TOKEN. `fedtrain COMMAND --help` for each command.",
     )
+    parser.add_argument("--version", action="version", version=f"fedtrain {fedtrain.__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -61,9 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="TOKEN",
-        help="participant token (repeatable; default $FEDTRAIN_TOKEN, comma-separated)",
+        help="participant token (repeatable; default $FEDTRAIN_TOKEN, comma-separated, else DIR/tokens.json, "
+        "else new ones written there); shows in `ps`: prefer the environment or tokens.json",
     )
-    c.add_argument("--admin-token", default=None, help="admin token (default $FEDTRAIN_ADMIN_TOKEN)")
+    c.add_argument(
+        "--admin-token", default=None, help="admin token (default $FEDTRAIN_ADMIN_TOKEN); shows in `ps` too"
+    )
     c.add_argument("--init-weights", type=Path, default=None, help="initial global weights (.safetensors)")
     c.add_argument("--tls-cert", type=Path, default=None, help="TLS certificate (PEM)")
     c.add_argument("--tls-key", type=Path, default=None, help="TLS private key (PEM)")
@@ -72,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "participant",
         help="train the run's recipe on local data and sync with a coordinator "
         "(also under torchrun --nproc_per_node N -m fedtrain participant ...)",
+        epilog=ENV_HELP,
     )
     _add_client_args(p)
     p.add_argument(
@@ -106,18 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--summary", type=Path, default=None, help="also write the summary as JSON here")
     d.add_argument("--state-dir", type=Path, default=None, help="run directory (default: a new temp dir)")
     d.add_argument("--config", type=Path, default=None, help="start from this run config instead of the demo's")
+    d.add_argument("--keep", action="store_true", help="keep the temp state dir and logs of a finished run")
 
-    s = sub.add_parser("status", help="print a run's state")
+    s = sub.add_parser("status", help="print a run's state", epilog=ENV_HELP)
     _add_client_args(s)
     s.add_argument("--json", action="store_true", help="print the raw JSON")
 
-    e = sub.add_parser("export", help="write the global model as a safetensors file")
+    _add_config_parser(sub)
+
+    e = sub.add_parser("export", help="write the global model as a safetensors file", epilog=ENV_HELP)
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--coordinator", metavar="URL", help="download from a running coordinator")
     src.add_argument("--state-dir", type=Path, help="read a coordinator's state directory")
-    e.add_argument("--token", default=None, help="bearer token (with --coordinator)")
-    e.add_argument("--ca-cert", default=None)
-    e.add_argument("--insecure", action="store_true")
+    _add_token_args(e)
+    e.add_argument("--ca-cert", default=None, metavar="PEM", help="CA bundle to verify the coordinator's TLS cert")
+    e.add_argument("--insecure", action="store_true", help="do not verify TLS certificates (testing only)")
     e.add_argument("--version", type=int, default=None, help="global model version (default: latest)")
     e.add_argument(
         "--out", type=Path, required=True, help="output .safetensors path (a directory with --adapter/--merged)"
@@ -140,7 +211,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_config_parser(sub: Any) -> None:
+    """`fedtrain config show | set | validate | history`: the live config over the coordinator's API."""
+    client = argparse.ArgumentParser(add_help=False)
+    _add_client_args(client)
+    cfg = sub.add_parser(
+        "config",
+        help="show, change, check or list the live run config of a coordinator",
+        description="The run config, live: changes are validated by the coordinator and in force from the "
+        "next round boundary. KEY is a dotted field (train.sync_every, outer.lr); VALUE is read as JSON, "
+        "else YAML (30 is a number, true a boolean, null clears, anything else is text).",
+    )
+    actions = cfg.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", parents=[client], help="print the config in force (YAML)", epilog=ENV_HELP)
+    show.add_argument("--round", type=int, default=None, help="the config in force at this round instead")
+    show.add_argument("--json", action="store_true", help="print the coordinator's JSON answer")
+    admin_env = "Without --token or --token-file: $FEDTRAIN_ADMIN_TOKEN, else $FEDTRAIN_TOKEN."
+    change = actions.add_parser(
+        "set", parents=[client], help="admin: change fields, in force from the next round boundary", epilog=admin_env
+    )
+    change.add_argument("changes", nargs="+", metavar="KEY=VALUE", help=CHANGE_HELP)
+    check = actions.add_parser(
+        "validate", parents=[client], help="admin: check a change without applying it", epilog=admin_env
+    )
+    check.add_argument("changes", nargs="+", metavar="KEY=VALUE", help=CHANGE_HELP)
+    history = actions.add_parser(
+        "history", parents=[client], help="accepted config versions: when, by whom, what changed", epilog=ENV_HELP
+    )
+    history.add_argument("--limit", type=int, default=50, help="newest versions to list (default 50)")
+    history.add_argument("--json", action="store_true", help="print the coordinator's JSON answer")
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _run(argv)
+    except SystemExit as e:  # argparse, after --help, --version or a usage error
+        code = e.code if isinstance(e.code, int) else 2
+    except BrokenPipeError:
+        return _drop_stdout(EXIT_READER_GONE)
+    return _flush_stdout(code)
+
+
+def _flush_stdout(code: int) -> int:
+    """Flush stdout now, so that a reader that went away (`| head`) or a full disk shows here,
+    as a quiet exit or one line, and not as a warning from Python's own flush at exit."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _drop_stdout(EXIT_READER_GONE)
+    except OSError as e:
+        if code == 0:  # a command that failed has said so already: one line per error
+            print(f"fedtrain: error: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        return _drop_stdout(code or 2)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -150,17 +276,37 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where a shell started us ignoring it
+    name = " ".join(filter(None, [args.command, getattr(args, "action", None)]))
     try:
         from fedtrain import faults
 
         faults.arm_from_env()  # FEDTRAIN_FAULTS: crash this process at a named point (tests, chaos runs)
         return int(COMMANDS[args.command](args) or 0)
     except FedtrainError as e:
-        print(f"fedtrain {args.command}: error: {e.message}", file=sys.stderr)
+        print(f"fedtrain {name}: error: {e.message}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        raise  # the reader of stdout is gone: `main` ends quietly
+    except OSError as e:  # a file or pipe of our own: one line too; the traceback at --log-level debug
+        log.debug("fedtrain %s failed", name, exc_info=True)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"fedtrain {name}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"fedtrain {args.command}: stopped", file=sys.stderr)
+        print(f"fedtrain {name}: stopped", file=sys.stderr)
         return 130
+
+
+def _drop_stdout(code: int) -> int:
+    """Point stdout at /dev/null (the recipe of the `signal` docs for SIGPIPE): what is still
+    buffered can go nowhere, and Python's flush at exit must not fail on it again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind stdout (an embedding host)
+        pass
+    return code
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -199,15 +345,115 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from fedtrain.participant.client import CoordinatorClient, RetryPolicy
     from fedtrain.report import eval_rows, format_status
 
-    with CoordinatorClient(
-        args.coordinator, _token(args), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=5)
-    ) as client:
+    with _client(args) as client:
         status = client.status()
         status["evals"] = eval_rows(client.metrics())
     print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def _client(args: argparse.Namespace, *, admin: bool = False) -> CoordinatorClient:
+    """A CoordinatorClient for a one-shot command: it gives up after 5 s without an answer."""
+    from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+
+    return CoordinatorClient(
+        args.coordinator, _token(args, admin=admin), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=5)
+    )
+
+
+def parse_changes(pairs: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` pairs as the nested merge patch of `PUT /v1/config`: `train.sync_every=30`
+    is {"train": {"sync_every": 30}}. A value is read as JSON, else as YAML (so `1e-3` is a
+    number, `fedadam` text, `null` clears a field)."""
+    import yaml
+
+    patch: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(p.strip() for p in parts):
+            raise ConfigError(f"{pair!r}: expected KEY=VALUE with a dotted KEY, e.g. train.sync_every=30")
+        if not raw.strip():
+            raise ConfigError(f"{pair!r}: give a value (null to clear the field)")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                value = raw
+        node = patch
+        for i, part in enumerate(parts):
+            here = ".".join(parts[: i + 1])
+            if i == len(parts) - 1:
+                if part in node:
+                    raise ConfigError(f"{here} is given twice")
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"{here} is given both as a value and as a section")
+    return patch
+
+
+def _show_value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def format_diff(diff: dict[str, list[Any]]) -> str:
+    """`train.sync_every: 5 -> 30, outer.lr: 0.7 -> 0.5`, the form of the coordinator's events."""
+    return ", ".join(f"{k}: {_show_value(a)} -> {_show_value(b)}" for k, (a, b) in diff.items())
+
+
+def format_history(versions: list[dict[str, Any]]) -> str:
+    from fedtrain.report import table
+
+    rows = [
+        [
+            f"v{v['version']}",
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["created_at"])),
+            v["author"],
+            v["effective_round"],
+            format_diff(v["diff"]) or "(the run's first config)",
+        ]
+        for v in versions
+    ]
+    return table(["version", "time", "author", "from round", "changes"], rows)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    admin = args.action in ("set", "validate")
+    patch = parse_changes(args.changes) if admin else {}  # a typo is refused before any connection
+    with _client(args, admin=admin) as client:
+        if args.action == "show":
+            view = client.get_config(args.round)
+            if args.json:
+                print(json.dumps(view, indent=2))
+            else:
+                import yaml
+
+                pending = view["latest_version"] > view["version"]
+                print(f"# config v{view['version']}, in force at round {view['round']}"
+                      + (f" (v{view['latest_version']} accepted, in force from a later round)" if pending else ""))
+                print(yaml.safe_dump(view["config"], sort_keys=False), end="")
+        elif args.action == "history":
+            versions = client.config_history(args.limit)
+            print(json.dumps(versions, indent=2) if args.json else format_history(versions))
+        elif args.action == "validate":
+            answer = client.validate_config(patch)
+            if not answer["valid"]:
+                raise ConfigError(answer["error"])
+            print(f"valid: {format_diff(answer['diff']) or 'no change (the config has these values)'}; "
+                  "nothing applied")
+        else:
+            answer = client.change_config(patch)
+            if not answer["changed"]:
+                print(f"no change: config v{answer['version']} has these values already")
+            else:
+                print(f"config v{answer['version']} accepted, in force from round {answer['effective_round']}: "
+                      f"{format_diff(answer['diff'])}")
     return 0
 
 
@@ -236,6 +482,7 @@ COMMANDS = {
     "participant": cmd_participant,
     "demo": cmd_demo,
     "status": cmd_status,
+    "config": cmd_config,
     "export": cmd_export,
     "recipes": cmd_recipes,
 }

@@ -1,0 +1,71 @@
+"""The package `__init__`s export lazily: importing a light part of fedtrain does not pull
+torch, httpx or the server stack, and every public name still resolves."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "httpx", "uvicorn", "fastapi", "starlette")
+PACKAGES = [
+    "fedtrain",
+    "fedtrain.coordinator",
+    "fedtrain.merge",
+    "fedtrain.participant",
+    "fedtrain.recipes",
+    "fedtrain.wire",
+    "fedtrain.integrations",
+]
+
+
+def heavy_after(code: str) -> list[str]:
+    """The heavy modules a fresh interpreter holds after running `code`."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "code, allowed",
+    [
+        ("import fedtrain", ()),
+        ("import fedtrain.merge", ()),
+        ("import fedtrain.coordinator.policy", ()),
+        ("import fedtrain.coordinator", ()),
+        ("import fedtrain.wire; fedtrain.wire.DIGEST_HEADER", ()),
+        ("import fedtrain.recipes, fedtrain.participant, fedtrain.integrations", ()),
+        ("import fedtrain.cli", ()),
+        ("from fedtrain import ConfigError, RunConfig, __version__", ()),
+        # what the merge math needs, and no more: torch, not the network
+        ("from fedtrain.merge import OuterOptimizer", ("torch",)),
+    ],
+)
+def test_light_imports_stay_light(code: str, allowed: tuple[str, ...]) -> None:
+    assert set(heavy_after(code)) <= set(allowed)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_public_name_resolves(package: str) -> None:
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+        assert name in dir(module), name
+    with pytest.raises(AttributeError, match="no_such_name"):
+        module.no_such_name  # noqa: B018
+
+
+def test_public_names_are_the_classes_themselves() -> None:
+    import fedtrain
+    from fedtrain.participant import fetch  # a submodule, not an export: still importable
+    from fedtrain.participant.runner import Participant
+
+    assert fedtrain.Participant is Participant
+    from fedtrain import Participant as again
+
+    assert again is Participant
+    assert fetch.__name__ == "fedtrain.participant.fetch"
