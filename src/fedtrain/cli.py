@@ -4,8 +4,8 @@ Every command turns fedtrain errors, and the OSErrors of its own files and pipes
 line on stderr and exit status 2 (never a traceback); a reader that goes away (`| head`) ends
 it quietly; Ctrl+C is a clean stop with status 130.
 
-Startup stays light: this module imports only the standard library and `fedtrain.errors`,
-and each command imports what it needs, so `fedtrain --help` and `fedtrain status` never
+Startup stays light: this module imports only the standard library and fedtrain's light
+`__init__` and `errors`, and each command imports what it needs, so `fedtrain --help` and `fedtrain status` never
 load torch or the server stack.
 """
 
@@ -87,7 +87,7 @@ def read_token_file(path: Path, *, admin: bool = False) -> str:
             saved = json.loads(text)
         except ValueError as e:
             raise ConfigError(f"token file {path}: not valid JSON ({e})") from None
-        participant = saved.get("participant") if isinstance(saved, dict) else None
+        participant = saved.get("participant")  # a JSON text that starts with "{" is an object
         if admin and isinstance(saved.get("admin"), str) and saved["admin"]:
             return str(saved["admin"])
         if isinstance(participant, list) and participant and isinstance(participant[0], str) and participant[0]:

@@ -395,7 +395,6 @@ def test_coordinator_with_tokens_from_env_points_at_the_env(tmp_path: Path) -> N
     assert not (tmp_path / "s" / "tokens.json").exists()
 
 
-@pytest.mark.slow
 def test_the_printed_participant_line_trains(tmp_path: Path) -> None:
     c = CoordinatorProcess(tmp_path / "run", rounds=1)
     try:
