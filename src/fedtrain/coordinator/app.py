@@ -6,7 +6,6 @@ bodies stream in both directions; nothing here buffers a whole body.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,11 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import fedtrain
+from fedtrain.config import MB
 from fedtrain.coordinator import dashboard
 from fedtrain.coordinator.auth import Identity, role_check
 from fedtrain.coordinator.broadcast import sse
 from fedtrain.coordinator.httpbody import READINTO
-from fedtrain.coordinator.limits import BodyLimit
+from fedtrain.coordinator.limits import BodyLimit, InFlight
 from fedtrain.coordinator.publish import ModelResponse
 from fedtrain.coordinator.receive import Body
 from fedtrain.coordinator.service import Coordinator, Refused
@@ -152,7 +152,8 @@ def create_app(service: Coordinator) -> FastAPI:
 
     dashboard.add_routes(app, service, identity)  # /, /static, /v1 (JSON index), /v1/whoami, /metrics
 
-    app.add_middleware(BodyLimit)  # type: ignore[arg-type]
+    app.add_middleware(BodyLimit, upload_limit=lambda: int(service.config.max_upload_mb * MB))  # type: ignore[arg-type]
+    uploads_in_flight = InFlight()  # one upload at a time per (participant, round)
 
     @app.get("/v1/admin/tokens", summary="Admin: participant tokens by fingerprint, revoked or not, who used each")
     async def list_tokens(ident: Identity = Depends(identity)) -> dict[str, Any]:
@@ -219,26 +220,15 @@ def create_app(service: Coordinator) -> FastAPI:
     @app.get("/v1/stream", summary="Server-sent events: config changes, run events, status updates",
              responses={200: {"content": {"text/event-stream": {}}}})
     async def stream(request: Request, ident: Identity = Depends(stream_identity)) -> StreamingResponse:
-        queue = service.broadcast.subscribe()
+        subscription = service.broadcast.subscribe()
 
         async def events() -> AsyncIterator[str]:
             try:
                 yield sse("hello", {"config": service.config_view(None), "status": service.status()})
-                while True:
-                    try:
-                        kind, data = await asyncio.wait_for(queue.get(), STREAM_KEEPALIVE_S)
-                    except asyncio.TimeoutError:
-                        yield ": keep-alive\n\n"
-                        continue
-                    if kind == "__closed__":
-                        return
-                    if kind == "status":
-                        while not queue.empty() and queue._queue[0][0] == "status":  # type: ignore[attr-defined]
-                            queue.get_nowait()  # coalesce: one snapshot says it all
-                        data = service.status()
-                    yield sse(kind, data)
+                async for text in subscription.events(STREAM_KEEPALIVE_S, service.status):
+                    yield text  # a status is built once per change, whatever the number of subscribers
             finally:
-                service.broadcast.unsubscribe(queue)
+                subscription.close()
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
@@ -292,11 +282,16 @@ def create_app(service: Coordinator) -> FastAPI:
             length = int(length_header) if length_header is not None else None
         except ValueError:
             raise Refused(400, "invalid_length", "Content-Length is not a number") from None
+        if not uploads_in_flight.take((pid, round_)):
+            raise Refused(429, "upload_in_progress", f"an upload of {pid} for round {round_} is in progress on another "
+                          "connection; send again once it is over", {"round": round_})
         try:
             body = Body(request.stream(), request.scope.get("extensions", {}).get(READINTO))
             return await service.receive_update(ident, pid, round_, tokens, digest, length, body)
         except ClientDisconnect:
             raise Refused(400, "client_disconnected", "the upload ended before the body was complete") from None
+        finally:
+            uploads_in_flight.give_back((pid, round_))
 
     @app.get(
         "/v1/model",

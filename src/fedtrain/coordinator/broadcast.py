@@ -1,45 +1,130 @@
 """Fan-out of run events to server-sent-event subscribers (participants and dashboards).
 
-Each subscriber has a bounded queue; a subscriber too slow to keep up is dropped (its
-stream ends and it reconnects) rather than letting the coordinator's memory grow.
-Publishing never blocks and happens on the event loop's thread.
+An event is encoded once, when it is published, and the same text goes to every
+subscriber. A change of the run's status (`publish("status", None)`) is not copied to each:
+it marks each subscriber "status due" (once, however many changes come before it reads),
+and the snapshot is built once per change, by the first subscriber that reads it, and
+shared by the others (`Broadcaster.status_text`). So N subscribers cost one status build per
+change, not N, whether they read or not.
+
+Each subscriber has a bounded queue; one too slow to keep up is dropped (its stream ends
+and it reconnects) rather than letting the coordinator's memory grow: publishing never
+blocks and never waits for a subscriber. Everything here runs on the event loop's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-CLOSED = ("__closed__", None)
+STATUS = "status"
+KEEPALIVE = ": keep-alive\n\n"
+
+
+class Subscription:
+    """One subscriber's stream: the texts of its events in order, and a mark where the status is due."""
+
+    def __init__(self, owner: Broadcaster, maxsize: int) -> None:
+        self._owner = owner
+        self._maxsize = maxsize
+        self._queue: deque[str | None] = deque()  # None: the status as of then
+        self._status_due = False  # a None is in the queue
+        self._ready = asyncio.Event()
+        self.closed = False
+
+    def put(self, text: str) -> bool:
+        """Queue an event; False when the queue is full (the publisher then drops this subscriber)."""
+        if len(self._queue) >= self._maxsize:
+            return False
+        self._queue.append(text)
+        self._ready.set()
+        return True
+
+    def status_changed(self) -> bool:
+        """Mark the status due, once until it is read; False when the queue is full."""
+        if self._status_due:
+            return True
+        if len(self._queue) >= self._maxsize:
+            return False
+        self._status_due = True
+        self._queue.append(None)
+        self._ready.set()
+        return True
+
+    @property
+    def pending(self) -> int:
+        """Events queued and not yet read (a due status counts as one)."""
+        return len(self._queue)
+
+    def close(self) -> None:
+        """End the stream (at its next read) and leave the broadcaster."""
+        self.closed = True
+        self._queue.clear()
+        self._ready.set()
+        self._owner.unsubscribe(self)
+
+    async def events(self, keepalive_s: float, status: Callable[[], Any]) -> AsyncIterator[str]:
+        """The texts to send, as they come: `KEEPALIVE` after `keepalive_s` without one; the
+        status built by `status()` (once per change, for every subscriber). Ends once closed."""
+        while not self.closed:
+            if not self._queue:
+                self._ready.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._ready.wait(), keepalive_s)
+                if not self._queue and not self.closed:
+                    yield KEEPALIVE
+                continue
+            text = self._queue.popleft()
+            if text is None:
+                self._status_due = False
+                text = self._owner.status_text(status)
+            yield text
 
 
 class Broadcaster:
+    """The run's SSE subscribers, and the status snapshot they share."""
+
     def __init__(self, maxsize: int = 1000) -> None:
         self.maxsize = maxsize
-        self._subscribers: set[asyncio.Queue[tuple[str, Any]]] = set()
+        self._subscribers: set[Subscription] = set()
+        self._changes = 0  # status changes published so far
+        self._snapshot: tuple[int, str] | None = None  # (changes when built, its event text)
 
-    def subscribe(self) -> asyncio.Queue[tuple[str, Any]]:
-        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(self.maxsize)
-        self._subscribers.add(q)
-        return q
+    def subscribe(self) -> Subscription:
+        subscription = Subscription(self, self.maxsize)
+        self._subscribers.add(subscription)
+        return subscription
 
-    def unsubscribe(self, q: asyncio.Queue[tuple[str, Any]]) -> None:
-        self._subscribers.discard(q)
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self._subscribers.discard(subscription)
 
     def publish(self, kind: str, data: Any) -> None:
-        for q in list(self._subscribers):
-            try:
-                q.put_nowait((kind, data))
-            except asyncio.QueueFull:
-                self._subscribers.discard(q)
-                q.get_nowait()  # make room for the end-of-stream marker
-                q.put_nowait(CLOSED)
+        """Send an event to every subscriber (`kind` "status": the status changed; `data` unused)."""
+        if kind == STATUS:
+            self._changes += 1
+            for subscription in list(self._subscribers):
+                if not subscription.status_changed():
+                    subscription.close()  # too slow to keep up: it reconnects
+            return
+        text = sse(kind, data)
+        for subscription in list(self._subscribers):
+            if not subscription.put(text):
+                subscription.close()
+
+    def status_text(self, build: Callable[[], Any]) -> str:
+        """The status event as of the last change: built by `build()` the first time it is
+        asked for after a change, the same text for every subscriber until the next."""
+        if self._snapshot is None or self._snapshot[0] != self._changes:
+            self._snapshot = (self._changes, sse(STATUS, build()))
+        return self._snapshot[1]
 
     def close_all(self) -> None:
-        for q in list(self._subscribers):
-            self.publish("__closed__", None)
-            self._subscribers.discard(q)
+        for subscription in list(self._subscribers):
+            subscription.close()
 
     @property
     def count(self) -> int:

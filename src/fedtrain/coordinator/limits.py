@@ -1,22 +1,33 @@
-"""Request body size limits of the coordinator, enforced before a route reads a byte.
+"""What one client can hold of the coordinator: body sizes, uploads in flight, connections.
 
 Control requests are small JSON documents: `BodyLimit` refuses any body over
 `max_bytes` (default 1 MiB) with 413 in the one JSON error shape — at once when the
 Content-Length says so, or as soon as a chunked body grows past it. Tensor uploads are
 exempt here: the service refuses them by Content-Length against the run's
-`max_upload_mb`, and its streaming reader never accepts more bytes than declared.
+`max_upload_mb`, and its streaming reader never accepts more bytes than declared. Should
+an upload be answered before its body was read (a refusal from its headers), up to that
+limit of it is read and dropped after the answer, so that a client that sends its body
+whole reads the answer; a longer one closes the connection (`httpbody.BodySource.allow_drop`).
+
+`InFlight` keeps one upload in progress per (participant, round): a second one at the same
+time is refused from its headers (`app.py`), so one participant cannot hold any number of
+connections, spool files and receive buffers. Timeouts and the cap on connections are the
+HTTP protocol's (`httpbody.ServerLimits`, set in `server.uvicorn_config`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from typing import Any
 
 from starlette.exceptions import HTTPException
 
+from fedtrain.coordinator.httpbody import READINTO, ServerLimits
 from fedtrain.errors import error_body
+
+__all__ = ["MAX_JSON_BYTES", "BodyLimit", "InFlight", "ServerLimits"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -33,15 +44,24 @@ def _too_large(limit: int) -> str:
 
 
 class BodyLimit:
-    """ASGI middleware: at most `max_bytes` of body on every request but tensor uploads."""
+    """ASGI middleware: at most `max_bytes` of body on every request but tensor uploads, whose
+    bodies, answered before they were read, may be dropped up to `upload_limit()` bytes."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_JSON_BYTES, exempt: re.Pattern[str] = UPLOAD_PATH) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_JSON_BYTES, exempt: re.Pattern[str] = UPLOAD_PATH,
+                 upload_limit: Callable[[], int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.exempt = exempt
+        self.upload_limit = upload_limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.exempt.match(scope.get("path", "")):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.exempt.match(scope.get("path", "")):
+            source = scope.get("extensions", {}).get(READINTO)
+            if source is not None and self.upload_limit is not None:
+                source.allow_drop(self.upload_limit())
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)
@@ -83,3 +103,25 @@ async def _answer_413(send: Send, limit: int) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class InFlight:
+    """Requests in progress by key, at most one each (an upload per participant and round).
+    Used from the event loop's thread only."""
+
+    def __init__(self) -> None:
+        self._keys: set[Hashable] = set()
+
+    def take(self, key: Hashable) -> bool:
+        """Take `key` for a request now starting; False when one holding it is in progress."""
+        if key in self._keys:
+            return False
+        self._keys.add(key)
+        return True
+
+    def give_back(self, key: Hashable) -> None:
+        self._keys.discard(key)
+
+    @property
+    def count(self) -> int:
+        return len(self._keys)

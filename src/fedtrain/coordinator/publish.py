@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.httpbody import SEND, SocketOut
+from fedtrain.coordinator.httpbody import SEND, SocketOut, Steps
 from fedtrain.wire import EncodedBody
 
 # Below the coordinator's mmap threshold (1 MiB, see `server.tune_allocator`): chunks come from
@@ -77,14 +77,15 @@ class Published:
         if not (self.settled.is_set() and self.durable):
             raise NotCommitted(f"global model version {self.version} was not committed")
 
-    def wait_durable(self, cancelled: threading.Event) -> None:
+    def wait(self, cancelled: threading.Event) -> None:
         """On a worker thread: until the commit is over; raises if it failed or the send was cancelled."""
         while not self.settled.wait(0.25):
             if cancelled.is_set():
                 raise ConnectionAbortedError("the response was cancelled")
         self.check_durable()
 
-    async def durable_async(self) -> None:
+    async def wait_async(self) -> None:
+        """On the event loop: until the commit is over; raises if it failed."""
         while not self.settled.is_set():
             await asyncio.sleep(0.005)
         self.check_durable()
@@ -113,7 +114,7 @@ class ModelStream:
             if self.memory is not None and self.guard is not None:
                 for view, last in _pieces(self.memory.body, CHUNK):
                     if last and self.memory.hold:
-                        await self.memory.durable_async()
+                        await self.memory.wait_async()
                     with self.guard.lock:
                         if self.guard.epoch != self.memory.epoch:
                             break  # the weights moved on: the rest comes from the committed file
@@ -147,18 +148,21 @@ class ModelStream:
         finally:
             self.close()
 
-    def pump(self, out: SocketOut) -> None:
-        """Send the whole body through `out`, on a worker thread (`httpbody.ResponseSink`): from
-        memory, a nonblocking write at a time under the guard lock (a slow client never holds
-        it while it waits), else or then (once the weights moved on) by `sendfile` from the file.
-        A held download waits for the commit before its last piece; raises `NotCommitted` (the
-        connection is closed) when that commit failed."""
+    def steps(self, out: SocketOut) -> Steps:
+        """Send the whole body through `out`, on worker threads (`httpbody.ResponseSink`), yielding
+        whenever the socket takes no more (None) or the commit is to be waited for (a `Hold`):
+        from memory, a nonblocking write at a time under the guard lock (a slow client never
+        holds it while it waits), else or then (once the weights moved on) by `sendfile` from
+        the file. A held download waits for the commit before its last piece; raises
+        `NotCommitted` (the connection is closed) when that commit failed."""
         offset = 0
         if self.memory is not None and self.guard is not None:
             moved = False
             for view, last in _pieces(self.memory.body, SEND_PIECE):
                 if last and self.memory.hold:
-                    self.memory.wait_durable(out.cancelled)
+                    if not self.memory.settled.is_set():
+                        yield self.memory  # waited for on the loop, or by `pump` on its thread
+                    self.memory.check_durable()
                 while view and not moved:
                     with self.guard.lock:
                         moved = self.guard.epoch != self.memory.epoch
@@ -166,7 +170,7 @@ class ModelStream:
                     if n:
                         view, offset = view[n:], offset + n
                     elif not moved:
-                        out.wait()
+                        yield None
                 if moved:
                     break
             else:
@@ -174,7 +178,11 @@ class ModelStream:
             self.memory.check_durable()
             self._file = self.files.open_reader(self.path)
         assert self._file is not None
-        out.sendfile(self._file.fileno(), offset, self.size - offset)
+        yield from out.sendfile_steps(self._file.fileno(), offset, self.size - offset)
+
+    def pump(self, out: SocketOut) -> None:
+        """`steps`, taken on this thread alone: it waits for the client and the commit itself."""
+        out.run(self.steps(out))
 
     def close(self) -> None:
         if self._file is not None:
@@ -207,7 +215,7 @@ def _pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
 
 
 class ModelResponse(StreamingResponse):
-    """A model download: written by `ModelStream.pump` straight to the socket where the server
+    """A model download: written by `ModelStream.steps` straight to the socket where the server
     offers it (`httpbody.SEND`: plain HTTP with our protocol), else streamed in chunks."""
 
     def __init__(self, stream: ModelStream, headers: dict[str, str]) -> None:
@@ -221,7 +229,7 @@ class ModelResponse(StreamingResponse):
             return
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await sink.run(self.stream.pump)
+            await sink.run(self.stream.steps)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except ClientDisconnect:
             pass  # the client went away: nothing to answer

@@ -48,7 +48,6 @@ log = logging.getLogger("fedtrain.coordinator")
 # 2 MiB rather than less keeps the trips to the thread few, at 4 MiB per upload in flight.
 BATCH = 2 << 20
 _PREFIX = 8
-DRAIN_BYTES = 1 << 20
 
 
 class Body:
@@ -126,14 +125,15 @@ class Body:
             self._source.abandon()
 
     async def drain(self) -> None:
-        """Read what is left of the body and drop it, so that the client receives our answer."""
+        """Let the rest of the body go: the answer does not wait for it. Nothing more is read
+        here (a refusal from the headers reads no byte and sends no 100 Continue); once the
+        answer is out, the HTTP server reads the rest and drops it, or closes the connection
+        when that is too much or never comes (`httpbody.ReadIntoProtocol`). A later
+        `readinto` reads nothing."""
         self._abandoned = False
-        scratch = memoryview(bytearray(DRAIN_BYTES))
-        try:
-            while await self.readinto(scratch) == len(scratch):
-                pass
-        except Exception:  # noqa: BLE001 - a client gone away is not our error to report
-            pass
+        self._ahead.clear()
+        self._source = None
+        self._chunks = None
 
 
 class SpoolFiles:

@@ -7,7 +7,9 @@ port with no race and the caller learns the real address at once.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import math
 import socket
 import threading
 import time
@@ -20,6 +22,7 @@ from fedtrain.coordinator import httpbody
 from fedtrain.coordinator.app import create_app
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.coordinator.httpbody import ReadIntoProtocol
+from fedtrain.coordinator.limits import ServerLimits
 from fedtrain.coordinator.service import Coordinator
 
 log = logging.getLogger("fedtrain.coordinator")
@@ -70,15 +73,26 @@ def http_protocol() -> type[ReadIntoProtocol] | str:
 
 
 def uvicorn_config(
-    service: Coordinator, log_level: str = "warning", tls_cert: Path | None = None, tls_key: Path | None = None
+    service: Coordinator,
+    log_level: str = "warning",
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    limits: ServerLimits | None = None,
 ) -> uvicorn.Config:
+    """How uvicorn serves the coordinator, held to `limits` (timeouts, connections; defaults if None)."""
+    limits = limits or ServerLimits()
+    protocol = http_protocol()
+    ours = protocol is ReadIntoProtocol
     return uvicorn.Config(
         create_app(service),
         log_level=log_level,
-        http=http_protocol(),  # type: ignore[arg-type]  # a BufferedProtocol; uvicorn only constructs it
+        # A BufferedProtocol, which uvicorn only constructs: with our limits.
+        http=functools.partial(ReadIntoProtocol, limits=limits) if ours else protocol,  # type: ignore[arg-type]
         loop="auto",
         access_log=False,
-        timeout_keep_alive=30,
+        timeout_keep_alive=math.ceil(limits.idle_timeout_s),
+        # Ours answers over capacity itself (in the JSON error shape); the stock one has uvicorn's limit.
+        limit_concurrency=None if ours else limits.max_connections,
         h11_max_incomplete_event_size=1 << 20,
         ssl_certfile=str(tls_cert) if tls_cert else None,
         ssl_keyfile=str(tls_key) if tls_key else None,
@@ -99,6 +113,7 @@ class BackgroundCoordinator:
         init_weights: Path | None = None,
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.scheme = "https" if tls_cert else "http"
         self.service = Coordinator(
@@ -107,7 +122,7 @@ class BackgroundCoordinator:
         self.service.open()
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn_config(self.service, tls_cert=tls_cert, tls_key=tls_key))
+        self.server = uvicorn.Server(uvicorn_config(self.service, tls_cert=tls_cert, tls_key=tls_key, limits=limits))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
