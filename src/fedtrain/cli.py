@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("recipes", help="list the shipped recipe configs (use one with --config recipe:NAME)")
     r.add_argument("name", nargs="?", default=None, help="print this recipe's YAML")
+
+    t = sub.add_parser(
+        "torchrun",
+        help="torchrun in this process, e.g. fedtrain torchrun --nproc_per_node 2 -m fedtrain participant ... "
+        "(torchrun's own arguments); a stop ends in one line, not torch's SignalException traceback",
+        add_help=False,
+    )
+    t.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun's arguments, as torchrun takes them")
     return parser
 
 
@@ -267,6 +275,11 @@ def _flush_stdout(code: int) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:  # everything after it is torchrun's, --help included
+        from fedtrain.participant.distributed import launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -358,6 +371,8 @@ def _client(args: argparse.Namespace, *, admin: bool = False) -> CoordinatorClie
     """A CoordinatorClient for a one-shot command: it gives up after 5 s without an answer."""
     from fedtrain.participant.client import CoordinatorClient, RetryPolicy
 
+    if args.log_level != "debug":  # its retries are not news here: the one line at the end says what failed
+        logging.getLogger("fedtrain.participant").setLevel(logging.ERROR)
     return CoordinatorClient(
         args.coordinator, _token(args, admin=admin), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=5)
     )

@@ -18,7 +18,6 @@ import httpx
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.conftest import PTOKEN, tiny_config
 
-LAUNCH = "import sys; from fedtrain.participant.distributed import launch; sys.exit(launch(sys.argv[1:]))"
 STOPPED = "fedtrain participant: stopped"
 
 
@@ -50,7 +49,7 @@ def stop(group: subprocess.Popen) -> str:
 
 def test_sigterm_under_launch_stops_every_rank_and_the_launcher_without_a_traceback(tmp_path: Path) -> None:
     with BackgroundCoordinator(tmp_path / "state", tiny_config(rounds=0, train={"sync_every": 10})) as c:
-        group = start_group(["-c", LAUNCH], c.url)
+        group = start_group(["-m", "fedtrain", "torchrun"], c.url)  # the command a user runs
         try:
             wait_until(group, c.url, "trained")
         finally:
