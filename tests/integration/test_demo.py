@@ -81,3 +81,21 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     except ProcessLookupError:
         alive = False
     assert not alive, "the coordinator survived Ctrl+C of the demo"
+
+
+def test_demo_removes_its_temp_dir_unless_kept(tmp_path: Path) -> None:
+    """Without --state-dir the demo's state goes to a temp dir, removed once the run finished;
+    --keep keeps it (and a failed run keeps it too, tested through the same flag's absence)."""
+    import os
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "fedtrain", "demo", "--participants", "1", "--rounds", "1", "--sync-every", "2"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "removed at the end unless --keep" in r.stdout and "state and logs: removed" in r.stdout
+    assert not list(tmp_path.glob("fedtrain-demo-*")), "the demo left its temp dir behind"
+    r = subprocess.run([*argv, "--keep"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    kept = list(tmp_path.glob("fedtrain-demo-*"))
+    assert len(kept) == 1 and (kept[0] / "state" / "run.db").is_file()
+    assert f"state and logs: {kept[0] / 'state'}" in r.stdout

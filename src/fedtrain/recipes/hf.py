@@ -98,6 +98,9 @@ def build_hf_model(cfg: HFModelConfig, seed: int = 0) -> nn.Module:
             path = resolve_model_path(cfg.path)
             if cfg.gguf_file is not None and not (path / cfg.gguf_file).is_file():
                 raise ConfigError(f"model.hf.gguf_file {cfg.gguf_file!r} is not a file in {path}")
+            if cfg.gguf_file is not None:  # slow and silent otherwise: say what is happening
+                log.info("reading %s: dequantizing the GGUF file to float32 (minutes for a 100M+ model on a CPU)",
+                         path / cfg.gguf_file)
             try:
                 model = tf.AutoModelForCausalLM.from_pretrained(
                     str(path), gguf_file=cfg.gguf_file, local_files_only=True
