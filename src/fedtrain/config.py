@@ -204,6 +204,22 @@ class OuterConfig(_Strict):
         description="Reject an update whose L2 norm exceeds this many times the median norm of the round's "
         "updates (needs 3 or more updates); each rejection is reported as an event. Off when unset.",
     )
+    max_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Largest share of a round's weighted mean any one update may have, when the round has 3 or "
+        "more updates (with two, any cap of one half or less would be uniform weighting); the rest of a larger "
+        "share goes to the others in proportion to their weights, and the round's record shows the capped "
+        "weights. 1 turns it off.",
+    )
+    token_slack: float = Field(
+        16.0,
+        ge=1,
+        description="An update's token claim counts up to train.sync_every x batch_size x seq_len x this; a larger "
+        "claim counts as that bound (an event says so). The slack covers torchrun groups (their ranks' tokens "
+        "summed), gradient accumulation and steps trained on through an outage.",
+    )
 
 
 class RunConfig(_Strict):

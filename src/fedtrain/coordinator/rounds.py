@@ -5,6 +5,12 @@ A part (mixin) of `Coordinator` (`service.py`). Whether to close is the decision
 Closing waits for the folds in flight, aggregates the round, takes the outer step and
 commits: checkpoint files first (fsync'd), then the database row. A failed merge or
 commit goes back to the last committed round, and the uploads since must be sent again.
+The merged weights are checked before anything is published (`OuterOptimizer.step` raises
+`NonFiniteStep`): a merge that is not finite is not committed; the update that moves it the
+most (`policy.largest_influence`) is refused for that round, an event names its participant,
+and the round goes back for the others to send theirs again. (Updates are refused one by one
+before that, as they come in, for values no outer step can take: see `uploads.py`; this is
+for what only their sum, or the optimizer's own settings, make of them.)
 The new weights are served from memory at once (`model_stream`, `publish.py`) and the
 next round opens; the commit starts at once beside it. By default (commit first) no
 download completes before it is done; with `publish_first` downloads are not held back.
@@ -17,9 +23,11 @@ back it delays the next merge.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from fedtrain import faults
 from fedtrain.coordinator import policy
@@ -28,13 +36,37 @@ from fedtrain.coordinator.base import CoordinatorBase, Refused
 from fedtrain.coordinator.publish import ModelStream, Published
 from fedtrain.errors import MergeError
 from fedtrain.merge import OuterOptimizer, contribution_weights
+from fedtrain.merge.outer import NonFiniteStep
+from fedtrain.merge.robust import norm_outliers
 from fedtrain.wire import EncodedBody
+
+if TYPE_CHECKING:
+    from fedtrain.coordinator.uploads import RoundUpdates
 
 log = logging.getLogger("fedtrain.coordinator")
 
 
+class PoisonedMerge(MergeError):
+    """A round's merge was not finite; `key` names the update refused for it (`largest_influence`)."""
+
+    def __init__(self, message: str, key: str, round_: int, why: str) -> None:
+        super().__init__(message)
+        self.key, self.round, self.why = key, round_, why
+
+
 class RoundsMixin(CoordinatorBase):
     """The coordinator's round closing, commits, roll-backs, long-polls and downloads."""
+
+    if TYPE_CHECKING:  # defined by the uploads part
+
+        @property
+        def _updates(self) -> RoundUpdates: ...
+
+        def fold_waiting(self, fold_weights: dict[str, float]) -> None: ...
+
+        def _clear_updates(self) -> None: ...
+
+        def _give_back_freed(self) -> None: ...
 
     def _views(self) -> list[policy.ParticipantView]:
         return [policy.ParticipantView(p.id, p.state, p.last_seen) for p in self.participants.values()]
@@ -67,12 +99,22 @@ class RoundsMixin(CoordinatorBase):
         r = self.version
         try:
             record = await asyncio.to_thread(self._merge, r, reason, self.config.publish_first)
+        except PoisonedMerge as e:
+            pid = e.key.split("@")[0]
+            self._updates.barred[(e.round, pid)] = (
+                f"the update of {pid} for round {e.round} was refused: the merge it took part in was not finite "
+                f"({e.message}), and {e.why}")
+            self._event("refuse", self._updates.barred[(e.round, pid)], pid)
+            await self._roll_back(f"the merge of round {r} was not finite", "merge_refused")
+            return
         except Exception as e:
             log.exception("merge of round %d failed", r)
             await self._roll_back(f"merge of round {r} failed ({e})", "merge_failed")
             return
         for key, why in self._rejected.items():
             self._event("reject", f"the update of {key} for round {r} was left out: {why}", key.split("@")[0])
+        for key, why in self._updates_capped.items():
+            self._event("cap", f"the update of {key} for round {r}: {why}", key.split("@")[0])
         self.version = r + 1
         published = self._published
         assert published is not None  # every merge publishes its model
@@ -109,10 +151,32 @@ class RoundsMixin(CoordinatorBase):
         """A round closed (or its merge failed): late folds and retained updates go; times count."""
         if committed:
             self.submit_times.append(self._round_times)
+            oldest = self.version - self.config.max_staleness  # a late upload may still come for it
+            for barred in [k for k in self._updates.barred if k[0] < oldest]:
+                del self._updates.barred[barred]
         self._round_times = []
         self.late = {}
         self.round_spool.clear()
+        self._clear_updates()
         self._fold_failure = None
+
+    _updates_capped: Mapping[str, str] = {}  # the capped shares of the round last merged, with reasons
+
+    def _spooled_shares(self) -> tuple[dict[str, str], dict[str, float]]:
+        """Before the retained updates are aggregated: the norm outliers left out, and the
+        shares of those kept. For the weighted mean the kept ones' weights become their capped
+        shares (`policy.cap_shares`) in `round_spool`, which folds them with those."""
+        outer, entries = self.config.outer, self.round_spool.entries
+        rejected = norm_outliers({k: e.norm for k, e in entries.items()}, outer.outlier_factor)
+        kept = {k: e.weight for k, e in entries.items() if k not in rejected}
+        if not kept:
+            return rejected, {}
+        if outer.aggregator != "mean":
+            return rejected, {k: 1.0 / len(kept) for k in kept}
+        shares, self._updates_capped = policy.cap_shares(kept, outer.max_share)
+        for k, share in shares.items():
+            entries[k] = dataclasses.replace(entries[k], weight=share)
+        return rejected, shares
 
     def _merge(self, r: int, reason: str, publish_first: bool) -> dict[str, Any]:
         """Aggregate the round, take the outer step and make the new weights downloadable at
@@ -124,11 +188,22 @@ class RoundsMixin(CoordinatorBase):
             tokens = dict(self.submitted)
             faults.hit("merge.before_step", round=r)
             dtypes = {n: d for n, (d, _) in self.spec.items()}
-            self._rejected = self.round_spool.aggregate_into(self.acc, self.config.outer, dtypes)
+            self._updates_capped = {}
+            if self.round_spool.entries:  # kept on disk until now: robust aggregators, outliers, a low cap
+                _, shares = self._spooled_shares()
+                self._rejected = self.round_spool.aggregate_into(self.acc, self.config.outer, dtypes)
+            else:
+                self._rejected = {}
+                shares, fold, self._updates_capped = policy.closing_weights(self._updates.entries,
+                                                                            self.config.outer.max_share)
+                self.fold_waiting(fold)
             weights = self._round_weights(tokens, self._rejected)
             with self._weights.lock:
                 self._weights.epoch += 1
-                self.outer.step(*self.acc.scaled())
+                try:
+                    self.outer.step(*self.acc.scaled())
+                except NonFiniteStep as e:
+                    raise self._poisoned(r, e, shares) from None
             self.acc.reset()
         record = {
             "round": r,
@@ -198,11 +273,22 @@ class RoundsMixin(CoordinatorBase):
     def _model_meta(self, version: int) -> dict[str, str]:
         return {"run": self.config.name, "algorithm": self.outer.algorithm, "version": str(version)}
 
+    def _poisoned(self, r: int, e: NonFiniteStep, shares: Mapping[str, float]) -> PoisonedMerge:
+        """The refusal for a merge that is not finite: of the update that moves it the most."""
+        largest = {k: c.max_abs for k, c in self._updates.entries.items()}
+        key, why = policy.largest_influence(shares, largest)
+        round_ = int(key.split("@late")[1]) if "@late" in key else r
+        return PoisonedMerge(e.message, key, round_, why)
+
     def _round_weights(self, tokens: dict[str, int], rejected: dict[str, str]) -> dict[str, float]:
-        """Recorded weights: normalised over the kept updates (uniform for median/trimmed mean), 0 if left out."""
+        """Recorded weights: normalised over the kept updates (uniform for median/trimmed mean),
+        capped at outer.max_share for the weighted mean (`policy.cap_shares`), 0 if left out."""
         kept = {k: v for k, v in tokens.items() if k not in rejected}
-        mode = self.config.outer.weighting if self.config.outer.aggregator == "mean" else "uniform"
+        outer = self.config.outer
+        mode = outer.weighting if outer.aggregator == "mean" else "uniform"
         weights = contribution_weights(kept, mode) if kept else {}
+        if weights and outer.aggregator == "mean":
+            weights = policy.cap_shares(weights, outer.max_share)[0]
         weights.update({k: 0.0 for k in tokens if k in rejected})
         return weights
 

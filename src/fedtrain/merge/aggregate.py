@@ -3,8 +3,11 @@
 Everything here is pure tensor math over `dict[str, Tensor]`. `check_compatible` is the
 one place that compares an update with the model and says, in full, what differs.
 `RunningSum` is the coordinator's constant-memory accumulator: each upload is folded in
-as it streams, so memory does not grow with the number of participants.
-`weighted_mean` is the naive reference the accumulator is tested against.
+as it streams, so memory does not grow with the number of participants, and it cannot
+overflow for finite inputs (see its docstring). `weighted_mean` is the naive reference the
+accumulator is tested against. `max_abs` and `MAX_UPDATE_ABS` say how large a value an
+update may hold: finite is not enough, since float32 values up to 3.4e38 are finite and an
+outer step squares (Adam) or adds up (Nesterov) what it is given.
 """
 
 from __future__ import annotations
@@ -22,6 +25,17 @@ TensorSpec = tuple[torch.dtype, tuple[int, ...]]
 SpecLike = torch.Tensor | tuple[torch.dtype, Sequence[int]]
 
 _MAX_LISTED = 10
+
+#: The largest |value| a pseudo-gradient may hold. 2**60 (1.2e18) is 10^16 times any real
+#: pseudo-gradient of a float32 model, and small enough that no outer step of a weighted mean
+#: of such values can overflow float32 (3.4e38): Adam's and Yogi's second moment holds g²
+#: (2**120 at most), Nesterov momentum g / (1 - momentum), and the weights move by lr times
+#: those. The coordinator refuses an update with a larger value before it is merged.
+MAX_UPDATE_ABS = 2.0**60
+
+# RunningSum keeps a bound on |accumulator| at most this (2**127, half of float32's largest):
+# below it no addition of finite terms can round up to Inf.
+_SUM_LIMIT = 2.0**127
 
 
 def _spec(value: SpecLike) -> TensorSpec:
@@ -141,6 +155,15 @@ class RunningSum:
     An accumulator holds no value until the first contribution writes over it, and
     `reset()` just marks them all so again: no pass over the memory to zero it. A first
     contribution that fails half way is undone by `reset()` exactly.
+
+    It cannot overflow. It keeps a bound on every accumulator value, Σ (wᵢ / s)·maxᵢ (maxᵢ
+    the largest |value| of contribution i, given by a caller that checked it, else read off
+    each piece as it is folded), and before a fold would take that bound past 2**127 it
+    multiplies the accumulators by a power of two and raises s by as much: exact (a
+    power of two changes no significant bit), so Σ wᵢΔᵢ = acc · s holds throughout, and
+    the sum of any finite inputs stays finite (two updates of 3e38 average to 3e38, not
+    Inf). Honest updates never come near the bound: the rescale pass is for hostile ones.
+    The mean it hands out is a weighted mean of finite values, so it is finite too.
     """
 
     def __init__(self, like: Mapping[str, SpecLike], dtype: torch.dtype = torch.float32) -> None:
@@ -155,6 +178,9 @@ class RunningSum:
         self._partial: dict[str, int] = {}  # fold_part: elements folded so far of a tensor in progress
         self._fresh: set[str] = set(self._acc)  # accumulators with no value yet: written over, not added to
         self._scale: float | None = None  # the accumulators hold Σ wᵢΔᵢ / _scale; None: not set yet
+        self._bound = 0.0  # every |accumulator value| <= this, from the counted contributions
+        self._open_max = 0.0  # largest |value| folded so far of the contribution in progress
+        self._rescales = 0
         self._total_weight = 0.0
         self._count = 0
         self._averaged = False  # handed out (`scaled` or `mean`): no fold until `reset`
@@ -169,6 +195,16 @@ class RunningSum:
         return self._count
 
     @property
+    def bound(self) -> float:
+        """An upper bound on every |value| the accumulators hold (in their units, Σ wᵢΔᵢ / s)."""
+        return self._bound + (self._alpha_now() * self._open_max if self._open_max else 0.0)
+
+    @property
+    def rescales(self) -> int:
+        """How often the accumulators were scaled down to keep them finite (since created)."""
+        return self._rescales
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._acc.values())
 
@@ -176,8 +212,10 @@ class RunningSum:
         if self._averaged:
             raise MergeError("mean() was already taken from this sum; call reset() before folding")
 
-    def fold(self, name: str, tensor: torch.Tensor, weight: float) -> None:
-        """Add weight·tensor into the accumulator `name`, in place (dtype is cast)."""
+    def fold(self, name: str, tensor: torch.Tensor, weight: float, max_abs: float | None = None) -> None:
+        """Add weight·tensor into the accumulator `name`, in place (dtype is cast). `max_abs`:
+        a bound on |value| over the whole contribution, from a caller that checked it (else
+        the tensor's own is read off it)."""
         self._check_open()
         w = _check_weight(weight, f"tensor {name!r}")
         if name not in self._acc:
@@ -191,14 +229,16 @@ class RunningSum:
             raise MergeError(f"{name} has dtype {tensor.dtype}; pseudo-gradients must be floating point")
         if name in self._pending:
             raise MergeError(f"{name} was folded twice for one contribution")
+        self._make_room(name, tensor, w, max_abs)
         _accumulate(acc, tensor.detach().to(device=acc.device), self._alpha(w), name in self._fresh)
         self._fresh.discard(name)
         self._pending.add(name)
 
-    def fold_part(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
+    def fold_part(self, name: str, start: int, values: torch.Tensor, weight: float,
+                  max_abs: float | None = None) -> None:
         """Add weight·values into elements [start, start + n) of the flattened accumulator
         `name`: a tensor folded piece by piece, in order (a whole tensor, reshaped, is the
-        piece at 0). It counts as folded once its last element is."""
+        piece at 0). It counts as folded once its last element is. `max_abs` as for `fold`."""
         self._check_open()
         w = _check_weight(weight, f"tensor {name!r}")
         if name not in self._acc:
@@ -210,6 +250,7 @@ class RunningSum:
         if name in self._pending or start != self._partial.get(name, 0) or start + n > flat.numel():
             raise MergeError(f"{name}: piece [{start}, {start + n}) is out of order or out of range "
                              f"for {flat.numel()} elements")
+        self._make_room(name, values, w, max_abs)
         _accumulate(flat[start : start + n], values.detach().reshape(-1).to(device=flat.device), self._alpha(w),
                     name in self._fresh)
         if start + n == flat.numel():
@@ -226,6 +267,31 @@ class RunningSum:
             self._scale = w if w > 0 else 1.0
         return w / self._scale
 
+    def _alpha_now(self) -> float:
+        return 1.0 if self._scale is None else 1.0 / self._scale
+
+    def _make_room(self, name: str, values: torch.Tensor, w: float, max_abs: float | None) -> None:
+        """Before a fold of `values` (weight w): note their largest |value| and, should the
+        bound on the accumulators pass `_SUM_LIMIT` with them, scale the accumulators down by
+        a power of two first. A single contribution needs no room: its values are finite."""
+        m = max_abs if max_abs is not None else _largest(values)
+        if not math.isfinite(m):
+            raise MergeError(f"{name} has NaN or infinite values; it cannot be added to the sum")
+        self._open_max = max(self._open_max, m)
+        if self._count == 0 or w == 0:
+            return
+        alpha = w / (self._scale or 1.0)
+        need = self._bound + alpha * self._open_max
+        if need <= _SUM_LIMIT:
+            return
+        factor = 2.0 ** -math.ceil(math.log2(need / _SUM_LIMIT) + 1)  # the bound ends at most half the limit
+        for key, acc in self._acc.items():
+            if key not in self._fresh:
+                acc.mul_(factor)
+        self._scale = (self._scale or 1.0) / factor
+        self._bound *= factor
+        self._rescales += 1
+
     def empty_targets(self) -> TensorDict:
         """The accumulators themselves, while no contribution is in them: a receiver may write
         a first update's raw values straight into them, then count it with `take_written`.
@@ -236,16 +302,18 @@ class RunningSum:
         return dict(self._acc)
 
     def take_written(self, weight: float, check: Callable[[str, torch.Tensor], None] | None = None,
-                     piece: int = 1 << 22) -> None:
+                     piece: int = 1 << 22, max_abs: float | None = None) -> None:
         """Count the raw values written into `empty_targets()` as the first contribution, with
         `weight`: each piece of `piece` elements is passed to `check` (which may raise); the
         values stay as they are (the weight becomes the sum's scale), bit for bit what
-        folding them would give. If anything raises the sum is left empty."""
+        folding them would give. `max_abs`: their largest |value|, when the receiver saw it
+        (else each piece's is read off it). If anything raises the sum is left empty."""
         self._check_open()
         w = _check_weight(weight, "contribution")
         if self._count or self._pending or self._partial:
             raise MergeError("the sum already holds a contribution: fold into it instead")
         alpha = self._alpha(w)  # 1: the values stay as they are (0 for a weight of 0)
+        largest = 0.0 if max_abs is None else float(max_abs)
         try:
             for name, acc in self._acc.items():
                 flat = acc.view(-1)
@@ -253,12 +321,17 @@ class RunningSum:
                     values = flat[start : start + piece]
                     if check is not None:
                         check(name, values)
+                    if max_abs is None:
+                        largest = max(largest, _largest(values))
                     if alpha != 1.0:
                         values.mul_(alpha)
+            if not math.isfinite(largest):
+                raise MergeError("the written values have NaN or infinite values; they cannot be counted")
         except BaseException:
             self.reset()
             raise
         self._fresh.clear()
+        self._bound = alpha * largest
         self._total_weight += w
         self._count += 1
 
@@ -270,16 +343,18 @@ class RunningSum:
         if missing:
             raise MergeError(f"contribution is incomplete: missing keys: {_listed(missing)}")
         self._pending.clear()
+        self._bound += w / (self._scale or 1.0) * self._open_max
+        self._open_max = 0.0
         self._total_weight += w
         self._count += 1
 
-    def add(self, delta: Mapping[str, torch.Tensor], weight: float) -> None:
+    def add(self, delta: Mapping[str, torch.Tensor], weight: float, max_abs: float | None = None) -> None:
         """Fold a whole update: check it against the model, then fold every tensor."""
         self._check_open()
         check_compatible(self._specs, delta)
         _check_weight(weight, "update")
         for name in self._acc:
-            self.fold(name, delta[name], weight)
+            self.fold(name, delta[name], weight, max_abs)
         self.finish_contribution(weight)
 
     def mean(self) -> TensorDict:
@@ -296,8 +371,8 @@ class RunningSum:
     def scaled(self) -> tuple[TensorDict, float]:
         """The accumulators and a divisor d with Σ wᵢΔᵢ / Σ wᵢ = acc / d, without the pass over
         the memory that dividing costs (d is 1 for a single contribution, and ≥ 1 unless a
-        contribution was folded with more than its weight). They are handed over as they
-        are: call `reset()` before folding again."""
+        contribution was folded with more than its weight, or the sum was scaled down to stay
+        finite). They are handed over as they are: call `reset()` before folding again."""
         if self._averaged:
             raise MergeError("the mean was already taken from this sum; call reset() before using it again")
         if self._pending:
@@ -317,6 +392,8 @@ class RunningSum:
         written: the next first contribution writes over the old values)."""
         self._fresh = set(self._acc)
         self._scale = None
+        self._bound = 0.0
+        self._open_max = 0.0
         self._pending.clear()
         self._partial.clear()
         self._total_weight = 0.0
@@ -360,6 +437,21 @@ def weighted_mean(deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequenc
             acc = acc + w * d[name].detach().to(dtype)
         out[name] = acc / total
     return out
+
+
+def max_abs(t: torch.Tensor) -> float:
+    """The largest |value| of `t` (0 for an empty or integer tensor); NaN or Inf when it holds
+    one. One fused min/max reduction, the same pass as `all_finite`."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(t.detach())
+    low, high = float(lo), float(hi)
+    if math.isnan(low) or math.isnan(high):
+        return math.nan
+    return max(-low, high)
+
+
+_largest = max_abs  # RunningSum's methods take a `max_abs` argument, which hides the function
 
 
 def all_finite(t: torch.Tensor) -> bool:

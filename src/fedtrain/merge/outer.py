@@ -5,6 +5,13 @@ Every merge algorithm is θ_{r+1} = OuterOpt(θ_r, grad=Δ) with Δ = Σᵢ wᵢ
 `.grad` and calls `.step()`: the SGD, Nesterov and Adam arithmetic is torch's own.
 Its state flattens to safetensors-ready tensors plus str→str metadata, and `restore`
 rebuilds it so that training continues bitwise as if it had never stopped.
+
+A step is checked on both sides: a Δ with NaN or Inf is refused before anything moves,
+and the weights it produced (with Adam's and Yogi's moments, which the weights do not
+show) are checked after, since a finite Δ can still overflow in the optimizer (Nesterov
+adds the momentum to it, Adam squares it). A result that is not finite raises
+`NonFiniteStep`; the optimizer then holds it, and its owner puts the last saved state back
+(the coordinator reloads its last committed round), so nothing non-finite is published.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ _REQUIRED_HP = {
 _ADAPTIVE_STATE = ("exp_avg", "exp_avg_sq", "step")
 _FORMAT = "fedtrain.outer/1"
 _METADATA_KEYS = ("format", "algorithm", "hp", "steps", "param_names")
+
+
+class NonFiniteStep(MergeError):
+    """The outer step made a weight or an optimizer moment NaN or infinite (`details["tensor"]`
+    names it). The optimizer holds that result: restore its last saved state before using it."""
 
 
 def _check_hp(algorithm: str, hp: Mapping[str, Any]) -> None:
@@ -133,15 +145,19 @@ class OuterOptimizer:
         still needed. A refused Δ (keys, shapes, not floating, NaN/inf) changes nothing.
         A `divisor` (`RunningSum.scaled`) is applied by the fused kernels as they read the
         gradient (their `grad_scale`, bit for bit a division first), else by dividing first.
+        Raises `NonFiniteStep` when the new weights or moments are not finite (see the module).
         """
         check_compatible(self.params, mean_delta, what="mean pseudo-gradient", check_dtype=False)
         d = float(divisor)
         if not (math.isfinite(d) and d > 0):
             raise MergeError(f"the mean pseudo-gradient's divisor must be finite and positive, got {divisor!r}")
-        if d < 1.0:  # a division that could overflow: done first, so that the check below sees it
-            mean_delta = {k: v.div(d) for k, v in mean_delta.items()}
+        grads = {k: self._as_grad(k, mean_delta[k], check=d >= 1.0) for k in self.params}
+        if d < 1.0:  # a division that could overflow: done first (in place: Δ is consumed), then checked
+            for name, g in grads.items():
+                g.div_(d)
+                if not all_finite(g):
+                    raise MergeError(f"mean pseudo-gradient of {name} has NaN or infinite values; nothing was applied")
             d = 1.0
-        grads = {k: self._as_grad(k, mean_delta[k]) for k in self.params}
         fused = d != 1.0 and all(group.get("fused") for group in self.optimizer.param_groups)
         if d != 1.0 and not fused:
             for g in grads.values():
@@ -159,13 +175,30 @@ class OuterOptimizer:
             for p in self.params.values():
                 p.grad = None
         self.steps += 1
+        self._check_result()
 
-    def _as_grad(self, name: str, delta: torch.Tensor) -> torch.Tensor:
+    def _check_result(self) -> None:
+        """Raise NonFiniteStep unless every weight is finite, and Adam's and Yogi's moments too:
+        a moment the weights do not show (an Inf second moment makes the step 0, not Inf)
+        would hold the run still from then on. SGD's momentum shows in the weights."""
+        for name, p in self.params.items():
+            if not all_finite(p):
+                raise NonFiniteStep(f"the outer step made {name} NaN or infinite; it was not applied",
+                                    details={"tensor": name})
+        if self.algorithm in _SGD_FAMILY:
+            return
+        for name, p in self.params.items():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and not all_finite(value):
+                    raise NonFiniteStep(f"the outer step made {key} of {name} NaN or infinite; it was not applied",
+                                        details={"tensor": f"{key}/{name}"})
+
+    def _as_grad(self, name: str, delta: torch.Tensor, check: bool = True) -> torch.Tensor:
         p = self.params[name]
         if not delta.is_floating_point():
             raise MergeError(f"{name} has dtype {delta.dtype}; pseudo-gradients must be floating point")
         grad = delta.detach().to(device=p.device, dtype=p.dtype)
-        if not all_finite(grad):
+        if check and not all_finite(grad):
             raise MergeError(f"mean pseudo-gradient of {name} has NaN or infinite values; nothing was applied")
         return grad
 
