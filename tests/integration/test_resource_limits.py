@@ -273,6 +273,33 @@ def test_the_status_is_built_once_per_change_whatever_the_number_of_subscribers(
                 s.close()
 
 
+def test_subscribers_that_never_read_are_dropped_while_one_that_reads_gets_every_change(tmp_path: Path) -> None:
+    with coordinator(tmp_path) as c:
+        c.service.broadcast.maxsize = 50  # events queued for one subscriber at most
+        deaf = [subscribe(c, rcvbuf=1 << 12) for _ in range(10)]
+        reader = subscribe(c)
+        got = bytearray()
+        reading = threading.Thread(target=lambda: [got.extend(b) for b in iter(lambda: reader.recv(1 << 16), b"")])
+        reading.start()
+        try:
+            with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {PTOKEN}"}) as http:
+                for i in range(400):  # each a status change and an event
+                    assert http.post("/v1/join", json={"name": f"p{i % 4}"}).status_code == 200
+                    if c.service.broadcast.count == 1:
+                        break
+            assert c.service.broadcast.count == 1  # the deaf ones dropped, never more than their queue behind
+            deadline = time.monotonic() + WAIT_S
+            while got.count(b"event: event") < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert got.count(b"event: event") == i + 1 and b"event: status" in got  # every event, in order
+        finally:
+            reader.shutdown(socket.SHUT_RDWR)
+            reading.join(WAIT_S)
+            reader.close()
+            for s in deaf:
+                s.close()
+
+
 def test_a_subscriber_that_never_reads_is_cut_off_and_the_run_goes_on(tmp_path: Path) -> None:
     with coordinator(tmp_path, ServerLimits(send_timeout_s=0.5)) as c:
         pid = join(c, "a")

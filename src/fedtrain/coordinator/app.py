@@ -23,7 +23,7 @@ from fedtrain.config import MB
 from fedtrain.coordinator import dashboard
 from fedtrain.coordinator.auth import Identity, role_check
 from fedtrain.coordinator.broadcast import sse
-from fedtrain.coordinator.httpbody import READINTO
+from fedtrain.coordinator.httpbody import READINTO, SEND
 from fedtrain.coordinator.limits import BodyLimit, InFlight
 from fedtrain.coordinator.publish import ModelResponse
 from fedtrain.coordinator.receive import Body
@@ -42,6 +42,7 @@ log = logging.getLogger("fedtrain.coordinator")
 
 VERSION_HEADER = "X-Fedtrain-Version"
 STREAM_KEEPALIVE_S = 15.0
+STREAM_SEND_BUFFER = 64 << 10  # kernel bytes an event stream may have unsent (`ResponseSink.limit_kernel_buffer`)
 
 
 class JoinRequest(BaseModel):
@@ -221,6 +222,9 @@ def create_app(service: Coordinator) -> FastAPI:
              responses={200: {"content": {"text/event-stream": {}}}})
     async def stream(request: Request, ident: Identity = Depends(stream_identity)) -> StreamingResponse:
         subscription = service.broadcast.subscribe()
+        sink = request.scope.get("extensions", {}).get(SEND)
+        if sink is not None:  # a subscriber that stops reading is seen at once, not after megabytes
+            sink.limit_kernel_buffer(STREAM_SEND_BUFFER)
 
         async def events() -> AsyncIterator[str]:
             try:

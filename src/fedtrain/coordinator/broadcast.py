@@ -15,7 +15,6 @@ blocks and never waits for a subscriber. Everything here runs on the event loop'
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -68,21 +67,29 @@ class Subscription:
         self._owner.unsubscribe(self)
 
     async def events(self, keepalive_s: float, status: Callable[[], Any]) -> AsyncIterator[str]:
-        """The texts to send, as they come: `KEEPALIVE` after `keepalive_s` without one; the
-        status built by `status()` (once per change, for every subscriber). Ends once closed."""
+        """The texts to send, as they come, each time all that is queued in one piece;
+        `KEEPALIVE` after `keepalive_s` without any; the status built by `status()` (once per
+        change, for every subscriber). Ends once closed."""
+        loop = asyncio.get_running_loop()
         while not self.closed:
             if not self._queue:
                 self._ready.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._ready.wait(), keepalive_s)
+                timer = loop.call_later(keepalive_s, self._ready.set)
+                try:
+                    await self._ready.wait()
+                finally:
+                    timer.cancel()
                 if not self._queue and not self.closed:
                     yield KEEPALIVE
                 continue
-            text = self._queue.popleft()
-            if text is None:
-                self._status_due = False
-                text = self._owner.status_text(status)
-            yield text
+            texts = []
+            while self._queue:
+                text = self._queue.popleft()
+                if text is None:
+                    self._status_due = False
+                    text = self._owner.status_text(status)
+                texts.append(text)
+            yield "".join(texts)
 
 
 class Broadcaster:

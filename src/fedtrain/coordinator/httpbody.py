@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import select
+import socket
 import threading
 import time
 import typing
@@ -349,6 +350,16 @@ class ResponseSink:
             if steps is not None:
                 steps.close()
             os.close(out.fd)  # no thread writes to it any more (`_on_thread` waits for them)
+
+    def limit_kernel_buffer(self, nbytes: int) -> None:
+        """Let the kernel hold about `nbytes` of this connection's unsent bytes, not megabytes: a
+        client that stops reading a long stream of small writes (server-sent events) then
+        backs up into the transport at once, where the app sees it (`flow.drain` waits, then
+        the send timeout), instead of costing a copy per write for as long as the kernel absorbs."""
+        sock = self._protocol.http.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
 
     @staticmethod
     async def _on_thread(out: SocketOut, fn: Callable[..., Any], *args: Any) -> Any:
