@@ -20,6 +20,7 @@ from fedtrain.config import load_config
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.coordinator.server import bind, tune_allocator, uvicorn_config
 from fedtrain.coordinator.service import Coordinator
+from fedtrain.coordinator.statelock import StateLock
 from fedtrain.errors import ConfigError, StateError
 
 ENDPOINT_FILE = "endpoint.json"
@@ -86,13 +87,19 @@ def run_coordinator(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)
     try:
         state_dir: Path = args.state_dir
+        # Before anything in the directory is read or written: a second coordinator on it is
+        # refused here, naming the one that holds it.
+        lock = StateLock.acquire(state_dir)
         tokens, tokens_file, note = resolve_tokens(args, state_dir)
         tune_allocator()
-        service = Coordinator(state_dir, config, tokens, init_weights=args.init_weights, config_path=args.config)
+        service = Coordinator(
+            state_dir, config, tokens, init_weights=args.init_weights, config_path=args.config, lock=lock
+        )
         service.open()
         host, port = sock.getsockname()[:2]
         scheme = "https" if args.tls_cert else "http"
         url = url_of(scheme, host, port)
+        lock.record(url)
         (state_dir / ENDPOINT_FILE).write_text(json.dumps({"url": url, "pid": os.getpid()}))
         if note:
             print(note, flush=True)

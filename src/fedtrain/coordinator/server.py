@@ -142,6 +142,8 @@ class BackgroundCoordinator:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+        if self.service.lock is not None and not self.thread.is_alive():  # a lifespan that died before its stop
+            self.service.lock.release()
 
     def __enter__(self) -> BackgroundCoordinator:
         return self.start()

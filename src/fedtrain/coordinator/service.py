@@ -49,6 +49,7 @@ from fedtrain.coordinator.publish import Published, WeightsGuard
 from fedtrain.coordinator.receive import SpoolFiles, Staging
 from fedtrain.coordinator.rounds import RoundsMixin
 from fedtrain.coordinator.spool import RoundSpool
+from fedtrain.coordinator.statelock import StateLock
 from fedtrain.coordinator.store import Store
 from fedtrain.coordinator.uploads import UploadsMixin
 from fedtrain.errors import FedtrainError, MergeError, StateError
@@ -91,8 +92,10 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         init_weights: Path | None = None,
         clock: Callable[[], float] = time.time,
         config_path: Path | None = None,
+        lock: StateLock | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.lock = lock  # the state dir's OS lock: taken by the caller early, else at open()
         self.config_path = config_path
         self.broadcast = Broadcaster()
         self.tokens = tokens or Tokens()
@@ -119,8 +122,18 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
     # -- lifecycle --------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Load the run from the state directory, or create it; never loads a partial round."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        """Load the run from the state directory, or create it; never loads a partial round.
+        The directory is locked first: a second coordinator on it is refused before it touches
+        anything (`statelock.py`)."""
+        if self.lock is None or not self.lock.held:
+            self.lock = StateLock.acquire(self.state_dir)
+        try:
+            self._open_locked()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open_locked(self) -> None:
         self.store = Store(self.state_dir / "run.db")
         self.ckpt = CheckpointDir(self.state_dir / "checkpoints")
         self.ckpt.remove_temp_files()
@@ -227,6 +240,13 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_config_file)
 
     async def stop(self) -> None:
+        try:
+            await self._stop()
+        finally:  # whatever went wrong on the way out, the state dir is free for the next one
+            if self.lock is not None:
+                self.lock.release()
+
+    async def _stop(self) -> None:
         if self._commit_task is not None:  # a published round is committed before we go
             await asyncio.gather(self._commit_task, return_exceptions=True)
         for task in (self._tick_task, self._close_task, *self._deferred_folds):
