@@ -200,8 +200,8 @@ class RoundsMixin(CoordinatorBase):
             weights = self._round_weights(tokens, self._rejected)
             with self._weights.lock:
                 self._weights.epoch += 1
-                try:
-                    self.outer.step(*self.acc.scaled())
+                try:  # the sum is finite by construction (`RunningSum`): only the result is checked
+                    self.outer.step(*self.acc.scaled(), finite=True)
                 except NonFiniteStep as e:
                     raise self._poisoned(r, e, shares) from None
             self.acc.reset()

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedtrain import faults
@@ -113,14 +114,27 @@ class RoundUpdates:
     freed: queue.SimpleQueue[Path] = field(default_factory=queue.SimpleQueue)
 
 
+def _largest(values: np.ndarray | torch.Tensor) -> float:
+    """max |value| of a piece (NaN when it holds one): numpy's min and max where it reads the
+    dtype (no torch call: on the event loop, torch's intra-op threads cost more than the
+    reduction on pieces this small), else torch's."""
+    if isinstance(values, torch.Tensor):
+        return max_abs(values)
+    if values.size == 0:
+        return 0.0
+    low, high = float(values.min()), float(values.max())
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+
+
 class _ValueScan:
     """NaN, Inf and the largest |value| of a direct upload, looked at as its bytes land in the
-    sum's tensors (still in the CPU's cache), so that counting it needs no pass over them.
-    `landed(end)`: the body's bytes [0, end) are in; an element split between two reads is
-    looked at once its last byte is."""
+    sum's tensors (still in the CPU's cache), so that counting it needs no pass over them:
+    numpy's min and max cost what the NaN/Inf scan they replace did. `landed(end)`: the body's
+    bytes [0, end) are in; an element split between two reads is looked at once its last
+    byte is."""
 
     def __init__(self, layout: Sequence[tuple[TensorSpec, int]], targets: dict[str, torch.Tensor]) -> None:
-        self._ranges = [(start, start + spec.nbytes, spec.name, targets[spec.name].view(-1), spec.dtype.itemsize)
+        self._ranges = [(start, start + spec.nbytes, spec.name, _flat(targets[spec.name]), spec.dtype.itemsize)
                         for spec, start in layout if spec.dtype.is_floating_point and spec.nbytes]
         self._next = 0
         self._done = 0  # elements looked at of the current tensor
@@ -135,7 +149,7 @@ class _ValueScan:
                 return
             upto = (min(end, stop) - start) // size
             if upto > self._done:
-                m = max_abs(flat[self._done : upto])
+                m = _largest(flat[self._done : upto])
                 self._done = upto
                 if not math.isfinite(m):
                     self.bad = name
@@ -168,6 +182,12 @@ class _Direct:
 # A direct receive reads the body into the sum this many bytes at a time, and hashes each
 # piece while it is still in the CPU's cache.
 PIECE = 1 << 20
+
+
+def _flat(t: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A flat view of a tensor's memory: numpy's where numpy has its dtype."""
+    flat = t.view(-1)
+    return flat.numpy() if t.dtype in (torch.float32, torch.float64, torch.float16) and t.device.type == "cpu" else flat
 
 
 async def _read_into(reader: BodyReader, body: Body, targets: dict[str, torch.Tensor]) -> _ValueScan | None:
@@ -526,8 +546,8 @@ class UploadsMixin(CoordinatorBase):
             largest[0] = max(largest[0], _check_piece(name, values))
 
         with self._fold_lock:
-            if scan is None:
-                self.acc.take_written(weight, check, max_abs=None)
+            if scan is None:  # `check` refuses any value beyond MAX_UPDATE_ABS: a bound for the sum
+                self.acc.take_written(weight, check, max_abs=MAX_UPDATE_ABS)
             else:
                 self.acc.take_written(weight, None, max_abs=scan.max_abs)
             m = scan.max_abs if scan is not None else largest[0]
@@ -566,11 +586,11 @@ class UploadsMixin(CoordinatorBase):
     def _fold(self, path: Path, weight: float, scale: float = 1.0, locked: bool = False,
               largest: float | None = None) -> None:
         """Fold a verified spool file; `scale` < 1 clips the update's norm (its weight counts in
-        full). `largest`: its largest |value|, when known (the sum's bound needs it)."""
-        bound = None if largest is None else largest * scale
+        full). `largest`: its largest |value|, when known (the sum's bound needs it; the clip
+        scale is in the fold weight, not in the values)."""
         with contextlib.nullcontext() if locked else self._fold_lock:
             for name, start, values in self.spooled(path):
-                self.acc.fold_part(name, start, values, weight * scale, bound)
+                self.acc.fold_part(name, start, values, weight * scale, largest)
             self.acc.finish_contribution(weight)
 
     def _check_and_fold(self, path: Path, weight: float, checked: bool = False) -> None:
@@ -601,8 +621,9 @@ class UploadsMixin(CoordinatorBase):
         largest = 0.0
         try:
             for name, start, values in self.spooled(path):
-                largest = max(largest, _check_piece(name, values))
-                self.acc.fold_part(name, start, values, fold_weight)
+                m = _check_piece(name, values)
+                largest = max(largest, m)
+                self.acc.fold_part(name, start, values, fold_weight, m)
             self.acc.finish_contribution(weight)
         except BaseException:
             self.acc.reset()  # it was the only contribution: back to none, exactly

@@ -214,8 +214,8 @@ class RunningSum:
 
     def fold(self, name: str, tensor: torch.Tensor, weight: float, max_abs: float | None = None) -> None:
         """Add weight·tensor into the accumulator `name`, in place (dtype is cast). `max_abs`:
-        a bound on |value| over the whole contribution, from a caller that checked it (else
-        the tensor's own is read off it)."""
+        a bound on its |values| (of these or of the whole contribution), from a caller that
+        checked them; else their largest is read off them."""
         self._check_open()
         w = _check_weight(weight, f"tensor {name!r}")
         if name not in self._acc:

@@ -136,7 +136,7 @@ class OuterOptimizer:
         }
         self.optimizer = build_torch_optimizer(list(self.params.values()), algorithm, self.hp)
 
-    def step(self, mean_delta: Mapping[str, torch.Tensor], divisor: float = 1.0) -> None:
+    def step(self, mean_delta: Mapping[str, torch.Tensor], divisor: float = 1.0, *, finite: bool = False) -> None:
         """θ ← OuterOpt(θ, grad=Δ / divisor); Δ is consumed.
 
         Δ's tensors become `.grad` as they are (no copy when dtype and device match), and
@@ -146,16 +146,19 @@ class OuterOptimizer:
         A `divisor` (`RunningSum.scaled`) is applied by the fused kernels as they read the
         gradient (their `grad_scale`, bit for bit a division first), else by dividing first.
         Raises `NonFiniteStep` when the new weights or moments are not finite (see the module).
+        `finite`: the caller vouches that Δ / divisor is finite (a `RunningSum` mean of updates
+        checked finite: see its docstring), which saves the pass of the check before the step;
+        the check after it is made all the same.
         """
         check_compatible(self.params, mean_delta, what="mean pseudo-gradient", check_dtype=False)
         d = float(divisor)
         if not (math.isfinite(d) and d > 0):
             raise MergeError(f"the mean pseudo-gradient's divisor must be finite and positive, got {divisor!r}")
-        grads = {k: self._as_grad(k, mean_delta[k], check=d >= 1.0) for k in self.params}
+        grads = {k: self._as_grad(k, mean_delta[k], check=d >= 1.0 and not finite) for k in self.params}
         if d < 1.0:  # a division that could overflow: done first (in place: Δ is consumed), then checked
             for name, g in grads.items():
                 g.div_(d)
-                if not all_finite(g):
+                if not finite and not all_finite(g):
                     raise MergeError(f"mean pseudo-gradient of {name} has NaN or infinite values; nothing was applied")
             d = 1.0
         fused = d != 1.0 and all(group.get("fused") for group in self.optimizer.param_groups)
