@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--admin-token", default=None, help="admin token (default $FEDTRAIN_ADMIN_TOKEN); shows in `ps` too"
     )
+    c.add_argument(
+        "--apply-config",
+        action="store_true",
+        help="resuming a stored run: apply --config as a new config version, with its diff (default: the stored "
+        "config stays in force, and how --config differs from it is printed)",
+    )
     c.add_argument("--init-weights", type=Path, default=None, help="initial global weights (.safetensors)")
     c.add_argument("--tls-cert", type=Path, default=None, help="TLS certificate (PEM)")
     c.add_argument("--tls-key", type=Path, default=None, help="TLS private key (PEM)")

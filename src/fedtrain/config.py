@@ -417,6 +417,49 @@ def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> d
     return diff
 
 
+def patch_of(diff: dict[str, list[Any]]) -> dict[str, Any]:
+    """The merge patch that makes a `config_diff`'s changes: {"a.b": [old, new]} -> {"a": {"b": new}}."""
+    patch: dict[str, Any] = {}
+    for path, (_, new) in diff.items():
+        *parents, leaf = path.split(".")
+        node = patch
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = new
+    return patch
+
+
+#: Outer hyperparameters whose default depends on the algorithm (`outer_defaults`).
+ALGORITHM_HYPERPARAMETERS = ("lr", "momentum", "nesterov")
+
+
+def _with_algorithm_defaults(old: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """A switch of `outer.algorithm` that does not set lr, momentum or nesterov itself takes the
+    new algorithm's defaults for them: DiLoCo's outer lr of 0.7 kept under FedAdam (whose
+    default is 0.01) diverges the model within a few rounds."""
+    outer = patch.get("outer")
+    if not isinstance(outer, dict) or "algorithm" not in outer:
+        return patch
+    if outer["algorithm"] == old.get("outer", {}).get("algorithm"):
+        return patch
+    reset = {k: None for k in ALGORITHM_HYPERPARAMETERS if k not in outer}
+    return {**patch, "outer": {**outer, **reset}}
+
+
+def change_notes(old: RunConfig, new: RunConfig) -> list[str]:
+    """What a change implies beyond its diff, in words (shown by the validation answer)."""
+    if old.outer.algorithm == new.outer.algorithm:
+        return []
+    d = outer_defaults(new.outer)
+    chosen = ", ".join(
+        f"{k} {d[k]}" + ("" if getattr(new.outer, k) is None else " (given)") for k in ALGORITHM_HYPERPARAMETERS
+    )
+    return [
+        f"outer.algorithm {old.outer.algorithm} -> {new.outer.algorithm}: the new outer optimizer starts with fresh "
+        f"state and runs with {chosen}; unset values are {new.outer.algorithm}'s defaults"
+    ]
+
+
 def apply_change(
     current: RunConfig,
     patch: Any,
@@ -433,7 +476,7 @@ def apply_change(
     if not isinstance(patch, dict):
         raise ConfigError(f"{source}: expected a mapping of fields to change, got {type(patch).__name__}")
     old = current.model_dump(mode="json")
-    new_cfg = parse_config(_deep_merge(old, patch), source=source)
+    new_cfg = parse_config(_deep_merge(old, _with_algorithm_defaults(old, patch)), source=source)
     diff = config_diff(old, new_cfg.model_dump(mode="json"))
     fixed = [p for p in diff if p.split(".")[0] in FIXED_FIELDS]
     if fixed:

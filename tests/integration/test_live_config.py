@@ -36,7 +36,7 @@ def test_change_validation_and_roles(coordinator: BackgroundCoordinator) -> None
         v = http.post("/v1/config/validate", json={"changes": {"train": {"sync_every": 0}}}).json()
         assert v["valid"] is False and "train.sync_every" in v["error"]
         v = http.post("/v1/config/validate", json={"changes": {"train": {"sync_every": 3}}}).json()
-        assert v == {"valid": True, "error": None, "diff": {"train.sync_every": [5, 3]}}
+        assert v == {"valid": True, "error": None, "diff": {"train.sync_every": [5, 3]}, "notes": []}
         # no participant yet: the change is in force at once
         r = http.put("/v1/config", json={"changes": {"train": {"sync_every": 3}}}).json()
         assert r["version"] == 2 and r["effective_round"] == 0

@@ -90,7 +90,7 @@ def test_a_run_restarted_with_fewer_rounds_than_it_committed_is_finished_at_its_
     with BackgroundCoordinator(state, tiny_config(rounds=0)) as c, client(c) as http:
         http.post("/v1/join", json={"name": "a"})
         commit_rounds(c, http, "a", 3)
-    with BackgroundCoordinator(state, tiny_config(rounds=2)) as c, client(c) as http:
+    with BackgroundCoordinator(state, tiny_config(rounds=2), apply_config=True) as c, client(c) as http:
         s = http.get("/v1/status").json()
         assert metric(c, "fedtrain_rounds_planned") == 3
     assert s["finished"] and s["current_round"] == 3 and len(s["recent_rounds"]) == 3

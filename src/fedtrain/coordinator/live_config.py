@@ -10,14 +10,19 @@ keeping its state where the new settings still fit it.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
-from fedtrain.config import apply_change, outer_defaults, parse_config
+from fedtrain.config import RunConfig, apply_change, change_notes, outer_defaults, parse_config
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.base import CoordinatorBase, Refused
 from fedtrain.errors import ConfigError, MergeError
 from fedtrain.merge import OuterOptimizer
+from fedtrain.wire.compress import expected_specs
+
+#: The store's meta key for the config file as last applied: the base of a SIGHUP's merge.
+CONFIG_FILE_META = "config_file"
 
 
 class LiveConfigMixin(CoordinatorBase):
@@ -70,10 +75,16 @@ class LiveConfigMixin(CoordinatorBase):
         self._require_admin(ident, "validating a config change")
         latest = parse_config(self.store.latest_config()[1])  # type: ignore[index]
         try:
-            _, diff = apply_change(latest, patch)
+            new, diff = apply_change(latest, patch, update_bytes=self.update_bytes)
         except ConfigError as e:
-            return {"valid": False, "error": e.message, "diff": {}}
-        return {"valid": True, "error": None, "diff": diff}
+            return {"valid": False, "error": e.message, "diff": {}, "notes": []}
+        return {"valid": True, "error": None, "diff": diff, "notes": change_notes(latest, new)}
+
+    def update_bytes(self, cfg: RunConfig) -> int:
+        """The tensor bytes of one update of this run's model under `cfg` (its compression):
+        the smallest upload limit that can work (the body adds a header on top)."""
+        specs = expected_specs(self.spec, cfg.train.compression, cfg.train.compression_block)
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs.values())
 
     def change_config(self, ident: Identity, patch: Any, *, author: str | None = None) -> dict[str, Any]:
         """Accept a live change (validated against the newest version) as a new version that
@@ -81,10 +92,11 @@ class LiveConfigMixin(CoordinatorBase):
         if author is None:
             self._require_admin(ident, "changing the config")
         latest = parse_config(self.store.latest_config()[1])  # type: ignore[index]
-        new, diff = apply_change(latest, patch)
+        new, diff = apply_change(latest, patch, update_bytes=self.update_bytes)
+        notes = change_notes(latest, new)
         if not diff:
             return {"version": self.latest_config_version, "changed": False, "diff": {},
-                    "effective_round": self.version}
+                    "effective_round": self.version, "notes": []}
         idle = not self.submitted and not any(p.state == policy.ACTIVE for p in self.participants.values())
         effective = self.version if idle else self.version + 1
         version = self.store.add_config_version(new.model_dump(mode="json"), author=author or ident.role, diff=diff,
@@ -92,20 +104,46 @@ class LiveConfigMixin(CoordinatorBase):
         self.latest_config_version = version
         changes = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
         self._event("config", f"config v{version} accepted from {author or ident.role}, in force from round "
-                              f"{effective}: {changes}")
+                              f"{effective}: {changes}" + "".join(f"; {n}" for n in notes))
         self.broadcast.publish("config_change", {"version": version, "effective_round": effective, "diff": diff})
         if effective == self.version:
             self._enter_round()
             self._notify()
-        return {"version": version, "changed": True, "diff": diff, "effective_round": effective}
+        return {"version": version, "changed": True, "diff": diff, "effective_round": effective, "notes": notes}
 
     def reload_config_file(self) -> None:
-        """SIGHUP: apply the config file again as a change; an invalid file changes nothing."""
-        from fedtrain.config import load_config
+        """SIGHUP: apply what changed in the config file since it was last read, as a live change.
+
+        A three-way merge, so that a reload does not undo the admin's live changes: the fields
+        the file changes (against the file as last applied, kept in the store) are applied to
+        the newest version; a field changed live and not in the file keeps its live value, and
+        the event says which were kept. An invalid file changes nothing."""
+        from fedtrain.config import config_diff, load_config, patch_of
 
         assert self.config_path is not None
+        where = str(self.config_path)
         try:
             new = load_config(self.config_path)
-            self.change_config(Identity("admin", "file"), new.model_dump(mode="json"), author="file")
         except ConfigError as e:
-            self._event("config", f"reload of {self.config_path} refused: {e.message}")
+            self._event("config", f"reload of {where} refused: {e.message}")
+            return
+        file_now = new.model_dump(mode="json")
+        latest = self.store.latest_config()[1]  # type: ignore[index]
+        saved = self.store.get_meta(CONFIG_FILE_META)
+        if saved is None:  # never recorded (a run from before this was kept): the whole file
+            edited, kept = config_diff(latest, file_now), []
+        else:
+            base = json.loads(saved)
+            edited = config_diff(base, file_now)
+            kept = [k for k in config_diff(base, latest) if k not in edited]
+        try:
+            result = self.change_config(Identity("admin", "file"), patch_of(edited), author="file")
+        except ConfigError as e:
+            self._event("config", f"reload of {where} refused: {e.message}")
+            return
+        self.store.set_meta(CONFIG_FILE_META, json.dumps(file_now))
+        if not result["changed"]:
+            self._event("config", f"reload of {where}: nothing in the file changed since it was last read")
+        if kept:
+            self._event("config", f"reload of {where} kept the live changes to {', '.join(kept)}, which the file "
+                                  "does not make (edit the file, or change them live, to change them)")

@@ -80,6 +80,17 @@ def next_steps(scheme: str, host: str, port: int, tokens_file: Path | None) -> l
     return lines
 
 
+def config_file_lines(path: Path | None, diff: dict[str, list]) -> list[str]:
+    """What to tell the operator when the --config of a restart differs from the stored run's."""
+    if not diff:
+        return []
+    lines = [f"note: {path} differs from the config this run has stored; the stored config stays in force "
+             "(restart with --apply-config to apply the file as a new config version, or change fields live "
+             "with `fedtrain config set`):"]
+    lines += [f"  {key}: {stored!r} (stored) vs {given!r} (file)" for key, (stored, given) in diff.items()]
+    return lines
+
+
 def run_coordinator(args: argparse.Namespace) -> int:
     config = load_config(args.config) if args.config is not None else None
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -93,9 +104,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
         tokens, tokens_file, note = resolve_tokens(args, state_dir)
         tune_allocator()
         service = Coordinator(
-            state_dir, config, tokens, init_weights=args.init_weights, config_path=args.config, lock=lock
+            state_dir, config, tokens, init_weights=args.init_weights, config_path=args.config, lock=lock,
+            apply_config=getattr(args, "apply_config", False),
         )
         service.open()
+        for line in config_file_lines(args.config, service.config_file_diff):
+            print(line, flush=True)
         host, port = sock.getsockname()[:2]
         scheme = "https" if args.tls_cert else "http"
         url = url_of(scheme, host, port)

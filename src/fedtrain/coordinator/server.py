@@ -114,10 +114,12 @@ class BackgroundCoordinator:
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
         limits: ServerLimits | None = None,
+        apply_config: bool = False,
     ) -> None:
         self.scheme = "https" if tls_cert else "http"
         self.service = Coordinator(
-            state_dir, config, tokens or Tokens(["participant-token"], "admin-token"), init_weights=init_weights
+            state_dir, config, tokens or Tokens(["participant-token"], "admin-token"), init_weights=init_weights,
+            apply_config=apply_config,
         )
         self.service.open()
         self.sock = bind(host, port)

@@ -36,14 +36,22 @@ from typing import Any
 
 import torch
 
-from fedtrain.config import RunConfig, outer_defaults, parse_config
+from fedtrain.config import (
+    RunConfig,
+    apply_change,
+    change_notes,
+    check_upload_limit,
+    config_diff,
+    outer_defaults,
+    parse_config,
+)
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.coordinator.base import Live, Refused, log
 from fedtrain.coordinator.broadcast import Broadcaster
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.global_eval import GlobalEvaluator
-from fedtrain.coordinator.live_config import LiveConfigMixin
+from fedtrain.coordinator.live_config import CONFIG_FILE_META, LiveConfigMixin
 from fedtrain.coordinator.participants import ParticipantsMixin
 from fedtrain.coordinator.publish import Published, WeightsGuard
 from fedtrain.coordinator.receive import SpoolFiles, Staging
@@ -93,6 +101,7 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         clock: Callable[[], float] = time.time,
         config_path: Path | None = None,
         lock: StateLock | None = None,
+        apply_config: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.lock = lock  # the state dir's OS lock: taken by the caller early, else at open()
@@ -100,6 +109,10 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self.broadcast = Broadcaster()
         self.tokens = tokens or Tokens()
         self._given_config = config
+        # On a resumed run the stored config wins over `config` (a restart with the command that
+        # started the run must not undo live changes); `apply_config` applies it as a new version.
+        self._apply_config = apply_config
+        self.config_file_diff: dict[str, list[Any]] = {}  # the given config against the stored one, not applied
         self._init_weights = init_weights
         self.clock = clock
         self._fold_lock = threading.Lock()
@@ -178,8 +191,12 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         cfg = self._given_config or RunConfig()
         params = initial_weights(cfg, self._init_weights)
         self.config = cfg
+        self.spec = {n: (t.dtype, tuple(t.shape)) for n, t in params.items()}
+        check_upload_limit(cfg, self.update_bytes(cfg), source="run config")
         self.config_version = self.store.add_config_version(cfg.model_dump(mode="json"), author="start")
         self.latest_config_version = self.config_version
+        if self.config_path is not None:
+            self.store.set_meta(CONFIG_FILE_META, json.dumps(cfg.model_dump(mode="json")))
         self.outer = OuterOptimizer(params, cfg.outer.algorithm, outer_defaults(cfg.outer))
         digest = self._write_checkpoint(
             0, self.outer, EncodedBody(self.outer.params, self._model_meta(0), digest_algorithm=cfg.digest))
@@ -202,21 +219,12 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
             raise StateError(f"{self.state_dir}: the database has rounds but no config; the state is damaged")
         self.config_version, data = stored
         cfg = parse_config(data, source=f"stored config of {self.state_dir}")
-        latest = parse_config(self.store.latest_config()[1], source=f"stored config of {self.state_dir}")  # type: ignore[index]
-        given = self._given_config
-        if given is not None and given != latest:
-            if given.model != cfg.model:
-                raise StateError(
-                    f"{self.state_dir} holds a run of a different model ({cfg.model.model_dump()}); "
-                    "use a new --state-dir, or start without --config to resume the stored run"
-                )
-            cfg = given
-            self.config_version = self.store.add_config_version(
-                cfg.model_dump(mode="json"), author="start", effective_round=version
-            )
+        params = self.ckpt.load_global(version, self.store.get_meta(f"digest/{version}"))
+        self.spec = {n: (t.dtype, tuple(t.shape)) for n, t in params.items()}
+        if self._given_config is not None:
+            cfg = self._reconcile_given_config(cfg, version)
         self.latest_config_version = max(self.config_version, self.store.latest_config()[0])  # type: ignore[index]
         self.config = cfg
-        params = self.ckpt.load_global(version, self.store.get_meta(f"digest/{version}"))
         tensors, meta = self.ckpt.load_outer(version)
         try:
             self.outer = OuterOptimizer.restore(params, tensors, meta)
@@ -229,6 +237,43 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self.store.add_event(
             "run", f"resumed at round {version} (last committed); {dropped} uncommitted submissions to be sent again"
         )
+
+    def _reconcile_given_config(self, cfg: RunConfig, version: int) -> RunConfig:
+        """A config given at the restart of a stored run: the stored run's config stays in force
+        and the differences are kept in `config_file_diff` for the caller to show, unless
+        `apply_config`, which validates the given one as a change and stores it as a new
+        version with its true diff. Returns the config in force at `version`."""
+        given = self._given_config
+        assert given is not None
+        latest = parse_config(self.store.latest_config()[1], source=f"stored config of {self.state_dir}")  # type: ignore[index]
+        if given.model != latest.model:
+            raise StateError(
+                f"{self.state_dir} holds a run of a different model ({latest.model.model_dump()}); "
+                "use a new --state-dir, or start without --config to resume the stored run"
+            )
+        diff = config_diff(latest.model_dump(mode="json"), given.model_dump(mode="json"))
+        if self.config_path is not None and self.store.get_meta(CONFIG_FILE_META) is None:
+            self.store.set_meta(CONFIG_FILE_META, json.dumps(given.model_dump(mode="json")))  # SIGHUP's base
+        if not diff:
+            return cfg
+        where = str(self.config_path) if self.config_path is not None else "the given config"
+        if not self._apply_config:
+            self.config_file_diff = diff
+            changes = ", ".join(f"{k}: {a} (stored) vs {b} (file)" for k, (a, b) in diff.items())
+            self.store.add_event("config", f"restarted with {where}, which differs from the stored run; the stored "
+                                           f"config stays in force (--apply-config applies the file): {changes}")
+            return cfg
+        new, diff = apply_change(latest, given.model_dump(mode="json"), source=where, update_bytes=self.update_bytes)
+        self.config_version = self.store.add_config_version(
+            new.model_dump(mode="json"), author="start --apply-config", diff=diff, effective_round=version
+        )
+        if self.config_path is not None:
+            self.store.set_meta(CONFIG_FILE_META, json.dumps(given.model_dump(mode="json")))
+        changes = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
+        notes = "".join(f"; {n}" for n in change_notes(latest, new))
+        self.store.add_event("config", f"config v{self.config_version} from {where} applied at the restart "
+                                       f"(--apply-config), in force from round {version}: {changes}{notes}")
+        return new
 
     async def start(self) -> None:
         self._changed = asyncio.Event()
