@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="resuming a stored run: apply --config as a new config version, with its diff (default: the stored "
         "config stays in force, and how --config differs from it is printed)",
     )
+    c.add_argument(
+        "--recover",
+        action="store_true",
+        help="if the newest checkpoint is damaged on disk, resume from the newest intact kept version "
+        "(recorded as an event) instead of refusing to start",
+    )
     c.add_argument("--init-weights", type=Path, default=None, help="initial global weights (.safetensors)")
     c.add_argument("--tls-cert", type=Path, default=None, help="TLS certificate (PEM)")
     c.add_argument("--tls-key", type=Path, default=None, help="TLS private key (PEM)")
@@ -214,6 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("recipes", help="list the shipped recipe configs (use one with --config recipe:NAME)")
     r.add_argument("name", nargs="?", default=None, help="print this recipe's YAML")
+
+    rb = sub.add_parser(
+        "rollback",
+        help="admin: put a kept version of the global model back in force (without --version: list them)",
+        description="The open round closes with no updates and the next version holds the kept version's weights "
+        "and outer optimizer state; recorded as a round and an event. Admin token.",
+        epilog="Without --token or --token-file: $FEDTRAIN_ADMIN_TOKEN, else $FEDTRAIN_TOKEN.",
+    )
+    _add_client_args(rb)
+    rb.add_argument("--version", type=int, default=None, help="the kept version to go back to")
 
     t = sub.add_parser(
         "torchrun",
@@ -468,6 +484,8 @@ def cmd_config(args: argparse.Namespace) -> int:
                 raise ConfigError(answer["error"])
             print(f"valid: {format_diff(answer['diff']) or 'no change (the config has these values)'}; "
                   "nothing applied")
+            for note in answer.get("notes", []):
+                print(f"note: {note}")
         else:
             answer = client.change_config(patch)
             if not answer["changed"]:
@@ -475,6 +493,21 @@ def cmd_config(args: argparse.Namespace) -> int:
             else:
                 print(f"config v{answer['version']} accepted, in force from round {answer['effective_round']}: "
                       f"{format_diff(answer['diff'])}")
+            for note in answer.get("notes", []):
+                print(f"note: {note}")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    with _client(args, admin=True) as client:
+        if args.version is None:
+            kept = client.kept_versions()
+            print(f"committed version {kept['committed_version']}; kept versions (newest first): "
+                  f"{', '.join(map(str, kept['versions'])) or 'none'}")
+            return 0
+        answer = client.roll_back(args.version)
+    print(f"rolled back: version {answer['version']} holds the weights and optimizer state of version "
+          f"{answer['restored']}; participants fetch it at their next sync")
     return 0
 
 
@@ -505,6 +538,7 @@ COMMANDS = {
     "status": cmd_status,
     "config": cmd_config,
     "export": cmd_export,
+    "rollback": cmd_rollback,
     "recipes": cmd_recipes,
 }
 

@@ -74,6 +74,11 @@ class RevokeRequest(BaseModel):
     participant_id: str | None = Field(None, max_length=64, description="Revoke the token this participant used.")
 
 
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(..., ge=0, le=MAX_COUNT, description="A kept version (GET /v1/admin/checkpoints).")
+
+
 class MetricsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     round: int | None = Field(None, ge=0, le=MAX_COUNT)
@@ -207,6 +212,14 @@ def create_app(service: Coordinator) -> FastAPI:
         limit: int = Query(50, ge=1, le=1000), ident: Identity = Depends(identity)
     ) -> dict[str, Any]:
         return {"versions": service.store.config_history(limit)}
+
+    @app.get("/v1/admin/checkpoints", summary="Admin: the kept versions a roll back can go to")
+    async def kept_versions(ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return service.kept_versions(ident)
+
+    @app.post("/v1/admin/rollback", summary="Admin: put a kept version back in force as the next version")
+    async def rollback(body: RollbackRequest, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        return await service.roll_back_to(ident, body.version)
 
     @app.post("/v1/participants/{pid}/evict", summary="Admin: evict a participant")
     async def evict(pid: str, ident: Identity = Depends(identity)) -> dict[str, Any]:

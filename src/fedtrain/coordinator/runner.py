@@ -105,7 +105,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         tune_allocator()
         service = Coordinator(
             state_dir, config, tokens, init_weights=args.init_weights, config_path=args.config, lock=lock,
-            apply_config=getattr(args, "apply_config", False),
+            apply_config=getattr(args, "apply_config", False), recover=getattr(args, "recover", False),
         )
         service.open()
         for line in config_file_lines(args.config, service.config_file_diff):

@@ -46,7 +46,7 @@ from fedtrain.config import (
     parse_config,
 )
 from fedtrain.coordinator import policy
-from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.auth import Identity, Tokens
 from fedtrain.coordinator.base import Live, Refused, log
 from fedtrain.coordinator.broadcast import Broadcaster
 from fedtrain.coordinator.checkpoints import CheckpointDir
@@ -55,12 +55,13 @@ from fedtrain.coordinator.live_config import CONFIG_FILE_META, LiveConfigMixin
 from fedtrain.coordinator.participants import ParticipantsMixin
 from fedtrain.coordinator.publish import Published, WeightsGuard
 from fedtrain.coordinator.receive import SpoolFiles, Staging
+from fedtrain.coordinator.restore import load_version, newest_intact, restore_record
 from fedtrain.coordinator.rounds import RoundsMixin
 from fedtrain.coordinator.spool import RoundSpool
 from fedtrain.coordinator.statelock import StateLock
 from fedtrain.coordinator.store import Store
 from fedtrain.coordinator.uploads import UploadsMixin
-from fedtrain.errors import FedtrainError, MergeError, StateError
+from fedtrain.errors import FedtrainError, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum, all_finite
 from fedtrain.wire import EncodedBody, iter_file, read_tensors
 
@@ -102,6 +103,7 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         config_path: Path | None = None,
         lock: StateLock | None = None,
         apply_config: bool = False,
+        recover: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.lock = lock  # the state dir's OS lock: taken by the caller early, else at open()
@@ -112,6 +114,8 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         # On a resumed run the stored config wins over `config` (a restart with the command that
         # started the run must not undo live changes); `apply_config` applies it as a new version.
         self._apply_config = apply_config
+        # A damaged newest checkpoint: resume from the newest intact kept version (`restore.py`).
+        self._recover = recover
         self.config_file_diff: dict[str, list[Any]] = {}  # the given config against the stored one, not applied
         self._init_weights = init_weights
         self.clock = clock
@@ -219,17 +223,13 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
             raise StateError(f"{self.state_dir}: the database has rounds but no config; the state is damaged")
         self.config_version, data = stored
         cfg = parse_config(data, source=f"stored config of {self.state_dir}")
-        params = self.ckpt.load_global(version, self.store.get_meta(f"digest/{version}"))
-        self.spec = {n: (t.dtype, tuple(t.shape)) for n, t in params.items()}
+        outer, version = self._load_committed(version, cfg)
+        self.spec = {n: (t.dtype, tuple(t.shape)) for n, t in outer.params.items()}
         if self._given_config is not None:
             cfg = self._reconcile_given_config(cfg, version)
         self.latest_config_version = max(self.config_version, self.store.latest_config()[0])  # type: ignore[index]
         self.config = cfg
-        tensors, meta = self.ckpt.load_outer(version)
-        try:
-            self.outer = OuterOptimizer.restore(params, tensors, meta)
-        except MergeError as e:
-            raise StateError(f"outer optimizer state of version {version} cannot be restored: {e}") from None
+        self.outer = outer
         self.version = version
         self._reconfigure_outer()
         dropped = self.store.discard_uncommitted(version)
@@ -237,6 +237,93 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         self.store.add_event(
             "run", f"resumed at round {version} (last committed); {dropped} uncommitted submissions to be sent again"
         )
+
+    def _load_committed(self, version: int, cfg: RunConfig) -> tuple[OuterOptimizer, int]:
+        """The last committed version, loaded and verified. If its files are damaged on disk, a
+        clear refusal naming the newest intact kept version, or with `recover` that version
+        committed again as `version + 1` (recorded as an event). Returns the optimizer and
+        the version the run resumes at."""
+        try:
+            return load_version(self.ckpt, self.store, version), version
+        except StateError as e:
+            damaged = e.message
+        found = newest_intact(self.ckpt, self.store, below=version)
+        if found is None:
+            raise StateError(f"{damaged}; no older kept checkpoint verifies either: restore the state directory "
+                             "from a backup")
+        intact, outer = found
+        self.outer = outer
+        if not self._recover:
+            raise StateError(f"{damaged}. The newest intact kept version is {intact}: restart with --recover to "
+                             f"resume from it (rounds {intact}..{version - 1} are lost and trained again), or put "
+                             "the damaged file back from a backup")
+        reason = f"recovered from version {intact} at the restart: {damaged}"
+        self._commit_restored(version, outer, reason, cfg)
+        self.store.add_event("recover", f"{reason}; resumed at round {version + 1} with the weights of version "
+                                        f"{intact} (--recover)")
+        return outer, version + 1
+
+    def _commit_restored(self, r: int, outer: OuterOptimizer, reason: str, cfg: RunConfig) -> None:
+        """Close round r with no updates and commit `outer` (a kept version's) as version r + 1."""
+        self.store.discard_uncommitted(r)
+        meta = {"run": cfg.name, "algorithm": outer.algorithm, "version": str(r + 1)}
+        body = EncodedBody(outer.params, meta, digest_algorithm=cfg.digest)
+        record = restore_record(r, getattr(self, "opened_at", time.time()), reason, outer.algorithm)
+        record["digest"] = self._write_checkpoint(r + 1, outer, body)
+        self.store.commit_round(record, {})
+
+    def kept_versions(self, ident: Identity) -> dict[str, Any]:
+        """Admin: the committed versions whose checkpoint files are kept (a roll back's choices)."""
+        self._require_admin(ident, "listing the kept versions")
+        kept = [v for v in self.ckpt.versions() if v <= self.committed_version]
+        return {"versions": sorted(kept, reverse=True), "committed_version": self.committed_version}
+
+    async def roll_back_to(self, ident: Identity, version: int) -> dict[str, Any]:
+        """Admin: put a kept version's weights and optimizer state back in force.
+
+        The open round r closes with no updates (uploads sent for it are dropped; their
+        senders find it closed and fetch the new model) and version r + 1 is committed with
+        the kept version's state, durably, before this returns (`restore.py`)."""
+        self._require_admin(ident, "rolling the run back")
+        kept = self.kept_versions(ident)["versions"]
+        if version not in kept:
+            raise Refused(404, "version_not_kept", f"version {version} is not a kept checkpoint; kept: "
+                                                   f"{', '.join(map(str, kept)) or 'none'}")
+        if self.closing:
+            raise Refused(409, "round_closing", f"round {self.version} is closing; try again in a moment")
+        self.closing = True  # admit no upload while going back
+        self._abort_direct()
+        try:
+            await self._settle_commit()
+            while self._folds:
+                await asyncio.sleep(0.01)
+            r = self.version
+            reason = f"rolled back to version {version} by {ident.role}"
+            await asyncio.to_thread(self._roll_back_in_thread, r, version, reason)
+        finally:
+            self.closing = False
+        self.version = self.committed_version = r + 1
+        self.submitted = {}
+        self._end_round_extras(committed=False)
+        self.opened_at = self.clock()
+        self._enter_round()
+        self.reason = "round opened"
+        self._event("rollback", f"{reason}: round {r} closed with no updates, version {r + 1} holds the weights "
+                                f"of version {version}")
+        self._notify()
+        return {"version": r + 1, "restored": version}
+
+    def _roll_back_in_thread(self, r: int, version: int, reason: str) -> None:
+        outer = load_version(self.ckpt, self.store, version)
+        with self._fold_lock:
+            with self._weights.lock:
+                self._weights.epoch += 1
+                self.outer = outer
+                self._published = None  # version r + 1 is served from its file
+            self.acc.reset()
+            self._reconfigure_outer()  # the config in force may name another algorithm than v's
+        # Outside the fold lock, which the checkpoint writer takes itself; no fold runs (closing).
+        self._commit_restored(r, self.outer, reason, self.config)
 
     def _reconcile_given_config(self, cfg: RunConfig, version: int) -> RunConfig:
         """A config given at the restart of a stored run: the stored run's config stays in force

@@ -392,6 +392,14 @@ class CoordinatorClient:
         """Accepted config versions, newest first: version, created_at, author, diff, effective_round."""
         return self._json("GET", "/v1/config/history", params={"limit": limit})["versions"]
 
+    def kept_versions(self) -> dict[str, Any]:
+        """Admin: the kept versions a roll back can go to, newest first, and the committed version."""
+        return self._json("GET", "/v1/admin/checkpoints")
+
+    def roll_back(self, version: int) -> dict[str, Any]:
+        """Admin: put kept `version` back in force; answers the new version that holds it."""
+        return self._json("POST", "/v1/admin/rollback", json={"version": version})
+
     def events(self, stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, Any]]:
         """Server-sent events of the run as (kind, data), one connection, no retry: the caller
         reconnects. Ends when the server closes the stream or `stop()` is true at an event."""
