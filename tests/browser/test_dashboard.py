@@ -1,16 +1,19 @@
 """The dashboard in headless Chromium against a live run: the page fills from the API and
 the SSE stream, a config change made in the form reaches every participant at one round
 boundary, an invalid change shows its error and changes nothing, participant tokens get a
-read-only view, an admin can evict, and the event log filters by kind."""
+read-only view, an admin can evict or roll the run back to a kept version, and the event log
+filters by kind."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
-from playwright.sync_api import expect
+from playwright.sync_api import Dialog, Route, expect
 
 from tests.browser.conftest import ARTIFACTS, SITES, LiveRun, Page
 from tests.conftest import ATOKEN, PTOKEN
@@ -129,6 +132,8 @@ def test_participant_token_gets_a_read_only_view(page: Page, live_run: LiveRun) 
     expect(pg.locator("#config-editor")).to_be_hidden()
     expect(pg.locator("#config-json")).to_contain_text('"sync_every"')
     expect(pg.locator("button[data-evict]")).to_have_count(0)
+    expect(pg.locator("#rollback")).to_be_hidden()
+    expect(pg.locator("#rollback-version option")).to_have_count(0)  # the kept versions are never asked for
     # the token was kept: a reload signs in again without asking
     pg.reload()
     expect(pg.locator("#role")).to_have_text("participant")
@@ -184,3 +189,83 @@ def test_event_log_filters_by_kind_and_keeps_the_choice(page: Page, live_run: Li
     pg.locator('#events-filter button[data-kind="all"]').click()
     expect(pg.locator("#events li[data-kind=round]").first).to_be_visible()
     assert not page.errors, page.errors
+
+
+def admin_get(run: LiveRun, path: str) -> dict[str, Any]:
+    return httpx.get(f"{run.url}{path}", headers={"Authorization": f"Bearer {ATOKEN}"}).json()
+
+
+def rollbacks(run: LiveRun) -> list[str]:
+    return [e["message"] for e in admin_get(run, "/v1/events?limit=1000")["events"] if e["kind"] == "rollback"]
+
+
+def refuse_round_closing(route: Route) -> None:
+    """The coordinator's refusal when a round is closing, in its one error shape."""
+    error = {"status": 409, "code": "round_closing", "message": "round 99 is closing; try again in a moment"}
+    route.fulfill(status=409, content_type="application/json", body=json.dumps({"error": {**error, "details": {}}}))
+
+
+def test_admin_rolls_back_to_a_kept_version_from_the_dashboard(page: Page, live_run: LiveRun) -> None:
+    pg = page.page
+    pg.goto(f"{live_run.url}/#token={ATOKEN}")  # not open_dashboard: an earlier test may have added a participant
+    expect(pg.locator("body")).to_have_attribute("data-ready", "1")
+    select, go, result = pg.locator("#rollback-version"), pg.locator("#rollback-go"), pg.locator("#rollback-result")
+    expect(select).to_be_visible()
+    expect(go).to_be_disabled()  # nothing chosen yet
+    newest = select.locator("option").nth(1)
+    expect(newest).to_have_text(re.compile(r"^v\d+ \(in force\)$"))
+    # The newest kept version: still kept when the POST lands, even if rounds commit meanwhile.
+    version = newest.get_attribute("value")
+    assert version is not None
+
+    select.select_option(version)
+    pg.once("dialog", lambda d: d.dismiss())  # a dismissed confirm changes nothing
+    go.click()
+    expect(go).to_be_enabled()
+    expect(result).to_be_empty()
+    assert rollbacks(live_run) == []
+
+    dialogs: list[str] = []
+
+    def accept(dialog: Dialog) -> None:
+        dialogs.append(dialog.message)
+        dialog.accept()
+
+    pg.on("dialog", accept)
+    before = admin_get(live_run, "/v1/status")["current_round"]
+    select.select_option(version)  # rebuilt as rounds went by, the select keeps a choice that is still kept
+    go.click()
+    expect(result).to_have_attribute("data-state", "ok")
+    expect(result).to_contain_text(f"holds the weights of version {version}")
+    [message] = dialogs
+    asked = rf"^Roll back to version {version}\?\s+Round (\d+) closes with no updates and version (\d+) gets the "
+    asked += rf"weights of version {version}\. Participants fetch it at their next sync\.$"
+    said = re.match(asked, message)
+    assert said and int(said[2]) == int(said[1]) + 1 and int(said[1]) >= before, message
+    done = re.search(r"version (\d+) holds", result.inner_text())
+    assert done, result.inner_text()
+    new = int(done[1])
+    assert new > before
+    # the status' current round advanced past the roll back, the page follows, and says why
+    assert admin_get(live_run, "/v1/status")["current_round"] >= new
+    wait_for(lambda: int(pg.locator("#c-round").inner_text().split()[0]) >= new, 30, "the round card to advance")
+    row = pg.locator(f'#rounds tbody tr[data-round="{new - 1}"]')
+    expect(row.locator("td.reason")).to_have_text(f"rolled back to version {version} by admin")
+    expect(row).to_have_class("rolled-back")
+    expect(pg.locator("#events li[data-kind=rollback]").first).to_contain_text(
+        f"version {new} holds the weights of version {version}"
+    )
+    assert len(rollbacks(live_run)) == 1
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg.locator("#rounds-wrap").locator("xpath=..").screenshot(path=str(ARTIFACTS / "dashboard-rollback.png"))
+
+    # a refusal is shown inline in the coordinator's words, never as an alert
+    pg.route("**/v1/admin/rollback", refuse_round_closing)
+    select.select_option(index=1)
+    go.click()
+    expect(result).to_have_attribute("data-state", "error")
+    expect(result).to_have_text("Not rolled back: round 99 is closing; try again in a moment")
+    assert len(dialogs) == 2  # the second confirm, and nothing else
+    expect(go).to_be_enabled()
+    pg.unroute("**/v1/admin/rollback")
+    assert not [e for e in page.errors if "409" not in e], page.errors  # the refused POST logs one 409

@@ -27,7 +27,8 @@ const QUICK_FIELDS = [
 const S = {
   token: null, role: null, offset: 0, source: null, timers: [],
   status: null, config: null, history: [], events: [], metrics: [],
-  evictArmed: null, validateTimer: null, validateSeq: 0, chartsQueued: false,
+  evictArmed: null, kept: [], keptInForce: null, keptRound: null, keptSeq: 0, rollingBack: false,
+  validateTimer: null, validateSeq: 0, chartsQueued: false,
   eventKind: localStorage.getItem(EVENT_KIND_KEY) || "all",
 };
 
@@ -90,6 +91,7 @@ async function signIn(token) {
 }
 
 function stop() {
+  S.keptRound = null; // the next admin view fetches the kept versions afresh
   if (S.source) S.source.close();
   S.source = null;
   S.timers.forEach(clearInterval);
@@ -111,6 +113,7 @@ function openStream() {
   on("hello", (d) => {
     setConn("live", "live");
     S.config = d.config;
+    S.keptRound = null; // (re)opened: fetch the kept versions whatever the round
     setStatus(d.status);
     renderConfig();
     reloadLists();
@@ -172,6 +175,7 @@ function setStatus(st) {
   renderParticipants(st);
   renderRounds(st);
   renderConfigVersions();
+  if (S.role === "admin" && st.current_round !== S.keptRound) loadKept();
 }
 
 function renderCards(st) {
@@ -268,7 +272,8 @@ function renderRounds(st) {
     const dur = r.closed_at - r.opened_at;
     const bar = el("span", { class: "bar" });
     bar.style.width = Math.max(2, (dur / longest) * 100) + "%";
-    rows.push(el("tr", { dataset: { round: r.round } },
+    const back = r.close_reason.startsWith("rolled back to version"); // a break in the timeline: mark it
+    rows.push(el("tr", { class: back ? "rolled-back" : null, dataset: { round: r.round } },
       el("td", { class: "num", text: String(r.round) }),
       el("td", { text: fmt.clock(r.closed_at) }),
       el("td", { class: "duration" }, el("span", { class: "bar-track" }, bar), el("span", { text: fmt.seconds(dur) })),
@@ -280,6 +285,62 @@ function renderRounds(st) {
   }
   body.replaceChildren(...rows);
   $("rounds-hint").textContent = st.recent_rounds.length ? `last ${st.recent_rounds.length} committed` : "none committed yet";
+}
+
+// -- rolling back to a kept version (admin) ----------------------------------------------------
+
+// The kept versions change at every round (a commit adds one, pruning drops the oldest), so
+// they are fetched when the admin view opens and whenever the round moves on.
+async function loadKept() {
+  const seq = ++S.keptSeq;
+  S.keptRound = S.status ? S.status.current_round : null;
+  const got = await api("v1/admin/checkpoints").catch(() => null);
+  if (!got || seq !== S.keptSeq) return;
+  S.kept = got.versions;
+  S.keptInForce = got.committed_version;
+  renderKept();
+}
+
+// The select is rebuilt only when its choices change, and keeps the choice while it is kept:
+// a status arrives every few seconds, and a rebuilt select would close under the pointer.
+function renderKept() {
+  const select = $("rollback-version");
+  const want = [["", S.kept.length ? "choose a kept version" : "no kept version"],
+    ...S.kept.map((v) => [String(v), v === S.keptInForce ? `v${v} (in force)` : `v${v}`])];
+  const same = select.options.length === want.length &&
+    want.every(([v, t], i) => select.options[i].value === v && select.options[i].textContent === t);
+  if (!same) {
+    const chosen = select.value;
+    select.replaceChildren(...want.map(([v, t]) => el("option", { value: v, text: t })));
+    select.value = want.some(([v]) => v === chosen) ? chosen : "";
+  }
+  $("rollback-go").disabled = S.rollingBack || select.value === "";
+}
+
+function setRollbackResult(state, text) {
+  $("rollback-result").dataset.state = state;
+  $("rollback-result").textContent = text;
+}
+
+async function rollBackClicked() {
+  const chosen = $("rollback-version").value;
+  if (chosen === "" || !S.status || S.rollingBack) return;
+  const v = Number(chosen), n = S.status.current_round;
+  if (!confirm(`Roll back to version ${v}?\n\nRound ${n} closes with no updates and version ${n + 1} gets the ` +
+    `weights of version ${v}. Participants fetch it at their next sync.`)) return;
+  S.rollingBack = true;
+  renderKept();
+  setRollbackResult("busy", "Rolling back…");
+  try {
+    const r = await api("v1/admin/rollback", { method: "POST", body: { version: v } });
+    setRollbackResult("ok", `Rolled back: version ${r.version} holds the weights of version ${r.restored}.`);
+    $("rollback-version").value = "";
+  } catch (e) {
+    setRollbackResult("error", "Not rolled back: " + e.message);
+  } finally {
+    S.rollingBack = false;
+    loadKept();
+  }
 }
 
 function chips(subs) {
@@ -533,6 +594,8 @@ function init() {
     validateSoon();
   });
   $("config-apply").addEventListener("click", applyChange);
+  $("rollback-version").addEventListener("change", () => { setRollbackResult("idle", ""); renderKept(); });
+  $("rollback-go").addEventListener("click", rollBackClicked);
   $("events-filter").addEventListener("click", (e) => {
     const chip = e.target.closest("button[data-kind]");
     if (chip) setEventKind(chip.dataset.kind);
