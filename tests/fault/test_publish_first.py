@@ -126,3 +126,58 @@ def test_a_full_disk_during_the_commit_goes_back_and_the_round_commits_once_ther
         events = http.get("/v1/events", params={"limit": 20}).json()["events"]
         assert any(e["kind"] == "commit_failed" and "No space" in e["message"] for e in events), events
         back_at_round_0_then_commit_it(c, http, theta0)
+
+
+def test_a_full_disk_that_also_fills_the_database_holds_the_run_with_507_then_lets_it_go_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills in the middle of a commit, and SQLite cannot write either: the roll back
+    used to raise on its first event write and left the round `closing` for good (uploads 409,
+    downloads 404) until a restart. Now the run waits for room with uploads answered 507 (what
+    to do, not an internal error), then goes back to the open round 0 and commits it."""
+    import contextlib
+    import errno
+    import os
+    import sqlite3
+
+    from fedtrain.coordinator.store import Store
+
+    cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, min_participants=2)
+    headers = {"Authorization": f"Bearer {PTOKEN}"}
+    real_pwrite, real_write = os.pwrite, Store.write
+    full = {"armed": False, "on": False, "db": 0}
+
+    def pwrite(fd: int, data, offset: int) -> int:  # type: ignore[no-untyped-def]
+        if full["armed"]:  # the disk fills as the checkpoint is written
+            full["on"] = True
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    @contextlib.contextmanager
+    def write(self):  # type: ignore[no-untyped-def]
+        if full["on"]:
+            full["db"] += 1
+            raise sqlite3.OperationalError("database or disk is full")
+        with real_write(self) as db:
+            yield db
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(Store, "write", write)
+    with BackgroundCoordinator(tmp_path / "state", cfg, tokens=Tokens([PTOKEN], "admin")) as c, \
+            httpx.Client(base_url=c.url, headers=headers, timeout=30) as http:
+        for pid in ("a", "b"):
+            assert http.post("/v1/join", json={"name": pid}).status_code == 200
+        _, theta0 = download(http)
+        full["armed"] = True
+        for who, pid in enumerate(("a", "b")):
+            assert upload(http, 0, pid, delta(theta0, who, 0)).status_code == 200
+        wait_for(lambda: full["db"] > 1, "the database never refused a write")
+        r = upload(http, 0, "a", delta(theta0, 0, 0))  # meanwhile: told to retry, not a 500 or 'closing'
+        assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", r.text
+        assert "disk is full" in r.json()["error"]["message"] and r.headers["Retry-After"]
+        full["armed"] = full["on"] = False  # room again
+        wait_for(lambda: c.service.version == 0 and not c.service.closing, "no going back once there was room")
+        assert c.service.committed_version == 0
+        events = http.get("/v1/events", params={"limit": 20}).json()["events"]
+        assert any(e["kind"] == "storage" and "room on the disk again" in e["message"] for e in events), events
+        back_at_round_0_then_commit_it(c, http, theta0)

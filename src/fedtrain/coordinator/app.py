@@ -1,33 +1,40 @@
 """HTTP routes of the coordinator (versioned under /v1): parse, authorize, call the service.
 
-Every error leaves here in the one JSON shape of `fedtrain.errors.error_body`. Tensor
-bodies stream in both directions; nothing here buffers a whole body.
+Every error leaves here in the one JSON shape of `fedtrain.errors.error_body` (with a
+Retry-After header when its details name `retry_after_s`). Tensor bodies stream in both
+directions; nothing here buffers a whole body.
+
+A route that speaks for a participant authorizes with `act_as` (the token, then the
+participant key of the header `X-Fedtrain-Participant-Key`, else of the cookie its join
+answer set; `auth.py`) before it calls the service.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import fedtrain
 from fedtrain.config import MB
-from fedtrain.coordinator import dashboard
-from fedtrain.coordinator.auth import Identity, role_check
+from fedtrain.coordinator import dashboard, storage
+from fedtrain.coordinator.auth import KEY_HEADER, Identity, key_cookie, role_check
 from fedtrain.coordinator.broadcast import sse
 from fedtrain.coordinator.httpbody import READINTO, SEND
 from fedtrain.coordinator.limits import BodyLimit, InFlight
 from fedtrain.coordinator.publish import ModelResponse
 from fedtrain.coordinator.receive import Body
 from fedtrain.coordinator.service import Coordinator, Refused
+from fedtrain.coordinator.storage import storage_full
 from fedtrain.errors import (
     ConfigError,
     FedtrainError,
@@ -43,6 +50,7 @@ log = logging.getLogger("fedtrain.coordinator")
 VERSION_HEADER = "X-Fedtrain-Version"
 STREAM_KEEPALIVE_S = 15.0
 STREAM_SEND_BUFFER = 64 << 10  # kernel bytes an event stream may have unsent (`ResponseSink.limit_kernel_buffer`)
+UPLOAD_RETRY_AFTER_S = 1.0  # what a 429 upload_in_progress asks the client to wait
 
 
 class JoinRequest(BaseModel):
@@ -121,7 +129,11 @@ def create_app(service: Coordinator) -> FastAPI:
     async def _fedtrain_error(request: Request, exc: FedtrainError) -> JSONResponse:
         status = _status_of(exc)
         code = getattr(exc, "code", "error")
-        return JSONResponse(error_body(status, code, exc.message, exc.details), status_code=status)
+        headers = {"Retry-After": str(storage.RETRY_AFTER_S)} if status == 507 else None
+        wait = exc.details.get("retry_after_s")
+        if isinstance(wait, (int, float)):  # name_in_use, upload_in_progress, evicted_recently
+            headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+        return JSONResponse(error_body(status, code, exc.message, exc.details), status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -140,6 +152,10 @@ def create_app(service: Coordinator) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if storage_full(exc):  # the operator's to fix, and the client's to retry: not an internal error
+            log.warning("%s %s: %s (%s)", request.method, request.url.path, storage.MESSAGE, exc)
+            return JSONResponse(error_body(507, "insufficient_storage", storage.MESSAGE), status_code=507,
+                                headers={"Retry-After": str(storage.RETRY_AFTER_S)})
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return JSONResponse(
             error_body(500, "internal", "internal error in the coordinator; its log has the details"),
@@ -155,6 +171,10 @@ def create_app(service: Coordinator) -> FastAPI:
     @role_check
     def identity(request: Request) -> Identity:
         return authenticate(request.headers.get("authorization"))
+
+    def act_as(request: Request, ident: Identity, pid: str) -> None:
+        """Refuse a request that speaks for participant `pid` without its participant key."""
+        service.act_as(ident, pid, request.headers.get(KEY_HEADER) or request.cookies.get(key_cookie(pid)))
 
     dashboard.add_routes(app, service, identity)  # /, /static, /v1 (JSON index), /v1/whoami, /metrics
 
@@ -173,20 +193,30 @@ def create_app(service: Coordinator) -> FastAPI:
     async def healthz() -> dict[str, Any]:
         return {"ok": True, "current_round": service.version}
 
-    @app.post("/v1/join", summary="Join the run: participant id, run config, current round, model spec")
-    async def join(body: JoinRequest, ident: Identity = Depends(identity)) -> dict[str, Any]:
-        return service.join(ident, body.name, body.info)
+    @app.post("/v1/join", summary="Join the run: participant id and key, run config, current round, model spec")
+    async def join(body: JoinRequest, request: Request, response: Response,
+                   ident: Identity = Depends(identity)) -> dict[str, Any]:
+        key = request.headers.get(KEY_HEADER) or (request.cookies.get(key_cookie(body.name)) if body.name else None)
+        answer = service.join(ident, body.name, body.info, key)
+        response.set_cookie(key_cookie(answer["participant_id"]), answer["participant_key"], path="/v1",
+                            httponly=True, samesite="strict", secure=request.url.scheme == "https")
+        return answer
 
     @app.post("/v1/participants/{pid}/heartbeat", summary="Heartbeat with progress")
-    async def heartbeat(pid: str, body: HeartbeatRequest, ident: Identity = Depends(identity)) -> dict[str, Any]:
+    async def heartbeat(pid: str, body: HeartbeatRequest, request: Request,
+                        ident: Identity = Depends(identity)) -> dict[str, Any]:
+        act_as(request, ident, pid)
         return service.heartbeat(ident, pid, body.model_dump())
 
     @app.post("/v1/participants/{pid}/leave", summary="Leave the run")
-    async def leave(pid: str, ident: Identity = Depends(identity)) -> dict[str, Any]:
+    async def leave(pid: str, request: Request, ident: Identity = Depends(identity)) -> dict[str, Any]:
+        act_as(request, ident, pid)
         return service.leave(ident, pid)
 
     @app.post("/v1/participants/{pid}/metrics", summary="Report metrics (losses, evals)")
-    async def metrics(pid: str, body: MetricsRequest, ident: Identity = Depends(identity)) -> dict[str, Any]:
+    async def metrics(pid: str, body: MetricsRequest, request: Request,
+                      ident: Identity = Depends(identity)) -> dict[str, Any]:
+        act_as(request, ident, pid)
         bad = [k for k, v in body.values.items() if v != v or v in (float("inf"), float("-inf"))]
         if bad:
             raise Refused(422, "non_finite", f"metric values must be finite: {', '.join(bad)}")
@@ -267,10 +297,13 @@ def create_app(service: Coordinator) -> FastAPI:
     @app.get("/v1/rounds/{round_}", summary="Round status; long-polls up to `wait` seconds while it is open")
     async def round_status(
         round_: int,
+        request: Request,
         wait: float = Query(0.0, ge=0, le=60),
         participant_id: str | None = None,
         ident: Identity = Depends(identity),
     ) -> dict[str, Any]:
+        if participant_id is not None:
+            act_as(request, ident, participant_id)
         return await service.wait_round(ident, participant_id, round_, wait)
 
     @app.put(
@@ -290,6 +323,7 @@ def create_app(service: Coordinator) -> FastAPI:
         tokens: int = Query(..., ge=0, le=MAX_COUNT),
         ident: Identity = Depends(identity),
     ) -> dict[str, Any]:
+        act_as(request, ident, pid)
         digest = request.headers.get(DIGEST_HEADER)
         if not digest:
             raise Refused(400, "digest_required",
@@ -301,7 +335,8 @@ def create_app(service: Coordinator) -> FastAPI:
             raise Refused(400, "invalid_length", "Content-Length is not a number") from None
         if not uploads_in_flight.take((pid, round_)):
             raise Refused(429, "upload_in_progress", f"an upload of {pid} for round {round_} is in progress on another "
-                          "connection; send again once it is over", {"round": round_})
+                          "connection; send again once it is over",
+                          {"round": round_, "retry_after_s": UPLOAD_RETRY_AFTER_S})
         try:
             body = Body(request.stream(), request.scope.get("extensions", {}).get(READINTO))
             return await service.receive_update(ident, pid, round_, tokens, digest, length, body)
@@ -316,10 +351,13 @@ def create_app(service: Coordinator) -> FastAPI:
         responses={200: {"content": {"application/octet-stream": {}}}},
     )
     async def model(
+        request: Request,
         version: int | None = Query(None, ge=0, le=MAX_COUNT),
         participant_id: str | None = None,
         ident: Identity = Depends(identity),
     ) -> StreamingResponse:
+        if participant_id is not None:  # counted as its download: only by itself
+            act_as(request, ident, participant_id)
         stream = service.model_stream(version, participant_id)
         headers = {
             "Content-Length": str(stream.size), DIGEST_HEADER: stream.digest, VERSION_HEADER: str(stream.version)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -30,6 +31,7 @@ from fedtrain.coordinator.broadcast import Broadcaster
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.publish import Published, WeightsGuard
 from fedtrain.coordinator.spool import RoundSpool
+from fedtrain.coordinator.storage import storage_full
 from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.errors import FedtrainError
 from fedtrain.merge import OuterOptimizer, RunningSum
@@ -86,6 +88,7 @@ class CoordinatorBase:
     _janitor: ThreadPoolExecutor
     bytes_in: int
     bytes_out: int
+    storage_full_since: float | None  # when a full disk began to hold the run back (uploads get 507)
     # Set by Coordinator.open().
     store: Store
     ckpt: CheckpointDir
@@ -135,7 +138,12 @@ class CoordinatorBase:
 
     def _event(self, kind: str, message: str, pid: str | None = None) -> None:
         log.info("%s: %s", kind, message)
-        self.store.add_event(kind, message, pid)
+        try:
+            self.store.add_event(kind, message, pid)
+        except sqlite3.Error as e:  # a full disk must not stop what reports it (a roll back, say)
+            if not storage_full(e):
+                raise
+            log.warning("event not stored (%s): %s: %s", e, kind, message)
         if self._changed is not None:
             self.broadcast.publish("event", {"ts": time.time(), "kind": kind, "participant_id": pid,
                                              "message": message})

@@ -30,10 +30,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fedtrain import faults
-from fedtrain.coordinator import policy
+from fedtrain.coordinator import policy, storage
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.base import CoordinatorBase, Refused
 from fedtrain.coordinator.publish import ModelStream, Published
+from fedtrain.coordinator.storage import storage_full
 from fedtrain.errors import MergeError
 from fedtrain.merge import OuterOptimizer, contribution_weights
 from fedtrain.merge.outer import NonFiniteStep
@@ -141,11 +142,34 @@ class RoundsMixin(CoordinatorBase):
         self.version = self.committed_version
         self._published = None
         self._rollbacks += 1
-        await asyncio.to_thread(self._reload_committed)
+        await self._reload_when_there_is_room()
         self.submitted = {}
         self._end_round_extras(committed=False)
         self.closing = False
         self._notify()
+
+    async def _reload_when_there_is_room(self) -> None:
+        """Reload the last committed round; while the disk is full (its database writes fail),
+        wait and try again, answering uploads 507 meanwhile (`storage_full_since`), so the run
+        goes on by itself once there is room. Any other failure is raised as before."""
+        delay = 0.5
+        while True:
+            try:
+                await asyncio.to_thread(self._reload_committed)
+            except Exception as e:
+                if not storage_full(e):
+                    raise
+                if self.storage_full_since is None:
+                    self.storage_full_since = self.clock()
+                    log.warning("going back to round %d waits for room on the disk: %s", self.version, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, storage.RETRY_AFTER_S)
+                continue
+            if self.storage_full_since is not None:
+                self._event("storage", f"room on the disk again after {self.clock() - self.storage_full_since:.0f}s: "
+                                       f"back at round {self.version}, uploads are taken again")
+                self.storage_full_since = None
+            return
 
     def _end_round_extras(self, committed: bool) -> None:
         """A round closed (or its merge failed): late folds and retained updates go; times count."""

@@ -135,6 +135,7 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         # Every download's bytes, counted by `model_stream`; not reported: the run's totals are
         # the sums of the participants' counters, which the store keeps across restarts (`status`).
         self.bytes_out = 0
+        self.storage_full_since: float | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 

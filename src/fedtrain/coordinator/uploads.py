@@ -54,12 +54,13 @@ import torch
 
 from fedtrain import faults
 from fedtrain.config import RunConfig, parse_config
-from fedtrain.coordinator import policy
+from fedtrain.coordinator import policy, storage
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.base import CoordinatorBase, Refused, log
 from fedtrain.coordinator.httpbody import Abandoned
 from fedtrain.coordinator.receive import Body, Head, peek_header, receive_to_spool
 from fedtrain.coordinator.spool import needs_spool
+from fedtrain.coordinator.storage import storage_full
 from fedtrain.merge import all_finite, check_compatible  # noqa: F401 - all_finite: tests patch it to see no second pass
 from fedtrain.merge.aggregate import MAX_UPDATE_ABS, max_abs
 from fedtrain.merge.robust import clip_scale, sum_of_squares
@@ -249,7 +250,10 @@ class UploadsMixin(CoordinatorBase):
         return len(keys) + len(waiting)
 
     def _check_open(self, round_: int) -> policy.Admission:
-        """Admit an upload for `round_` into the open round (accept or late), or refuse with 409."""
+        """Admit an upload for `round_` into the open round (accept or late), or refuse with 409
+        (507 while a full disk holds the run back)."""
+        if self.storage_full_since is not None:
+            raise Refused(507, "insufficient_storage", storage.MESSAGE, {"current_round": self.version})
         admission = policy.admit_upload(round_, self.version, self.closing, self.finished, self.config)
         if admission.action != "refuse":
             return admission
@@ -335,7 +339,13 @@ class UploadsMixin(CoordinatorBase):
             self._event("late", f"{pid}'s update for round {round_}: {admission.reason}", pid)
         else:
             self._round_times.append(max(0.0, self.clock() - self.opened_at))
-            self.store.add_submission(round_, pid, tokens, length, digest)
+            try:
+                self.store.add_submission(round_, pid, tokens, length, digest)
+            except Exception as e:
+                if storage_full(e):  # folded but not recorded: the round must not commit as it is
+                    # the merge fails on it and the run goes back, once there is room (rounds.py)
+                    self._fold_failure = f"{pid}'s update for round {round_} could not be recorded: {e}"
+                raise
         self.store.upsert_participant(p)
         self._maybe_close()
         self._notify()
