@@ -9,27 +9,35 @@ checkpoint and commit path (FEDTRAIN_FAULTS). At the end it checks and prints:
 
 - the run finished: every round committed, the global model at the last version;
 - the loss fell: held-out loss of the final global model below that of the initial one;
-- no committed round was lost: the committed version seen from outside never went back,
-  and the rounds table holds each round exactly once;
+- no committed round was lost: the committed version seen from outside (the admin
+  checkpoints list) never went back, and the rounds table holds each round exactly once (a
+  served round whose background commit a kill cut short is not lost: it is noted, and merged
+  again);
 - every checkpoint loads: each kept version's model (against its digest) and outer state;
 - no participant exited on its own with an error; the number of kills survived.
 
-    python benchmarks/chaos.py --quick            # ~2-4 minutes on 2 cores
+However the run stops (every round committed, out of --time-limit, or a process that would
+not start), its end is the same: participants finish or are stopped, a coordinator without
+faults is brought up if the one running is down or armed, and the final calls (status, held-out
+loss) are bounded, their failures reported. The report opens with the outcome: `finished`,
+`out of time at round N/M`, or `failed: <reason>`.
+
+    python benchmarks/chaos.py --quick            # ~4-6 minutes on 2 cores
     python benchmarks/chaos.py --seed 7 --json chaos.json
 
-Exit status 0 when every check passed, 1 otherwise.
+Exit status 0 for a finished run whose every check passed, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import secrets
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -44,7 +52,8 @@ from fedtrain.config import RunConfig
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.store import Store
 from fedtrain.demo import global_eval
-from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+from fedtrain.errors import FedtrainError
+from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
 
 FAULT_POINTS = [
     "upload.received",
@@ -55,6 +64,18 @@ FAULT_POINTS = [
     "commit.before_db",
     "commit.after_db",
 ]
+
+# The calls of the run's start and end: each one bounded, so that a coordinator that stays
+# away costs a known wait and a line in the report, never a hang or a traceback.
+CALL_TIMEOUTS = Timeouts(connect=5.0, read=30.0, write=30.0, pool=10.0)
+CALL_RETRY = RetryPolicy(max_elapsed_s=30.0, first_contact_s=30.0)
+START_S = 120.0  # the longest a coordinator may take to answer after a (re)start
+PARTICIPANTS_END_S = 90.0  # how long participants of a finished run get to exit by themselves
+STOP_GRACE_S = 20.0  # SIGTERM, then this long before SIGKILL
+
+
+class RunFailed(Exception):
+    """The run cannot go on: a process that would not start, a first call that got no answer."""
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
@@ -93,12 +114,31 @@ class Tally:
     )
     points_hit: list[str] = field(default_factory=list)
     own_exits: list[str] = field(default_factory=list)  # participants that exited non-zero without being killed
-    lost_rounds: list[str] = field(default_factory=list)
-    max_seen: int = 0
+    lost_rounds: list[str] = field(default_factory=list)  # the committed version went back
+    dropped: list[str] = field(default_factory=list)  # a served round a kill took back before its commit
+    served: int = 0  # the round the coordinator serves (healthz), last seen
+    committed: int = 0  # the highest committed version seen (admin checkpoints)
+
+
+@dataclass
+class Final:
+    """What the end of the run found: the coordinator's status and the held-out loss, or why not."""
+
+    restart: str = "not needed"  # what was done to have a coordinator without faults for the checks
+    status: dict[str, Any] | None = None
+    loss: float | None = None
+    problems: list[str] = field(default_factory=list)
 
 
 class Chaos:
-    """The processes of the run, their restarts, and the monkey."""
+    """The processes of the run, their restarts, and the monkey.
+
+    One thread runs all of it. Every restart of the coordinator follows a `wait()` on the one
+    before (after its SIGKILL, or once `poll()` saw it exit): the kernel has dropped its lock on
+    the state directory by then, so the new one is never refused as a second coordinator. The
+    stored config wins on a restart, and `--config` is the same file every time, so a restart
+    resumes the run as it was (no `--apply-config`: the run's config never changes).
+    """
 
     def __init__(self, args: argparse.Namespace, cfg: RunConfig) -> None:
         self.args, self.cfg = args, cfg
@@ -108,8 +148,8 @@ class Chaos:
         self.state = self.dir / "state"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.token = secrets.token_urlsafe(16)
-        self.env = {**os.environ, "FEDTRAIN_TOKEN": self.token, "FEDTRAIN_ADMIN_TOKEN": secrets.token_urlsafe(16)}
+        self.token, self.admin_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+        self.env = {**os.environ, "FEDTRAIN_TOKEN": self.token, "FEDTRAIN_ADMIN_TOKEN": self.admin_token}
         self.env.pop("FEDTRAIN_FAULTS", None)
         self.procs: dict[str, subprocess.Popen] = {}
         self.armed: str | None = None  # the fault point the running coordinator was started with
@@ -129,24 +169,24 @@ class Chaos:
             )
 
     def start_coordinator(self, fault: str | None = None) -> None:
+        """Start the coordinator (armed at `fault`, if given) and wait until it answers; RunFailed if it won't."""
         self.armed = fault
         argv = ["coordinator", "--config", str(self.cfg_path), "--state-dir", str(self.state), "--port", str(self.port)]
         self.spawn("coordinator", argv, f"{fault}:kill" if fault else "")
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             proc = self.procs["coordinator"]
             if proc.poll() is not None:
                 if fault:  # killed itself at its point already while resuming: count it and go again clean
                     self._point_hit()
                     return self.start_coordinator(None)
-                raise SystemExit(f"the coordinator did not start; see {self.dir / 'logs' / 'coordinator.log'}")
-            version = self.version()
-            if version is not None:
-                if version < self.tally.max_seen:
-                    self.tally.lost_rounds.append(f"restart at round {version} after {self.tally.max_seen} was seen")
+                raise RunFailed(f"the coordinator did not start (exit {proc.returncode}): {self.tail('coordinator')}")
+            if self.version() is not None:
+                self.observe()
                 return
             time.sleep(0.2)
-        raise SystemExit("the coordinator did not answer within 120 s")
+        self.terminate(["coordinator"])
+        raise RunFailed(f"the coordinator did not answer within {START_S:.0f} s: {self.tail('coordinator')}")
 
     def start_participant(self, i: int) -> None:
         n = self.args.participants
@@ -165,19 +205,35 @@ class Chaos:
             ],
         )
 
-    def version(self) -> int | None:
+    def _get(self, path: str, key: str, token: str | None = None) -> int | None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            r = httpx.get(f"{self.url}/v1/healthz", timeout=2)
-            return int(r.json()["current_round"]) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError):
+            r = httpx.get(f"{self.url}{path}", headers=headers, timeout=2)
+            return int(r.json()[key]) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
 
+    def version(self) -> int | None:
+        """The round served (healthz); None while nobody answers."""
+        return self._get("/v1/healthz", "current_round")
+
     def observe(self) -> None:
-        v = self.version()
-        if v is not None:
-            if v < self.tally.max_seen:
-                self.tally.lost_rounds.append(f"round {v} seen after {self.tally.max_seen}")
-            self.tally.max_seen = max(self.tally.max_seen, v)
+        """The served round, and the committed version, which must never go back.
+
+        A merged round is served while its checkpoint is written in the background, so a kill
+        in between takes the served round back to the last committed one: by design (no
+        participant was given that model's last byte, unless publish_first), noted, not lost."""
+        t = self.tally
+        served = self.version()
+        if served is not None:
+            if served < t.served:
+                t.dropped.append(f"round {served} served after {t.served}")
+            t.served = served
+        committed = self._get("/v1/admin/checkpoints", "committed_version", self.admin_token)
+        if committed is not None:
+            if committed < t.committed:
+                t.lost_rounds.append(f"committed version {committed} seen after {t.committed}")
+            t.committed = max(t.committed, committed)
 
     def _point_hit(self) -> None:
         self.tally.kills["coordinator_at_point"] += 1
@@ -191,17 +247,34 @@ class Chaos:
             proc.wait()
             self.tally.kills["coordinator" if name == "coordinator" else "participant"] += 1
 
-    def check_processes(self, finished: bool) -> None:
-        """Restart whatever died: the coordinator at a fault point, participants that exited."""
+    def restart_dead_coordinator(self) -> bool:
+        """Start a coordinator without faults if the last one exited (counting a fault point it hit)."""
         coord = self.procs["coordinator"]
-        if coord.poll() is not None:
-            if coord.returncode == -signal.SIGKILL and self.armed:
-                self._point_hit()
-            time.sleep(self.rng.uniform(0.2, 1.0))
-            self.start_coordinator(None)
+        if coord.poll() is None:
+            return False
+        if coord.returncode == -signal.SIGKILL and self.armed:
+            self._point_hit()
+        time.sleep(self.rng.uniform(0.2, 1.0))
+        self.start_coordinator(None)
+        return True
+
+    def clean_coordinator(self) -> str:
+        """For the final checks: a coordinator without faults, restarted if the one running is down or armed."""
+        armed = self.armed
+        if self.restart_dead_coordinator():
+            return "the coordinator was down: restarted without faults"
+        if armed is None:
+            return "not needed"
+        self.terminate(["coordinator"])  # its point could still fire during the checks
+        self.start_coordinator(None)
+        return f"the coordinator was armed at {armed}: restarted without faults"
+
+    def check_processes(self) -> None:
+        """Restart whatever died: the coordinator at a fault point, participants that exited."""
+        self.restart_dead_coordinator()
         for i in range(self.args.participants):
             p = self.procs[f"p{i}"]
-            if p.poll() is not None and not finished:
+            if p.poll() is not None:
                 if p.returncode != 0:
                     self.tally.own_exits.append(f"p{i} exited with {p.returncode}: {self.tail(f'p{i}')}")
                 self.start_participant(i)
@@ -220,24 +293,131 @@ class Chaos:
             time.sleep(self.rng.uniform(0.2, 2.0))
             self.start_participant(i)
 
+    def participants(self) -> list[str]:
+        return [name for name in self.procs if name != "coordinator"]
+
+    def wait_participants(self, timeout_s: float) -> None:
+        """Participants of a finished run exit by themselves; a coordinator that dies meanwhile comes back clean."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(self.procs[n].poll() is None for n in self.participants()):
+            self.restart_dead_coordinator()
+            time.sleep(0.2)
+
+    def exit_codes(self) -> dict[str, int | None]:
+        return {name: self.procs[name].poll() for name in self.participants()}
+
     def tail(self, name: str, lines: int = 3) -> str:
-        text = (self.dir / "logs" / f"{name}.log").read_text(errors="replace")
+        try:
+            text = (self.dir / "logs" / f"{name}.log").read_text(errors="replace")
+        except OSError as e:
+            return f"(no log: {e.strerror})"
         return " | ".join(text.strip().splitlines()[-lines:])
 
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
+    def terminate(self, names: list[str]) -> None:
+        """SIGTERM the named processes, SIGKILL those still there after STOP_GRACE_S; returns once all are gone."""
+        live = [self.procs[n] for n in names if n in self.procs and self.procs[n].poll() is None]
+        for proc in live:
+            os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in live:
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
+    def stop(self) -> None:
+        self.terminate(list(self.procs))
+
+
+def begin(chaos: Chaos, cfg: RunConfig) -> float:
+    """Start the coordinator and the participants; the held-out loss of the initial model."""
+    chaos.start_coordinator()
+    try:
+        with CoordinatorClient(chaos.url, chaos.token, timeouts=CALL_TIMEOUTS, retry=CALL_RETRY) as client:
+            initial = global_eval(client, cfg, version=0)
+    except FedtrainError as e:
+        raise RunFailed(f"held-out loss of the initial model: {e}") from None
+    print(
+        f"chaos: {chaos.args.participants} participants, {cfg.rounds} rounds of H={cfg.train.sync_every}, "
+        f"seed {chaos.args.seed}, initial held-out loss {initial:.3f}; state in {chaos.dir}",
+        flush=True,
+    )
+    for i in range(chaos.args.participants):
+        chaos.start_participant(i)
+    return initial
+
+
+def chaos_loop(chaos: Chaos, cfg: RunConfig, t0: float) -> bool:
+    """Watch, restart and kill until every round is committed (True) or the time limit is reached (False)."""
+    args, lo, hi = chaos.args, *chaos.args.kill_every
+    next_kill = time.monotonic() + chaos.rng.uniform(lo, hi)
+    last_print = 0.0
+    while time.monotonic() - t0 < args.time_limit:
+        chaos.observe()
+        if chaos.tally.committed >= cfg.rounds:
+            return True
+        chaos.check_processes()
+        if time.monotonic() >= next_kill and chaos.tally.served < cfg.rounds - args.calm_rounds:
+            chaos.monkey()
+            next_kill = time.monotonic() + chaos.rng.uniform(lo, hi)
+        if time.monotonic() - last_print > 10:
+            k = chaos.tally.kills
+            print(
+                f"[{time.monotonic() - t0:5.0f}s] round {chaos.tally.served}/{cfg.rounds}; kills: "
+                f"coordinator {k['coordinator']}, at a fault point {k['coordinator_at_point']}, "
+                f"participants {k['participant']}",
+                flush=True,
+            )
+            last_print = time.monotonic()
+        time.sleep(0.2)
+    return False
+
+
+def wind_down(chaos: Chaos, cfg: RunConfig, finished: bool) -> Final:
+    """The end of every run: participants done (finished) or stopped, a clean coordinator, the final calls."""
+    try:
+        if finished:
+            restart = chaos.clean_coordinator()
+            chaos.wait_participants(PARTICIPANTS_END_S)
+        else:  # they would train on: stopped first, so that the round reached stays put
+            chaos.terminate(chaos.participants())
+            restart = chaos.clean_coordinator()
+    except RunFailed as e:
+        return Final(restart="failed", problems=[f"no coordinator for the final checks: {e}"])
+    final = Final(restart=restart)
+    with CoordinatorClient(chaos.url, chaos.token, timeouts=CALL_TIMEOUTS, retry=CALL_RETRY) as client:
+        try:
+            final.status = client.status()
+        except FedtrainError as e:
+            final.problems.append(f"final status: {e}")
+        try:
+            final.loss = global_eval(client, cfg)
+        except FedtrainError as e:
+            final.problems.append(f"held-out loss of the final model: {e}")
+    return final
+
+
+def committed_rounds(state: Path) -> tuple[list[int], list[str]]:
+    """The rounds table, read after every process is gone; returns (rounds, problems)."""
+    if not (state / "run.db").exists():
+        return [], ["no run database"]
+    try:
+        store = Store(state / "run.db")
+    except (FedtrainError, sqlite3.Error) as e:
+        return [], [f"run database: {e}"]
+    try:
+        return sorted(r["round"] for r in store.rounds(limit=100000)), []
+    except (FedtrainError, sqlite3.Error) as e:
+        return [], [f"run database: {e}"]
+    finally:
+        store.close()
+
 
 def check_checkpoints(state: Path) -> tuple[int, list[str]]:
     """Load every kept version (model against its digest, outer state); returns (count, problems)."""
+    if not (state / "run.db").exists():
+        return 0, ["no run database"]
     store = Store(state / "run.db")
     problems, loaded = [], 0
     try:
@@ -256,105 +436,107 @@ def check_checkpoints(state: Path) -> tuple[int, list[str]]:
     return loaded, problems
 
 
+def outcome_of(failure: str | None, finished: bool, reached: int, rounds: int) -> str:
+    if failure is not None:
+        return f"failed: {failure}"
+    return "finished" if finished else f"out of time at round {reached}/{rounds}"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = run_config(args)
     chaos = Chaos(args, cfg)
     t0 = time.monotonic()
-    lo, hi = args.kill_every
+    initial: float | None = None
+    failure: str | None = None
+    finished = False
     try:
-        chaos.start_coordinator()
-        with CoordinatorClient(chaos.url, chaos.token, retry=RetryPolicy(max_elapsed_s=60)) as client:
-            initial = global_eval(client, cfg, version=0)
-        print(
-            f"chaos: {args.participants} participants, {cfg.rounds} rounds of H={cfg.train.sync_every}, "
-            f"seed {args.seed}, initial held-out loss {initial:.3f}; state in {chaos.dir}",
-            flush=True,
-        )
-        for i in range(args.participants):
-            chaos.start_participant(i)
-        next_kill = time.monotonic() + chaos.rng.uniform(lo, hi)
-        last_print = 0.0
-        finished = False
-        while time.monotonic() - t0 < args.time_limit:
-            chaos.observe()
-            finished = chaos.tally.max_seen >= cfg.rounds
-            if finished:
-                break
-            chaos.check_processes(finished)
-            if time.monotonic() >= next_kill and chaos.tally.max_seen < cfg.rounds - args.calm_rounds:
-                chaos.monkey()
-                next_kill = time.monotonic() + chaos.rng.uniform(lo, hi)
-            if time.monotonic() - last_print > 10:
-                k = chaos.tally.kills
-                print(
-                    f"[{time.monotonic() - t0:5.0f}s] round {chaos.tally.max_seen}/{cfg.rounds}; kills: "
-                    f"coordinator {k['coordinator']}, at a fault point {k['coordinator_at_point']}, "
-                    f"participants {k['participant']}",
-                    flush=True,
-                )
-                last_print = time.monotonic()
-            time.sleep(0.2)
+        try:
+            initial = begin(chaos, cfg)
+            finished = chaos_loop(chaos, cfg, t0)
+        except RunFailed as e:
+            failure = str(e)
+        except KeyboardInterrupt:
+            failure = "interrupted"
         wall = time.monotonic() - t0
-        for i in range(args.participants):  # they finish by themselves once the run has
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                chaos.procs[f"p{i}"].wait(timeout=60)
-        exits = {f"p{i}": chaos.procs[f"p{i}"].returncode for i in range(args.participants)}
-        with CoordinatorClient(chaos.url, chaos.token, retry=RetryPolicy(max_elapsed_s=60)) as client:
-            status = client.status()
-            final = global_eval(client, cfg)
+        final = wind_down(chaos, cfg, finished) if "coordinator" in chaos.procs else Final(problems=["never started"])
+        exits = chaos.exit_codes()
     finally:
         chaos.stop()
-    committed = sorted(r["round"] for r in Store(chaos.state / "run.db").rounds(limit=100000))
+    committed, db_problems = committed_rounds(chaos.state)
     loaded, ckpt_problems = check_checkpoints(chaos.state)
     t = chaos.tally
+    status = final.status or {}
+    reached = int(status.get("current_round", t.committed))
+    # A round may still close (on a heartbeat timeout) between the final status and the stop:
+    # the table must hold rounds 0.. once each, at least up to the one reached.
+    contiguous = committed == list(range(len(committed))) and len(committed) >= reached
     checks = {
-        "run finished": bool(status["finished"]) and status["current_round"] == cfg.rounds,
-        "loss fell": final < initial,
-        "no committed round lost": not t.lost_rounds and committed == list(range(cfg.rounds)),
-        "every checkpoint loads": not ckpt_problems and loaded == cfg.rounds + 1,
-        "no participant exited on an error": not t.own_exits and all(c == 0 for c in exits.values()),
+        "run finished": bool(status.get("finished")) and reached == cfg.rounds,
+        "loss fell": initial is not None and final.loss is not None and final.loss < initial,
+        "no committed round lost": not t.lost_rounds and not db_problems and contiguous,
+        "every checkpoint loads": not ckpt_problems and loaded == len(committed) + 1,
+        # a finished run's participants exit 0 by themselves; one stopped at the end says nothing
+        "no participant exited on an error": not t.own_exits and (not finished or all(c == 0 for c in exits.values())),
     }
+    outcome = outcome_of(failure, finished, reached, cfg.rounds)
     return {
+        "outcome": outcome,
         "seed": args.seed,
         "participants": args.participants,
         "rounds": cfg.rounds,
+        "rounds_done": reached,
         "sync_every": cfg.train.sync_every,
+        "time_limit_s": args.time_limit,
         "wall_s": round(wall, 1),
-        "initial_loss": round(initial, 4),
-        "final_loss": round(final, 4),
+        "total_s": round(time.monotonic() - t0, 1),
+        "initial_loss": None if initial is None else round(initial, 4),
+        "final_loss": None if final.loss is None else round(final.loss, 4),
         "kills": dict(t.kills),
         "kills_survived": sum(t.kills.values()),
         "fault_points_hit": t.points_hit,
+        "served_rounds_dropped": t.dropped,
         "checkpoints_loaded": loaded,
+        "final_restart": final.restart,
         "problems": {
-            "lost_rounds": t.lost_rounds,
+            "final_checks": final.problems,
+            "lost_rounds": t.lost_rounds + db_problems,
             "checkpoints": ckpt_problems,
             "participant_exits": t.own_exits,
             "final_exit_codes": exits,
         },
         "checks": checks,
-        "passed": all(checks.values()),
+        "passed": outcome == "finished" and all(checks.values()),
         "state_dir": str(chaos.dir),
     }
 
 
+def loss_text(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.3f}"
+
+
 def print_report(r: dict[str, Any]) -> None:
     k = r["kills"]
+    why = {"finished": "every round committed"}.get(r["outcome"], "")
+    if r["outcome"].startswith("out of time"):
+        why = f"time limit of {r['time_limit_s']:.0f} s reached"
+    print(f"\nchaos run: {r['outcome']}" + (f" ({why})" if why else ""))
     print(
-        f"\nchaos run: {r['participants']} participants, {r['rounds']} rounds of H={r['sync_every']}, "
-        f"seed {r['seed']}, {r['wall_s']:.0f}s"
+        f"{r['participants']} participants, {r['rounds_done']}/{r['rounds']} rounds of H={r['sync_every']}, "
+        f"seed {r['seed']}, {r['wall_s']:.0f}s of chaos, {r['total_s']:.0f}s in all"
     )
     print(
         f"kills survived: {r['kills_survived']} (coordinator SIGKILL {k['coordinator']}, coordinator at a fault "
         f"point {k['coordinator_at_point']} {r['fault_points_hit']}, participants {k['participant']})"
     )
-    print(f"held-out loss of the global model: {r['initial_loss']:.3f} -> {r['final_loss']:.3f}")
-    print(f"checkpoints loaded: {r['checkpoints_loaded']}")
+    print(f"served rounds a kill took back before their commit: {len(r['served_rounds_dropped'])}")
+    print(f"held-out loss of the global model: {loss_text(r['initial_loss'])} -> {loss_text(r['final_loss'])}")
+    print(f"checkpoints loaded: {r['checkpoints_loaded']}; before the final checks: {r['final_restart']}")
     for name, ok in r["checks"].items():
         print(f"  [{'ok' if ok else 'FAILED'}] {name}")
     if not r["passed"]:
         print(json.dumps(r["problems"], indent=2))
     print(f"state and logs: {r['state_dir']}")
+    print("PASSED" if r["passed"] else "NOT PASSED", flush=True)
 
 
 def main() -> int:
@@ -377,7 +559,12 @@ def main() -> int:
         "--armed-share", type=float, default=0.7, help="fraction of coordinator restarts armed with a fault point"
     )
     p.add_argument("--calm-rounds", type=int, default=1, help="no kills in the last rounds (lets the run end)")
-    p.add_argument("--time-limit", type=float, default=None, help="give up after this many seconds")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds of chaos before the run stops and reports how far it got (default 600 quick, 1800 full)",
+    )
     p.add_argument("--dir", default=None, help="run directory (default: a new temp dir)")
     p.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
     args = p.parse_args()
