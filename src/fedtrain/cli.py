@@ -17,11 +17,11 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import fedtrain
+from fedtrain import cli_admin
 from fedtrain.errors import ConfigError, FedtrainError
 
 if TYPE_CHECKING:
@@ -38,11 +38,7 @@ TOKEN_FILE_HELP = (
     "file holding the token: the token alone, or a coordinator's tokens.json (its first participant token; "
     "the admin token for admin commands)"
 )
-ENV_HELP = (
-    "Without --token or --token-file: $FEDTRAIN_TOKEN (the first, if comma-separated), else $FEDTRAIN_ADMIN_TOKEN."
-)
-
-CHANGE_HELP = "a dotted field and its value, e.g. train.sync_every=30 outer.lr=0.5 (JSON, else YAML)"
+ENV_HELP = cli_admin.ENV_HELP
 
 
 def _add_token_args(p: argparse.ArgumentParser) -> None:
@@ -114,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fedtrain {fedtrain.__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    client_parent = argparse.ArgumentParser(add_help=False)  # --coordinator, the token, TLS
+    _add_client_args(client_parent)
 
     c = sub.add_parser("coordinator", help="serve a run: hold the global model, merge updates")
     c.add_argument("--config", type=Path, default=None, help="run config (YAML or JSON); default: built-in recipe")
@@ -192,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(s)
     s.add_argument("--json", action="store_true", help="print the raw JSON")
 
-    _add_config_parser(sub)
+    cli_admin.add_config_parser(sub, client_parent)
 
     e = sub.add_parser("export", help="write the global model as a safetensors file", epilog=ENV_HELP)
     src = e.add_mutually_exclusive_group(required=True)
@@ -221,15 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recipes", help="list the shipped recipe configs (use one with --config recipe:NAME)")
     r.add_argument("name", nargs="?", default=None, help="print this recipe's YAML")
 
-    rb = sub.add_parser(
-        "rollback",
-        help="admin: put a kept version of the global model back in force (without --version: list them)",
-        description="The open round closes with no updates and the next version holds the kept version's weights "
-        "and outer optimizer state; recorded as a round and an event. Admin token.",
-        epilog="Without --token or --token-file: $FEDTRAIN_ADMIN_TOKEN, else $FEDTRAIN_TOKEN.",
-    )
-    _add_client_args(rb)
-    rb.add_argument("--version", type=int, default=None, help="the kept version to go back to")
+    cli_admin.add_rollback_parser(sub, client_parent)
 
     t = sub.add_parser(
         "torchrun",
@@ -239,37 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun's arguments, as torchrun takes them")
     return parser
-
-
-def _add_config_parser(sub: Any) -> None:
-    """`fedtrain config show | set | validate | history`: the live config over the coordinator's API."""
-    client = argparse.ArgumentParser(add_help=False)
-    _add_client_args(client)
-    cfg = sub.add_parser(
-        "config",
-        help="show, change, check or list the live run config of a coordinator",
-        description="The run config, live: changes are validated by the coordinator and in force from the "
-        "next round boundary. KEY is a dotted field (train.sync_every, outer.lr); VALUE is read as JSON, "
-        "else YAML (30 is a number, true a boolean, null clears, anything else is text).",
-    )
-    actions = cfg.add_subparsers(dest="action", required=True, metavar="ACTION")
-    show = actions.add_parser("show", parents=[client], help="print the config in force (YAML)", epilog=ENV_HELP)
-    show.add_argument("--round", type=int, default=None, help="the config in force at this round instead")
-    show.add_argument("--json", action="store_true", help="print the coordinator's JSON answer")
-    admin_env = "Without --token or --token-file: $FEDTRAIN_ADMIN_TOKEN, else $FEDTRAIN_TOKEN."
-    change = actions.add_parser(
-        "set", parents=[client], help="admin: change fields, in force from the next round boundary", epilog=admin_env
-    )
-    change.add_argument("changes", nargs="+", metavar="KEY=VALUE", help=CHANGE_HELP)
-    check = actions.add_parser(
-        "validate", parents=[client], help="admin: check a change without applying it", epilog=admin_env
-    )
-    check.add_argument("changes", nargs="+", metavar="KEY=VALUE", help=CHANGE_HELP)
-    history = actions.add_parser(
-        "history", parents=[client], help="accepted config versions: when, by whom, what changed", epilog=ENV_HELP
-    )
-    history.add_argument("--limit", type=int, default=50, help="newest versions to list (default 50)")
-    history.add_argument("--json", action="store_true", help="print the coordinator's JSON answer")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,115 +359,12 @@ def _client(args: argparse.Namespace, *, admin: bool = False) -> CoordinatorClie
     )
 
 
-def parse_changes(pairs: list[str]) -> dict[str, Any]:
-    """`KEY=VALUE` pairs as the nested merge patch of `PUT /v1/config`: `train.sync_every=30`
-    is {"train": {"sync_every": 30}}. A value is read as JSON, else as YAML (so `1e-3` is a
-    number, `fedadam` text, `null` clears a field)."""
-    import yaml
-
-    patch: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        parts = key.strip().split(".")
-        if not sep or not all(p.strip() for p in parts):
-            raise ConfigError(f"{pair!r}: expected KEY=VALUE with a dotted KEY, e.g. train.sync_every=30")
-        if not raw.strip():
-            raise ConfigError(f"{pair!r}: give a value (null to clear the field)")
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            try:
-                value = yaml.safe_load(raw)
-            except yaml.YAMLError:
-                value = raw
-        node = patch
-        for i, part in enumerate(parts):
-            here = ".".join(parts[: i + 1])
-            if i == len(parts) - 1:
-                if part in node:
-                    raise ConfigError(f"{here} is given twice")
-                node[part] = value
-            else:
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise ConfigError(f"{here} is given both as a value and as a section")
-    return patch
-
-
-def _show_value(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
-
-
-def format_diff(diff: dict[str, list[Any]]) -> str:
-    """`train.sync_every: 5 -> 30, outer.lr: 0.7 -> 0.5`, the form of the coordinator's events."""
-    return ", ".join(f"{k}: {_show_value(a)} -> {_show_value(b)}" for k, (a, b) in diff.items())
-
-
-def format_history(versions: list[dict[str, Any]]) -> str:
-    from fedtrain.report import table
-
-    rows = [
-        [
-            f"v{v['version']}",
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["created_at"])),
-            v["author"],
-            v["effective_round"],
-            format_diff(v["diff"]) or "(the run's first config)",
-        ]
-        for v in versions
-    ]
-    return table(["version", "time", "author", "from round", "changes"], rows)
-
-
 def cmd_config(args: argparse.Namespace) -> int:
-    admin = args.action in ("set", "validate")
-    patch = parse_changes(args.changes) if admin else {}  # a typo is refused before any connection
-    with _client(args, admin=admin) as client:
-        if args.action == "show":
-            view = client.get_config(args.round)
-            if args.json:
-                print(json.dumps(view, indent=2))
-            else:
-                import yaml
-
-                pending = view["latest_version"] > view["version"]
-                print(f"# config v{view['version']}, in force at round {view['round']}"
-                      + (f" (v{view['latest_version']} accepted, in force from a later round)" if pending else ""))
-                print(yaml.safe_dump(view["config"], sort_keys=False), end="")
-        elif args.action == "history":
-            versions = client.config_history(args.limit)
-            print(json.dumps(versions, indent=2) if args.json else format_history(versions))
-        elif args.action == "validate":
-            answer = client.validate_config(patch)
-            if not answer["valid"]:
-                raise ConfigError(answer["error"])
-            print(f"valid: {format_diff(answer['diff']) or 'no change (the config has these values)'}; "
-                  "nothing applied")
-            for note in answer.get("notes", []):
-                print(f"note: {note}")
-        else:
-            answer = client.change_config(patch)
-            if not answer["changed"]:
-                print(f"no change: config v{answer['version']} has these values already")
-            else:
-                print(f"config v{answer['version']} accepted, in force from round {answer['effective_round']}: "
-                      f"{format_diff(answer['diff'])}")
-            for note in answer.get("notes", []):
-                print(f"note: {note}")
-    return 0
+    return cli_admin.run_config(args, _client(args, admin=cli_admin.is_admin_action(args)))
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    with _client(args, admin=True) as client:
-        if args.version is None:
-            kept = client.kept_versions()
-            print(f"committed version {kept['committed_version']}; kept versions (newest first): "
-                  f"{', '.join(map(str, kept['versions'])) or 'none'}")
-            return 0
-        answer = client.roll_back(args.version)
-    print(f"rolled back: version {answer['version']} holds the weights and optimizer state of version "
-          f"{answer['restored']}; participants fetch it at their next sync")
-    return 0
+    return cli_admin.run_rollback(args, _client(args, admin=True))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
