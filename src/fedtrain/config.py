@@ -288,6 +288,21 @@ class RunConfig(_Strict):
         description="Largest accepted upload body, in MB (10^6 bytes). The coordinator refuses a value "
         "smaller than one update of the run's model, which every upload would exceed.",
     )
+    max_participants_per_token: int = Field(
+        64,
+        ge=1,
+        le=1_000_000,
+        description="Active participants one participant token may hold: a join, or a failed participant's "
+        "return, beyond it is refused (403 too_many_participants). The admin token has no cap.",
+    )
+    eviction_cooldown_s: float = Field(
+        600.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="For this long after an admin evicts a participant, its token may not take a new "
+        "participant key (a new name, or a name taken over without its key): 403 evicted_recently. Its "
+        "participants that present their keys go on. 0: no cool-down.",
+    )
 
     @model_validator(mode="after")
     def _seq_fits(self) -> RunConfig:

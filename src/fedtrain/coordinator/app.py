@@ -4,9 +4,10 @@ Every error leaves here in the one JSON shape of `fedtrain.errors.error_body` (w
 Retry-After header when its details name `retry_after_s`). Tensor bodies stream in both
 directions; nothing here buffers a whole body.
 
-A route that speaks for a participant authorizes with `act_as` (the token, then the
+A route that speaks for a participant (`{pid}` in its path, or `participant_id` in its
+query) authorizes with the dependency `speaker` or `speaker_by_query`: the token, then the
 participant key of the header `X-Fedtrain-Participant-Key`, else of the cookie its join
-answer set; `auth.py`) before it calls the service.
+answer set (`auth.py`, `Coordinator.act_as`); as a dependency, before its body is read.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class JoinRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, description="Stable participant name; rejoining with it resumes the identity.")
     info: dict[str, Any] = Field(default_factory=dict, description="Free-form facts (host, world size, ...).")
+    key_cookie: bool = Field(True, description="Also set the participant key as a cookie (`fedtrain-key-<id>`), "
+                             "for HTTP clients with a cookie jar; a client that sends the key header itself "
+                             "says false (a Set-Cookie would show the key in its HTTP debug logs).")
 
 
 MAX_COUNT = 2**62  # counts beyond this are refused with 422 (SQLite stores 64-bit integers)
@@ -172,9 +176,21 @@ def create_app(service: Coordinator) -> FastAPI:
     def identity(request: Request) -> Identity:
         return authenticate(request.headers.get("authorization"))
 
-    def act_as(request: Request, ident: Identity, pid: str) -> None:
+    def act_as(request: Request, ident: Identity, pid: str) -> Identity:
         """Refuse a request that speaks for participant `pid` without its participant key."""
         service.act_as(ident, pid, request.headers.get(KEY_HEADER) or request.cookies.get(key_cookie(pid)))
+        return ident
+
+    @role_check
+    def speaker(pid: str, request: Request) -> Identity:
+        """The identity of a request that speaks for the participant of its path."""
+        return act_as(request, identity(request), pid)
+
+    @role_check
+    def speaker_by_query(request: Request, participant_id: str | None = None) -> Identity:
+        """The identity of a request that may speak for a participant (`participant_id`)."""
+        ident = identity(request)
+        return act_as(request, ident, participant_id) if participant_id is not None else ident
 
     dashboard.add_routes(app, service, identity)  # /, /static, /v1 (JSON index), /v1/whoami, /metrics
 
@@ -198,25 +214,21 @@ def create_app(service: Coordinator) -> FastAPI:
                    ident: Identity = Depends(identity)) -> dict[str, Any]:
         key = request.headers.get(KEY_HEADER) or (request.cookies.get(key_cookie(body.name)) if body.name else None)
         answer = service.join(ident, body.name, body.info, key)
-        response.set_cookie(key_cookie(answer["participant_id"]), answer["participant_key"], path="/v1",
-                            httponly=True, samesite="strict", secure=request.url.scheme == "https")
+        if body.key_cookie:
+            response.set_cookie(key_cookie(answer["participant_id"]), answer["participant_key"], path="/v1",
+                                httponly=True, samesite="strict", secure=request.url.scheme == "https")
         return answer
 
     @app.post("/v1/participants/{pid}/heartbeat", summary="Heartbeat with progress")
-    async def heartbeat(pid: str, body: HeartbeatRequest, request: Request,
-                        ident: Identity = Depends(identity)) -> dict[str, Any]:
-        act_as(request, ident, pid)
+    async def heartbeat(pid: str, body: HeartbeatRequest, ident: Identity = Depends(speaker)) -> dict[str, Any]:
         return service.heartbeat(ident, pid, body.model_dump())
 
     @app.post("/v1/participants/{pid}/leave", summary="Leave the run")
-    async def leave(pid: str, request: Request, ident: Identity = Depends(identity)) -> dict[str, Any]:
-        act_as(request, ident, pid)
+    async def leave(pid: str, ident: Identity = Depends(speaker)) -> dict[str, Any]:
         return service.leave(ident, pid)
 
     @app.post("/v1/participants/{pid}/metrics", summary="Report metrics (losses, evals)")
-    async def metrics(pid: str, body: MetricsRequest, request: Request,
-                      ident: Identity = Depends(identity)) -> dict[str, Any]:
-        act_as(request, ident, pid)
+    async def metrics(pid: str, body: MetricsRequest, ident: Identity = Depends(speaker)) -> dict[str, Any]:
         bad = [k for k, v in body.values.items() if v != v or v in (float("inf"), float("-inf"))]
         if bad:
             raise Refused(422, "non_finite", f"metric values must be finite: {', '.join(bad)}")
@@ -297,13 +309,10 @@ def create_app(service: Coordinator) -> FastAPI:
     @app.get("/v1/rounds/{round_}", summary="Round status; long-polls up to `wait` seconds while it is open")
     async def round_status(
         round_: int,
-        request: Request,
         wait: float = Query(0.0, ge=0, le=60),
         participant_id: str | None = None,
-        ident: Identity = Depends(identity),
+        ident: Identity = Depends(speaker_by_query),
     ) -> dict[str, Any]:
-        if participant_id is not None:
-            act_as(request, ident, participant_id)
         return await service.wait_round(ident, participant_id, round_, wait)
 
     @app.put(
@@ -321,9 +330,8 @@ def create_app(service: Coordinator) -> FastAPI:
         pid: str,
         request: Request,
         tokens: int = Query(..., ge=0, le=MAX_COUNT),
-        ident: Identity = Depends(identity),
+        ident: Identity = Depends(speaker),
     ) -> dict[str, Any]:
-        act_as(request, ident, pid)
         digest = request.headers.get(DIGEST_HEADER)
         if not digest:
             raise Refused(400, "digest_required",
@@ -351,13 +359,10 @@ def create_app(service: Coordinator) -> FastAPI:
         responses={200: {"content": {"application/octet-stream": {}}}},
     )
     async def model(
-        request: Request,
         version: int | None = Query(None, ge=0, le=MAX_COUNT),
-        participant_id: str | None = None,
-        ident: Identity = Depends(identity),
+        participant_id: str | None = None,  # counted as its download: only by itself (`speaker_by_query`)
+        ident: Identity = Depends(speaker_by_query),
     ) -> StreamingResponse:
-        if participant_id is not None:  # counted as its download: only by itself
-            act_as(request, ident, participant_id)
         stream = service.model_stream(version, participant_id)
         headers = {
             "Content-Length": str(stream.size), DIGEST_HEADER: stream.digest, VERSION_HEADER: str(stream.version)

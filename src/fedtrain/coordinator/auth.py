@@ -1,9 +1,36 @@
-"""Bearer-token roles of the coordinator: participant tokens and one admin token.
+"""Who may act in a run: bearer-token roles, and the credential of each participant.
 
 Tokens are compared in constant time and never logged; a participant is bound to a
 fingerprint (a hash prefix) of the token it joined with, never to the token itself.
 A participant token can be revoked by its fingerprint (`Tokens.revoked`): from then on
 it identifies no one, and the coordinator keeps the revocation across restarts.
+
+A token says *who may take part*; it does not say *which participant* a request speaks
+for, and one token may be shared by many. So each participant acts only as itself: its
+join answer carries a participant key (`participant_key`, a random secret issued by the
+coordinator, stored only as its sha256 in the run's database, so that it survives a
+restart), and every request that speaks for a participant presents it, in the header
+`X-Fedtrain-Participant-Key` or in the cookie `fedtrain-key-<participant id>` the join
+answer sets (for HTTP clients with a cookie jar). The routes that speak for participant
+`pid` are: POST /v1/participants/{pid}/heartbeat, .../leave and .../metrics,
+PUT /v1/rounds/{r}/updates/{pid}, and GET /v1/rounds/{r} and GET /v1/model with
+`participant_id=pid`. Without the key, or with another participant's, they answer 403
+`not_this_participant`. The admin token acts for anyone without a key.
+
+The decisions of a join are pure functions with a reason in words (`join_rule`, `within_cap`):
+
+- a name is claimed with its key (a rejoin: the key stays), or without it once its holder
+  cannot be acting any more: it failed, left, has been silent past `heartbeat_timeout_s`,
+  or has not been heard from with its key since this coordinator process started (a
+  participant restarted along with the coordinator); a new key then replaces the old one.
+  A name whose holder is alive is refused, 409 `name_in_use`, with the seconds until it
+  would fail by heartbeat timeout (`retry_after_s`, and a Retry-After header);
+- a token holds at most `max_participants_per_token` active participants: a join, or a
+  failed participant's return, beyond that is refused (403 `too_many_participants`);
+- for `eviction_cooldown_s` after an admin evicts one of its participants, a token may
+  not take a new key (a new name, or a name taken over without its key): 403
+  `evicted_recently`; its participants that present their keys go on. So an evicted
+  participant cannot come straight back under another name.
 """
 
 from __future__ import annotations
@@ -12,13 +39,18 @@ import hashlib
 import hmac
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+
+from fedtrain.config import RunConfig
+from fedtrain.coordinator import policy
 
 PARTICIPANT = "participant"
 ADMIN = "admin"
 ROLE_CHECK_ATTR = "fedtrain_role_check"
+KEY_HEADER = "X-Fedtrain-Participant-Key"
+KEY_COOKIE_PREFIX = "fedtrain-key-"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -100,3 +132,135 @@ def _bearer(authorization: str | None) -> str | None:
     scheme, _, token = (authorization or "").partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
+
+
+# -- participant keys ---------------------------------------------------------------------------
+
+
+def new_participant_key() -> str:
+    """A new participant key: 256 random bits, URL-safe, with a prefix that says what it is."""
+    return "fk_" + secrets.token_urlsafe(32)
+
+
+def key_hash(key: str) -> str:
+    """What the store keeps of a participant key: its sha256 (the key has 256 random bits, so a
+    fast hash is enough; no salt is needed for a secret nobody chose)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_matches(key: str | None, stored: str | None) -> bool:
+    """Whether `key` is the one whose hash is `stored`, in constant time."""
+    if key is None or stored is None:
+        return False
+    return hmac.compare_digest(key_hash(key).encode(), stored.encode())
+
+
+def key_cookie(pid: str) -> str:
+    """The name of the cookie that carries participant `pid`'s key."""
+    return KEY_COOKIE_PREFIX + pid
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A participant as the join rules see it."""
+
+    id: str
+    state: str
+    last_seen: float
+    keyed: bool = True  # it has a key (a participant that joined before keys existed has none)
+    proven: bool = False  # heard from with its key since this coordinator process started
+    evicted_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The decision on a join: `new` name, `rejoin` with its key, `take_over` a name without
+    it (a new key replaces the old one), or `refuse` with the status and code to answer."""
+
+    action: Literal["new", "rejoin", "take_over", "refuse"]
+    reason: str
+    status: int = 200
+    code: str = ""
+    retry_after_s: float | None = None
+
+
+def _claim_name(name: str, held: Holder | None, key_ok: bool, now: float, cfg: RunConfig) -> Claim:
+    """Who may have the name `name` (its holder `held`) when a joiner presents a key (`key_ok`) or not."""
+    if held is None:
+        return Claim("new", f"{name} is a new participant")
+    if held.state == policy.EVICTED:
+        return Claim("refuse", f"participant {name!r} was evicted from this run by an admin", 403, "evicted")
+    if key_ok:
+        return Claim("rejoin", "it presented its participant key")
+    silent = now - held.last_seen
+    if not held.keyed:
+        return Claim("take_over", "it joined before participants had keys")
+    if held.state in (policy.FAILED, policy.LEFT):
+        return Claim("take_over", f"it had {held.state}; its old key no longer acts")
+    if silent > cfg.heartbeat_timeout_s:
+        return Claim("take_over", f"it was silent for {silent:.0f}s (heartbeat_timeout_s {cfg.heartbeat_timeout_s:g})")
+    if not held.proven:
+        return Claim("take_over", "it had not been heard from with its key since the coordinator started")
+    rest = cfg.heartbeat_timeout_s - silent
+    return Claim(
+        "refuse",
+        f"participant name {name!r} is in use: its holder is active (heard from {silent:.0f}s ago) and this "
+        "join does not carry its participant key; a participant acts only as itself. If it is this participant, "
+        f"restarted without its key, the name is free once the old one fails by heartbeat timeout in {rest:.0f}s",
+        409, "name_in_use", retry_after_s=max(rest, 0.0),
+    )
+
+
+def within_cap(token_holders: Sequence[Holder], name: str, cfg: RunConfig) -> Claim | None:
+    """None when participant `name` may become active under its token, whose participants are
+    `token_holders`; else the refusal: the token already holds `max_participants_per_token`
+    active participants besides it."""
+    active = [h.id for h in token_holders if h.state == policy.ACTIVE and h.id != name]
+    cap = cfg.max_participants_per_token
+    if len(active) < cap:
+        return None
+    return Claim(
+        "refuse",
+        f"this token already has {len(active)} active participants, the most max_participants_per_token ({cap}) "
+        f"allows: {name!r} cannot join until one of them leaves or fails (ask the run's admin for a token of its "
+        "own, or to raise the cap)",
+        403, "too_many_participants",
+    )
+
+
+def _cooled_down(token_holders: Sequence[Holder], now: float, cfg: RunConfig) -> Claim | None:
+    """None when the token may take a new key; else the refusal: one of its participants was
+    evicted less than `eviction_cooldown_s` ago."""
+    recent = [h for h in token_holders if h.state == policy.EVICTED and h.evicted_at is not None
+              and now - h.evicted_at < cfg.eviction_cooldown_s]
+    if not recent:
+        return None
+    last = max(recent, key=lambda h: h.evicted_at or 0.0)
+    ago = now - (last.evicted_at or now)
+    rest = cfg.eviction_cooldown_s - ago
+    return Claim(
+        "refuse",
+        f"participant {last.id!r} of this token was evicted by an admin {ago:.0f}s ago: for {rest:.0f}s more "
+        f"(eviction_cooldown_s {cfg.eviction_cooldown_s:g}) this token may not add participants or take over "
+        "names; its participants that present their keys are not affected",
+        403, "evicted_recently", retry_after_s=rest,
+    )
+
+
+def join_rule(name: str, held: Holder | None, token_holders: Sequence[Holder], *, key_ok: bool, now: float,
+              cfg: RunConfig) -> Claim:
+    """The decision on a join as `name` with a participant token (the admin's joins are not
+    ruled): the name's claim (`_claim_name`), then, when the join takes a new key, the
+    token's eviction cool-down, and, when it makes the participant active, the token's cap."""
+    claim = _claim_name(name, held, key_ok, now, cfg)
+    if claim.action == "refuse":
+        return claim
+    if claim.action != "rejoin":
+        refused = _cooled_down(token_holders, now, cfg)
+        if refused is not None:
+            return refused
+    if held is None or held.state != policy.ACTIVE:
+        refused = within_cap(token_holders, name, cfg)
+        if refused is not None:
+            return refused
+    return claim

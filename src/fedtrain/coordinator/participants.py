@@ -1,7 +1,12 @@
 """Participants: joining, heartbeats, leaving and metrics, and the admin's evictions and tokens.
 
 A part (mixin) of `Coordinator` (`service.py`). What each participant last reported is
-kept in memory only (`Live`); its row, with its state, is in the store.
+kept in memory only (`Live`); its row, with its state and the hash of its participant key,
+is in the store.
+
+Each participant acts only as itself (`auth.py` says how, and decides the joins): a join
+answers with the participant's key, and `act_as` is the check every route that speaks
+for a participant makes before it calls the service.
 """
 
 from __future__ import annotations
@@ -12,7 +17,16 @@ import time
 from typing import Any
 
 from fedtrain.coordinator import policy
-from fedtrain.coordinator.auth import Identity, fingerprint
+from fedtrain.coordinator.auth import (
+    Holder,
+    Identity,
+    fingerprint,
+    join_rule,
+    key_hash,
+    key_matches,
+    new_participant_key,
+    within_cap,
+)
 from fedtrain.coordinator.base import CoordinatorBase, Live, Refused
 from fedtrain.coordinator.store import ParticipantRow
 from fedtrain.wire import DTYPE_TO_ST
@@ -23,7 +37,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 class ParticipantsMixin(CoordinatorBase):
     """The coordinator's operations on participants and their tokens."""
 
-    def join(self, ident: Identity, name: str | None, info: dict[str, Any]) -> dict[str, Any]:
+    def join(self, ident: Identity, name: str | None, info: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+        """Join as `name` (a new one when None), presenting the participant key of an earlier
+        join (`key`) or not; the answer carries the key to present from now on."""
         if name is None:
             name = f"p-{len(self.participants) + 1}-{int(self.clock() * 1000) % 100000:05d}"
         if not _NAME_RE.match(name):
@@ -44,19 +60,25 @@ class ParticipantsMixin(CoordinatorBase):
                 f"participant {name!r} has a different frozen base model than the run "
                 f"(fingerprint {str(info['base'])[:12]}, the run's {base[:12]}): load the run's base weights",
             )
+        key_ok = p is not None and key_matches(key, p.key_hash)
+        claim = self._claim(ident, name, p, key_ok, now)
+        issued = key if claim == "rejoin" and key is not None else new_participant_key()
         if p is None:
             p = ParticipantRow(name, name, ident.token_id, policy.ACTIVE, now, now, self.version, 0, 0, 0, info)
             self._event("join", f"{name} joined at round {self.version}", name)
         else:
             was = p.state
             p.state, p.last_seen, p.info = policy.ACTIVE, now, info or p.info
-            self._event("join", f"{name} rejoined at round {self.version} (was {was})", name)
+            how = "" if claim == "rejoin" else "; a new participant key replaces the old one"
+            self._event("join", f"{name} rejoined at round {self.version} (was {was}){how}", name)
+        p.key_hash, p.proven = key_hash(issued), True
         self.participants[name] = p
         self.live.setdefault(name, Live())
         self.store.upsert_participant(p)
         self._notify()
         return {
             "participant_id": name,
+            "participant_key": issued,
             "run": self.config.name,
             "config": self.config.model_dump(mode="json"),
             "config_version": self.config_version,
@@ -65,8 +87,42 @@ class ParticipantsMixin(CoordinatorBase):
             "model": self.model_spec(),
         }
 
+    def _claim(self, ident: Identity, name: str, p: ParticipantRow | None, key_ok: bool, now: float) -> str:
+        """How a join takes `name` (`auth.join_rule`: new, rejoin, take_over), or its refusal.
+        The admin's joins are not ruled: it acts for anyone."""
+        if ident.is_admin:
+            return "rejoin" if key_ok else ("new" if p is None else "take_over")
+        held = [_holder(q) for q in self.participants.values() if q.token_id == ident.token_id]
+        claim = join_rule(name, _holder(p) if p is not None else None, held, key_ok=key_ok, now=now, cfg=self.config)
+        if claim.action == "refuse":
+            details = {"retry_after_s": round(claim.retry_after_s, 1)} if claim.retry_after_s is not None else None
+            raise Refused(claim.status, claim.code, claim.reason, details)
+        return claim.action
+
+    def act_as(self, ident: Identity, pid: str, key: str | None) -> ParticipantRow:
+        """The check of every request that speaks for participant `pid`: its token (as before),
+        then its participant key; the admin token acts for anyone. Raises Refused (404 for no
+        such participant, 403 for another's, or no, key)."""
+        p = self._participant(ident, pid)
+        if ident.is_admin or p.key_hash is None:  # None: it joined before keys existed, and has none to show
+            return p
+        if not key_matches(key, p.key_hash):
+            what = "carries another participant key" if key else "carries no participant key"
+            raise Refused(
+                403, "not_this_participant",
+                f"this request {what} for participant {pid!r}: a participant acts only as itself, with the "
+                "participant_key of its join answer (the X-Fedtrain-Participant-Key header)",
+            )
+        p.proven = True
+        return p
+
     def heartbeat(self, ident: Identity, pid: str, stats: dict[str, Any]) -> dict[str, Any]:
         p = self._participant(ident, pid)
+        if p.state == policy.FAILED and not ident.is_admin:  # back to active: within its token's cap
+            held = [_holder(q) for q in self.participants.values() if q.token_id == p.token_id]
+            refused = within_cap(held, pid, self.config)
+            if refused is not None:
+                raise Refused(refused.status, refused.code, refused.reason)
         p.last_seen = self.clock()
         if p.state == policy.FAILED:
             p.state = policy.ACTIVE
@@ -115,9 +171,10 @@ class ParticipantsMixin(CoordinatorBase):
         """Admin: remove a participant from the run; it may not rejoin under that name."""
         self._require_admin(ident, "evicting a participant")
         p = self._participant(ident, pid)
-        p.state = policy.EVICTED
+        p.state, p.evicted_at = policy.EVICTED, self.clock()
         self.store.upsert_participant(p)
-        self._event("evict", f"{pid} evicted by an admin", pid)
+        self._event("evict", f"{pid} evicted by an admin; its token may not add participants for "
+                             f"{self.config.eviction_cooldown_s:g}s (eviction_cooldown_s)", pid)
         self._maybe_close()
         self._notify()
         return {"evicted": pid}
@@ -157,10 +214,14 @@ class ParticipantsMixin(CoordinatorBase):
         evicted = []
         for p in self.participants.values():
             if p.token_id == token_id and p.state != policy.EVICTED:
-                p.state = policy.EVICTED
+                p.state, p.evicted_at = policy.EVICTED, self.clock()
                 self.store.upsert_participant(p)
                 evicted.append(p.id)
         self._event("revoke", f"token {token_id} revoked by an admin; evicted: {', '.join(evicted) or 'none'}")
         self._maybe_close()
         self._notify()
         return {"revoked": token_id, "evicted": evicted}
+
+
+def _holder(p: ParticipantRow) -> Holder:
+    return Holder(p.id, p.state, p.last_seen, keyed=p.key_hash is not None, proven=p.proven, evicted_at=p.evicted_at)

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,11 @@ MIGRATIONS: list[str] = [
     ALTER TABLE config_versions ADD COLUMN effective_round INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE participants ADD COLUMN config_version INTEGER;
     """,
+    # 3: each participant acts only as itself (its key's sha256), and when it was evicted
+    """
+    ALTER TABLE participants ADD COLUMN key_hash TEXT;
+    ALTER TABLE participants ADD COLUMN evicted_at REAL;
+    """,
 ]
 
 
@@ -73,6 +78,10 @@ class ParticipantRow:
     bytes_down: int
     info: dict[str, Any]
     config_version: int | None = None
+    key_hash: str | None = None  # sha256 of its participant key (`auth.key_hash`); None: joined before keys
+    evicted_at: float | None = None
+    # Not stored: whether this coordinator process has heard from it with its key (`auth.join_rule`).
+    proven: bool = field(default=False, compare=False)
 
 
 class Store:
@@ -196,15 +205,17 @@ class Store:
         with self.write() as db:
             db.executemany(
                 """INSERT INTO participants (id, name, token_id, state, joined_at, last_seen, round,
-                       tokens, bytes_up, bytes_down, info, config_version)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                       tokens, bytes_up, bytes_down, info, config_version, key_hash, evicted_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT(id) DO UPDATE SET state = excluded.state, last_seen = excluded.last_seen,
                        round = excluded.round, tokens = excluded.tokens, bytes_up = excluded.bytes_up,
                        bytes_down = excluded.bytes_down, info = excluded.info,
-                       config_version = excluded.config_version""",
+                       config_version = excluded.config_version,
+                       key_hash = excluded.key_hash, evicted_at = excluded.evicted_at""",
                 [
                     (row.id, row.name, row.token_id, row.state, row.joined_at, row.last_seen, row.round,
-                     row.tokens, row.bytes_up, row.bytes_down, json.dumps(row.info), row.config_version)
+                     row.tokens, row.bytes_up, row.bytes_down, json.dumps(row.info), row.config_version,
+                     row.key_hash, row.evicted_at)
                     for row in rows
                 ],
             )

@@ -19,6 +19,9 @@ Trainer's DDP) rank 0 talks to the coordinator and the others follow through
 Tokens per step come from `state.num_input_tokens_seen` when the Trainer counts them
 (`include_num_input_tokens_seen`), else from `tokens_per_step`, else each step counts as
 one token (contributions are then weighted by steps).
+
+With `run_dir`, rank 0 keeps its participant key there (`participant-key.json`, mode
+600): a Trainer restarted with the same directory rejoins the run as itself at once.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from fedtrain.participant.runner import EvalFn
 __all__ = ["FedtrainCallback"]
 
 log = logging.getLogger("fedtrain.participant")
+
+KEY_FILE = "participant-key.json"
 
 
 class FedtrainCallback(TrainerCallback):
@@ -91,6 +96,7 @@ class FedtrainCallback(TrainerCallback):
                 eval_fn=self.eval_fn,
                 name=self.name,
                 info=self.info,
+                key_file=self.run_dir / KEY_FILE if self.run_dir is not None else None,  # rejoin as itself
             )
 
         self._world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

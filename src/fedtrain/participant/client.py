@@ -3,8 +3,17 @@ bounded retries, and the one place where httpx errors become fedtrain errors.
 
 Every request fedtrain makes is idempotent (join by name, heartbeat, upload per (round,
 participant), downloads, status), so a transient failure — connection refused while the
-coordinator restarts, a timeout, a 502/503/504 — is retried with exponential backoff and
-jitter, bounded by `RetryPolicy.max_elapsed_s`; after that `CoordinatorUnavailable`.
+coordinator restarts, a timeout, a 502/503/504, a 429 (too many requests: an upload of
+ours still in progress on another connection) — is retried with exponential backoff and
+jitter, or after the Retry-After the answer names (at most `RetryPolicy.max_backoff_s`),
+bounded by `RetryPolicy.max_elapsed_s`; after that `CoordinatorUnavailable`.
+
+A participant acts only as itself: its join answer carries a participant key, which the
+client keeps (shared with its clones) and presents on every call that speaks for that
+participant (`X-Fedtrain-Participant-Key`), and on a later join by the same name (a
+rejoin as itself). A join refused because the name's earlier holder is still active
+(409 `name_in_use`: this participant restarted without its key) is retried until that
+holder fails by heartbeat timeout, within the same bound.
 
 Until the coordinator has answered once, an address that refuses connections is more likely
 wrong than restarting, so those retries stop after `RetryPolicy.first_contact_s`. Errors
@@ -17,9 +26,11 @@ No torch here at module level: `fedtrain status` uses this client and never a te
 
 from __future__ import annotations
 
+import email.utils
 import functools
 import json
 import logging
+import math
 import random
 import socket
 import ssl
@@ -71,7 +82,8 @@ def _use_larger_reads() -> bool:
 
 
 _use_larger_reads()
-_RETRY_STATUS = {502, 503, 504}
+_RETRY_STATUS = {429, 502, 503, 504}
+KEY_HEADER = "X-Fedtrain-Participant-Key"  # the coordinator's `auth.KEY_HEADER`
 # What OpenSSL says when the other end answers a ClientHello in plain text (its versions differ).
 _PLAIN_TEXT_REASONS = {"WRONG_VERSION_NUMBER", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE", "UNKNOWN_PROTOCOL"}
 
@@ -105,13 +117,18 @@ class RetryPolicy:
     def budget_s(self, first_contact: bool) -> float:
         return min(self.first_contact_s, self.max_elapsed_s) if first_contact else self.max_elapsed_s
 
-    def next_delay(self, attempt: int, spent_s: float, *, first_contact: bool) -> float | None:
+    def next_delay(self, attempt: int, spent_s: float, *, first_contact: bool,
+                   hint_s: float | None = None) -> float | None:
         """The wait (with jitter) after failed attempt number `attempt` (0 first), `spent_s`
-        seconds of waits into the call; None once the budget is spent."""
+        seconds of waits into the call; None once the budget is spent. `hint_s`: what the
+        answer asked for (Retry-After), taken within [initial_s, max_backoff_s]."""
         budget = self.budget_s(first_contact)
         if spent_s >= budget:
             return None
-        delay = min(self.initial_s * 2**attempt, self.max_backoff_s) * (0.5 + random.random() / 2)
+        if hint_s is not None and math.isfinite(hint_s):
+            delay = min(max(hint_s, self.initial_s, 0.01), self.max_backoff_s)
+        else:
+            delay = min(self.initial_s * 2**attempt, self.max_backoff_s) * (0.5 + random.random() / 2)
         return min(delay, budget - spent_s)
 
 
@@ -134,6 +151,22 @@ def _error_body(response: httpx.Response) -> tuple[str, str, dict[str, Any]] | N
     if not isinstance(message, str) or not isinstance(details, dict):
         return None
     return message, str(code), details
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The seconds a Retry-After header asks for (a number, or an HTTP date), or None."""
+    value = response.headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def tls_context(verify: bool | str) -> bool | ssl.SSLContext:
@@ -174,7 +207,7 @@ def _certificate_error(error: BaseException) -> str | None:
 
 
 class CoordinatorClient:
-    """Talks to one coordinator with one bearer token."""
+    """Talks to one coordinator with one bearer token, as the participants it joined."""
 
     def __init__(
         self,
@@ -198,6 +231,9 @@ class CoordinatorClient:
         # Has the coordinator ever answered this client (or the one it was cloned from)? Only ever
         # goes from False to True, so the threads that share a client need no lock for it.
         self._reached = False
+        # Participant id -> its participant key (the join answer's). Shared with clones; a key
+        # is only ever replaced whole, so the threads that share it need no lock.
+        self._keys: dict[str, str] = {}
         self._tls = tls_context(verify)
         self._http = httpx.Client(
             base_url=self.url,
@@ -228,7 +264,22 @@ class CoordinatorClient:
             self.url, self._token, timeouts=self._timeouts, retry=retry or self.retry, verify=self._verify
         )
         other._reached = self._reached  # the same coordinator: what this one learnt holds for both
+        other._keys = self._keys  # and it speaks for the same participants
         return other
+
+    def participant_key(self, pid: str) -> str | None:
+        """The participant key this client holds for participant `pid` (never log it)."""
+        return self._keys.get(pid)
+
+    def remember_key(self, pid: str, key: str) -> None:
+        """Hold `key` as participant `pid`'s: presented on its calls, and at a join as `pid`
+        (e.g. a key kept on disk by a participant that restarts, to rejoin as itself)."""
+        self._keys[pid] = key
+
+    def _as(self, pid: str | None) -> dict[str, str]:
+        """The header that lets a call speak for participant `pid` (none when no key is held)."""
+        key = self._keys.get(pid) if pid is not None else None
+        return {KEY_HEADER: key} if key else {}
 
     def __enter__(self) -> CoordinatorClient:
         return self
@@ -238,22 +289,28 @@ class CoordinatorClient:
 
     # -- the retry boundary ------------------------------------------------------------------
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _call(self, what: str, fn: Callable[[], Any], also_retry: frozenset[str] = frozenset()) -> Any:
+        """`fn()`, retried on transient failures and on refusals whose code is in `also_retry`
+        (raised as they are once the budget is spent)."""
         attempt, spent = 0, 0.0
         while True:
+            hint: float | None = None
             try:
                 result = fn()
                 self._reached = True
                 return result
             except CoordinatorError as e:
-                if e.status not in _RETRY_STATUS:
+                if e.status not in _RETRY_STATUS and e.code not in also_retry:
                     raise
-                failure = _Failure(e.message)
+                failure, hint, refusal = _Failure(e.message), e.details.get("retry_after_s"), e
             except (httpx.TransportError, WireError) as e:
-                failure = self._transport_failure(what, e)  # raises at once what retrying cannot fix
+                failure, refusal = self._transport_failure(what, e), None  # raises at once what retrying cannot fix
             first_contact = not self._reached
-            delay = self.retry.next_delay(attempt, spent, first_contact=first_contact)
+            delay = self.retry.next_delay(attempt, spent, first_contact=first_contact,
+                                          hint_s=float(hint) if isinstance(hint, (int, float)) else None)
             if delay is None:
+                if refusal is not None and refusal.code in also_retry:
+                    raise refusal
                 raise CoordinatorUnavailable(
                     self._gave_up(what, failure, self.retry.budget_s(first_contact)), status=0, code="unavailable"
                 )
@@ -332,12 +389,16 @@ class CoordinatorClient:
             return self._not_a_coordinator(f"HTTP {status} from {where}", status)
         self._reached = True
         message, code, details = body
+        wait = _retry_after(response)
+        if wait is not None and "retry_after_s" not in details:
+            details = {**details, "retry_after_s": wait}
         if status == 404 and code == "not_found":  # no such route (not a 404 of the run's own, e.g. no_config)
             return self._not_a_coordinator(f"HTTP 404 from {where}", status)
         if status in (401, 403):
+            refused = "the token: " if status == 401 else "the request: "
             advice = " (check --token or $FEDTRAIN_TOKEN)" if status == 401 else ""
             return AuthError(
-                f"the coordinator at {self.url} refused the token: {message}{advice}",
+                f"the coordinator at {self.url} refused {refused}{message}{advice}",
                 status=status,
                 code=code,
                 details=details,
@@ -357,9 +418,9 @@ class CoordinatorClient:
             why = f"its answer to {where} is not JSON but {kind}"
             raise self._not_a_coordinator(why, response.status_code) from None
 
-    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _json(self, method: str, path: str, *, also_retry: frozenset[str] = frozenset(), **kwargs: Any) -> Any:
         what = f"{method} {path}"
-        return self._call(what, lambda: self._answer(self._http.request(method, path, **kwargs), what))
+        return self._call(what, lambda: self._answer(self._http.request(method, path, **kwargs), what), also_retry)
 
     # -- the routes ----------------------------------------------------------------------------
 
@@ -367,8 +428,16 @@ class CoordinatorClient:
         return self._expect(self._json("GET", "/v1/healthz"), "GET /v1/healthz", "ok")
 
     def join(self, name: str | None, info: dict[str, Any] | None = None) -> dict[str, Any]:
-        joined = self._json("POST", "/v1/join", json={"name": name, "info": info or {}})
-        return self._expect(joined, "POST /v1/join", "participant_id")
+        """Join as `name` (presenting its participant key when this client holds one: a rejoin
+        as itself); from then on this client speaks for the participant the answer names.
+        A name whose earlier holder is still active is waited for (`name_in_use`)."""
+        body = {"name": name, "info": info or {}, "key_cookie": False}  # the key goes in a header: no cookie
+        joined = self._json("POST", "/v1/join", json=body, headers=self._as(name),
+                            also_retry=frozenset({"name_in_use"}))
+        joined = self._expect(joined, "POST /v1/join", "participant_id")
+        if isinstance(joined.get("participant_key"), str):
+            self._keys[str(joined["participant_id"])] = joined["participant_key"]
+        return joined
 
     def _expect(self, answer: Any, where: str, key: str) -> dict[str, Any]:
         """`answer` when it is the JSON object a coordinator gives (it has `key`)."""
@@ -430,23 +499,24 @@ class CoordinatorClient:
         return self._json("GET", "/v1/metrics", params=params)["metrics"]
 
     def heartbeat(self, pid: str, **stats: Any) -> dict[str, Any]:
-        return self._json("POST", f"/v1/participants/{pid}/heartbeat", json=stats)
+        return self._json("POST", f"/v1/participants/{pid}/heartbeat", json=stats, headers=self._as(pid))
 
     def leave(self, pid: str) -> dict[str, Any]:
-        return self._json("POST", f"/v1/participants/{pid}/leave")
+        return self._json("POST", f"/v1/participants/{pid}/leave", headers=self._as(pid))
 
     def report(
         self, pid: str, values: dict[str, float], *, round_: int | None = None, step: int | None = None
     ) -> dict[str, Any]:
         return self._json(
-            "POST", f"/v1/participants/{pid}/metrics", json={"round": round_, "step": step, "values": values}
+            "POST", f"/v1/participants/{pid}/metrics", json={"round": round_, "step": step, "values": values},
+            headers=self._as(pid),
         )
 
     def wait_round(self, round_: int, pid: str | None = None, wait_s: float = 25.0) -> dict[str, Any]:
         params: dict[str, Any] = {"wait": wait_s}
         if pid is not None:
             params["participant_id"] = pid
-        return self._json("GET", f"/v1/rounds/{round_}", params=params)
+        return self._json("GET", f"/v1/rounds/{round_}", params=params, headers=self._as(pid))
 
     def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int) -> dict[str, Any]:
         """PUT one pseudo-gradient; RoundClosedError (409) when the round is already over."""
@@ -457,6 +527,7 @@ class CoordinatorClient:
             DIGEST_HEADER: body.digest(),
             "Content-Length": str(body.content_length),
             "Content-Type": "application/octet-stream",
+            **self._as(pid),
         }
 
         def once() -> Any:
@@ -485,8 +556,8 @@ class CoordinatorClient:
 
         def once() -> tuple[int, dict[str, torch.Tensor]]:
             if is_direct(self.url):
-                return self._download_direct(params, allocate, on_header)
-            with self._http.stream("GET", "/v1/model", params=params) as r:
+                return self._download_direct(params, allocate, on_header, self._as(pid))
+            with self._http.stream("GET", "/v1/model", params=params, headers=self._as(pid)) as r:
                 if r.status_code >= 400:
                     r.read()
                     raise self._refusal(r, "GET /v1/model")
@@ -510,10 +581,10 @@ class CoordinatorClient:
 
     def _download_direct(
         self, params: dict[str, Any], allocate: Callable[[TensorSpec], torch.Tensor] | None,
-        on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None,
+        on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None, speaks_for: dict[str, str],
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """`download` over `fetch.direct_request`: socket reads land in the tensors' storage."""
-        headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant"}
+        headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant", **speaks_for}
         with direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
                             read_timeout=self._timeouts.read, tls=self._direct_tls) as r:
             if r.status >= 400:

@@ -13,14 +13,24 @@ memory: at sync it becomes Δ in place, then receives the new global weights.
 
 The sync itself lives in `_sync_round`, a plain function of the snapshot, so that a
 background worker can run it later while training goes on (overlapped sync).
+
+A participant acts only as itself: the client keeps the participant key of its join
+answer and presents it on every call. With `key_file` the key is also kept on disk (mode
+600), so that a participant restarted with the same file rejoins as itself at once; without
+it, a restarted participant takes its name back once the old process has failed by
+heartbeat timeout (the client waits for that).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,6 +80,7 @@ class Participant:
         retry: RetryPolicy = RetryPolicy(),
         verify: bool | str = True,
         outage: OutagePolicy = OutagePolicy(),
+        key_file: str | Path | None = None,
     ) -> None:
         if isinstance(coordinator, CoordinatorClient):
             self.client = coordinator
@@ -88,6 +99,7 @@ class Participant:
         self.eval_fn = eval_fn
         self.name = name
         self.info = info or {}
+        self.key_file = Path(key_file) if key_file is not None else None
         self.participant_id: str = ""
         self.config: RunConfig = RunConfig()
         self.round = 0
@@ -118,8 +130,16 @@ class Participant:
     # -- lifecycle --------------------------------------------------------------------------
 
     def __enter__(self) -> Participant:
-        joined = self.client.join(self.name, self.info)
+        name = self.name
+        saved = _read_key_file(self.key_file) if self.key_file is not None else None
+        if saved is not None and name in (None, saved[0]):  # rejoin as itself, under the name it had
+            name = saved[0]
+            self.client.remember_key(*saved)
+        joined = self.client.join(name, self.info)
         self.participant_id = joined["participant_id"]
+        key = self.client.participant_key(self.participant_id)
+        if self.key_file is not None and key is not None and saved != (self.participant_id, key):
+            _write_key_file(self.key_file, self.participant_id, key)
         self.config = RunConfig.model_validate(joined["config"])
         self.config_version = self.latest_config_version = int(joined["config_version"])
         self.round = int(joined["current_round"])
@@ -470,6 +490,34 @@ class Participant:
                 backoff = min(backoff * 2, 10.0)
         finally:
             client.close()
+
+
+def _read_key_file(path: Path) -> tuple[str, str] | None:
+    """(participant id, participant key) kept in `path`, or None when there is none to use."""
+    try:
+        data = json.loads(path.read_text())
+        pid, key = data["participant_id"], data["participant_key"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring the participant key file %s: %s", path, e)
+        return None
+    return (pid, key) if isinstance(pid, str) and isinstance(key, str) else None
+
+
+def _write_key_file(path: Path, pid: str, key: str) -> None:
+    """Keep `key` in `path`, readable by its owner only, replaced whole (temp file, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 600
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"participant_id": pid, "participant_key": key}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class _Rate:
