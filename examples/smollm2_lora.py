@@ -71,8 +71,8 @@ def main() -> int:
     recipe = "recipe:smollm2-lora"
     t0 = time.monotonic()
     print(
-        "reading SmolLM2-135M-Instruct from its GGUF file (dequantizing to float32 takes about 90 s on 2 cores; "
-        "the coordinator and each participant do it again when they start)...",
+        "reading SmolLM2-135M-Instruct from its GGUF file (dequantizing to float32 takes from about 15 s to a "
+        "minute or two on a CPU, by its load; the coordinator and each participant do it again when they start)...",
         flush=True,
     )
     full_body, lora_body, full_params, lora_params = sync_set_bodies(recipe)
