@@ -286,11 +286,14 @@ def print_summary(s: dict[str, Any]) -> None:
         )
     )
     sent = s["bytes_up"] + s["bytes_down"]
-    ratio = f" ({s['dp_equivalent_bytes'] / sent:.0f}x more)" if sent else ""
-    print(
-        f"\nsent through the coordinator: {human_bytes(sent)}; synchronous data-parallel training "
-        f"would have sent {human_bytes(s['dp_equivalent_bytes'])}{ratio} for the same steps"
-    )
+    if s["participants"] > 1:  # one participant has nothing to all-reduce with
+        ratio = f" ({s['dp_equivalent_bytes'] / sent:.0f}x more)" if sent else ""
+        print(
+            f"\nsent through the coordinator: {human_bytes(sent)}; synchronous data-parallel training "
+            f"would have sent {human_bytes(s['dp_equivalent_bytes'])}{ratio} for the same steps"
+        )
+    else:
+        print(f"\nsent through the coordinator: {human_bytes(sent)}")
     per_round = s["bytes_per_round"]
     print(
         f"per round and participant: {human_bytes(per_round['upload_per_participant'])} up "
