@@ -77,7 +77,8 @@ def test_every_mutating_route_has_a_role_check(coordinator: BackgroundCoordinato
             for method in sorted(set(route.methods) & MUTATING):
                 assert_error(anon.request(method, path, params={"tokens": 1}), 401, "unauthorized")
                 if (route.summary or "").startswith("Admin:"):
-                    body = {"participant_id": "p"} if "tokens/revoke" in path else {"changes": {"rounds": 5}}
+                    bodies = {"tokens/revoke": {"participant_id": "p"}, "rollback": {"version": 0}}
+                    body = next((v for k, v in bodies.items() if k in path), {"changes": {"rounds": 5}})
                     r = part.request(method, path, json=body)
                     assert_error(r, 403)
 
