@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from http.cookiejar import CookieJar
 from pathlib import Path
 
 import httpx
@@ -12,10 +13,16 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, read_tensors
 from tests.conftest import ATOKEN, PTOKEN
 
+# One cookie jar per coordinator and token: the clients of a test that share a token are one
+# participant process, which holds the participant keys its joins answered with (cookies:
+# `auth.py`); another coordinator (another test) starts with an empty jar.
+JARS: dict[tuple[str, str | None], CookieJar] = {}
+
 
 def client(c: BackgroundCoordinator, token: str | None = PTOKEN) -> httpx.Client:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=c.url, headers=headers, timeout=30)
+    jar = JARS.setdefault((c.url, token), CookieJar())
+    return httpx.Client(base_url=c.url, headers=headers, timeout=30, cookies=jar)
 
 
 def zeros_like_model(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:

@@ -32,9 +32,17 @@ def coordinator(tmp_path: Path, limits: ServerLimits | None = None, init: Path |
         yield c
 
 
+KEYS: dict[str, str] = {}  # participant id -> the participant key of its join answer
+
+
 def join(c: BackgroundCoordinator, name: str) -> str:
     r = httpx.post(f"{c.url}/v1/join", json={"name": name}, headers={"Authorization": f"Bearer {PTOKEN}"})
+    KEYS[r.json()["participant_id"]] = r.json()["participant_key"]
     return r.json()["participant_id"]
+
+
+def as_(pid: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {PTOKEN}", "X-Fedtrain-Participant-Key": KEYS[pid]}
 
 
 def connect(c: BackgroundCoordinator, rcvbuf: int | None = None) -> socket.socket:
@@ -82,8 +90,9 @@ def closed(s: socket.socket) -> bool:
 
 def upload_head(pid: str, round_: int, length: int | None, tokens: int = 10, extra: str = "") -> bytes:
     size = f"content-length: {length}\r\n" if length is not None else "transfer-encoding: chunked\r\n"
+    key = f"x-fedtrain-participant-key: {KEYS[pid]}\r\n" if pid in KEYS else ""
     return request("PUT", f"/v1/rounds/{round_}/updates/{pid}?tokens={tokens}",
-                   f"{DIGEST_HEADER}: sha256:{'0' * 64}\r\n{size}{extra}")
+                   f"{DIGEST_HEADER}: sha256:{'0' * 64}\r\n{size}{key}{extra}")
 
 
 # -- item 8: downloads -------------------------------------------------------------------------
@@ -304,7 +313,7 @@ def test_a_subscriber_that_never_reads_is_cut_off_and_the_run_goes_on(tmp_path: 
     with coordinator(tmp_path, ServerLimits(send_timeout_s=0.5)) as c:
         pid = join(c, "a")
         deaf = subscribe(c, rcvbuf=1 << 12)
-        with deaf, httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {PTOKEN}"}) as http:
+        with deaf, httpx.Client(base_url=c.url, headers=as_(pid)) as http:
             values = {f"m{i}": float(i) for i in range(2000)}  # ~100 kB per event
             deadline = time.monotonic() + WAIT_S
             while c.service.broadcast.count and time.monotonic() < deadline:

@@ -55,6 +55,7 @@ def test_bytes_in_and_out_persist_across_a_restart(tmp_path: Path) -> None:
         assert metric(c, "fedtrain_bytes_sent_total") == before["bytes_out"]
         head = format_status(after).splitlines()[2]
         assert head.startswith("bytes in ") and not head.startswith("bytes in 0 B"), head
+        http.post("/v1/join", json={"name": "a"})  # a new process of "a" (its key died with its old client)
         commit_rounds(c, http, "a", 1)  # and they go on counting from there
         later = http.get("/v1/status").json()
     assert later["bytes_in"] > before["bytes_in"] and later["bytes_out"] > before["bytes_out"]

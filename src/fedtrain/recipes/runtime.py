@@ -46,11 +46,14 @@ def open_participant(
     info: dict[str, Any],
     world_size: int,
     device: torch.device,
+    key_file: Path | None = None,
 ) -> tuple[Fed, nn.Module]:
-    """(the participant to step, the module to train through) for one process or a torchrun group."""
+    """(the participant to step, the module to train through) for one process or a torchrun group.
+    `key_file` keeps the participant key, so that a restarted process rejoins as itself at once."""
 
     def make() -> Participant:
-        return Participant(client, model=model, inner_optimizer=optimizer, eval_fn=eval_fn, name=name, info=info)
+        return Participant(client, model=model, inner_optimizer=optimizer, eval_fn=eval_fn, name=name, info=info,
+                           key_file=key_file)
 
     if world_size <= 1:
         return make(), model

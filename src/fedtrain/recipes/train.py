@@ -74,7 +74,9 @@ def run_participant(
     info = {"world_size": world, "base": base_fingerprint(model) if cfg.model.lora else None}
     log.info("%s: %d training tokens from %s (rank %d of %d)", name or "participant", tokens.numel(), data, rank, world)
     t0 = time.perf_counter()
-    fed, net = open_participant(client, model, opt, eval_fn, name=name, info=info, world_size=world, device=dev)
+    key_file = run_dir / "participant-key.json" if run_dir is not None and rank == 0 else None  # only rank 0 joins
+    fed, net = open_participant(client, model, opt, eval_fn, name=name, info=info, world_size=world, device=dev,
+                                key_file=key_file)
     with fed:
         if local is not None and saved is not None:
             local.restore_counters(fed, saved)
