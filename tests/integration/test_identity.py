@@ -248,7 +248,7 @@ def test_the_participant_client_carries_its_key_and_a_key_file_rejoins_as_itself
 
 
 def test_a_restarted_participant_without_its_key_waits_until_its_old_self_has_failed(tmp_path: Path) -> None:
-    cfg = tiny_config(rounds=0, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
+    cfg = tiny_config(rounds=0, heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)
     with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, Small()),
                                tokens=Tokens([PTOKEN], ATOKEN)) as c:
         crashed = CoordinatorClient(c.url, PTOKEN)
@@ -260,6 +260,7 @@ def test_a_restarted_participant_without_its_key_waits_until_its_old_self_has_fa
         logging.getLogger("fedtrain.participant").addHandler(handler)
         try:
             restarted = CoordinatorClient(c.url, PTOKEN, retry=RetryPolicy(initial_s=0.2, max_backoff_s=0.5))
+            crashed.heartbeat("site", step=2)  # alive a moment ago, whatever the machine's load
             joined = restarted.join("site")  # retried on name_in_use until the old one fails
         finally:
             logging.getLogger("fedtrain.participant").removeHandler(handler)
