@@ -4,7 +4,6 @@ config numbers are refused live, and a revoked token in `?token=` is `token_revo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,17 +12,11 @@ import pytest
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
 from fedtrain.errors import StateError
 from tests.conftest import ATOKEN, tiny_config
+from tests.integration import test_bad_input
 from tests.integration.test_api import assert_error, client, put, zeros_like_model
 from tests.integration.test_bad_input import assert_unchanged, raw_body, snapshot, upload_raw
 
-
-@pytest.fixture
-def coord(tmp_path: Path) -> Iterator[BackgroundCoordinator]:
-    with BackgroundCoordinator(tmp_path / "state", tiny_config(max_upload_mb=1.0)) as c:
-        with client(c) as http:
-            http.post("/v1/join", json={"name": "a"})
-            http.post("/v1/join", json={"name": "b"})
-        yield c
+coord = test_bad_input.coord  # the same fixture: a coordinator with participants a and b
 
 
 @pytest.mark.parametrize("depth", [20, 100_000])

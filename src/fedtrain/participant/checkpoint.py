@@ -65,7 +65,8 @@ def optimizer_state_from_files(tensors: dict[str, torch.Tensor], meta: dict[str,
     return {"state": state, "param_groups": groups}
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
+    """`data` as JSON in `path`, replaced whole: a temp file (mode 600), fsync, rename."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -110,7 +111,7 @@ class LocalCheckpoint:
             name = f"optimizer-{round_}.safetensors"
             digest = write_file(self.dir / name, tensors, {"format": str(_FORMAT)})
             record["optimizer"] = {"file": name, "digest": digest, **meta}
-        _write_json(self.dir / _STATE_FILE, record)
+        write_json_atomically(self.dir / _STATE_FILE, record)
         keep = record.get("optimizer", {}).get("file")
         for old in self.dir.glob("optimizer-*.safetensors"):
             if old.name != keep:

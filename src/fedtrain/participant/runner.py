@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -506,18 +504,11 @@ def _read_key_file(path: Path) -> tuple[str, str] | None:
 
 
 def _write_key_file(path: Path, pid: str, key: str) -> None:
-    """Keep `key` in `path`, readable by its owner only, replaced whole (temp file, fsync, rename)."""
+    """Keep `key` in `path`, readable by its owner only (mkstemp's mode 600), replaced whole."""
+    from fedtrain.participant.checkpoint import write_json_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 600
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"participant_id": pid, "participant_key": key}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomically(path, {"participant_id": pid, "participant_key": key})
 
 
 class _Rate:
