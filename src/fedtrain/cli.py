@@ -275,7 +275,12 @@ def _run(argv: list[str] | None) -> int:
         from fedtrain import faults
 
         faults.arm_from_env()  # FEDTRAIN_FAULTS: crash this process at a named point (tests, chaos runs)
-        return int(COMMANDS[args.command](args) or 0)
+        quiet = logging.getLogger("fedtrain.participant")
+        level = quiet.level  # `_client` may quiet it: put back for a caller that runs main in-process
+        try:
+            return int(COMMANDS[args.command](args) or 0)
+        finally:
+            quiet.setLevel(level)
     except FedtrainError as e:
         print(f"fedtrain {name}: error: {e.message}", file=sys.stderr)
         return 2

@@ -257,13 +257,17 @@ def test_a_restarted_participant_without_its_key_waits_until_its_old_self_has_fa
         old_key = crashed.participant_key("site")
         waited: list[str] = []
         handler = _Collect(waited)
-        logging.getLogger("fedtrain.participant").addHandler(handler)
+        logger = logging.getLogger("fedtrain.participant")
+        level = logger.level
+        logger.setLevel(logging.INFO)  # whatever an in-process CLI test set it to before
+        logger.addHandler(handler)
         try:
             restarted = CoordinatorClient(c.url, PTOKEN, retry=RetryPolicy(initial_s=0.2, max_backoff_s=0.5))
             crashed.heartbeat("site", step=2)  # alive a moment ago, whatever the machine's load
             joined = restarted.join("site")  # retried on name_in_use until the old one fails
         finally:
-            logging.getLogger("fedtrain.participant").removeHandler(handler)
+            logger.removeHandler(handler)
+            logger.setLevel(level)
         assert joined["participant_id"] == "site" and joined["participant_key"] != old_key
         assert any("in use" in m for m in waited), waited
         assert restarted.heartbeat("site", step=2)["state"] == "active"
