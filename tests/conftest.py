@@ -80,3 +80,13 @@ def stop_coordinator(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say how many cases the API fuzzers ran (a fuzz run of 0 cases must not read as a pass;
+    `test_fuzz.py` also fails then), in the summary of every run that included them."""
+    fuzz = sys.modules.get("tests.integration.test_fuzz")
+    counts = getattr(fuzz, "CASES", None)
+    if counts and any(counts.values()):
+        ran = ", ".join(f"{n} with the {who} token" for who, n in zip(("participant", "admin"), counts.values()))
+        terminalreporter.write_line(f"schemathesis ran {ran} (each case: no 5xx, or the test failed)")
