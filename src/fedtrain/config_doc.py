@@ -10,7 +10,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 import annotated_types
 from pydantic import BaseModel
 
-from fedtrain.config import FIXED_FIELDS, RunConfig
+from fedtrain.config import RunConfig
+from fedtrain.config_changes import FIXED_FIELDS
 
 HEADER = """# Run config reference
 

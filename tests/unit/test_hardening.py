@@ -12,14 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedtrain.config import (
-    MIN_UPLOAD_MB,
-    RunConfig,
-    apply_change,
-    check_upload_limit,
-    load_config,
-    parse_config,
-)
+from fedtrain.config import MIN_UPLOAD_MB, RunConfig, check_upload_limit, load_config, parse_config
+from fedtrain.config_changes import apply_change
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.coordinator.checkpoints import STATE_DIGEST_KEY, CheckpointDir
 from fedtrain.errors import ConfigError, StateError, WireError

@@ -13,7 +13,8 @@ import json
 import math
 from typing import Any
 
-from fedtrain.config import RunConfig, apply_change, change_notes, outer_defaults, parse_config
+from fedtrain.config import RunConfig, outer_defaults, parse_config
+from fedtrain.config_changes import apply_change, change_notes
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.base import CoordinatorBase, Refused
@@ -118,7 +119,8 @@ class LiveConfigMixin(CoordinatorBase):
         the file changes (against the file as last applied, kept in the store) are applied to
         the newest version; a field changed live and not in the file keeps its live value, and
         the event says which were kept. An invalid file changes nothing."""
-        from fedtrain.config import config_diff, load_config, patch_of
+        from fedtrain.config import load_config
+        from fedtrain.config_changes import config_diff, patch_of
 
         assert self.config_path is not None
         where = str(self.config_path)

@@ -36,15 +36,8 @@ from typing import Any
 
 import torch
 
-from fedtrain.config import (
-    RunConfig,
-    apply_change,
-    change_notes,
-    check_upload_limit,
-    config_diff,
-    outer_defaults,
-    parse_config,
-)
+from fedtrain.config import RunConfig, check_upload_limit, outer_defaults, parse_config
+from fedtrain.config_changes import apply_change, change_notes, config_diff
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.auth import Identity, Tokens
 from fedtrain.coordinator.base import Live, Refused, log

@@ -1,0 +1,115 @@
+"""Live changes to a run config: validated against the config in force, with their true diff.
+
+A change is a merge patch (`{"train": {"sync_every": 30}}`) applied to the newest version;
+the result must validate, leave the fields fixed for the run alone and (given the model's
+update size) hold one upload. `config_diff` and `patch_of` turn configs into dotted diffs
+and back (the SIGHUP merge uses both); `change_notes` says what a change implies in words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fedtrain.config import RunConfig, check_upload_limit, outer_defaults, parse_config
+from fedtrain.errors import ConfigError
+
+#: Fields that define the run itself; a live change to any of them is refused.
+FIXED_FIELDS: dict[str, str] = {
+    "name": "the run's name identifies its state",
+    "seed": "the seed made the initial weights",
+    "model": "the model architecture (and so the sync set) is fixed for the life of a run",
+}
+
+
+def _deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> dict[str, list[Any]]:
+    """Dotted path -> [old, new] for every leaf that differs."""
+    diff: dict[str, list[Any]] = {}
+    for key in sorted(set(old) | set(new)):
+        path = f"{prefix}{key}"
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diff.update(config_diff(a, b, f"{path}."))
+        elif a != b:
+            diff[path] = [a, b]
+    return diff
+
+
+def patch_of(diff: dict[str, list[Any]]) -> dict[str, Any]:
+    """The merge patch that makes a `config_diff`'s changes: {"a.b": [old, new]} -> {"a": {"b": new}}."""
+    patch: dict[str, Any] = {}
+    for path, (_, new) in diff.items():
+        *parents, leaf = path.split(".")
+        node = patch
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = new
+    return patch
+
+
+#: Outer hyperparameters whose default depends on the algorithm (`outer_defaults`).
+ALGORITHM_HYPERPARAMETERS = ("lr", "momentum", "nesterov")
+
+
+def _with_algorithm_defaults(old: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """A switch of `outer.algorithm` that does not set lr, momentum or nesterov itself takes the
+    new algorithm's defaults for them: DiLoCo's outer lr of 0.7 kept under FedAdam (whose
+    default is 0.01) diverges the model within a few rounds."""
+    outer = patch.get("outer")
+    if not isinstance(outer, dict) or "algorithm" not in outer:
+        return patch
+    if outer["algorithm"] == old.get("outer", {}).get("algorithm"):
+        return patch
+    reset = {k: None for k in ALGORITHM_HYPERPARAMETERS if k not in outer}
+    return {**patch, "outer": {**outer, **reset}}
+
+
+def change_notes(old: RunConfig, new: RunConfig) -> list[str]:
+    """What a change implies beyond its diff, in words (shown by the validation answer)."""
+    if old.outer.algorithm == new.outer.algorithm:
+        return []
+    d = outer_defaults(new.outer)
+    chosen = ", ".join(
+        f"{k} {d[k]}" + ("" if getattr(new.outer, k) is None else " (given)") for k in ALGORITHM_HYPERPARAMETERS
+    )
+    return [
+        f"outer.algorithm {old.outer.algorithm} -> {new.outer.algorithm}: the new outer optimizer starts with fresh "
+        f"state and runs with {chosen}; unset values are {new.outer.algorithm}'s defaults"
+    ]
+
+
+def apply_change(
+    current: RunConfig,
+    patch: Any,
+    *,
+    source: str = "config change",
+    update_bytes: Callable[[RunConfig], int] | None = None,
+) -> tuple[RunConfig, dict]:
+    """Validate a partial (merge-patch) change against the running config.
+
+    Returns the new config and its diff; raises ConfigError naming the field and the reason
+    when the result is invalid or touches a field fixed for the life of the run. With
+    `update_bytes` (the size of one update of the run's model under a config), the new
+    config must also hold one update (`check_upload_limit`)."""
+    if not isinstance(patch, dict):
+        raise ConfigError(f"{source}: expected a mapping of fields to change, got {type(patch).__name__}")
+    old = current.model_dump(mode="json")
+    new_cfg = parse_config(_deep_merge(old, _with_algorithm_defaults(old, patch)), source=source)
+    diff = config_diff(old, new_cfg.model_dump(mode="json"))
+    fixed = [p for p in diff if p.split(".")[0] in FIXED_FIELDS]
+    if fixed:
+        why = FIXED_FIELDS[fixed[0].split(".")[0]]
+        raise ConfigError(f"{source}: {', '.join(fixed)} cannot change during a run ({why})")
+    if update_bytes is not None:
+        check_upload_limit(new_cfg, update_bytes(new_cfg), source=source)
+    return new_cfg, diff
