@@ -26,7 +26,6 @@ No torch here at module level: `fedtrain status` uses this client and never a te
 
 from __future__ import annotations
 
-import email.utils
 import functools
 import json
 import logging
@@ -52,6 +51,15 @@ from fedtrain.errors import (
     WireError,
 )
 from fedtrain.participant import fetch
+from fedtrain.participant.answers import (
+    PLAIN_TEXT_REASONS,
+    Failure,
+    cause_of,
+    certificate_error,
+    error_body,
+    retry_after,
+    tls_context,
+)
 from fedtrain.participant.fetch import VERSION_HEADER, ModelBody, direct_request, is_direct
 
 if TYPE_CHECKING:
@@ -85,7 +93,6 @@ _use_larger_reads()
 _RETRY_STATUS = {429, 502, 503, 504}
 KEY_HEADER = "X-Fedtrain-Participant-Key"  # the coordinator's `auth.KEY_HEADER`
 # What OpenSSL says when the other end answers a ClientHello in plain text (its versions differ).
-_PLAIN_TEXT_REASONS = {"WRONG_VERSION_NUMBER", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE", "UNKNOWN_PROTOCOL"}
 
 
 @dataclass(frozen=True)
@@ -130,80 +137,6 @@ class RetryPolicy:
         else:
             delay = min(self.initial_s * 2**attempt, self.max_backoff_s) * (0.5 + random.random() / 2)
         return min(delay, budget - spent_s)
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """One failed attempt: what happened (logged while retrying), and what to check if it lasts."""
-
-    what: str
-    advice: str = ""
-    refused: bool = False
-
-
-def _error_body(response: httpx.Response) -> tuple[str, str, dict[str, Any]] | None:
-    """(message, code, details) when the body is the coordinator's JSON error shape, else None."""
-    try:
-        err = response.json()["error"]
-        message, code, details = err["message"], err.get("code", "error"), err.get("details") or {}
-    except Exception:  # noqa: BLE001 - not our JSON shape: an HTML page, a proxy, another server
-        return None
-    if not isinstance(message, str) or not isinstance(details, dict):
-        return None
-    return message, str(code), details
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    """The seconds a Retry-After header asks for (a number, or an HTTP date), or None."""
-    value = response.headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        seconds = when.timestamp() - time.time()
-    return max(0.0, seconds) if math.isfinite(seconds) else None
-
-
-def tls_context(verify: bool | str) -> bool | ssl.SSLContext:
-    """httpx's `verify`: True (system CAs), False (no verification), or a context trusting a CA file."""
-    if isinstance(verify, str):
-        try:
-            return ssl.create_default_context(cafile=verify)
-        except (OSError, ssl.SSLError) as e:
-            raise TLSError(f"cannot use {verify} as a CA certificate: {e}", code="tls_error") from None
-    return verify
-
-
-def _cause(error: BaseException, kind: type[BaseException]) -> BaseException | None:
-    """`error` or the first exception of that kind among its causes."""
-    seen: BaseException | None = error
-    for _ in range(8):
-        if seen is None:
-            return None
-        if isinstance(seen, kind):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _certificate_error(error: BaseException) -> str | None:
-    """The reason when `error` is (caused by) a failed certificate verification."""
-    found = _cause(error, ssl.SSLCertVerificationError)
-    if isinstance(found, ssl.SSLCertVerificationError):
-        return found.verify_message or str(found)
-    seen: BaseException | None = error
-    for _ in range(8):
-        if seen is None:
-            return None
-        if "CERTIFICATE_VERIFY_FAILED" in str(seen):
-            return "certificate verify failed"
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 class CoordinatorClient:
@@ -302,7 +235,7 @@ class CoordinatorClient:
             except CoordinatorError as e:
                 if e.status not in _RETRY_STATUS and e.code not in also_retry:
                     raise
-                failure, hint, refusal = _Failure(e.message), e.details.get("retry_after_s"), e
+                failure, hint, refusal = Failure(e.message), e.details.get("retry_after_s"), e
             except (httpx.TransportError, WireError) as e:
                 failure, refusal = self._transport_failure(what, e), None  # raises at once what retrying cannot fix
             first_contact = not self._reached
@@ -318,38 +251,38 @@ class CoordinatorClient:
             time.sleep(delay)
             attempt, spent = attempt + 1, spent + delay
 
-    def _gave_up(self, what: str, failure: _Failure, budget_s: float) -> str:
+    def _gave_up(self, what: str, failure: Failure, budget_s: float) -> str:
         if failure.refused and self._reached:
             return f"{what}: {failure.what} for {budget_s:g}s: the coordinator answered before; is it still running?"
         if failure.advice:
             return f"{what}: {failure.what}: {failure.advice} (retried for {budget_s:g}s)"
         return f"{what}: the coordinator at {self.url} did not answer within {budget_s:g}s ({failure.what})"
 
-    def _transport_failure(self, what: str, error: Exception) -> _Failure:
+    def _transport_failure(self, what: str, error: Exception) -> Failure:
         """A failed attempt that got no answer, described; raises TLSError where retrying cannot help."""
         where = f"{self._host}:{self._port}"
-        cert = _certificate_error(error)
+        cert = certificate_error(error)
         if cert:
             raise TLSError(
                 f"{what}: the TLS certificate of {self.url} cannot be verified ({cert}); "
                 "pass the CA that signed it (--ca-cert PEM), or --insecure for a test setup",
                 code="tls_error",
             ) from None
-        ssl_error = _cause(error, ssl.SSLError)
-        if self._scheme == "https" and getattr(ssl_error, "reason", None) in _PLAIN_TEXT_REASONS:
+        ssl_error = cause_of(error, ssl.SSLError)
+        if self._scheme == "https" and getattr(ssl_error, "reason", None) in PLAIN_TEXT_REASONS:
             raise TLSError(
                 f"{what}: the coordinator at {self.url} does not speak TLS: use http://{where} "
                 "(or start the coordinator with --tls-cert and --tls-key)",
                 code="tls_error",
             ) from None
-        if _cause(error, ConnectionRefusedError) is not None:
-            return _Failure(f"connection refused at {where}", "is the coordinator running, and is that its port?",
+        if cause_of(error, ConnectionRefusedError) is not None:
+            return Failure(f"connection refused at {where}", "is the coordinator running, and is that its port?",
                             refused=True)
-        unknown = _cause(error, socket.gaierror)
+        unknown = cause_of(error, socket.gaierror)
         if isinstance(unknown, socket.gaierror):
-            return _Failure(f"the host name {self._host} does not resolve ({unknown.strerror})", "check the address")
+            return Failure(f"the host name {self._host} does not resolve ({unknown.strerror})", "check the address")
         if isinstance(error, httpx.ConnectTimeout):
-            return _Failure(f"no answer from {where} within {self._timeouts.connect:g}s (connect timeout)",
+            return Failure(f"no answer from {where} within {self._timeouts.connect:g}s (connect timeout)",
                             "is the address right, and does a firewall let that port through?")
         if isinstance(error, (httpx.RemoteProtocolError, httpx.ReadError)) and self._wants_tls():
             raise TLSError(
@@ -358,7 +291,7 @@ class CoordinatorClient:
                 code="tls_error",
             ) from None
         # A download cut short surfaces as a WireError (truncated body): retry it too.
-        return _Failure(f"{type(error).__name__}: {error}")
+        return Failure(f"{type(error).__name__}: {error}")
 
     def _wants_tls(self) -> bool:
         """At first contact over http://, after the other end hung up without an answer: does
@@ -378,7 +311,7 @@ class CoordinatorClient:
         """The error for an answer of 400 or more to `where` ("METHOD /path"). Never the body
         of a page that is not the coordinator's JSON: only its status goes into the message."""
         status = response.status_code
-        body = _error_body(response)
+        body = error_body(response)
         if body is None:
             if status in _RETRY_STATUS:  # a proxy in front of a coordinator that restarts: retried
                 return CoordinatorError(
@@ -389,7 +322,7 @@ class CoordinatorClient:
             return self._not_a_coordinator(f"HTTP {status} from {where}", status)
         self._reached = True
         message, code, details = body
-        wait = _retry_after(response)
+        wait = retry_after(response)
         if wait is not None and "retry_after_s" not in details:
             details = {**details, "retry_after_s": wait}
         if status == 404 and code == "not_found":  # no such route (not a 404 of the run's own, e.g. no_config)
