@@ -6,6 +6,8 @@
     ├── MergeError             tensors that cannot be merged (keys, shapes, dtypes, values)
     │   └── ModelMismatchError a participant's model does not match the run's model
     ├── StateError             the coordinator's state directory is unusable
+    ├── Refused                the coordinator refuses a request (status, code, message): raised
+    │                          by the service, answered by the app in the JSON shape of `error_body`
     └── CoordinatorError       the coordinator answered with an error (status, code, message)
         ├── AuthError          401/403: missing, wrong or insufficient token
         ├── RoundClosedError   409: the round is over; move on to the current global model
@@ -68,6 +70,15 @@ class CoordinatorError(FedtrainError):
         code: str = "error",
         details: dict[str, Any] | None = None,
     ) -> None:
+        super().__init__(message, details=details)
+        self.status = status
+        self.code = code
+
+
+class Refused(FedtrainError):
+    """A request the coordinator refuses, with the HTTP status and code to answer with."""
+
+    def __init__(self, status: int, code: str, message: str, details: dict[str, Any] | None = None) -> None:
         super().__init__(message, details=details)
         self.status = status
         self.code = code

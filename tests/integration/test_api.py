@@ -159,7 +159,7 @@ def test_bad_upload_refused_and_state_unchanged(coordinator: BackgroundCoordinat
         elif case == "zero_tokens":
             assert_error(put(http, 0, "a", good, tokens=0), 400, "invalid_tokens")
         assert svc.version == 0 and svc.submitted == {} and svc.acc.count == 0
-        assert svc.acc._fresh == set(svc.acc._acc)  # the sum holds nothing: the next upload writes over it
+        assert svc.acc.is_empty  # the sum holds nothing: the next upload writes over it
         for n, t in svc.outer.params.items():
             assert torch.equal(t, params_before[n])
         # the run still works: both participants upload and the round closes
@@ -207,7 +207,7 @@ def test_compressed_upload_must_match_its_declared_scheme(coordinator: Backgroun
         assert r.status_code == 200, r.text
         # decoded and folded: the first contribution as it is (its weight, 5 tokens, is the sum's scale)
         assert svc.acc.count == 1 and svc.acc.total_weight == 5
-        assert all(torch.allclose(t, torch.full_like(t, 0.5)) for t in svc.acc._acc.values())
+        assert all(torch.allclose(t, torch.full_like(t, 0.5)) for t in svc.acc.peek().values())
 
 
 def test_a_lone_participants_upload_goes_straight_into_the_sum_with_the_same_result(tmp_path: Path) -> None:
@@ -223,17 +223,10 @@ def test_a_lone_participants_upload_goes_straight_into_the_sum_with_the_same_res
             http.post("/v1/join", json={"name": "solo"})
             if delta is None:
                 delta = {n: torch.randn(t.shape, generator=g) * 1e-3 for n, t in c.service.outer.params.items()}
-            seen: list[str] = []
-            real = c.service._receive_direct
-
-            async def spy(*args, real=real, seen=seen):
-                seen.append("direct")
-                return await real(*args)
-
-            c.service._receive_direct = spy
             assert put(http, 0, "solo", delta, tokens=7).json()["accepted"]
+            assert c.service.intake.last_path is not None and c.service.intake.last_path.path == (
+                "direct" if mode == "direct" else "spool")
             assert http.get("/v1/rounds/0", params={"wait": 10}).json()["state"] == "closed"
-            assert seen == (["direct"] if mode == "direct" else [])
             if mode == "direct":
                 assert not [p for p in c.service.spool.rglob("*") if p.is_file()]
             results[mode] = {n: t.clone() for n, t in c.service.outer.params.items()}

@@ -39,8 +39,8 @@ def snapshot(c: BackgroundCoordinator) -> dict:
         "late": dict(s.late),
         "acc_count": s.acc.count,
         # What the sum holds: nothing (its memory is written over by the next upload), or values.
-        "acc_sum": sum(float(t.abs().sum()) for n, t in s.acc._acc.items() if n not in s.acc._fresh),
-        "acc_empty": sorted(s.acc._fresh),
+        "acc_sum": 0.0 if s.acc.is_empty else sum(float(t.abs().sum()) for t in s.acc.peek().values()),
+        "acc_empty": s.acc.is_empty,
         "params": {n: t.clone() for n, t in s.outer.params.items()},
         "participants": {p.id: (p.state, p.tokens, p.bytes_up) for p in s.participants.values()},
         "submissions": len(s.store.submissions(s.version)),

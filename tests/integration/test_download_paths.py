@@ -106,7 +106,7 @@ def test_direct_and_httpx_uploads_fold_the_same_and_answer_the_same(tmp_path: Pa
                     "accepted": True, "duplicate": False, "round": 0}
                 assert cl.upload(0, pid, EncodedBody(delta), tokens=10)["duplicate"]
             # two of the same update, weight 10 each: the sum holds them over its scale (the first weight)
-            summed = c.service.acc._acc
+            summed = c.service.acc.peek()
             for n in params:
                 assert torch.equal(summed[n], 2 * delta[n]), n
             assert c.service.acc.total_weight == 20

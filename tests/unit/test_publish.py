@@ -291,7 +291,7 @@ def test_publish_first_commits_at_once_and_downloads_end_before_it(tmp_path: Pat
     async def scenario() -> None:
         with faults.inject("checkpoint.after_global_write", "sleep", seconds=1.0, round=0):
             await close_round(svc)
-            assert svc._published is not None and not svc._published.hold
+            assert svc.committer.published is not None and not svc.committer.published.hold
             served = await fetch(svc, "a")  # not held: done while the commit sleeps
             assert svc.committed_version == 0  # it ended while the commit still sleeps: not held back
             deadline = time.monotonic() + 10
@@ -299,7 +299,7 @@ def test_publish_first_commits_at_once_and_downloads_end_before_it(tmp_path: Pat
                 await asyncio.sleep(0.01)
         assert svc.committed_version == 1  # nobody else fetched it: the commit did not wait for b
         assert served == svc.ckpt.global_path(1).read_bytes()  # what was served is what was committed
-        assert svc.model_stream(None, "b").memory is svc._published  # still served from memory
+        assert svc.model_stream(None, "b").memory is svc.committer.published  # still served from memory
         assert served == await fetch(svc, "b")
         await svc.stop()
 
@@ -313,7 +313,7 @@ def test_commit_first_serves_the_model_during_the_commit_and_completes_downloads
         await svc.start()  # (long-polls)
         with faults.inject("checkpoint.after_global_write", "sleep", seconds=1.0, round=0):
             await close_round(svc)  # the next round is open while the commit is under way
-            assert svc.committed_version == 0 and svc._published is not None and svc._published.hold
+            assert svc.committed_version == 0 and svc.committer.published is not None and svc.committer.published.hold
             assert (await svc.wait_round(ADMIN_ID, "a", 0, 5))["state"] == "committing"  # a participant goes on
             observer = asyncio.create_task(svc.wait_round(ADMIN_ID, None, 0, 5))  # anyone else: until committed
             stream = svc.model_stream(None, "a")

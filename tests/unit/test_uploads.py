@@ -13,9 +13,10 @@ import torch
 
 from fedtrain.coordinator import Coordinator
 from fedtrain.coordinator.auth import ADMIN, Identity, Tokens
-from fedtrain.coordinator.base import Refused
+from fedtrain.coordinator.folds import Pending, RoundSum
+from fedtrain.coordinator.policy import DIRECT_MAX_ACTIVE
 from fedtrain.coordinator.receive import SpoolFiles, Staging, receive_to_spool
-from fedtrain.errors import WireError
+from fedtrain.errors import Refused, WireError
 from fedtrain.merge import RunningSum
 from fedtrain.wire import EncodedBody, StreamingDigest, write_file
 from fedtrain.wire.compress import compress
@@ -284,7 +285,7 @@ def upload(svc: Coordinator, t: dict[str, torch.Tensor], meta: dict[str, str] | 
 def assert_untouched(svc: Coordinator) -> None:
     assert svc.version == 0 and svc.submitted == {} and svc.acc.count == 0
     # The sum holds no contribution: whatever its memory holds is written over by the next one.
-    assert svc.acc._fresh == set(svc.acc._acc) and not svc.acc._pending and not svc.acc._partial
+    assert svc.acc.is_empty
     assert list(svc.spool.iterdir()) == []  # the refused upload's new spool file is gone
 
 
@@ -293,7 +294,7 @@ def expected_sum(svc: Coordinator, *updates: dict[str, torch.Tensor]) -> dict[st
     ref = RunningSum(svc.outer.params)
     for u in updates:
         ref.add(u, 10.0 if svc.config.outer.weighting == "tokens" else 1.0)
-    return ref._acc
+    return ref.peek()
 
 
 @pytest.mark.parametrize("where", ["middle", "last"])
@@ -301,7 +302,7 @@ def expected_sum(svc: Coordinator, *updates: dict[str, torch.Tensor]) -> dict[st
 def test_coordinator_refuses_a_non_finite_plain_upload(service: Coordinator, monkeypatch: pytest.MonkeyPatch,
                                                        where: str, value: float) -> None:
     monkeypatch.setattr("fedtrain.coordinator.receive.BATCH", 4096)  # batches of 5 chunks of 1001 bytes
-    service._staging = Staging(64)  # read back in many pieces
+    service.intake.set_piece_bytes(64)  # read back in many pieces
     t = {n: torch.randn(v.shape) for n, v in service.outer.params.items()}
     name = place(t, where, value)
     with pytest.raises(Refused) as refused:
@@ -312,28 +313,28 @@ def test_coordinator_refuses_a_non_finite_plain_upload(service: Coordinator, mon
     t[name].nan_to_num_(0.0, 0.0, 0.0)
     assert upload(service, t, POISON)["accepted"] and service.acc.count == 1  # the same layout, finite
     want = expected_sum(service, t)
-    assert all(torch.equal(service.acc._acc[n], want[n]) for n in want)  # nothing of the refused one is left
+    assert all(torch.equal(service.acc.peek()[n], want[n]) for n in want)  # nothing of the refused one is left
 
 
 @pytest.mark.parametrize("value", BAD_VALUES)
 def test_a_non_finite_second_upload_leaves_the_sum_as_the_first_made_it(service: Coordinator, value: float,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    service._staging = Staging(64)
+    service.intake.set_piece_bytes(64)
 
     def no_read_back(*args: object, **kwargs: object) -> None:
         raise AssertionError("a plain spooled upload is checked as it arrives, not read back")
 
-    monkeypatch.setattr(service, "check_values", no_read_back)
+    monkeypatch.setattr(service.intake, "check_values", no_read_back)
     first = {n: torch.randn(v.shape) for n, v in service.outer.params.items()}
     assert upload(service, first)["accepted"]
-    before = {n: v.clone() for n, v in service.acc._acc.items()}
+    before = {n: v.clone() for n, v in service.acc.peek().items()}
     second = {n: torch.randn(v.shape) for n, v in service.outer.params.items()}
     place(second, "last", value)
     with pytest.raises(Refused) as refused:
         upload(service, second, pid="b")
     assert (refused.value.status, refused.value.code) == (422, "non_finite")
     assert service.acc.count == 1 and list(service.submitted) == ["a"]
-    assert all(torch.equal(service.acc._acc[n], before[n]) for n in before)
+    assert all(torch.equal(service.acc.peek()[n], before[n]) for n in before)
     assert all(torch.equal(before[n], want) for n, want in expected_sum(service, first).items())
 
 
@@ -374,7 +375,7 @@ async def held_upload(svc: Coordinator, pid: str, data: bytes, digest: str, gate
         yield data[5000:]
 
     task = asyncio.create_task(svc.receive_update(ADMIN_ID, pid, 0, 10, digest, len(data), body()))
-    while svc._direct is None:
+    while svc.intake.receiving_direct is None:
         await asyncio.sleep(0)
     return task
 
@@ -394,7 +395,7 @@ def test_the_first_upload_lands_in_the_sum_and_the_sum_is_what_spooling_gives(tm
     assert taken == [direct.spool, spooled.spool, spooled.spool]  # direct spooled only its second upload
     want = expected_sum(direct, first, second)
     for svc in (direct, spooled):
-        assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+        assert all(torch.equal(svc.acc.peek()[n], want[n]) for n in want)
         asyncio.run(svc.stop())
 
 
@@ -406,10 +407,10 @@ def test_a_direct_upload_is_checked_finite_as_it_lands(tmp_path: Path, monkeypat
     skipped, even ones that read as NaN), so counting it makes no second pass over them."""
     svc = coordinator(tmp_path)
 
-    def no_second_pass(t: torch.Tensor) -> bool:
+    def no_second_pass(name: str, values: torch.Tensor) -> float:
         raise AssertionError("the direct upload's values were checked again after the scan")
 
-    monkeypatch.setattr("fedtrain.coordinator.uploads.all_finite", no_second_pass)
+    monkeypatch.setattr("fedtrain.coordinator.folds.check_piece", no_second_pass)
     good, bad = updates(svc, 2)
     name = place(bad, where, value)
     with pytest.raises(Refused) as refused:
@@ -419,7 +420,7 @@ def test_a_direct_upload_is_checked_finite_as_it_lands(tmp_path: Path, monkeypat
     assert_untouched(svc)
     assert upload(svc, good, POISON, size=997)["accepted"] and svc.acc.count == 1
     want = expected_sum(svc, good)
-    assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+    assert all(torch.equal(svc.acc.peek()[n], want[n]) for n in want)
     asyncio.run(svc.stop())
 
 
@@ -433,7 +434,7 @@ def test_a_bad_direct_upload_leaves_the_sum_empty(tmp_path: Path) -> None:
         with pytest.raises(WireError, match=message):
             asyncio.run(svc.receive_update(ADMIN_ID, "a", 0, 10, digest, len(data), chunked(body, 999)))
         assert_untouched(svc)
-        assert svc._direct is None
+        assert svc.intake.receiving_direct is None
     place(bad, "middle", float("nan"))
     with pytest.raises(Refused) as non_finite:
         upload(svc, bad)
@@ -441,7 +442,7 @@ def test_a_bad_direct_upload_leaves_the_sum_empty(tmp_path: Path) -> None:
     assert_untouched(svc)
     assert upload(svc, good)["accepted"]
     want = expected_sum(svc, good)
-    assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+    assert all(torch.equal(svc.acc.peek()[n], want[n]) for n in want)
     asyncio.run(svc.stop())
 
 
@@ -454,11 +455,11 @@ def test_a_close_stops_a_direct_upload_and_nothing_waits_for_it(tmp_path: Path) 
         gate = asyncio.Event()
         slow = await held_upload(svc, "a", data, digest, gate)
         await asyncio.sleep(0.01)
-        assert svc._direct.streaming
-        svc.closing = True  # what a close does first (here without merging, which needs uploads)
-        svc._abort_direct()
-        assert svc._direct is None and svc.acc.count == 0
-        svc.closing = False
+        assert svc.intake.receiving_direct == "a"
+        svc.rounds.open.closing = True  # what a close does first (here without merging, which needs uploads)
+        svc.intake.abort_direct()
+        assert svc.intake.receiving_direct is None and svc.acc.count == 0
+        svc.rounds.open.closing = False
         # The next upload is not held up by the stalled one, and is itself written straight in.
         body2, digest2 = raw_body(second)
         got = await asyncio.wait_for(svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2),
@@ -469,7 +470,7 @@ def test_a_close_stops_a_direct_upload_and_nothing_waits_for_it(tmp_path: Path) 
             await slow
         assert (refused.value.status, refused.value.code) == (409, "round_closed")
         want = expected_sum(svc, second)  # nothing of the stopped upload is in the sum
-        assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+        assert all(torch.equal(svc.acc.peek()[n], want[n]) for n in want)
 
     asyncio.run(scenario())
     asyncio.run(svc.stop())
@@ -499,16 +500,13 @@ def test_with_many_participants_active_the_first_upload_is_spooled(service: Coor
     """More than DIRECT_MAX_ACTIVE: too many folds could queue behind a direct receive, so it spools."""
     for name in ("c", "d", "e"):
         service.join(ADMIN_ID, name, {})
-    assert len(service.participants) > service.DIRECT_MAX_ACTIVE
-
-    async def no_direct(*args: object, **kwargs: object) -> None:
-        raise AssertionError("not a direct receive with this many participants active")
-
-    monkeypatch.setattr(service, "_receive_direct", no_direct)
+    assert len(service.participants) > DIRECT_MAX_ACTIVE
     (first,) = updates(service, 1)
     assert upload(service, first)["accepted"]
+    assert service.intake.last_path is not None and service.intake.last_path.path == "spool"
+    assert "participants are active" in service.intake.last_path.reason
     want = expected_sum(service, first)
-    assert all(torch.equal(service.acc._acc[n], want[n]) for n in want)
+    assert all(torch.equal(service.acc.peek()[n], want[n]) for n in want)
 
 
 def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> None:
@@ -523,7 +521,7 @@ def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> 
         task = await held_upload(svc, pid, data, digest, gate)
         svc.participants[pid].last_seen -= 10_000  # silent for longer than heartbeat_timeout_s
         svc.tick()
-        assert svc._direct is None and svc.acc.count == 0
+        assert svc.intake.receiving_direct is None and svc.acc.count == 0
         gate.set()
         with pytest.raises(Refused) as refused:
             await task
@@ -546,33 +544,30 @@ def test_an_upload_beside_a_direct_one_is_answered_at_once_and_folded_after_it(t
         got = await asyncio.wait_for(svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2),
                                                         chunked(body2, 4096)), timeout=10)
         assert got == {"accepted": True, "duplicate": False, "round": 0}  # not held up by the slow link
-        assert set(svc.submitted) == {"b"} and svc._folds == 1 and svc.acc.count == 0  # its fold waits
+        assert set(svc.submitted) == {"b"} and svc.intake.folds_in_flight == 1 and svc.acc.count == 0  # its fold waits
         gate.set()
         assert (await direct)["accepted"]
-        while svc._folds:
-            await asyncio.sleep(0.01)
+        await svc.intake.idle()
 
     asyncio.run(scenario())
-    assert set(svc.submitted) == {"a", "b"} and svc.acc.count == 2 and svc._fold_failure is None
+    assert set(svc.submitted) == {"a", "b"} and svc.acc.count == 2 and svc.intake.failure is None
     want = expected_sum(svc, first, second)  # the direct one first, then the one that waited
-    assert all(torch.equal(svc.acc._acc[n], want[n]) for n in want)
+    assert all(torch.equal(svc.acc.peek()[n], want[n]) for n in want)
     asyncio.run(svc.stop())
 
 
 def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedtrain.errors import MergeError
-
     svc = coordinator(tmp_path)
     first, second = updates(svc, 2)
     data, digest = raw_body(first)
-    real = Coordinator._check_and_fold
+    real = RoundSum.check_and_fold
 
-    def broken(self: Coordinator, path: Path, weight: float, checked: bool = False) -> None:
+    def broken(self: RoundSum, path: Path, weight: float, pending: Pending) -> str | None:
         if self.acc.count:  # the deferred one: the disk failed under it
             raise OSError("read error")
-        real(self, path, weight, checked)
+        return real(self, path, weight, pending)
 
-    monkeypatch.setattr(Coordinator, "_check_and_fold", broken)
+    monkeypatch.setattr(RoundSum, "check_and_fold", broken)
 
     async def scenario() -> None:
         gate = asyncio.Event()
@@ -581,11 +576,15 @@ def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pyt
         assert (await svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2), chunked(body2, 4096)))["accepted"]
         gate.set()
         await direct
-        while svc._folds:
+        await svc.intake.idle()
+        svc.leave(ADMIN_ID, "c")  # a and b are in: the close merges, finds the failed fold, goes back
+        for _ in range(1000):
+            if any(e["kind"] == "merge_failed" for e in svc.store.events(20)):
+                break
             await asyncio.sleep(0.01)
 
     asyncio.run(scenario())
-    assert svc._fold_failure is not None and "read error" in svc._fold_failure
-    with pytest.raises(MergeError, match="the fold of an accepted upload failed"):
-        svc._merge(0, "test", False)  # the close then goes back to the last committed round
+    failed = [e["message"] for e in svc.store.events(20) if e["kind"] == "merge_failed"]
+    assert failed and "the fold of an accepted upload failed (read error)" in failed[0]
+    assert svc.version == 0 and svc.submitted == {} and svc.intake.failure is None  # sent again from scratch
     asyncio.run(svc.stop())

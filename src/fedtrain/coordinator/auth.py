@@ -45,6 +45,7 @@ from typing import Any, Literal, TypeVar
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import policy
+from fedtrain.errors import Refused
 
 PARTICIPANT = "participant"
 ADMIN = "admin"
@@ -264,3 +265,9 @@ def join_rule(name: str, held: Holder | None, token_holders: Sequence[Holder], *
         if refused is not None:
             return refused
     return claim
+
+
+def require_admin(ident: Identity, what: str) -> None:
+    """Refuse (403 `admin_only`) unless `ident` holds the admin token."""
+    if not ident.is_admin:
+        raise Refused(403, "admin_only", f"{what} needs the admin token")

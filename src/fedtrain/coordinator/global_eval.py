@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from fedtrain.config import RunConfig
-
-if TYPE_CHECKING:
-    from fedtrain.coordinator.service import Coordinator
+from fedtrain.coordinator.committer import Committer
+from fedtrain.coordinator.store import Store
 
 __all__ = ["GLOBAL_EVAL_PREFIX", "GlobalEvaluator", "version_due"]
 
@@ -44,10 +44,15 @@ def version_due(version: int, config: RunConfig) -> bool:
 
 
 class GlobalEvaluator:
-    """A daemon thread beside the coordinator's event loop; `start()` and `stop()` with the service."""
+    """A daemon thread beside the coordinator's event loop; `start()` and `stop()` with the service.
+    It reads the config in force (`config()`), the committed version and the committed files,
+    and writes metrics and events to the store (which serializes its writers)."""
 
-    def __init__(self, service: Coordinator, poll_s: float = 0.5) -> None:
-        self.service = service
+    def __init__(self, store: Store, committer: Committer, config: Callable[[], RunConfig],
+                 poll_s: float = 0.5) -> None:
+        self._store = store
+        self._committer = committer
+        self._config = config
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -58,7 +63,7 @@ class GlobalEvaluator:
 
     def start(self) -> None:
         # After a restart, versions evaluated before are not evaluated again.
-        self._done = {m["round"] for m in self.service.store.metrics(GLOBAL_EVAL_PREFIX + "loss")}
+        self._done = {m["round"] for m in self._store.metrics(GLOBAL_EVAL_PREFIX + "loss")}
         self._thread = threading.Thread(target=self._run, name="fedtrain-global-eval", daemon=True)
         self._thread.start()
 
@@ -69,11 +74,11 @@ class GlobalEvaluator:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            config = self.service.config
+            config = self._config()
             if config.eval.global_data is None:
                 continue
-            kept = set(self.service.ckpt.versions())
-            for version in range(self._next, self.service.committed_version + 1):
+            kept = set(self._committer.ckpt.versions())
+            for version in range(self._next, self._committer.committed_version + 1):
                 if self._stop.is_set():
                     return
                 self._next = version + 1
@@ -88,12 +93,12 @@ class GlobalEvaluator:
             self._report_failure(version, e)
             return
         if not self._stop.is_set():
-            self.service.store.add_metrics(None, version, None, values)
+            self._store.add_metrics(None, version, None, values)
             log.info("global eval of version %d: loss %.4f", version, values[GLOBAL_EVAL_PREFIX + "loss"])
 
     def _report_failure(self, version: int, error: Exception) -> None:
         try:
-            self.service.store.add_event("global_eval", f"evaluation of global version {version} failed: {error}")
+            self._store.add_event("global_eval", f"evaluation of global version {version} failed: {error}")
         except Exception:  # noqa: BLE001 - the store may be closing with the service
             log.debug("could not record the failed global evaluation")
 
@@ -106,8 +111,7 @@ class GlobalEvaluator:
         if model is None:
             model = self._model = build_model(config.model, seed=config.seed)
         stream = self._stream(config)
-        svc = self.service
-        params = svc.ckpt.load_global(version, svc.store.get_meta(f"digest/{version}"))
+        params = self._committer.ckpt.load_global(version, self._store.get_meta(f"digest/{version}"))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.requires_grad:

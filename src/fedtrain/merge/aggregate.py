@@ -148,8 +148,8 @@ class RunningSum:
     step to divide as it reads); call `reset()` before the next round.
 
     The accumulators hold Σ wᵢΔᵢ / s, where the scale s is the first contribution's weight:
-    the first contribution is written over them as it is, without a multiply (a received
-    upload lands in them straight from the socket and only needs its values checked), the
+    the first contribution is written over them as it is, without a multiply (whoever owns
+    the memory they live in, `storage`, may write it there itself and `count_in_place`), the
     others are folded with wᵢ / s, and the mean is Σ wᵢΔᵢ / Σ wᵢ = acc · s / Σ wᵢ, one
     multiply that the outer step can fuse and that a single contribution does not need.
     An accumulator holds no value until the first contribution writes over it, and
@@ -166,12 +166,16 @@ class RunningSum:
     The mean it hands out is a weighted mean of finite values, so it is finite too.
     """
 
-    def __init__(self, like: Mapping[str, SpecLike], dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, like: Mapping[str, SpecLike], dtype: torch.dtype = torch.float32,
+                 storage: Mapping[str, torch.Tensor] | None = None) -> None:
         if not dtype.is_floating_point:
             raise MergeError(f"accumulator dtype must be floating point, got {dtype}")
         self._specs: dict[str, TensorSpec] = {k: _spec(v) for k, v in like.items()}
         self._acc: TensorDict = {}
         for name, value in like.items():
+            if storage is not None:
+                self._acc[name] = _owned(storage, name, self._specs[name][1], dtype)
+                continue
             device = value.device if isinstance(value, torch.Tensor) else None
             self._acc[name] = torch.zeros(self._specs[name][1], dtype=dtype, device=device)
         self._pending: set[str] = set()
@@ -292,22 +296,23 @@ class RunningSum:
         self._bound *= factor
         self._rescales += 1
 
-    def empty_targets(self) -> TensorDict:
-        """The accumulators themselves, while no contribution is in them: a receiver may write
-        a first update's raw values straight into them, then count it with `take_written`.
-        Until then they hold no value (whatever was written), so dropping the write needs nothing."""
-        self._check_open()
-        if self._count or self._pending or self._partial:
-            raise MergeError("the sum already holds a contribution: fold into it instead")
+    @property
+    def is_empty(self) -> bool:
+        """No contribution is in the sum, counted or in progress (its accumulators hold no value)."""
+        return not (self._count or self._pending or self._partial)
+
+    def peek(self) -> TensorDict:
+        """The accumulators as they are (Σ wᵢΔᵢ / s, see the class), for inspection: not to change."""
         return dict(self._acc)
 
-    def take_written(self, weight: float, check: Callable[[str, torch.Tensor], None] | None = None,
-                     piece: int = 1 << 22, max_abs: float | None = None) -> None:
-        """Count the raw values written into `empty_targets()` as the first contribution, with
-        `weight`: each piece of `piece` elements is passed to `check` (which may raise); the
-        values stay as they are (the weight becomes the sum's scale), bit for bit what
-        folding them would give. `max_abs`: their largest |value|, when the receiver saw it
-        (else each piece's is read off it). If anything raises the sum is left empty."""
+    def count_in_place(self, weight: float, check: Callable[[str, torch.Tensor], None] | None = None,
+                       piece: int = 1 << 22, max_abs: float | None = None) -> None:
+        """Count the values the owner of the sum's `storage` wrote into it while the sum was
+        empty as its first contribution, with `weight`: each piece of `piece` elements is passed
+        to `check` (which may raise); the values stay as they are (the weight becomes the sum's
+        scale), bit for bit what folding them would give. `max_abs`: their largest |value|,
+        when the writer saw it (else each piece's is read off it). If anything raises the sum
+        is left empty."""
         self._check_open()
         w = _check_weight(weight, "contribution")
         if self._count or self._pending or self._partial:
@@ -400,6 +405,17 @@ class RunningSum:
         self._count = 0
         self._averaged = False
         self._divided = False
+
+
+def _owned(storage: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of `storage` that accumulator `name` lives in, checked against the model."""
+    t = storage.get(name)
+    if t is None:
+        raise MergeError(f"the sum's storage has no tensor {name!r}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+        raise MergeError(f"the sum's storage for {name} is {t.dtype} {_shape_str(tuple(t.shape))}, expected a "
+                         f"contiguous {dtype} {_shape_str(tuple(shape))}")
+    return t
 
 
 def _accumulate(acc: torch.Tensor, values: torch.Tensor, w: float, fresh: bool) -> None:

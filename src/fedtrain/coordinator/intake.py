@@ -1,0 +1,357 @@
+"""The intake of the open round's updates: receive and verify them, then place them.
+
+`Intake` owns the receiving of updates: the spool files uploads stream into
+(`SpoolFiles`), the one upload being received straight into the sum (`direct.py`), the
+folds in flight (with a wait for none: `idle`), the folds waiting for that upload, and
+why the open round cannot be merged (a fold of an accepted update failed). The sum and
+what waits to go into it are `RoundSum`'s (`folds.py`).
+
+Where an upload goes is the policy's decision, with its reason: `policy.receive_path`
+(straight into the empty sum, or a spool file; the latest is `last_path`) and, for a
+spooled one, `policy.place_update` (kept until the close, folded now, or folded after
+the upload being received into the sum). Its values are checked (`values.py`) where it
+costs least: a plain body's NaN and Inf on the writer thread as it arrives
+(`wire.finite.FiniteScan`); the round's first spooled update piece by piece as it is
+written over the empty sum (a refusal empties it again, exactly); a later one in full
+before it is added. A bad update therefore never changes the sum. No update takes more
+than `outer.max_share` of a round of three or more: one that may still be capped waits in
+its file (`policy.to_fold`).
+
+Execution contexts: the event loop runs everything here; the folds run on worker threads
+(`asyncio.to_thread`) through `RoundSum`'s methods, which take the fold lock, and hand
+back why the round cannot be merged, which the event loop records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from fedtrain import faults
+from fedtrain.config import RunConfig
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.direct import DirectUpload, read_into
+from fedtrain.coordinator.folds import MergeInputs, Pending, RoundSum
+from fedtrain.coordinator.receive import Body, Head, SpoolFiles, Staging, receive_to_spool
+from fedtrain.coordinator.values import non_finite
+from fedtrain.errors import Refused
+from fedtrain.merge import RunningSum, check_compatible
+from fedtrain.merge.robust import clip_scale
+from fedtrain.transport import fast_io_enabled
+from fedtrain.wire import BodyReader, TensorSpec
+from fedtrain.wire.compress import expected_specs, scheme_of
+
+log = logging.getLogger("fedtrain.coordinator")
+
+Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One participant's update on its way in: who, for which round, and what its body claims."""
+
+    pid: str
+    round: int
+    tokens: int
+    digest: str
+    length: int
+    limit: int
+
+
+@dataclass
+class Ticket:
+    """An upload's place in the open round, reserved once its body is verified: its key (the
+    participant, or `pid@lateR` for a late fold), admission and fold weight. `release` gives
+    the place back when the upload fails after all."""
+
+    key: str
+    admission: policy.Admission
+    weight: float
+    open_round: int  # the round it goes into
+    release: Callable[[], None]
+
+
+class Seats(Protocol):
+    """The open round's places for updates (`rounds.Rounds`)."""
+
+    def reserve(self, up: Upload) -> Ticket | None:
+        """After `up`'s body is verified: its place in the open round, None for a duplicate;
+        raises Refused when the round no longer takes it (closed meanwhile)."""
+
+    def refusal(self, up: Upload) -> Refused:
+        """Why the round stopped taking `up` while its body streamed in."""
+
+
+class _InFlight:
+    """A count of folds in flight (event loop only), with a wait for none."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._none = asyncio.Event()
+        self._none.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._none.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._none.set()
+
+    async def wait_none(self) -> None:
+        while self.count:
+            await self._none.wait()
+
+
+class Intake:
+    """The open round's updates: received, verified, then folded or kept (`RoundSum`)."""
+
+    def __init__(self, spool_dir: Path, spec: Spec, params: Mapping[str, torch.Tensor],
+                 fold_lock: threading.Lock | None = None) -> None:
+        self._spec = spec
+        self.round = RoundSum(spool_dir, spec, params, fold_lock or threading.Lock())
+        self._spool_files = SpoolFiles(spool_dir)
+        self._direct: DirectUpload | None = None
+        self._in_flight = _InFlight()
+        self._deferred: set[asyncio.Task[None]] = set()
+        self._failure: str | None = None  # a fold failed: the open round cannot be merged
+        self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
+
+    # -- what others may read ---------------------------------------------------------------
+
+    @property
+    def sum(self) -> RunningSum:
+        """The open round's running sum (change it only under `fold_lock`)."""
+        return self.round.acc
+
+    @property
+    def fold_lock(self) -> threading.Lock:
+        return self.round.lock
+
+    @property
+    def receiving_direct(self) -> str | None:
+        """The participant whose upload is being received straight into the sum, if any."""
+        return self._direct.pid if self._direct is not None else None
+
+    @property
+    def folds_in_flight(self) -> int:
+        return self._in_flight.count
+
+    @property
+    def failure(self) -> str | None:
+        """Why the open round cannot be merged (a fold of an accepted update failed), or None."""
+        return self._failure
+
+    def fail(self, why: str) -> None:
+        """The open round cannot be merged: an accepted update is not in the sum."""
+        self._failure = why
+
+    def barred(self, round_: int, pid: str) -> str | None:
+        """Why `pid`'s update for `round_` is refused (its merge was not finite), or None."""
+        return self.round.barred(round_, pid)
+
+    def bar(self, round_: int, pid: str, why: str) -> None:
+        self.round.bar(round_, pid, why)
+
+    def set_piece_bytes(self, nbytes: int) -> None:
+        """Read spool files back in pieces of at most `nbytes` (tests use small pieces)."""
+        self.round.staging = Staging(nbytes)
+
+    def check_values(self, path: Path) -> float:
+        """The largest |value| of a verified spool file, or its refusal (`RoundSum.check_values`)."""
+        return self.round.check_values(path)
+
+    async def idle(self) -> None:
+        """Wait until no fold is in flight (the folds beside a direct receive included)."""
+        await self._in_flight.wait_none()
+
+    def merge_inputs(self, cfg: RunConfig) -> MergeInputs:
+        """At the close, on a worker thread holding the fold lock, no fold in flight: the
+        whole round in the sum (`RoundSum.merge_inputs`)."""
+        return self.round.merge_inputs(cfg, self._failure)
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def receive(self, up: Upload, body: Body, head: Head | None, action: str, cfg: RunConfig,
+                      active: int, seats: Seats, may_reach: Callable[[], int]) -> Ticket | None:
+        """Receive, verify, check and fold (or keep) one upload admitted as `action`
+        (`policy.admit_upload`), with `active` participants; its ticket, None for a duplicate.
+        Raises Refused for a bad body or values, or a round that closed meanwhile."""
+        plain = head is not None and scheme_of(head[1])[0] == "none"
+        empty = self._direct is None and not self._in_flight.count and self.round.is_empty()
+        path = policy.receive_path(fast_io=fast_io_enabled(), action=action, sum_empty=empty, active=active,
+                                   plain=plain, fits=head is not None and self.round.fits(head[0]), cfg=cfg)
+        self.last_path = path
+        try:
+            if path.path == "direct":
+                return await self._receive_direct(up, body, seats)
+            return await self._receive_spooled(up, body, cfg, seats, may_reach)
+        finally:
+            self._give_back_freed()
+
+    def check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
+        scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header
+        check_compatible(expected_specs(dict(self._spec), scheme, block),
+                         {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
+
+    async def _receive_direct(self, up: Upload, body: Body, seats: Seats) -> Ticket | None:
+        """Receive the round's first upload straight into the (empty) sum's memory: no spool
+        file, no read-back. Its bytes are verified as they land (header, length, digest, NaN
+        and Inf), then counted with their weight; anything wrong leaves the sum empty,
+        exactly. A close of the round (or its sender's failure) while the body streams in
+        stops the writes at once (`abort_direct`)."""
+        direct = DirectUpload(up.pid, body)
+        self._direct = direct
+        targets = self.round.storage
+        try:
+            reader = BodyReader(expected_digest=up.digest, max_bytes=up.limit, expected_length=up.length,
+                                on_header=self.check_header, allocate=lambda spec: targets[spec.name])
+            scan = await direct.read(lambda: read_into(reader, body, targets), lambda: seats.refusal(up))
+            faults.hit("upload.received", who=up.pid, round=up.round)
+            ticket = seats.reserve(up)
+            if ticket is None:
+                return None
+            self._in_flight.enter()
+            try:
+                await asyncio.to_thread(self.round.take_direct, ticket.key, ticket.weight, scan)
+            except BaseException:
+                ticket.release()
+                raise
+            finally:
+                self._in_flight.leave()
+            return ticket
+        finally:  # what was written but not taken is no contribution: the sum stays empty
+            self._release(direct)
+
+    def _release(self, direct: DirectUpload) -> None:
+        if self._direct is direct:
+            self._direct = None
+        direct.finished.set()
+
+    async def _direct_finished(self) -> None:
+        """Wait until no upload is being written straight into the sum."""
+        while self._direct is not None:
+            await self._direct.finished.wait()
+
+    def abort_direct(self, pid: str | None = None) -> None:
+        """The round is closing (or `pid`, the uploader, failed or left): an upload still
+        streaming into the sum stops writing into it now (it checks before each chunk, on
+        this same event loop) and gives the sum up, so neither the merge nor an upload that
+        waits to fold waits for the rest of its body. One already received is a fold in
+        flight, which the close waits for (`idle`)."""
+        direct = self._direct
+        if direct is not None and direct.stop(pid):
+            self._release(direct)
+
+    async def _receive_spooled(self, up: Upload, body: Body, cfg: RunConfig, seats: Seats,
+                               may_reach: Callable[[], int]) -> Ticket | None:
+        """Receive an upload into a spool file, check it and place it (`policy.place_update`):
+        folded now, kept until the close, or folded after the direct upload in the sum."""
+        path, new = self._spool_files.take()
+        owned = False  # the round owns the file now (`RoundSum`, or a deferred fold)
+        try:
+            try:
+                _, scan = await receive_to_spool(body, path, digest=up.digest, length=up.length, limit=up.limit,
+                                                 on_header=self.check_header)
+            except BaseException:
+                await body.drain()
+                raise
+            faults.hit("upload.received", who=up.pid, round=up.round)
+            if scan is not None and scan.bad is not None:
+                raise non_finite(scan.bad)
+            place = policy.place_update(cfg, self._direct is not None)
+            largest: float | None = None
+            if place.check_first:
+                largest = await asyncio.to_thread(self.round.check_values, path)
+            norm = await asyncio.to_thread(self.round.norm, path, cfg)
+            if place.action != "fold_after":
+                await self._direct_finished()  # (none is in progress then: a safeguard)
+            ticket = seats.reserve(up)  # the round may have closed while the body streamed in
+            if ticket is None:
+                return None
+            scale = clip_scale(norm, cfg.outer.clip_norm) if place.action != "fold_after" else 1.0
+            pending = Pending(ticket.key, may_reach(), cfg.outer.max_share, scale, largest)
+            self._in_flight.enter()
+            if place.action == "fold_after":
+                self._fold_later(path, ticket.weight, pending, may_reach)
+                owned = True
+                return ticket
+            try:
+                if place.action == "keep":
+                    assert largest is not None
+                    self.round.keep(ticket.key, path, ticket.open_round, ticket.weight, norm, largest)
+                else:
+                    failure = await asyncio.to_thread(self.round.check_and_fold, path, ticket.weight, pending)
+                    if failure is not None:
+                        self._failure = failure
+            except BaseException:
+                ticket.release()
+                raise
+            finally:
+                self._in_flight.leave()
+            owned = True
+            return ticket
+        finally:
+            if not owned:
+                self._spool_files.discard(path, new)
+
+    def _fold_later(self, path: Path, weight: float, pending: Pending, may_reach: Callable[[], int]) -> None:
+        """Fold a checked spool file once the direct upload in the sum is counted (or stopped);
+        the fold is in flight from now on. If it fails, the round cannot be merged without it
+        (its participant was told it is in): the merge refuses, and the round goes back."""
+        async def fold() -> None:
+            placed = False
+            try:
+                await self._direct_finished()
+                now = replace(pending, may_reach=may_reach())
+                failure = await asyncio.to_thread(self.round.check_and_fold, path, weight, now)
+                if failure is not None:
+                    self._failure = failure
+                placed = True
+            except asyncio.CancelledError:  # shutting down: the round is not merged now
+                self._failure = "the fold of an accepted upload was cancelled"
+                raise
+            except Exception as e:
+                log.exception("a deferred fold failed")
+                self._failure = f"the fold of an accepted upload failed ({e})"
+            finally:
+                self._in_flight.leave()
+                if not placed:
+                    self._spool_files.give_back(path)
+                self._give_back_freed()
+
+        task = asyncio.create_task(fold())
+        self._deferred.add(task)
+        task.add_done_callback(self._deferred.discard)
+
+    def _give_back_freed(self) -> None:
+        """Spool files whose updates were folded (on a worker thread) go back for reuse."""
+        for path in self.round.drain_freed():
+            self._spool_files.give_back(path)
+
+    # -- the end of a round (event loop) --------------------------------------------------------
+
+    def clear(self, committed: bool, oldest_round: int) -> None:
+        """The round is over (merged or gone back): kept and waiting spool files go (the caller
+        empties the sum, under the fold lock), and so does any fold failure; refusals of
+        rounds before `oldest_round` are forgotten once `committed` (`RoundSum.clear`)."""
+        for path in self.round.clear(committed, oldest_round):
+            self._spool_files.give_back(path)
+        self._failure = None
+
+    async def stop(self) -> None:
+        """Cancel the folds waiting for a direct upload (shutting down)."""
+        for task in list(self._deferred):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down: nothing to report
+                await task
+

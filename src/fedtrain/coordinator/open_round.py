@@ -1,0 +1,76 @@
+"""The open round: its number, its clock, and the updates it has taken.
+
+`OpenRound` owns the state of the round in progress: its number (the version its merge
+will commit is one more), when it opened, whether it is closing and why (the last
+decision's reason), the updates reserved into it (`submitted`, by participant; `late`, the
+late folds, by `pid@lateR`), the times of its submissions, and those of recent rounds (for
+the adaptive deadline). Plain state and the pure rules of `policy.py` over it; the event
+loop only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from fedtrain.config import RunConfig
+from fedtrain.coordinator import policy
+
+
+class OpenRound:
+    """The round in progress."""
+
+    def __init__(self, version: int, now: float, recent_submit_times: list[list[float]]) -> None:
+        self.version = version
+        self.opened_at = now
+        self.closing = False
+        self.reason = "round opened"
+        self.submitted: dict[str, int] = {}  # participant -> tokens counted, reserved as its body was verified
+        self.late: dict[str, int] = {}  # "pid@lateR" -> tokens, folded into the open round
+        self._times: list[float] = []  # seconds after the round opened of each submission
+        self.submit_times: deque[list[float]] = deque(recent_submit_times, maxlen=100)
+
+    def view(self, deadline_s: float) -> policy.RoundView:
+        return policy.RoundView(self.version, self.opened_at, frozenset(self.submitted), deadline_s)
+
+    def deadline(self, cfg: RunConfig) -> tuple[float, str]:
+        """The deadline in seconds after the round opened, and why (fixed or adaptive)."""
+        return policy.adaptive_deadline(self.submit_times, cfg)
+
+    def admission(self, round_: int, finished: bool, cfg: RunConfig) -> policy.Admission:
+        return policy.admit_upload(round_, self.version, self.closing, finished, cfg)
+
+    @staticmethod
+    def key(pid: str, round_: int, admission: policy.Admission) -> str:
+        """An upload's key: its participant, or `pid@lateR` for a late fold of round R."""
+        return pid if admission.action == "accept" else f"{pid}@late{round_}"
+
+    def taken(self, key: str) -> bool:
+        return key in self.submitted or key in self.late
+
+    def reserve(self, key: str, tokens: int, late: bool) -> None:
+        (self.late if late else self.submitted)[key] = tokens
+
+    def release(self, key: str) -> None:
+        self.submitted.pop(key, None)
+        self.late.pop(key, None)
+
+    def note_submission(self, now: float) -> None:
+        self._times.append(max(0.0, now - self.opened_at))
+
+    def may_reach(self, active: set[str]) -> int:
+        """How many updates the round may end with: those in or on their way, plus one per
+        active participant yet to send one (`policy.to_fold`)."""
+        return len(set(self.submitted) | set(self.late)) + len(active - set(self.submitted))
+
+    def next(self, version: int, now: float | None, committed: bool) -> None:
+        """Round `version` is the open one, with no update yet: after a commit (`committed`:
+        its submission times count for the deadline) or going back; opened at `now` (None:
+        the clock goes on from when the round it replaces opened)."""
+        if committed:
+            self.submit_times.append(self._times)
+        self.version = version
+        self._times = []
+        self.submitted = {}
+        self.late = {}
+        if now is not None:
+            self.opened_at = now
