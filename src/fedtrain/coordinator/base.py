@@ -33,7 +33,7 @@ from fedtrain.coordinator.publish import Published, WeightsGuard
 from fedtrain.coordinator.spool import RoundSpool
 from fedtrain.coordinator.storage import storage_full
 from fedtrain.coordinator.store import ParticipantRow, Store
-from fedtrain.errors import FedtrainError
+from fedtrain.errors import Refused
 from fedtrain.merge import OuterOptimizer, RunningSum
 from fedtrain.wire import EncodedBody
 from fedtrain.wire.files import DIRECT_ALIGN
@@ -43,15 +43,6 @@ if TYPE_CHECKING:
     from fedtrain.coordinator.uploads import _Direct
 
 log = logging.getLogger("fedtrain.coordinator")
-
-
-class Refused(FedtrainError):
-    """A request the coordinator refuses, with the HTTP status and code to answer with."""
-
-    def __init__(self, status: int, code: str, message: str, details: dict[str, Any] | None = None) -> None:
-        super().__init__(message, details=details)
-        self.status = status
-        self.code = code
 
 
 @dataclass
