@@ -85,9 +85,9 @@ def create_app(service: Coordinator) -> FastAPI:
 
 def _add_routes(app: FastAPI, router: APIRouter) -> None:
     """Add the routes of `router` to `app` as the app's own `APIRoute`s, as `include_router`
-    did before FastAPI 0.165 (which keeps an included router as one opaque entry): the route
-    table stays one flat list, whatever FastAPI's version, for those who walk it (the test
-    that every mutating route checks a role)."""
+    did in older FastAPI (0.165, installed here, keeps an included router as one opaque entry
+    of `app.routes`): the route table stays one flat list of `APIRoute`s whatever the version,
+    for those who walk it (the test that every mutating route checks a role)."""
     for route in router.routes:
         if not isinstance(route, APIRoute):
             raise TypeError(f"{route!r}: the routers of the coordinator hold API routes only")
