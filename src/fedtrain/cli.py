@@ -375,7 +375,14 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from fedtrain.export import export_model
 
-    version, n, digest = export_model(args)
+    def connect() -> CoordinatorClient:  # for an export from a coordinator (not from a state dir)
+        from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+
+        return CoordinatorClient(
+            args.coordinator, _token(args), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=10)
+        )
+
+    version, n, digest = export_model(args, connect)
     print(f"wrote {args.out}: global model version {version}, {n} tensors, {digest}")
     return 0
 

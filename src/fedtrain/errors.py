@@ -6,8 +6,7 @@
     ├── MergeError             tensors that cannot be merged (keys, shapes, dtypes, values)
     │   └── ModelMismatchError a participant's model does not match the run's model
     ├── StateError             the coordinator's state directory is unusable
-    ├── Refused                the coordinator refuses a request (status, code, message): raised
-    │                          by the service, answered by the app in the JSON shape of `error_body`
+    ├── Refused                the coordinator turns a request down, with the HTTP status and code to answer
     └── CoordinatorError       the coordinator answered with an error (status, code, message)
         ├── AuthError          401/403: missing, wrong or insufficient token
         ├── RoundClosedError   409: the round is over; move on to the current global model
@@ -17,6 +16,9 @@
 
 AuthError, NotACoordinatorError and TLSError are permanent: retrying cannot fix them, so the
 client raises them at once, with the setting to change in the message.
+
+`Refused` is raised on the server side (by the service and its routes) and answered as it is;
+a client meets it as a `CoordinatorError` with the same status and code.
 
 Low-level errors (httpx, starlette, safetensors, sqlite3) are translated into this tree at
 one boundary each: `participant/client.py` on the client side, `coordinator/app.py` on the
@@ -59,6 +61,15 @@ class StateError(FedtrainError):
     code = "state_error"
 
 
+class Refused(FedtrainError):
+    """A request the coordinator refuses, with the HTTP status and code to answer with."""
+
+    def __init__(self, status: int, code: str, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message, details=details)
+        self.status = status
+        self.code = code
+
+
 class CoordinatorError(FedtrainError):
     """The coordinator refused a request; `status` and `code` come from its JSON error body."""
 
@@ -70,15 +81,6 @@ class CoordinatorError(FedtrainError):
         code: str = "error",
         details: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(message, details=details)
-        self.status = status
-        self.code = code
-
-
-class Refused(FedtrainError):
-    """A request the coordinator refuses, with the HTTP status and code to answer with."""
-
-    def __init__(self, status: int, code: str, message: str, details: dict[str, Any] | None = None) -> None:
         super().__init__(message, details=details)
         self.status = status
         self.code = code

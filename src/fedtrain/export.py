@@ -12,8 +12,9 @@ for hf runs, one safetensors file for the built-in GPT.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,20 +24,20 @@ from fedtrain.coordinator.store import Store
 from fedtrain.errors import ConfigError, StateError
 from fedtrain.wire import digest_chunks, iter_file, read_tensors, write_file
 
+if TYPE_CHECKING:
+    from fedtrain.participant.client import CoordinatorClient
 
-def export_model(args: argparse.Namespace) -> tuple[int, int, str]:
-    """Write the chosen global version to args.out; returns (version, tensors, digest)."""
+
+def export_model(args: argparse.Namespace, connect: Callable[[], CoordinatorClient]) -> tuple[int, int, str]:
+    """Write the chosen global version to args.out; returns (version, tensors, digest). The
+    model comes from `args.state_dir`, else from the coordinator `connect()` opens a client to
+    (the command line's token and TLS settings are the CLI's to read, not this module's)."""
     whole = bool(getattr(args, "adapter", False) or getattr(args, "merged", False))
     if args.state_dir is not None:
         version, tensors = _from_state_dir(args.state_dir, args.version)
         config = _config_of_state_dir(args.state_dir) if whole else None
     else:
-        from fedtrain.cli import _token, _verify
-        from fedtrain.participant.client import CoordinatorClient, RetryPolicy
-
-        with CoordinatorClient(
-            args.coordinator, _token(args), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=10)
-        ) as client:
+        with connect() as client:
             version, tensors = client.download(version=args.version)
             config = parse_config(client.get_config()["config"], source="the run's config") if whole else None
     if config is not None:

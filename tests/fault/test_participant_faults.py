@@ -182,7 +182,7 @@ def test_endless_outage_ends_the_participant_in_bounded_time(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("status", [500, 503])
 def test_server_errors_during_sync_are_ridden_out(tmp_path: Path, status: int) -> None:
-    from fedtrain.coordinator.service import Refused
+    from fedtrain.errors import Refused
 
     cfg = tiny_config(rounds=3, train={"sync_every": 3})
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())) as c:

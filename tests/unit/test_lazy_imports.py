@@ -1,5 +1,7 @@
-"""The package `__init__`s export lazily: importing a light part of fedtrain does not pull
-torch, httpx or the server stack, and every public name still resolves."""
+"""The package `__init__`s export lazily (PEP 562): importing a light part of fedtrain does not
+pull torch, the HTTP client or the server stack, and every public name still resolves.
+
+Each import is checked in a fresh interpreter, since this one has long loaded everything."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "httpx", "uvicorn", "fastapi", "starlette")
+#: The HTTP stack, client and server: what the pure parts (merge math, policy, wire) never need.
+HTTP_STACK = ("fastapi", "starlette", "uvicorn", "httpx", "httpcore", "httptools")
+HEAVY = ("torch", *HTTP_STACK)
 PACKAGES = [
     "fedtrain",
     "fedtrain.coordinator",
@@ -37,6 +41,7 @@ def heavy_after(code: str) -> list[str]:
         ("import fedtrain.merge", ()),
         ("import fedtrain.coordinator.policy", ()),
         ("import fedtrain.coordinator", ()),
+        ("import fedtrain.wire", ()),
         ("import fedtrain.wire; fedtrain.wire.DIGEST_HEADER", ()),
         ("import fedtrain.recipes, fedtrain.participant, fedtrain.integrations", ()),
         ("import fedtrain.cli", ()),
@@ -47,6 +52,23 @@ def heavy_after(code: str) -> list[str]:
 )
 def test_light_imports_stay_light(code: str, allowed: tuple[str, ...]) -> None:
     assert set(heavy_after(code)) <= set(allowed)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import fedtrain",
+        "import fedtrain.merge",
+        "import fedtrain.coordinator.policy",
+        "import fedtrain.wire",
+        # the names the merge math and the wire format export, once used
+        "from fedtrain.merge import OuterOptimizer, RunningSum, weighted_mean",
+        "from fedtrain.wire import EncodedBody, read_tensors, write_file",
+        "from fedtrain.coordinator.policy import decide_round",
+    ],
+)
+def test_pure_parts_pull_no_http_stack(code: str) -> None:
+    assert [m for m in heavy_after(code) if m in HTTP_STACK] == [], f"{code!r} loads the HTTP stack"
 
 
 @pytest.mark.parametrize("package", PACKAGES)

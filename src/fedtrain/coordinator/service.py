@@ -429,3 +429,27 @@ class Coordinator:
             ],
             "recent_rounds": recent,
         }
+
+    # -- reads for the routes --------------------------------------------------------------------
+    # What the HTTP routes read (`coordinator/routes/`): they reach the run through these
+    # methods, never through its store or its round state.
+
+    def current_round(self) -> int:
+        """The open round (= the version of the global model being trained)."""
+        return self.version
+
+    def config_history(self, limit: int = 50) -> list[dict[str, Any]]:
+        """The newest `limit` accepted config versions: when, by whom, the diff."""
+        return self.store.config_history(limit)
+
+    def event_log(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest `limit` events of the run, oldest first."""
+        return self.store.events(limit)
+
+    def metrics(self, name: str | None = None, limit: int = 10000) -> list[dict[str, Any]]:
+        """The newest `limit` reported metrics (only those called `name`, if given)."""
+        return self.store.metrics(name, limit)
+
+    def round_timings(self) -> list[tuple[float, float]]:
+        """(duration_s, merge_s) of every committed round, oldest first."""
+        return self.store.round_timings()
