@@ -283,6 +283,10 @@ class CoordinatorClient:
     def status(self, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         return self._json("GET", "/v1/status", retry=retry)
 
+    def recent_events(self, limit: int = 100, *, retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
+        """The run's last `limit` events (kind, message, ...), oldest first."""
+        return self._json("GET", "/v1/events", params={"limit": limit}, retry=retry)["events"]
+
     def metrics(self, name: str | None = None, limit: int = 10000, *,
                 retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
         """Reported metrics, oldest first: participants' train loss and evals, the global evals."""
