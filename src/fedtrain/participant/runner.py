@@ -15,6 +15,7 @@ The round trip itself belongs to a `SyncEngine` (`sync.py`), which owns the snap
 blocking sync runs it on the training thread, the overlapped sync (`overlap.py`) on a worker
 thread while training goes on. Every call a sync attempt makes is bounded by the outage
 policy's `attempt_s`, passed with the call (`retry=`), never set on the shared client.
+Heartbeats and the coordinator's event stream run on two threads of their own (`presence.py`).
 
 A participant acts only as itself: the client keeps the participant key of its join
 answer and presents it on every call. With `key_file` the key is also kept on disk (mode
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +42,7 @@ from fedtrain.errors import CoordinatorError, CoordinatorUnavailable
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
 from fedtrain.participant.overlap import OverlappedSync
+from fedtrain.participant.presence import Presence, TokenRate
 from fedtrain.participant.sync import SyncEngine
 
 log = logging.getLogger("fedtrain.participant")
@@ -103,14 +104,11 @@ class Participant:
         self._round_tokens = 0
         self._round_losses: list[float] = []
         self._last_loss: float | None = None
-        self._rate = _Rate()
-        self._stop = threading.Event()
-        self._heart: threading.Thread | None = None
-        self._listener: threading.Thread | None = None
+        self._rate = TokenRate()
         self.config_version = 0
-        self.latest_config_version = 0
-        self.events: list[tuple[str, Any]] = []
         self._callbacks: list[ConfigCallback] = []
+        self._presence = Presence(self.client, interval_s=lambda: self.config.heartbeat_interval_s,
+                                  stats=self._heartbeat_stats)
         self._engine = SyncEngine(self.client, sync_set(model), who=name, patience_s=self._outage_budget_s)
         self._overlap = OverlappedSync(self._engine)
 
@@ -128,14 +126,12 @@ class Participant:
         if self.key_file is not None and key is not None and saved != (self.participant_id, key):
             _write_key_file(self.key_file, self.participant_id, key)
         self.config = RunConfig.model_validate(joined["config"])
-        self.config_version = self.latest_config_version = int(joined["config_version"])
+        self.config_version = int(joined["config_version"])
+        self._presence.note_config_version(self.config_version)
         self._engine.check_model(joined["model"])
         self.round = self._engine.load_global(self.participant_id)
         self.finished = bool(joined["finished"])
-        self._heart = threading.Thread(target=self._heartbeats, name="fedtrain-heartbeat", daemon=True)
-        self._heart.start()
-        self._listener = threading.Thread(target=self._listen, name="fedtrain-events", daemon=True)
-        self._listener.start()
+        self._presence.start(self.participant_id)
         log.info("joined as %s at round %d (H=%d)", self.participant_id, self.round, self.sync_every)
         return self
 
@@ -145,9 +141,7 @@ class Participant:
                 self._land()  # the last overlapped round lands before we leave
         finally:
             self._overlap.close()
-            self._stop.set()
-            if self._heart is not None:
-                self._heart.join(timeout=5)
+            self._presence.stop()
             self._leave(crashed=isinstance(exc[1], faults.InjectedCrash))
 
     def _leave(self, crashed: bool) -> None:
@@ -167,6 +161,16 @@ class Participant:
     def bytes_down(self) -> int:
         """Bytes of global models this participant has downloaded."""
         return self._engine.bytes_down
+
+    @property
+    def latest_config_version(self) -> int:
+        """The newest config version announced by the coordinator (in force from a later round)."""
+        return self._presence.latest_config_version
+
+    @property
+    def events(self) -> list[tuple[str, Any]]:
+        """Recent config changes and run events of the coordinator's stream: (kind, data)."""
+        return self._presence.events
 
     @property
     def sync_in_flight(self) -> bool:
@@ -357,7 +361,7 @@ class Participant:
 
         diff = config_diff(old.model_dump(mode="json"), new.model_dump(mode="json"))
         self.config, self.config_version = new, int(view["version"])
-        self.latest_config_version = max(self.latest_config_version, self.config_version)
+        self._presence.note_config_version(self.config_version)
         if "train.lr" in diff and self.inner_optimizer is not None:
             for group in self.inner_optimizer.param_groups:
                 group["lr"] = new.train.lr
@@ -386,46 +390,10 @@ class Participant:
             return {f"{prefix}/{k}": float(v) for k, v in result.items()}
         return {f"{prefix}/loss": float(result)}
 
-    # -- heartbeats ---------------------------------------------------------------------------
-
-    def _heartbeats(self) -> None:
-        client = self.client.clone(retry=RetryPolicy(max_elapsed_s=1.0))
-        try:
-            while not self._stop.wait(self.config.heartbeat_interval_s):
-                try:
-                    client.heartbeat(
-                        self.participant_id,
-                        step=self.steps,
-                        round=self.round,
-                        loss=self._last_loss,
-                        tokens_per_s=self._rate.per_second(),
-                        config_version=self.config_version,
-                    )
-                except CoordinatorError as e:
-                    log.debug("heartbeat failed: %s", e.message)
-        finally:
-            client.close()
-
-    def _listen(self) -> None:
-        """Follow the coordinator's event stream: learn of config changes as they are made
-        (they are applied at the next round boundary) and keep recent run events."""
-        client = self.client.clone(retry=RetryPolicy(max_elapsed_s=1.0))
-        backoff = 0.5
-        try:
-            while not self._stop.is_set():
-                try:
-                    for kind, data in client.events(stop=self._stop.is_set):
-                        backoff = 0.5
-                        if kind == "config_change":
-                            self.latest_config_version = max(self.latest_config_version, int(data["version"]))
-                        if kind in ("config_change", "event"):
-                            self.events = [*self.events[-99:], (kind, data)]
-                except Exception as e:  # noqa: BLE001 - the stream is a convenience: log, back off, reconnect
-                    log.debug("event stream interrupted: %s", e)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-        finally:
-            client.close()
+    def _heartbeat_stats(self) -> dict[str, Any]:
+        """What each heartbeat tells (read on the heartbeat thread)."""
+        return {"step": self.steps, "round": self.round, "loss": self._last_loss,
+                "tokens_per_s": self._rate.per_second(), "config_version": self.config_version}
 
 
 def _read_key_file(path: Path) -> tuple[str, str] | None:
@@ -447,23 +415,3 @@ def _write_key_file(path: Path, pid: str, key: str) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomically(path, {"participant_id": pid, "participant_key": key})
-
-
-class _Rate:
-    """Tokens per second over a sliding window of recent steps."""
-
-    def __init__(self, window_s: float = 30.0) -> None:
-        self.window_s = window_s
-        self._events: list[tuple[float, int]] = []
-
-    def add(self, n: int) -> None:
-        now = time.monotonic()
-        self._events.append((now, n))
-        while self._events and now - self._events[0][0] > self.window_s:
-            self._events.pop(0)
-
-    def per_second(self) -> float | None:
-        if len(self._events) < 2:
-            return None
-        span = self._events[-1][0] - self._events[0][0]
-        return sum(n for _, n in self._events[1:]) / span if span > 0 else None
