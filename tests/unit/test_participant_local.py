@@ -181,7 +181,9 @@ class Scripted:
 
 def _engine(client: Scripted, w: float) -> tuple[SyncEngine, torch.nn.Parameter]:
     param = torch.nn.Parameter(torch.full((3,), w))
-    return SyncEngine(client, {"w": param}, who="site"), param  # type: ignore[arg-type]
+    engine = SyncEngine(client, {"w": param}, who="site")  # type: ignore[arg-type]
+    engine.prepare({"w": {"dtype": "F32", "shape": [3]}})
+    return engine, param
 
 
 def test_the_engine_sends_again_when_the_round_lost_our_upload_and_takes_the_new_model() -> None:

@@ -76,8 +76,8 @@ class OverlappedSync:
         comes back with the result (see `finish`). Call only when nothing is pending."""
         if self._pending is not None:
             raise RuntimeError("an overlapped exchange is still pending: finish it first")
-        sent = self.engine.take_delta(keep=True)
-        assert sent is not None
+        sent = self.engine.copy_sync_set()
+        self.engine.take_delta(sent)
         body = self.engine.encode(config)
         future = self._pool.submit(self.engine.exchange, r, pid, body, config, tokens=tokens)
         self._pending = _Pending(future, sent, record, r)

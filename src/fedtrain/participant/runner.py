@@ -128,7 +128,7 @@ class Participant:
         self.config = RunConfig.model_validate(joined["config"])
         self.config_version = int(joined["config_version"])
         self._presence.note_config_version(self.config_version)
-        self._engine.check_model(joined["model"])
+        self._engine.prepare(joined["model"])
         self.round = self._engine.load_global(self.participant_id)
         self.finished = bool(joined["finished"])
         self._presence.start(self.participant_id)

@@ -11,9 +11,10 @@ The snapshot is always in one of three states: it holds θ_round (the reference 
 short (the round is over; only a fresh download mends it). `restore` puts θ_round back
 after a failed exchange, so that a later attempt sends the same Δ.
 
-Who runs what: the blocking sync calls `sync` on the training thread. The overlapped sync
-(`overlap.py`) calls `take_delta` and `encode` on the training thread, `exchange` on its
-worker thread, then `restore` or `adopt` on the training thread once the worker is done;
+Who runs what: the participant calls `prepare` and `load_global` at join and the blocking
+`sync` on the training thread. The overlapped sync (`overlap.py`) calls `copy_sync_set`,
+`take_delta` and `encode` on the training thread, `exchange` on its worker thread, then
+`restore` (or the participant `adopt`) on the training thread once the worker is done;
 while `exchange` runs the training thread calls nothing else of the engine's. Every call to
 the coordinator takes the retry budget its caller passes (`retry=`), never a policy set on
 the shared client. The byte counters are the engine's: only the thread that runs the
@@ -57,7 +58,7 @@ class SyncEngine:
         self.patience_s = patience_s
         self.bytes_up = 0
         self.bytes_down = 0
-        self._snapshot = {n: torch.empty(tuple(p.shape), dtype=p.dtype) for n, p in params.items()}
+        self._snapshot: dict[str, torch.Tensor] = {}  # set aside by `prepare`, at join
         self._holds: Holds = "reference"
         self._feedback = ErrorFeedback()
 
@@ -65,6 +66,12 @@ class SyncEngine:
     def holds(self) -> Holds:
         """What the snapshot holds now: θ_round, Δ, or a download cut short."""
         return self._holds
+
+    def prepare(self, spec: dict[str, dict[str, Any]]) -> None:
+        """At join: check the run's model (name -> {"dtype", "shape"}) against our sync set, and
+        set aside the snapshot (the model's dtypes as they are now, on the CPU)."""
+        self.check_model(spec)
+        self._snapshot = {n: torch.empty(tuple(p.shape), dtype=p.dtype) for n, p in self.params.items()}
 
     # -- the blocking sync ---------------------------------------------------------------------
 
@@ -91,18 +98,19 @@ class SyncEngine:
 
     # -- the steps, which the overlapped sync drives one by one ------------------------------
 
-    def take_delta(self, keep: bool = False) -> dict[str, torch.Tensor] | None:
-        """Turn the snapshot into Δ = θ_round − θ. `keep`: measure θ from a copy of the sync
-        set, returned (θ_sent, for a sync that trains on meanwhile)."""
+    def copy_sync_set(self) -> dict[str, torch.Tensor]:
+        """θ as it is now, copied to the CPU in the snapshot's dtypes (θ_sent of an overlapped sync)."""
         with torch.no_grad():
-            if keep:
-                sent = {n: p.detach().to("cpu", self._snapshot[n].dtype, copy=True) for n, p in self.params.items()}
-            else:
-                sent = {n: p.detach().to("cpu", self._snapshot[n].dtype) for n, p in self.params.items()}
-            for n, t in sent.items():
-                self._snapshot[n].sub_(t)
+            return {n: p.detach().to("cpu", self._snapshot[n].dtype, copy=True) for n, p in self.params.items()}
+
+    def take_delta(self, sent: dict[str, torch.Tensor] | None = None) -> None:
+        """Turn the snapshot into Δ = θ_round − θ, with θ the model's weights now or `sent`
+        (a `copy_sync_set` of them, for a sync that trains on meanwhile)."""
+        with torch.no_grad():
+            for n, p in self.params.items():
+                theta = sent[n] if sent is not None else p.detach().to("cpu", self._snapshot[n].dtype)
+                self._snapshot[n].sub_(theta)
         self._holds = "delta"
-        return sent if keep else None
 
     def encode(self, config: RunConfig) -> EncodedBody:
         """Δ (held in the snapshot) as a body, compressed as the run config says."""
@@ -158,7 +166,7 @@ class SyncEngine:
 
     def adopt(self, sent: dict[str, torch.Tensor] | None = None) -> None:
         """Put the downloaded weights into the model: as they are, or (`sent`: θ_sent, as
-        `take_delta(keep=True)` returned it) plus the local progress made since it was taken."""
+        `take_delta` was given it) plus the local progress made since it was taken."""
         with torch.no_grad():
             for n, p in self.params.items():
                 if sent is None:
