@@ -154,8 +154,7 @@ def test_overlapped_apply_is_global_plus_local_progress(tmp_path: Path) -> None:
                     model.w.add_(1.0)  # one "training step"
                 fed.step(tokens=1)
                 seen.append((fed.round, float(model.w.detach()[0])))
-                if fed._overlap.pending:
-                    fed._overlap._pending.future.result()  # make the timing deterministic
+                fed.wait_sync_in_flight()  # make the timing deterministic
         # FedAvg with one participant: global after round r = the weights it sent.
         # step 2 sends w=2; step 3 applies 2 + (3 - 2) = 3 (the local progress is kept)
         assert seen[2] == (1, 3.0), seen

@@ -50,7 +50,7 @@ def test_sigkill_coordinator_resumes_without_losing_rounds(tmp_path: Path) -> No
         with CoordinatorClient(url, PTOKEN) as client:
             status = client.status()
             version, final = client.download()
-            events = [e["message"] for e in client._json("GET", "/v1/events")["events"]]
+            events = [e["message"] for e in client.recent_events()]
     finally:
         stop_coordinator(proc)
     assert status["finished"] and version == rounds

@@ -1,21 +1,31 @@
-"""A participant's local state: checkpoint (safetensors + JSON, no pickle), metrics log, eval cadence."""
+"""A participant's parts that need no coordinator: local state (checkpoint in safetensors +
+JSON, no pickle; metrics log), eval cadence, the sync engine and the overlapped sync over a
+scripted coordinator, per-call retry budgets, and the httpcore read-size switch."""
 
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator.global_eval import version_due
-from fedtrain.errors import StateError
+from fedtrain.errors import CoordinatorUnavailable, StateError
 from fedtrain.participant import Participant
 from fedtrain.participant.checkpoint import LocalCheckpoint
+from fedtrain.participant.client import CoordinatorClient, RetryPolicy
 from fedtrain.participant.metrics_log import MetricsLog
+from fedtrain.participant.overlap import OverlappedSync
+from fedtrain.participant.sync import SyncEngine
 from fedtrain.recipes import TokenStream
 from fedtrain.report import eval_rows, format_evals
+from fedtrain.wire import TensorSpec
 
 
 def _trained(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -131,3 +141,161 @@ def test_eval_rows_and_table() -> None:
     text = format_evals(rows)
     assert "before sync" in text and "after sync" in text and "5.500" in text and "4.800" in text
     assert text.count("4.800") == 1  # the global eval is shown once per round
+
+
+# -- the sync engine, over a scripted coordinator ---------------------------------------------
+
+
+class Scripted:
+    """Stands in for a CoordinatorClient: answers `wait_round` from a script, serves `model`
+    as global version `version`, and records every call with the retry policy it was given."""
+
+    def __init__(self, model: dict[str, torch.Tensor], states: list[Any], version: int = 1) -> None:
+        self.model, self.states, self.version = model, list(states), version
+        self.calls: list[tuple[str, RetryPolicy | None]] = []
+        self.uploads: list[dict[str, torch.Tensor]] = []
+        self.fail_download = False
+
+    def upload(self, r: int, pid: str, body: Any, tokens: int, *, retry: RetryPolicy | None = None) -> dict:
+        self.calls.append(("upload", retry))
+        self.uploads.append(safetensors.torch.load(b"".join(bytes(c) for c in body)))
+        return {}
+
+    def wait_round(self, r: int, pid: str, wait_s: float = 25.0, *, retry: RetryPolicy | None = None) -> dict:
+        self.calls.append(("wait", retry))
+        state = self.states.pop(0)
+        if isinstance(state, Exception):
+            raise state
+        return state
+
+    def download(self, *, pid: str, allocate: Any, on_header: Any, retry: RetryPolicy | None = None) -> tuple:
+        self.calls.append(("download", retry))
+        if self.fail_download:
+            raise CoordinatorUnavailable("gone", status=0, code="unavailable")
+        specs = {n: TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in self.model.items()}
+        on_header(specs, {})
+        for n, t in self.model.items():
+            allocate(specs[n]).copy_(t)
+        return self.version, {}
+
+
+def _engine(client: Scripted, w: float) -> tuple[SyncEngine, torch.nn.Parameter]:
+    param = torch.nn.Parameter(torch.full((3,), w))
+    engine = SyncEngine(client, {"w": param}, who="site")  # type: ignore[arg-type]
+    engine.prepare({"w": {"dtype": "F32", "shape": [3]}})
+    return engine, param
+
+
+def test_the_engine_sends_again_when_the_round_lost_our_upload_and_takes_the_new_model() -> None:
+    client = Scripted({"w": torch.full((3,), 5.0)}, [
+        {"state": "open", "submitted": False},  # the coordinator restarted and lost our upload
+        {"state": "closing", "submitted": True},
+        {"state": "closed"},
+    ], version=1)
+    engine, param = _engine(client, 0.0)
+    engine.load_global("p")  # θ_0 = 5 in the snapshot and the model
+    with torch.no_grad():
+        param.sub_(1.0)  # local training: θ = 4
+    policy = RetryPolicy(max_elapsed_s=3.0)
+    client.version = 2
+    assert engine.sync(0, "p", RunConfig(), tokens=7, retry=policy) == 2
+    assert [c for c, _ in client.calls[1:]] == ["upload", "wait", "upload", "wait", "wait", "download"]
+    assert all(r is policy for _, r in client.calls[1:])  # every call of the attempt under its budget
+    assert len(client.uploads) == 2 and all(torch.equal(u["w"], torch.full((3,), 1.0)) for u in client.uploads)
+    assert torch.equal(param.detach(), torch.full((3,), 5.0)) and engine.holds == "reference"
+    assert engine.bytes_up > 0 and engine.bytes_down == 2 * 3 * 4
+
+
+def test_a_failed_sync_puts_the_reference_back_and_a_cut_download_is_fetched_again() -> None:
+    client = Scripted({"w": torch.full((3,), 5.0)}, [{"state": "closed"}])
+    engine, param = _engine(client, 0.0)
+    engine.load_global("p")
+    with torch.no_grad():
+        param.sub_(1.0)
+    client.fail_download = True
+    with pytest.raises(CoordinatorUnavailable):
+        engine.sync(0, "p", RunConfig(), tokens=1)
+    assert engine.holds == "cut_short"  # round 0 is over: the next attempt only downloads
+    client.fail_download = False
+    client.calls.clear()
+    engine.sync(0, "p", RunConfig(), tokens=1)
+    assert [c for c, _ in client.calls] == ["download"]
+
+    client.states = [{"state": "open", "submitted": True}, CoordinatorUnavailable("gone", status=0)]
+    with torch.no_grad():
+        param.sub_(1.0)
+    with pytest.raises(CoordinatorUnavailable):
+        engine.sync(1, "p", RunConfig(), tokens=1)
+    assert engine.holds == "reference"
+    client.states = [{"state": "closed"}]
+    engine.sync(1, "p", RunConfig(), tokens=1)  # the same Δ again: θ_round was put back
+    assert torch.equal(client.uploads[-1]["w"], torch.full((3,), 1.0))
+
+
+def test_an_overlapped_exchange_lands_as_the_global_model_plus_local_progress() -> None:
+    client = Scripted({"w": torch.full((3,), 5.0)}, [{"state": "closed"}], version=1)
+    engine, param = _engine(client, 0.0)
+    engine.load_global("p")
+    with torch.no_grad():
+        param.add_(1.0)  # θ_sent = 6: Δ = -1
+    client.model = {"w": torch.full((3,), 10.0)}
+    client.version = 2
+    overlap = OverlappedSync(engine)
+    try:
+        overlap.start(1, "p", RunConfig(), tokens=4, record={"round": 1})
+        with torch.no_grad():
+            param.add_(0.5)  # training goes on meanwhile
+        assert overlap.pending and overlap.wait(10.0) and overlap.ready
+        landed = overlap.finish()
+        assert landed is not None and (landed.round, landed.version, landed.record) == (1, 2, {"round": 1})
+        engine.adopt(landed.sent)
+    finally:
+        overlap.close()
+    assert torch.equal(client.uploads[0]["w"], torch.full((3,), -1.0))
+    assert torch.equal(param.detach(), torch.full((3,), 10.5)) and not overlap.pending
+    assert [r for _, r in client.calls[1:]] == [None, None, None]  # the client's own policy
+
+
+# -- the client ------------------------------------------------------------------------------
+
+
+def _refused_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens there now: connections are refused
+
+
+def test_a_call_takes_its_own_retry_budget_and_leaves_the_clients_alone() -> None:
+    default = RetryPolicy(initial_s=0.5, max_elapsed_s=60.0, first_contact_s=60.0)
+    with CoordinatorClient(_refused_url(), "t", retry=default) as client:
+        t0 = time.monotonic()
+        with pytest.raises(CoordinatorUnavailable, match=r"retried for 0.2s"):
+            client.health(retry=RetryPolicy(initial_s=0.05, max_elapsed_s=0.2))
+        assert time.monotonic() - t0 < 5.0
+        assert client.retry is default
+    assert default.within(2.0) == RetryPolicy(initial_s=0.5, max_backoff_s=2.0, max_elapsed_s=2.0,
+                                              first_contact_s=60.0)
+
+
+def test_httpcore_reads_are_tuned_when_fast_io_is_on_and_put_back_when_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from httpcore._sync.http11 import HTTP11Connection
+
+    from fedtrain.transport.http_client import READ_BYTES, tune_httpcore
+
+    def read_size() -> int:
+        return HTTP11Connection.READ_NUM_BYTES
+
+    try:
+        tune_httpcore(False)
+        original = read_size()
+        assert original < READ_BYTES  # httpcore's own 64 KiB
+        for value, tuned in [("", True), ("1", True), ("OFF", False), ("no", False), (" False ", False), ("0", False)]:
+            monkeypatch.setenv("FEDTRAIN_FAST_IO", value)
+            CoordinatorClient("http://127.0.0.1:9", "t").close()  # a client sets it as it is created
+            assert read_size() == (READ_BYTES if tuned else original), value
+        assert tune_httpcore(True) and read_size() == READ_BYTES
+        assert not tune_httpcore(False) and read_size() == original
+    finally:
+        monkeypatch.delenv("FEDTRAIN_FAST_IO", raising=False)
+        tune_httpcore()

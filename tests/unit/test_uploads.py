@@ -224,10 +224,12 @@ def test_spool_files_are_reused_and_a_refused_upload_leaves_the_directory_as_it_
 def test_the_participant_client_reads_responses_a_mebibyte_at_a_time() -> None:
     from httpcore._sync.http11 import HTTP11Connection
 
-    from fedtrain.participant import client
+    from fedtrain.participant.client import CoordinatorClient
+    from fedtrain.transport import http_client
 
-    assert client._use_larger_reads()
-    assert HTTP11Connection.READ_NUM_BYTES >= client.READ_BYTES == 1 << 20
+    CoordinatorClient("http://127.0.0.1:9", "t").close()  # a client tunes httpcore when it is created
+    assert http_client.tune_httpcore(True)
+    assert HTTP11Connection.READ_NUM_BYTES >= http_client.READ_BYTES == 1 << 20
 
 
 # -- NaN and Inf: refused after the read-back check, and nothing changes ------------------------

@@ -6,7 +6,9 @@ participant), downloads, status), so a transient failure — connection refused 
 coordinator restarts, a timeout, a 502/503/504, a 429 (too many requests: an upload of
 ours still in progress on another connection) — is retried with exponential backoff and
 jitter, or after the Retry-After the answer names (at most `RetryPolicy.max_backoff_s`),
-bounded by `RetryPolicy.max_elapsed_s`; after that `CoordinatorUnavailable`.
+bounded by `RetryPolicy.max_elapsed_s`; after that `CoordinatorUnavailable`. The policy is
+the client's `retry` unless a call passes its own (`retry=`): the client's is set once, so
+the threads that share a client never see it change under them.
 
 A participant acts only as itself: its join answer carries a participant key, which the
 client keeps (shared with its clones) and presents on every call that speaks for that
@@ -19,7 +21,8 @@ Until the coordinator has answered once, an address that refuses connections is 
 wrong than restarting, so those retries stop after `RetryPolicy.first_contact_s`. Errors
 that retrying cannot fix fail at once, saying what to change: TLS that does not match the
 URL's scheme or a certificate not trusted (`TLSError`), something at the address that is
-not a fedtrain coordinator (`NotACoordinatorError`), a refused token (`AuthError`).
+not a fedtrain coordinator (`NotACoordinatorError`), a refused token (`AuthError`). What
+each answer and each failed attempt means is decided in `answers.py`.
 
 No torch here at module level: `fedtrain status` uses this client and never a tensor.
 """
@@ -29,38 +32,29 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
-import random
-import socket
 import ssl
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import httpx
 
-from fedtrain.errors import (
-    AuthError,
-    CoordinatorError,
-    CoordinatorUnavailable,
-    NotACoordinatorError,
-    RoundClosedError,
-    TLSError,
-    WireError,
-)
+from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, WireError
 from fedtrain.participant import fetch
 from fedtrain.participant.answers import (
-    PLAIN_TEXT_REASONS,
+    RETRY_STATUS,
+    Address,
     Failure,
-    cause_of,
-    certificate_error,
     error_body,
-    retry_after,
+    gave_up,
+    not_a_coordinator,
+    refusal,
     tls_context,
+    transport_failure,
 )
 from fedtrain.participant.fetch import VERSION_HEADER, ModelBody, direct_request, is_direct
+from fedtrain.participant.retry import RetryPolicy, Timeouts
+from fedtrain.transport.http_client import tune_httpcore
 
 if TYPE_CHECKING:
     import torch
@@ -72,71 +66,7 @@ __all__ = ["VERSION_HEADER", "CoordinatorClient", "RetryPolicy", "Timeouts", "tl
 
 log = logging.getLogger("fedtrain.participant")
 
-# httpcore reads a response 64 KiB at a time and runs its HTTP/1.1 parser per read, which
-# caps a model download at ~0.7 GB/s; 1 MiB reads move a 400 MB model ~2.5x faster. The size
-# is a class attribute of httpcore's connection, so this raises it for the process; a read
-# returns what the socket has, never waits to fill 1 MiB.
-READ_BYTES = 1 << 20
-
-
-def _use_larger_reads() -> bool:
-    try:
-        from httpcore._sync.http11 import HTTP11Connection
-    except ImportError:  # a future httpcore: keep its default
-        return False
-    if getattr(HTTP11Connection, "READ_NUM_BYTES", READ_BYTES) < READ_BYTES:
-        HTTP11Connection.READ_NUM_BYTES = READ_BYTES
-    return True
-
-
-_use_larger_reads()
-_RETRY_STATUS = {429, 502, 503, 504}
 KEY_HEADER = "X-Fedtrain-Participant-Key"  # the coordinator's `auth.KEY_HEADER`
-# What OpenSSL says when the other end answers a ClientHello in plain text (its versions differ).
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Seconds. `read` bounds the silence between two bytes, so it covers long-polls too."""
-
-    connect: float = 5.0
-    read: float = 90.0
-    write: float = 90.0
-    pool: float = 10.0
-
-    def httpx(self) -> httpx.Timeout:
-        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Backoff of one call to the coordinator. Seconds, counted in waits between attempts."""
-
-    initial_s: float = 0.5  # the first wait; doubles after each failed attempt
-    max_backoff_s: float = 10.0  # the longest single wait
-    max_elapsed_s: float = 300.0  # all the waits of one call, once the coordinator has answered this client
-    first_contact_s: float = 20.0  # the same before it ever has (a wrong address fails sooner than an outage)
-
-    def __post_init__(self) -> None:
-        if min(self.initial_s, self.max_backoff_s, self.max_elapsed_s, self.first_contact_s) < 0:
-            raise ValueError(f"RetryPolicy seconds must not be negative: {self}")
-
-    def budget_s(self, first_contact: bool) -> float:
-        return min(self.first_contact_s, self.max_elapsed_s) if first_contact else self.max_elapsed_s
-
-    def next_delay(self, attempt: int, spent_s: float, *, first_contact: bool,
-                   hint_s: float | None = None) -> float | None:
-        """The wait (with jitter) after failed attempt number `attempt` (0 first), `spent_s`
-        seconds of waits into the call; None once the budget is spent. `hint_s`: what the
-        answer asked for (Retry-After), taken within [initial_s, max_backoff_s]."""
-        budget = self.budget_s(first_contact)
-        if spent_s >= budget:
-            return None
-        if hint_s is not None and math.isfinite(hint_s):
-            delay = min(max(hint_s, self.initial_s, 0.01), self.max_backoff_s)
-        else:
-            delay = min(self.initial_s * 2**attempt, self.max_backoff_s) * (0.5 + random.random() / 2)
-        return min(delay, budget - spent_s)
 
 
 class CoordinatorClient:
@@ -151,16 +81,10 @@ class CoordinatorClient:
         retry: RetryPolicy = RetryPolicy(),
         verify: bool | str = True,
     ) -> None:
-        self.url = url.rstrip("/")
-        self.retry = retry
+        self._address = Address.parse(url)
+        self.url = self._address.url
+        self.retry = retry  # the default of every call; a call that wants another passes retry=
         self._token, self._timeouts, self._verify = token, timeouts, verify
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise NotACoordinatorError(
-                f"{url!r} is not a coordinator URL: give http://HOST:PORT or https://HOST:PORT", code="bad_url"
-            )
-        self._scheme, self._host = parts.scheme, parts.hostname
-        self._port = parts.port or (443 if parts.scheme == "https" else 80)
         # Has the coordinator ever answered this client (or the one it was cloned from)? Only ever
         # goes from False to True, so the threads that share a client need no lock for it.
         self._reached = False
@@ -168,6 +92,7 @@ class CoordinatorClient:
         # is only ever replaced whole, so the threads that share it need no lock.
         self._keys: dict[str, str] = {}
         self._tls = tls_context(verify)
+        tune_httpcore()
         self._http = httpx.Client(
             base_url=self.url,
             timeout=timeouts.httpx(),
@@ -222,9 +147,11 @@ class CoordinatorClient:
 
     # -- the retry boundary ------------------------------------------------------------------
 
-    def _call(self, what: str, fn: Callable[[], Any], also_retry: frozenset[str] = frozenset()) -> Any:
-        """`fn()`, retried on transient failures and on refusals whose code is in `also_retry`
-        (raised as they are once the budget is spent)."""
+    def _call(self, what: str, fn: Callable[[], Any], also_retry: frozenset[str] = frozenset(),
+              retry: RetryPolicy | None = None) -> Any:
+        """`fn()`, retried under `retry` (else the client's policy) on transient failures and on
+        refusals whose code is in `also_retry` (raised as they are once the budget is spent)."""
+        policy = retry or self.retry
         attempt, spent = 0, 0.0
         while True:
             hint: float | None = None
@@ -233,112 +160,41 @@ class CoordinatorClient:
                 self._reached = True
                 return result
             except CoordinatorError as e:
-                if e.status not in _RETRY_STATUS and e.code not in also_retry:
+                if e.status not in RETRY_STATUS and e.code not in also_retry:
                     raise
-                failure, hint, refusal = Failure(e.message), e.details.get("retry_after_s"), e
+                failure, hint, refused = Failure(e.message), e.details.get("retry_after_s"), e
             except (httpx.TransportError, WireError) as e:
-                failure, refusal = self._transport_failure(what, e), None  # raises at once what retrying cannot fix
+                # raises at once what retrying cannot fix
+                failure = transport_failure(self._address, what, e, connect_timeout_s=self._timeouts.connect,
+                                            speaks_tls=self._wants_tls)
+                refused = None
             first_contact = not self._reached
-            delay = self.retry.next_delay(attempt, spent, first_contact=first_contact,
-                                          hint_s=float(hint) if isinstance(hint, (int, float)) else None)
+            delay = policy.next_delay(attempt, spent, first_contact=first_contact,
+                                      hint_s=float(hint) if isinstance(hint, (int, float)) else None)
             if delay is None:
-                if refusal is not None and refusal.code in also_retry:
-                    raise refusal
-                raise CoordinatorUnavailable(
-                    self._gave_up(what, failure, self.retry.budget_s(first_contact)), status=0, code="unavailable"
-                )
+                if refused is not None and refused.code in also_retry:
+                    raise refused
+                budget = policy.budget_s(first_contact)
+                why = gave_up(self._address, what, failure, budget, reached=self._reached)
+                raise CoordinatorUnavailable(why, status=0, code="unavailable")
             log.warning("%s failed (%s); retrying in %.1fs", what, failure.what, delay)
             time.sleep(delay)
             attempt, spent = attempt + 1, spent + delay
 
-    def _gave_up(self, what: str, failure: Failure, budget_s: float) -> str:
-        if failure.refused and self._reached:
-            return f"{what}: {failure.what} for {budget_s:g}s: the coordinator answered before; is it still running?"
-        if failure.advice:
-            return f"{what}: {failure.what}: {failure.advice} (retried for {budget_s:g}s)"
-        return f"{what}: the coordinator at {self.url} did not answer within {budget_s:g}s ({failure.what})"
-
-    def _transport_failure(self, what: str, error: Exception) -> Failure:
-        """A failed attempt that got no answer, described; raises TLSError where retrying cannot help."""
-        where = f"{self._host}:{self._port}"
-        cert = certificate_error(error)
-        if cert:
-            raise TLSError(
-                f"{what}: the TLS certificate of {self.url} cannot be verified ({cert}); "
-                "pass the CA that signed it (--ca-cert PEM), or --insecure for a test setup",
-                code="tls_error",
-            ) from None
-        ssl_error = cause_of(error, ssl.SSLError)
-        if self._scheme == "https" and getattr(ssl_error, "reason", None) in PLAIN_TEXT_REASONS:
-            raise TLSError(
-                f"{what}: the coordinator at {self.url} does not speak TLS: use http://{where} "
-                "(or start the coordinator with --tls-cert and --tls-key)",
-                code="tls_error",
-            ) from None
-        if cause_of(error, ConnectionRefusedError) is not None:
-            return Failure(f"connection refused at {where}", "is the coordinator running, and is that its port?",
-                            refused=True)
-        unknown = cause_of(error, socket.gaierror)
-        if isinstance(unknown, socket.gaierror):
-            return Failure(f"the host name {self._host} does not resolve ({unknown.strerror})", "check the address")
-        if isinstance(error, httpx.ConnectTimeout):
-            return Failure(f"no answer from {where} within {self._timeouts.connect:g}s (connect timeout)",
-                            "is the address right, and does a firewall let that port through?")
-        if isinstance(error, (httpx.RemoteProtocolError, httpx.ReadError)) and self._wants_tls():
-            raise TLSError(
-                f"{what}: the coordinator at {self.url} speaks TLS: use https://{where} "
-                "(with --ca-cert PEM if its certificate is self-signed)",
-                code="tls_error",
-            ) from None
-        # A download cut short surfaces as a WireError (truncated body): retry it too.
-        return Failure(f"{type(error).__name__}: {error}")
-
     def _wants_tls(self) -> bool:
         """At first contact over http://, after the other end hung up without an answer: does
         that port speak TLS? (A TLS server hangs up on plain HTTP; mid-run this is a restart.)"""
-        if self._reached or self._scheme != "http" or not is_direct(self.url):
+        a = self._address
+        if self._reached or a.scheme != "http" or not is_direct(self.url):
             return False
-        return fetch.speaks_tls(self._host, self._port, timeout_s=min(self._timeouts.connect, 2.0))
-
-    def _not_a_coordinator(self, why: str, status: int = 0) -> NotACoordinatorError:
-        return NotACoordinatorError(
-            f"{self.url} does not look like a fedtrain coordinator ({why}): check the address and port",
-            status=status,
-            code="not_a_coordinator",
-        )
+        return fetch.speaks_tls(a.host, a.port, timeout_s=min(self._timeouts.connect, 2.0))
 
     def _refusal(self, response: httpx.Response, where: str) -> CoordinatorError:
-        """The error for an answer of 400 or more to `where` ("METHOD /path"). Never the body
-        of a page that is not the coordinator's JSON: only its status goes into the message."""
-        status = response.status_code
+        """The error an answer of 400 or more stands for (see `answers.refusal`)."""
         body = error_body(response)
-        if body is None:
-            if status in _RETRY_STATUS:  # a proxy in front of a coordinator that restarts: retried
-                return CoordinatorError(
-                    f"HTTP {status} {response.reason_phrase} from {where}, not from the coordinator (a proxy?)",
-                    status=status,
-                    code="http_error",
-                )
-            return self._not_a_coordinator(f"HTTP {status} from {where}", status)
-        self._reached = True
-        message, code, details = body
-        wait = retry_after(response)
-        if wait is not None and "retry_after_s" not in details:
-            details = {**details, "retry_after_s": wait}
-        if status == 404 and code == "not_found":  # no such route (not a 404 of the run's own, e.g. no_config)
-            return self._not_a_coordinator(f"HTTP 404 from {where}", status)
-        if status in (401, 403):
-            refused = "the token: " if status == 401 else "the request: "
-            advice = " (check --token or $FEDTRAIN_TOKEN)" if status == 401 else ""
-            return AuthError(
-                f"the coordinator at {self.url} refused {refused}{message}{advice}",
-                status=status,
-                code=code,
-                details=details,
-            )
-        if status == 409 and code in ("round_closed", "run_finished"):
-            return RoundClosedError(message, status=status, code=code, details=details)
-        return CoordinatorError(message, status=status, code=code, details=details)
+        if body is not None:  # the coordinator's own JSON: it has answered
+            self._reached = True
+        return refusal(self._address, response, where, body)
 
     def _answer(self, response: httpx.Response, where: str) -> Any:
         """The JSON of a (small) answer, or the error it stands for."""
@@ -349,24 +205,27 @@ class CoordinatorClient:
         except ValueError:
             kind = response.headers.get("content-type", "no content type").split(";")[0]
             why = f"its answer to {where} is not JSON but {kind}"
-            raise self._not_a_coordinator(why, response.status_code) from None
+            raise not_a_coordinator(self._address, why, response.status_code) from None
 
-    def _json(self, method: str, path: str, *, also_retry: frozenset[str] = frozenset(), **kwargs: Any) -> Any:
+    def _json(self, method: str, path: str, *, also_retry: frozenset[str] = frozenset(),
+              retry: RetryPolicy | None = None, **kwargs: Any) -> Any:
         what = f"{method} {path}"
-        return self._call(what, lambda: self._answer(self._http.request(method, path, **kwargs), what), also_retry)
+        return self._call(what, lambda: self._answer(self._http.request(method, path, **kwargs), what), also_retry,
+                          retry)
 
-    # -- the routes ----------------------------------------------------------------------------
+    # -- the routes (each takes `retry=`: its own policy instead of the client's) --------------
 
-    def health(self) -> dict[str, Any]:
-        return self._expect(self._json("GET", "/v1/healthz"), "GET /v1/healthz", "ok")
+    def health(self, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        return self._expect(self._json("GET", "/v1/healthz", retry=retry), "GET /v1/healthz", "ok")
 
-    def join(self, name: str | None, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    def join(self, name: str | None, info: dict[str, Any] | None = None, *,
+             retry: RetryPolicy | None = None) -> dict[str, Any]:
         """Join as `name` (presenting its participant key when this client holds one: a rejoin
         as itself); from then on this client speaks for the participant the answer names.
         A name whose earlier holder is still active is waited for (`name_in_use`)."""
         body = {"name": name, "info": info or {}, "key_cookie": False}  # the key goes in a header: no cookie
         joined = self._json("POST", "/v1/join", json=body, headers=self._as(name),
-                            also_retry=frozenset({"name_in_use"}))
+                            also_retry=frozenset({"name_in_use"}), retry=retry)
         joined = self._expect(joined, "POST /v1/join", "participant_id")
         if isinstance(joined.get("participant_key"), str):
             self._keys[str(joined["participant_id"])] = joined["participant_key"]
@@ -375,32 +234,32 @@ class CoordinatorClient:
     def _expect(self, answer: Any, where: str, key: str) -> dict[str, Any]:
         """`answer` when it is the JSON object a coordinator gives (it has `key`)."""
         if not isinstance(answer, dict) or key not in answer:
-            raise self._not_a_coordinator(f"its answer to {where} has no {key!r}")
+            raise not_a_coordinator(self._address, f"its answer to {where} has no {key!r}")
         return answer
 
-    def get_config(self, round_: int | None = None) -> dict[str, Any]:
+    def get_config(self, round_: int | None = None, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """The config in force now, or at round `round_`: {"version", "config", ...}."""
-        return self._json("GET", "/v1/config", params={} if round_ is None else {"round": round_})
+        return self._json("GET", "/v1/config", params={} if round_ is None else {"round": round_}, retry=retry)
 
-    def change_config(self, changes: dict[str, Any]) -> dict[str, Any]:
+    def change_config(self, changes: dict[str, Any], *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """Admin token: change the run config live (in force from the next round boundary)."""
-        return self._json("PUT", "/v1/config", json={"changes": changes})
+        return self._json("PUT", "/v1/config", json={"changes": changes}, retry=retry)
 
-    def validate_config(self, changes: dict[str, Any]) -> dict[str, Any]:
+    def validate_config(self, changes: dict[str, Any], *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """Admin token: dry run of a change: {"valid", "error", "diff"}; nothing is applied."""
-        return self._json("POST", "/v1/config/validate", json={"changes": changes})
+        return self._json("POST", "/v1/config/validate", json={"changes": changes}, retry=retry)
 
-    def config_history(self, limit: int = 50) -> list[dict[str, Any]]:
+    def config_history(self, limit: int = 50, *, retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
         """Accepted config versions, newest first: version, created_at, author, diff, effective_round."""
-        return self._json("GET", "/v1/config/history", params={"limit": limit})["versions"]
+        return self._json("GET", "/v1/config/history", params={"limit": limit}, retry=retry)["versions"]
 
-    def kept_versions(self) -> dict[str, Any]:
+    def kept_versions(self, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """Admin: the kept versions a roll back can go to, newest first, and the committed version."""
-        return self._json("GET", "/v1/admin/checkpoints")
+        return self._json("GET", "/v1/admin/checkpoints", retry=retry)
 
-    def roll_back(self, version: int) -> dict[str, Any]:
+    def roll_back(self, version: int, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """Admin: put kept `version` back in force; answers the new version that holds it."""
-        return self._json("POST", "/v1/admin/rollback", json={"version": version})
+        return self._json("POST", "/v1/admin/rollback", json={"version": version}, retry=retry)
 
     def events(self, stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, Any]]:
         """Server-sent events of the run as (kind, data), one connection, no retry: the caller
@@ -421,37 +280,46 @@ class CoordinatorClient:
                     yield kind, json.loads(data)
                     kind, data = "message", ""
 
-    def status(self) -> dict[str, Any]:
-        return self._json("GET", "/v1/status")
+    def status(self, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        return self._json("GET", "/v1/status", retry=retry)
 
-    def metrics(self, name: str | None = None, limit: int = 10000) -> list[dict[str, Any]]:
+    def recent_events(self, limit: int = 100, *, retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
+        """The run's last `limit` events (kind, message, ...), oldest first."""
+        return self._json("GET", "/v1/events", params={"limit": limit}, retry=retry)["events"]
+
+    def metrics(self, name: str | None = None, limit: int = 10000, *,
+                retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
         """Reported metrics, oldest first: participants' train loss and evals, the global evals."""
         params: dict[str, Any] = {"limit": limit}
         if name is not None:
             params["name"] = name
-        return self._json("GET", "/v1/metrics", params=params)["metrics"]
+        return self._json("GET", "/v1/metrics", params=params, retry=retry)["metrics"]
 
-    def heartbeat(self, pid: str, **stats: Any) -> dict[str, Any]:
-        return self._json("POST", f"/v1/participants/{pid}/heartbeat", json=stats, headers=self._as(pid))
+    def heartbeat(self, pid: str, *, retry: RetryPolicy | None = None, **stats: Any) -> dict[str, Any]:
+        return self._json("POST", f"/v1/participants/{pid}/heartbeat", json=stats, headers=self._as(pid),
+                          retry=retry)
 
-    def leave(self, pid: str) -> dict[str, Any]:
-        return self._json("POST", f"/v1/participants/{pid}/leave", headers=self._as(pid))
+    def leave(self, pid: str, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        return self._json("POST", f"/v1/participants/{pid}/leave", headers=self._as(pid), retry=retry)
 
     def report(
-        self, pid: str, values: dict[str, float], *, round_: int | None = None, step: int | None = None
+        self, pid: str, values: dict[str, float], *, round_: int | None = None, step: int | None = None,
+        retry: RetryPolicy | None = None,
     ) -> dict[str, Any]:
         return self._json(
             "POST", f"/v1/participants/{pid}/metrics", json={"round": round_, "step": step, "values": values},
-            headers=self._as(pid),
+            headers=self._as(pid), retry=retry,
         )
 
-    def wait_round(self, round_: int, pid: str | None = None, wait_s: float = 25.0) -> dict[str, Any]:
+    def wait_round(self, round_: int, pid: str | None = None, wait_s: float = 25.0, *,
+                   retry: RetryPolicy | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {"wait": wait_s}
         if pid is not None:
             params["participant_id"] = pid
-        return self._json("GET", f"/v1/rounds/{round_}", params=params, headers=self._as(pid))
+        return self._json("GET", f"/v1/rounds/{round_}", params=params, headers=self._as(pid), retry=retry)
 
-    def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int) -> dict[str, Any]:
+    def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int, *,
+               retry: RetryPolicy | None = None) -> dict[str, Any]:
         """PUT one pseudo-gradient; RoundClosedError (409) when the round is already over."""
         from fedtrain.wire.digest import DIGEST_HEADER
 
@@ -469,7 +337,7 @@ class CoordinatorClient:
             r = self._http.put(path, params={"tokens": tokens}, content=iter(body), headers=headers)  # type: ignore[arg-type]
             return self._answer(r, f"PUT {path}")
 
-        return self._call(f"upload of round {round_}", once)
+        return self._call(f"upload of round {round_}", once, retry=retry)
 
     def download(
         self,
@@ -478,6 +346,7 @@ class CoordinatorClient:
         pid: str | None = None,
         allocate: Callable[[TensorSpec], torch.Tensor] | None = None,
         on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """Stream the global model; returns (version, tensors). Each tensor is read straight
         into the storage `allocate` gives (e.g. a parameter), one copy per byte."""
@@ -496,12 +365,12 @@ class CoordinatorClient:
                     raise self._refusal(r, "GET /v1/model")
                 with ModelBody(r.headers, allocate, on_header) as body:
                     # No chunk size: httpx would re-chunk through a BytesIO (three more copies
-                    # per byte); socket reads come at most `READ_NUM_BYTES` (1 MiB) at a time.
+                    # per byte); a socket read is at most httpcore's read size (see `tune_httpcore`).
                     for chunk in r.iter_raw():
                         body.feed(chunk)
                     return body.finish()
 
-        return self._call("download of the global model", once)
+        return self._call("download of the global model", once, retry=retry)
 
     def _upload_direct(self, path: str, params: dict[str, Any], headers: dict[str, str], body: EncodedBody) -> Any:
         """`upload` over `fetch.direct_request`: the body's chunks go to the socket as they are."""

@@ -1,35 +1,48 @@
 """Overlapped sync: training goes on while the round's upload, merge and download happen.
 
 At the H-th step the participant sends Δ = θ_round − θ_sent and keeps training at once; a
-background thread uploads, waits for the round to close and downloads θ_{r+1} into the
-snapshot buffers. When that is done (checked at every step, waited for at the next sync
-point at the latest) the weights become θ_{r+1} + (θ − θ_sent): the new global model plus
-the local progress made meanwhile — the one-round-delayed outer update of overlapped
-DiLoCo. θ_{r+1} is the reference of the next Δ, which therefore carries all local
-progress since the send. Extra memory: one copy of the sync set (θ_sent).
+worker thread runs the `SyncEngine`'s exchange (upload, wait for the round to close,
+download θ_{r+1} into the snapshot). When that is done (checked at every step, waited for
+at the next sync point at the latest) the weights become θ_{r+1} + (θ − θ_sent): the new
+global model plus the local progress made meanwhile — the one-round-delayed outer update of
+overlapped DiLoCo. θ_{r+1} is the reference of the next Δ, which therefore carries all
+local progress since the send. Extra memory: one copy of the sync set (θ_sent).
 
-Only the background thread talks to the coordinator while an exchange is pending
-(heartbeats have their own client); everything that touches the model runs on the
-training thread.
+`OverlappedSync` owns the worker thread and the exchange in flight, and nothing of the
+participant's: the participant hands it a round to send and takes back what `finish`
+returns. Only the worker talks to the coordinator while an exchange is pending (heartbeats
+have their own client); everything that touches the model runs on the training thread.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fedtrain.errors import CoordinatorError, CoordinatorUnavailable
+from fedtrain.config import RunConfig
+from fedtrain.errors import CoordinatorError
 from fedtrain.participant.outage import is_transient
+from fedtrain.participant.sync import SyncEngine
 
-if TYPE_CHECKING:
-    from fedtrain.participant.runner import Participant
+__all__ = ["Landed", "OverlappedSync"]
 
 log = logging.getLogger("fedtrain.participant")
+
+
+@dataclass(frozen=True)
+class Landed:
+    """An overlapped exchange that has finished: the round sent, the global version now in
+    the snapshot, and the caller's record of that round as `start` was given it."""
+
+    round: int
+    version: int
+    record: dict[str, Any]
+    sent: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -41,92 +54,65 @@ class _Pending:
 
 
 class OverlappedSync:
-    """The background half of a participant's sync."""
+    """The background half of a participant's sync, over its `SyncEngine`."""
 
-    def __init__(self, fed: Participant) -> None:
-        self.fed = fed
+    def __init__(self, engine: SyncEngine) -> None:
+        self.engine = engine
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fedtrain-sync")
         self._pending: _Pending | None = None
 
     @property
     def pending(self) -> bool:
+        """Whether an exchange has been started and not finished yet."""
         return self._pending is not None
 
-    def start(self) -> None:
-        """At the H-th step: send this round's Δ in the background and return at once."""
-        fed = self.fed
-        t0 = time.perf_counter()
-        if self._pending is not None:  # the previous exchange is late: wait for it
-            self.finish()
-            if fed.finished:
-                return
-        r = fed.round
-        record = fed._open_record(r)
-        with torch.no_grad():
-            sent = {n: p.detach().to("cpu", fed._snapshot[n].dtype, copy=True) for n, p in fed._params.items()}
-            for n, t in sent.items():
-                fed._snapshot[n].sub_(t)
-        body = fed._encode_delta()
-        fed._reset_round()
-        self._pending = _Pending(self._pool.submit(self._exchange, r, body), sent, record, r)
-        fed.sync_seconds += time.perf_counter() - t0
+    @property
+    def ready(self) -> bool:
+        """Whether a pending exchange is done, so that `finish` returns at once."""
+        return self._pending is not None and self._pending.future.done()
 
-    def _exchange(self, r: int, body: Any) -> int:
-        """Background thread: upload, wait for the round, download θ_{r+1} into the snapshot."""
-        fed = self.fed
-        uploaded = fed._upload(r, body)
-        give_up_at = time.monotonic() + fed.config.round_timeout_s + fed._outage_budget_s
-        while uploaded:
-            info = fed._wait_round(r)
-            if info["state"] not in ("open", "closing"):
-                break
-            if info.get("submitted") is False and info["state"] == "open":
-                uploaded = fed._upload(r, body)
-            if time.monotonic() > give_up_at:
-                raise CoordinatorUnavailable(f"round {r} has not closed in time: {info.get('reason')}", status=0,
-                                             code="unavailable")
-        version, _ = fed.client.download(pid=fed.participant_id, allocate=fed._allocate, on_header=fed._check_header)
-        return int(version)
+    def start(self, r: int, pid: str, config: RunConfig, *, tokens: int, record: dict[str, Any]) -> None:
+        """Take this round's Δ and send it on the worker thread; returns at once. `record`
+        comes back with the result (see `finish`). Call only when nothing is pending."""
+        if self._pending is not None:
+            raise RuntimeError("an overlapped exchange is still pending: finish it first")
+        sent = self.engine.copy_sync_set()
+        self.engine.take_delta(sent)
+        body = self.engine.encode(config)
+        future = self._pool.submit(self.engine.exchange, r, pid, body, config, tokens=tokens)
+        self._pending = _Pending(future, sent, record, r)
 
-    def poll(self) -> None:
-        """At every step: apply a finished exchange."""
-        if self._pending is not None and self._pending.future.done():
-            self.finish()
-
-    def finish(self) -> None:
-        """Apply the exchange's result (waiting for it if needed)."""
-        fed, pending = self.fed, self._pending
-        assert pending is not None
+    def finish(self) -> Landed | None:
+        """Wait for the pending exchange. None when it failed transiently: that round's
+        contribution is lost, and the next Δ is measured from the weights sent (the local
+        progress is kept). Other failures are raised."""
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("no overlapped exchange is pending")
         self._pending = None
-        t0 = time.perf_counter()
         try:
             version = pending.future.result()
         except CoordinatorError as e:
             if not is_transient(e):
                 raise
-            # The round's contribution is lost; keep the local progress and measure the next
-            # Δ from the weights we sent (the download may have half-filled the snapshot).
             log.warning("overlapped sync of round %d failed (%s); continuing from local weights", pending.round,
                         e.message)
-            with torch.no_grad():
-                for n, t in pending.sent.items():
-                    fed._snapshot[n].copy_(t)
-            return
-        fed.bytes_down += sum(t.numel() * t.element_size() for t in fed._snapshot.values())
-        fed.round = version
-        fed.finished = fed.config.rounds > 0 and version >= fed.config.rounds
-        with torch.no_grad():
-            for n, p in fed._params.items():
-                if fed.finished:  # the run is over: end exactly on the global model
-                    p.copy_(fed._snapshot[n])
-                else:
-                    p.add_((fed._snapshot[n] - pending.sent[n]).to(p.device, p.dtype))
-        fed._close_record(pending.record, pending.round, time.perf_counter() - t0, reset=False)
+            self.engine.restore(pending.sent)
+            return None
+        return Landed(pending.round, version, pending.record, pending.sent)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until a pending exchange is done (without applying it) or `timeout_s` has
+        passed; True when nothing is left running."""
+        pending = self._pending
+        if pending is None:
+            return True
+        try:
+            pending.future.exception(timeout=timeout_s)  # its failure is for `finish` to raise
+        except concurrent.futures.TimeoutError:  # (the builtin TimeoutError from Python 3.11 on)
+            return False
+        return True
 
     def close(self) -> None:
-        """Finish a pending exchange (so the last round lands) and stop the thread."""
-        try:
-            if self._pending is not None:
-                self.finish()
-        finally:
-            self._pool.shutdown(wait=False)
+        """Stop the worker thread (the participant lands a pending exchange first)."""
+        self._pool.shutdown(wait=False)

@@ -11,8 +11,11 @@ optimizer is never touched, so its state carries over. The trainable parameters 
 sync set. A snapshot of θ_round (one copy of the sync set, on the CPU) is the only extra
 memory: at sync it becomes Δ in place, then receives the new global weights.
 
-The sync itself lives in `_sync_round`, a plain function of the snapshot, so that a
-background worker can run it later while training goes on (overlapped sync).
+The round trip itself belongs to a `SyncEngine` (`sync.py`), which owns the snapshot; the
+blocking sync runs it on the training thread, the overlapped sync (`overlap.py`) on a worker
+thread while training goes on. Every call a sync attempt makes is bounded by the outage
+policy's `attempt_s`, passed with the call (`retry=`), never set on the shared client.
+Heartbeats and the coordinator's event stream run on two threads of their own (`presence.py`).
 
 A participant acts only as itself: the client keeps the participant key of its join
 answer and presents it on every call. With `key_file` the key is also kept on disk (mode
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,19 +38,12 @@ from torch import nn
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
-from fedtrain.errors import (
-    CoordinatorError,
-    CoordinatorUnavailable,
-    MergeError,
-    ModelMismatchError,
-    RoundClosedError,
-)
-from fedtrain.merge import check_compatible
+from fedtrain.errors import CoordinatorError, CoordinatorUnavailable
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
-from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt, short_retries
+from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
 from fedtrain.participant.overlap import OverlappedSync
-from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
-from fedtrain.wire.compress import ErrorFeedback, compress
+from fedtrain.participant.presence import Presence, TokenRate
+from fedtrain.participant.sync import SyncEngine
 
 log = logging.getLogger("fedtrain.participant")
 
@@ -91,8 +86,7 @@ class Participant:
         self.outage_policy = outage
         self._outage = OutageState()
         self._outage_budget_s = outage.budget_s if outage.budget_s is not None else self.client.retry.max_elapsed_s
-        self._snapshot_valid = True  # the snapshot holds θ_round (not Δ, not a half-downloaded model)
-        self._snapshot_is_delta = False
+        self._attempt_retry = self.client.retry.within(outage.attempt_s)  # each call of one sync attempt
         self.outages: list[dict[str, Any]] = []  # each outage ridden out: {"round", "seconds", "attempts"}
         self.eval_fn = eval_fn
         self.name = name
@@ -104,26 +98,19 @@ class Participant:
         self.finished = False
         self.steps = 0
         self.tokens = 0
-        self.bytes_up = 0
-        self.bytes_down = 0
         self.sync_seconds = 0.0
         self.history: list[dict[str, Any]] = []
-        self._params = sync_set(model)
-        self._snapshot: dict[str, torch.Tensor] = {}
         self._round_steps = 0
         self._round_tokens = 0
         self._round_losses: list[float] = []
         self._last_loss: float | None = None
-        self._rate = _Rate()
-        self._stop = threading.Event()
-        self._heart: threading.Thread | None = None
-        self._listener: threading.Thread | None = None
+        self._rate = TokenRate()
         self.config_version = 0
-        self.latest_config_version = 0
-        self.events: list[tuple[str, Any]] = []
         self._callbacks: list[ConfigCallback] = []
-        self._feedback = ErrorFeedback()
-        self._overlap = OverlappedSync(self)
+        self._presence = Presence(self.client, interval_s=lambda: self.config.heartbeat_interval_s,
+                                  stats=self._heartbeat_stats)
+        self._engine = SyncEngine(self.client, sync_set(model), who=name, patience_s=self._outage_budget_s)
+        self._overlap = OverlappedSync(self._engine)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -139,34 +126,61 @@ class Participant:
         if self.key_file is not None and key is not None and saved != (self.participant_id, key):
             _write_key_file(self.key_file, self.participant_id, key)
         self.config = RunConfig.model_validate(joined["config"])
-        self.config_version = self.latest_config_version = int(joined["config_version"])
-        self.round = int(joined["current_round"])
-        self._check_model(joined["model"])
-        self._snapshot = {n: torch.empty(tuple(p.shape), dtype=p.dtype) for n, p in self._params.items()}
-        self._load_global()
+        self.config_version = int(joined["config_version"])
+        self._presence.note_config_version(self.config_version)
+        self._engine.prepare(joined["model"])
+        self.round = self._engine.load_global(self.participant_id)
         self.finished = bool(joined["finished"])
-        self._heart = threading.Thread(target=self._heartbeats, name="fedtrain-heartbeat", daemon=True)
-        self._heart.start()
-        self._listener = threading.Thread(target=self._listen, name="fedtrain-events", daemon=True)
-        self._listener.start()
+        self._presence.start(self.participant_id)
         log.info("joined as %s at round %d (H=%d)", self.participant_id, self.round, self.sync_every)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self._overlap.close()  # the last overlapped round lands before we leave
-        self._stop.set()
-        if self._heart is not None:
-            self._heart.join(timeout=5)
-        if isinstance(exc[1], faults.InjectedCrash):  # a crashed process says no goodbye
-            self.client.close()
-            return
         try:
-            self.client.retry = RetryPolicy(max_elapsed_s=2.0)
-            self.client.leave(self.participant_id)
-        except CoordinatorError as e:
-            log.info("could not say goodbye to the coordinator: %s", e.message)
+            if exc[0] is None and self._overlap.pending:
+                self._land()  # the last overlapped round lands before we leave
+        finally:
+            self._overlap.close()
+            self._presence.stop()
+            self._leave(crashed=isinstance(exc[1], faults.InjectedCrash))
+
+    def _leave(self, crashed: bool) -> None:
+        if not crashed:  # a crashed process says no goodbye
+            try:
+                self.client.leave(self.participant_id, retry=RetryPolicy(max_elapsed_s=2.0))
+            except CoordinatorError as e:
+                log.info("could not say goodbye to the coordinator: %s", e.message)
         self.client.close()
+
+    @property
+    def bytes_up(self) -> int:
+        """Bytes of updates this participant has uploaded."""
+        return self._engine.bytes_up
+
+    @property
+    def bytes_down(self) -> int:
+        """Bytes of global models this participant has downloaded."""
+        return self._engine.bytes_down
+
+    @property
+    def latest_config_version(self) -> int:
+        """The newest config version announced by the coordinator (in force from a later round)."""
+        return self._presence.latest_config_version
+
+    @property
+    def events(self) -> list[tuple[str, Any]]:
+        """Recent config changes and run events of the coordinator's stream: (kind, data)."""
+        return self._presence.events
+
+    @property
+    def sync_in_flight(self) -> bool:
+        """Whether an overlapped sync has been sent and has not landed yet."""
+        return self._overlap.pending
+
+    def wait_sync_in_flight(self, timeout_s: float | None = None) -> bool:
+        """Block until an overlapped sync in flight has its answer (it lands at the next `step`),
+        or `timeout_s` has passed; True when nothing is left running."""
+        return self._overlap.wait(timeout_s)
 
     @property
     def sync_every(self) -> int:
@@ -193,16 +207,18 @@ class Participant:
         if loss is not None:
             self._last_loss = float(loss)
             self._round_losses.append(float(loss))
-        if self._overlap.pending:
-            self._overlap.poll()
+        if self._overlap.ready:
+            self._land()
             if self.finished:
                 return True
         if self._round_steps >= self.sync_every and time.monotonic() >= self._outage.next_at:
             if self.config.train.overlap:
-                self._overlap.start()
+                self._send_overlapped()
                 return True
             if self._overlap.pending:  # overlap was switched off: land the pending round first
-                self._overlap.finish()
+                self._land()
+                if self.finished:
+                    return True
             return self.sync()
         return False
 
@@ -248,34 +264,63 @@ class Participant:
         values = {k: float(v) for k, v in record.items()
                   if k not in ("round", "steps", "config_version", "sync_every")}
         try:
-            with short_retries(self.client, self.outage_policy.attempt_s):
-                self.client.report(self.participant_id, values, round_=r, step=self.steps)
+            self.client.report(self.participant_id, values, round_=r, step=self.steps, retry=self._attempt_retry)
         except CoordinatorError as e:
             log.warning("could not report metrics of round %d: %s", r, e.message)
         if reset:  # (an overlapped sync reset the counts when it sent the update)
             self._reset_round()
         try:
-            with short_retries(self.client, self.outage_policy.attempt_s):
-                self._apply_config()
+            self._apply_config()
         except CoordinatorError as e:
             if not is_transient(e):
                 raise
             log.warning("could not fetch the config of round %d (%s); keeping the current one", self.round, e.message)
 
+    # -- the overlapped sync ----------------------------------------------------------------------
+
+    def _send_overlapped(self) -> None:
+        """At the H-th step: send this round's Δ in the background and return at once."""
+        t0 = time.perf_counter()
+        if self._overlap.pending:  # the previous exchange is late: wait for it
+            self._land()
+            if self.finished:
+                return
+        r = self.round
+        record = self._open_record(r)
+        self._overlap.start(r, self.participant_id, self.config, tokens=max(1, self._round_tokens), record=record)
+        self._reset_round()
+        self.sync_seconds += time.perf_counter() - t0
+
+    def _land(self) -> None:
+        """Apply the overlapped exchange's result (waiting for it if needed)."""
+        t0 = time.perf_counter()
+        landed = self._overlap.finish()
+        if landed is None:  # it failed: the local progress is kept, the round's contribution lost
+            return
+        self._enter_round(landed.version)
+        self._engine.adopt(None if self.finished else landed.sent)  # the run is over: end on the global model
+        self._close_record(landed.record, landed.round, time.perf_counter() - t0, reset=False)
+
+    def _enter_round(self, version: int) -> None:
+        """The model now holds global version `version`: it is the round we are in."""
+        self.round = version
+        self.finished = self.config.rounds > 0 and version >= self.config.rounds
+
     # -- riding out an outage ----------------------------------------------------------------------
 
     def _attempt_sync(self, r: int) -> bool:
-        """One sync attempt; on a transient failure restore the snapshot, schedule the next attempt
-        and return False (or raise CoordinatorUnavailable once the outage budget is spent)."""
+        """One sync attempt; on a transient failure (the engine has put the snapshot back) schedule
+        the next attempt and return False (or raise CoordinatorUnavailable once the outage budget
+        is spent)."""
         try:
-            with short_retries(self.client, self.outage_policy.attempt_s):
-                self._sync_round(r)
+            version = self._engine.sync(r, self.participant_id, self.config, tokens=max(1, self._round_tokens),
+                                        retry=self._attempt_retry)
         except CoordinatorError as e:
             if not is_transient(e):
                 raise
-            self._restore_snapshot()
             self._outage_failed(r, e)
             return False
+        self._enter_round(version)
         if self._outage.active:
             seconds = time.monotonic() - (self._outage.since or time.monotonic())
             self.outages.append({"round": r, "seconds": round(seconds, 2), "attempts": self._outage.attempts + 1})
@@ -286,8 +331,7 @@ class Participant:
     def _coordinator_back(self) -> bool:
         """During an outage: a cheap probe before spending an eval and an upload on an attempt."""
         try:
-            with short_retries(self.client, min(2.0, self.outage_policy.attempt_s)):
-                self.client.health()
+            self.client.health(retry=self.client.retry.within(min(2.0, self.outage_policy.attempt_s)))
         except CoordinatorError as e:
             self._outage_failed(self.round, e)
             return False
@@ -305,20 +349,11 @@ class Participant:
         self._outage.next_at = now + decision.delay_s
         log.warning("round %d: %s", r, decision.reason)
 
-    def _restore_snapshot(self) -> None:
-        """Put θ_round back into the snapshot after a failed upload (Δ + θ_local = θ_round, to rounding)."""
-        if not self._snapshot_is_delta:
-            return
-        with torch.no_grad():
-            for name, p in self._params.items():
-                self._snapshot[name].add_(p.detach().to("cpu", self._snapshot[name].dtype))
-        self._snapshot_is_delta = False
-
     def _apply_config(self) -> None:
         """At a round boundary: take the config in force for the round we now start."""
         if self.finished:
             return
-        view = self.client.get_config(round_=self.round)
+        view = self.client.get_config(round_=self.round, retry=self._attempt_retry)
         if int(view["version"]) == self.config_version:
             return
         old, new = self.config, RunConfig.model_validate(view["config"])
@@ -326,7 +361,7 @@ class Participant:
 
         diff = config_diff(old.model_dump(mode="json"), new.model_dump(mode="json"))
         self.config, self.config_version = new, int(view["version"])
-        self.latest_config_version = max(self.latest_config_version, self.config_version)
+        self._presence.note_config_version(self.config_version)
         if "train.lr" in diff and self.inner_optimizer is not None:
             for group in self.inner_optimizer.param_groups:
                 group["lr"] = new.train.lr
@@ -336,103 +371,11 @@ class Participant:
             callback(old, new, diff)
         try:  # acknowledge at once the version we now run
             self.client.heartbeat(self.participant_id, step=self.steps, round=self.round,
-                                  config_version=self.config_version)
+                                  config_version=self.config_version, retry=self._attempt_retry)
         except CoordinatorError as e:
             log.debug("config acknowledgement failed: %s", e.message)
 
-    # -- the sync, step by step ----------------------------------------------------------------
-
-    def _sync_round(self, r: int) -> None:
-        if self._snapshot_valid:  # else a download was cut short: round r is over, fetch the model again
-            with torch.no_grad():
-                for name, p in self._params.items():
-                    self._snapshot[name].sub_(p.detach().to("cpu", self._snapshot[name].dtype))
-            self._snapshot_is_delta = True
-            body = self._encode_delta()
-            uploaded = self._upload(r, body)
-            give_up_at = time.monotonic() + self.config.round_timeout_s + self._outage_budget_s
-            while uploaded:
-                info = self._wait_round(r)
-                if info["state"] != "open" and info["state"] != "closing":
-                    break
-                if info.get("submitted") is False and info["state"] == "open":
-                    log.warning("the coordinator has no upload of ours for round %d (restarted?); sending again", r)
-                    uploaded = self._upload(r, body)
-                if time.monotonic() > give_up_at:  # nothing hangs forever, not even a round without quorum
-                    raise CoordinatorUnavailable(
-                        f"round {r} has not closed {self.config.round_timeout_s:g}s after its deadline: "
-                        f"{info.get('reason', 'no reason given')}",
-                        status=0,
-                        code="unavailable",
-                    )
-        self._snapshot_is_delta = False
-        self._snapshot_valid = False  # the download writes into the snapshot
-        faults.hit("participant.download", who=self.name or self.participant_id, round=r)
-        self._load_global()
-        self._snapshot_valid = True
-
-    def _wait_round(self, r: int) -> dict[str, Any]:
-        """Long-poll round r. A coordinator that went back past r (it restarted, or a round it had
-        served under publish_first failed to commit) answers round_not_open: r is gone, and the
-        caller takes the coordinator's current model."""
-        try:
-            return self.client.wait_round(r, self.participant_id, wait_s=25.0)
-        except CoordinatorError as e:
-            if e.code != "round_not_open":
-                raise
-            log.warning("round %d is gone (%s); taking the coordinator's current model", r, e.message)
-            return {"round": r, "state": "gone"}
-
-    def _encode_delta(self) -> EncodedBody:
-        """Δ (held in the snapshot buffers) as a body, compressed as the run config says."""
-        t = self.config.train
-        if t.compression == "none":
-            return EncodedBody(self._snapshot, digest_algorithm=self.config.digest)
-        if t.error_feedback:
-            tensors, meta = self._feedback.compress(self._snapshot, t.compression, t.compression_block)
-        else:
-            tensors, meta = compress(self._snapshot, t.compression, t.compression_block)
-        return EncodedBody(tensors, meta, digest_algorithm=self.config.digest)
-
-    def _upload(self, r: int, body: EncodedBody) -> bool:
-        if faults.hit("participant.upload", who=self.name or self.participant_id, round=r) == "drop":
-            log.warning("fault injected: the upload of round %d is lost on the way", r)
-            return True
-        try:
-            self.client.upload(r, self.participant_id, body, tokens=max(1, self._round_tokens))
-        except RoundClosedError as e:
-            log.warning("round %d closed before our upload (%s); moving on to the current model", r, e.message)
-            return False
-        self.bytes_up += body.content_length
-        return True
-
-    def _load_global(self) -> None:
-        version, _ = self.client.download(
-            pid=self.participant_id, allocate=self._allocate, on_header=self._check_header
-        )
-        with torch.no_grad():
-            for name, p in self._params.items():
-                p.copy_(self._snapshot[name])
-        self.bytes_down += sum(t.numel() * t.element_size() for t in self._snapshot.values())
-        self.round = version
-        self.finished = self.config.rounds > 0 and version >= self.config.rounds
-
-    def _allocate(self, spec: TensorSpec) -> torch.Tensor:
-        return self._snapshot[spec.name]
-
-    def _check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
-        self._check_model({n: {"dtype": s.dtype, "shape": list(s.shape)} for n, s in specs.items()})
-
-    def _check_model(self, spec: dict[str, dict[str, Any]]) -> None:
-        def dtype(d: Any) -> torch.dtype:
-            return d if isinstance(d, torch.dtype) else ST_TO_DTYPE[d]
-
-        run = {n: (dtype(s["dtype"]), tuple(s["shape"])) for n, s in spec.items()}
-        ours = {n: (p.dtype, tuple(p.shape)) for n, p in self._params.items()}
-        try:
-            check_compatible(run, ours, what="your model")
-        except MergeError as e:
-            raise ModelMismatchError(f"{e.message} (the run's model is the reference)", details=e.details) from None
+    # -- evaluation ----------------------------------------------------------------------------
 
     def eval_due(self, r: int) -> bool:
         """Whether round `r` is evaluated around its sync: every `eval.every` rounds, and the last."""
@@ -447,47 +390,10 @@ class Participant:
             return {f"{prefix}/{k}": float(v) for k, v in result.items()}
         return {f"{prefix}/loss": float(result)}
 
-    # -- heartbeats ---------------------------------------------------------------------------
-
-    def _heartbeats(self) -> None:
-        client = self.client.clone(retry=RetryPolicy(max_elapsed_s=1.0))
-        try:
-            while not self._stop.wait(self.config.heartbeat_interval_s):
-                try:
-                    client.heartbeat(
-                        self.participant_id,
-                        step=self.steps,
-                        round=self.round,
-                        loss=self._last_loss,
-                        tokens_per_s=self._rate.per_second(),
-                        config_version=self.config_version,
-                    )
-                except CoordinatorError as e:
-                    log.debug("heartbeat failed: %s", e.message)
-        finally:
-            client.close()
-
-
-    def _listen(self) -> None:
-        """Follow the coordinator's event stream: learn of config changes as they are made
-        (they are applied at the next round boundary) and keep recent run events."""
-        client = self.client.clone(retry=RetryPolicy(max_elapsed_s=1.0))
-        backoff = 0.5
-        try:
-            while not self._stop.is_set():
-                try:
-                    for kind, data in client.events(stop=self._stop.is_set):
-                        backoff = 0.5
-                        if kind == "config_change":
-                            self.latest_config_version = max(self.latest_config_version, int(data["version"]))
-                        if kind in ("config_change", "event"):
-                            self.events = [*self.events[-99:], (kind, data)]
-                except Exception as e:  # noqa: BLE001 - the stream is a convenience: log, back off, reconnect
-                    log.debug("event stream interrupted: %s", e)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-        finally:
-            client.close()
+    def _heartbeat_stats(self) -> dict[str, Any]:
+        """What each heartbeat tells (read on the heartbeat thread)."""
+        return {"step": self.steps, "round": self.round, "loss": self._last_loss,
+                "tokens_per_s": self._rate.per_second(), "config_version": self.config_version}
 
 
 def _read_key_file(path: Path) -> tuple[str, str] | None:
@@ -509,23 +415,3 @@ def _write_key_file(path: Path, pid: str, key: str) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomically(path, {"participant_id": pid, "participant_key": key})
-
-
-class _Rate:
-    """Tokens per second over a sliding window of recent steps."""
-
-    def __init__(self, window_s: float = 30.0) -> None:
-        self.window_s = window_s
-        self._events: list[tuple[float, int]] = []
-
-    def add(self, n: int) -> None:
-        now = time.monotonic()
-        self._events.append((now, n))
-        while self._events and now - self._events[0][0] > self.window_s:
-            self._events.pop(0)
-
-    def per_second(self) -> float | None:
-        if len(self._events) < 2:
-            return None
-        span = self._events[-1][0] - self._events[0][0]
-        return sum(n for _, n in self._events[1:]) / span if span > 0 else None
