@@ -13,14 +13,10 @@ outage has lasted `budget_s` does `CoordinatorUnavailable` reach the user's loop
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 from fedtrain.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NotACoordinatorError, TLSError
-from fedtrain.participant.client import CoordinatorClient
 
 
 @dataclass(frozen=True)
@@ -80,14 +76,3 @@ def is_transient(error: BaseException) -> bool:
     if isinstance(error, CoordinatorUnavailable):
         return True
     return isinstance(error, CoordinatorError) and error.status >= 500
-
-
-@contextlib.contextmanager
-def short_retries(client: CoordinatorClient, seconds: float) -> Iterator[None]:
-    """Bound each call of `client` to `seconds` of retries for the duration of a sync attempt."""
-    saved = client.retry
-    client.retry = dataclasses.replace(saved, max_backoff_s=min(saved.max_backoff_s, seconds), max_elapsed_s=seconds)
-    try:
-        yield
-    finally:
-        client.retry = saved
