@@ -230,7 +230,8 @@ class TinyParticipant:
 
     What it leaves, for the test to check: `fed` (set at join), `joined` (an Event, set once
     `joined_at` and `initial`, the weights it joined with, are recorded), `optimizer`,
-    `model`, `losses` (every step's), `weights` (its trainable weights once the run finished).
+    `model`, `losses` (every step's), `weights` (its trainable weights once the run finished),
+    `error` (what its thread raised).
     """
 
     def __init__(
@@ -308,6 +309,11 @@ class TinyParticipant:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What its thread raised, if it did (None while it trains)."""
+        return self._thread.error
 
     def join(self, timeout: float = JOIN_TIMEOUT_S) -> TinyParticipant:
         self._thread.join(timeout)
