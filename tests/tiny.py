@@ -188,13 +188,15 @@ def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class TrainingThread:
-    """`target(*args, **kwargs)` in a daemon thread. `join` waits at most `timeout` seconds,
-    fails if it still runs, re-raises what it raised, and returns what it returned."""
+    """`target(*args, **kwargs)` in a daemon thread named `thread_name` (default: the `name`
+    keyword argument, if any). `join` waits at most `timeout` seconds, fails if it still runs,
+    re-raises what it raised, and returns what it returned."""
 
-    def __init__(self, target: Callable[..., Any], *args: Any, name: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, target: Callable[..., Any], *args: Any, thread_name: str | None = None, **kwargs: Any) -> None:
         self.result: Any = None
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(target, args, kwargs), name=name, daemon=True)
+        thread_name = thread_name or kwargs.get("name")
+        self._thread = threading.Thread(target=self._run, args=(target, args, kwargs), name=thread_name, daemon=True)
 
     def _run(self, target: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         try:
@@ -264,7 +266,7 @@ class TinyParticipant:
         self.losses: list[float] = []
         self.weights: dict[str, torch.Tensor] = {}
         self.crashed = False
-        self._thread = TrainingThread(self.run, name=name)
+        self._thread = TrainingThread(self.run, thread_name=name)
 
     @property
     def model(self) -> nn.Module:
