@@ -224,8 +224,8 @@ class TinyParticipant:
 
     `run()` trains in the calling thread until the run finishes (or `steps`, or `stop`);
     `start()` does it in a daemon thread, and `join()` waits for it (see `TrainingThread`).
-    The client has `token`, `retry` and `verify`; the `Participant` gets `outage`, `key_file`,
-    and the task's optimizer as its inner optimizer. `on_join(fed)` runs right after the join
+    The `Participant` is made from the URL with `token`, `retry`, `verify`, `outage` and
+    `key_file`, and gets the task's optimizer as its inner optimizer. `on_join(fed)` runs right after the join
     (register callbacks there), `on_step(fed, loss)` after each `fed.step`. With `crashes`,
     an injected crash (`faults.InjectedCrash`) ends it quietly, like a killed process, and
     `crashed` says so; otherwise it is an error like any other.
@@ -285,10 +285,10 @@ class TinyParticipant:
             return self.setup.loss(self.setup.model, self.setup.batch()).item()
 
     def run(self) -> TinyParticipant:
-        client = CoordinatorClient(self.url, self.token, retry=self.retry, verify=self.verify)
-        self.setup = setup = self.task.build(lambda: RunConfig.model_validate(client.get_config()["config"]))
-        fed = Participant(client, model=setup.model, inner_optimizer=setup.optimizer, eval_fn=setup.eval_fn,
-                          name=self.name, outage=self.outage, key_file=self.key_file)
+        self.setup = setup = self.task.build(self._run_config)
+        fed = Participant(self.url, token=self.token, retry=self.retry, verify=self.verify, model=setup.model,
+                          inner_optimizer=setup.optimizer, eval_fn=setup.eval_fn, name=self.name,
+                          outage=self.outage, key_file=self.key_file)
         try:
             with fed:
                 self.fed = fed
@@ -304,6 +304,11 @@ class TinyParticipant:
                 raise
             self.crashed = True
         return self
+
+    def _run_config(self) -> RunConfig:
+        """The run's config now, as the recipe reads it before joining."""
+        with CoordinatorClient(self.url, self.token, retry=self.retry, verify=self.verify) as client:
+            return RunConfig.model_validate(client.get_config()["config"])
 
     def start(self) -> TinyParticipant:
         self._thread.start()
