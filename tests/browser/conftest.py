@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.participant import CoordinatorClient, Participant
-from fedtrain.recipes import build_model
-from fedtrain.recipes.data import TokenStream, evaluate, load_tokens, parse_data_spec
-from tests.conftest import PTOKEN, tiny_config
+from fedtrain.participant import Participant
+from tests.conftest import tiny_config
+from tests.tiny import TinyGPT, TinyParticipant, join_all
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
@@ -76,38 +75,35 @@ def page(browser: Any) -> Iterator[Page]:
 
 @dataclass
 class LiveRun:
+    """The run's coordinator and its participants (by site name), training until `stop` is set."""
+
     coordinator: BackgroundCoordinator
-    feds: dict[str, Participant] = field(default_factory=dict)
-    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
-    errors: list[BaseException] = field(default_factory=list)
+    participants: dict[str, TinyParticipant] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
 
     @property
     def url(self) -> str:
         return self.coordinator.url
 
+    @property
+    def feds(self) -> dict[str, Participant]:
+        """The participants that have joined, by site name."""
+        return {name: p.fed for name, p in self.participants.items() if p.fed is not None}
 
-def _train(run: LiveRun, i: int, name: str) -> None:
-    try:
-        cfg = tiny_config()
-        model = build_model(cfg.model, seed=i)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-        stream = TokenStream(load_tokens(parse_data_spec(f"stdlib:{i}/3")), batch_size=4, seq_len=32, seed=i)
-        held_out = list(stream.eval_batches(2))
-        client = CoordinatorClient(run.url, PTOKEN)
-        with Participant(client, model=model, inner_optimizer=opt, name=name,
-                         eval_fn=lambda m: evaluate(m, held_out)) as fed:
-            run.feds[name], run.optimizers[name] = fed, opt
-            while not fed.finished and not run.stop.is_set():
-                x, y = stream.next_batch()
-                _, loss = model(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                fed.step(tokens=x.numel(), loss=loss.item())
-                time.sleep(0.03)  # leave the shared cores some room for the browser
-    except BaseException as e:
-        run.errors.append(e)
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {name: p.optimizer for name, p in self.participants.items() if p.fed is not None}
+
+    @property
+    def errors(self) -> list[BaseException]:
+        return [p.error for p in self.participants.values() if p.error is not None]
+
+
+def _site(run: LiveRun, i: int, name: str) -> TinyParticipant:
+    """Site i of 3: batches of 4 x 32 tokens, evals on 2 held-out batches, a pause after each step
+    to leave the shared cores some room for the browser."""
+    task = TinyGPT(shard=i, of=3, model_seed=i, batch_size=4, seq_len=32, eval_batches=2)
+    return TinyParticipant(run.url, name, task, stop=run.stop, step_sleep_s=0.03)
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +112,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
     cfg = tiny_config(rounds=0, name="browser-test")
     with BackgroundCoordinator(tmp_path_factory.mktemp("dashboard") / "state", cfg) as c:
         run = LiveRun(c)
-        threads = [threading.Thread(target=_train, args=(run, i, name), daemon=True) for i, name in enumerate(SITES)]
-        for t in threads:
-            t.start()
+        run.participants = {name: _site(run, i, name).start() for i, name in enumerate(SITES)}
         deadline = time.monotonic() + 60
         while c.service.version < 2 and not run.errors and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -128,6 +122,4 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
             yield run
         finally:
             run.stop.set()
-            for t in threads:
-                t.join(timeout=60)
-    assert not run.errors, run.errors
+            join_all(*run.participants.values(), timeout=60)  # raises what a participant raised

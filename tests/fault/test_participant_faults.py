@@ -5,7 +5,6 @@ ends the participant in bounded time. Training never stops for a transient error
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -15,44 +14,18 @@ import torch
 from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorUnavailable
-from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
+from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant.outage import OutagePolicy
 from tests.conftest import PTOKEN, free_port, start_coordinator, tiny_config
-from tests.integration.test_bootstrap import Small, init_file
+from tests.tiny import Regression, Small, TinyParticipant, init_file, run_all
 
 FAST_OUTAGE = OutagePolicy(budget_s=90.0, attempt_s=1.0, backoff_initial_s=0.2, backoff_max_s=1.0)
 
 
-class Runner(threading.Thread):
-    """One participant training `Small` on a fixed regression task, in a daemon thread."""
-
-    def __init__(self, url: str, name: str, outage: OutagePolicy = FAST_OUTAGE, step_s: float = 0.01) -> None:
-        super().__init__(daemon=True, name=name)
-        self.url, self.pname, self.outage, self.step_s = url, name, outage, step_s
-        self.fed: Participant | None = None
-        self.error: BaseException | None = None
-        self.final: dict[str, torch.Tensor] = {}
-
-    def run(self) -> None:
-        try:
-            torch.manual_seed(sum(map(ord, self.pname)))
-            model = Small()
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            x = torch.randn(16, 3)
-            y = x.sum(dim=1, keepdim=True)
-            client = CoordinatorClient(self.url, PTOKEN, retry=RetryPolicy(max_elapsed_s=30))
-            with Participant(client, model=model, name=self.pname, outage=self.outage) as fed:
-                self.fed = fed
-                while not fed.finished:
-                    loss = torch.nn.functional.mse_loss(model(x), y)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    fed.step(tokens=16, loss=loss.item())
-                    time.sleep(self.step_s)
-            self.final = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        except BaseException as e:
-            self.error = e
+def runner(url: str, name: str, outage: OutagePolicy = FAST_OUTAGE) -> TinyParticipant:
+    """One participant training `Small` on a fixed regression task (seeded by its name)."""
+    task = Regression(rows=16, seed=sum(map(ord, name)))
+    return TinyParticipant(url, name, task, retry=RetryPolicy(max_elapsed_s=30), outage=outage, step_sleep_s=0.01)
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
@@ -75,7 +48,7 @@ def test_participants_train_through_a_coordinator_outage(tmp_path: Path) -> None
         return start_coordinator(cfg_path, state, port, log, "--init-weights", str(init))
 
     proc = launch()
-    runners = [Runner(url, f"p{i}") for i in range(2)]
+    runners = [runner(url, f"p{i}") for i in range(2)]
     try:
         for r in runners:
             r.start()
@@ -89,8 +62,7 @@ def test_participants_train_through_a_coordinator_outage(tmp_path: Path) -> None
             assert r.fed.steps > before + cfg.train.sync_every, (before, r.fed.steps)
         proc = launch()
         for r in runners:
-            r.join(timeout=90)
-            assert not r.is_alive() and r.error is None, r.error
+            r.join(timeout=90)  # fails if it still runs, raises what it raised
         with CoordinatorClient(url, PTOKEN) as client:
             status = client.status()
             version, final = client.download()
@@ -103,7 +75,7 @@ def test_participants_train_through_a_coordinator_outage(tmp_path: Path) -> None
         assert r.fed.outages, "the outage was not ridden out"
         assert all(o["seconds"] >= 3.0 for o in r.fed.outages)
         for n, t in final.items():
-            assert torch.equal(r.final[n], t), (r.pname, n)
+            assert torch.equal(r.weights[n], t), (r.name, n)
 
 
 def _round(url: str) -> int:
@@ -115,18 +87,12 @@ def _round(url: str) -> int:
         return -1
 
 
-def _run(c: BackgroundCoordinator, n: int = 2, **kw: object) -> list[Runner]:
-    runners = [Runner(c.url, f"p{i}", **kw) for i in range(n)]  # type: ignore[arg-type]
-    for r in runners:
-        r.start()
-    for r in runners:
-        r.join(timeout=120)
-        assert not r.is_alive(), f"{r.pname} hangs"
-        assert r.error is None, r.error
+def _run(c: BackgroundCoordinator, n: int = 2) -> list[TinyParticipant]:
+    runners = run_all([runner(c.url, f"p{i}") for i in range(n)], timeout=120)  # none hangs, none raised
     assert c.service.finished
     for r in runners:
         for name, t in c.service.outer.params.items():
-            assert torch.equal(r.final[name], t), (r.pname, name)
+            assert torch.equal(r.weights[name], t), (r.name, name)
     return runners
 
 
@@ -167,17 +133,15 @@ def test_endless_outage_ends_the_participant_in_bounded_time(tmp_path: Path) -> 
     cfg = tiny_config(rounds=50, train={"sync_every": 3})
     policy = OutagePolicy(budget_s=3.0, attempt_s=0.5, backoff_initial_s=0.2, backoff_max_s=0.5)
     c = BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())).start()
-    runner = Runner(c.url, "p0", outage=policy)
-    runner.start()
+    p0 = runner(c.url, "p0", outage=policy).start()
     wait_for(lambda: c.service.version >= 1, 60, "round 1")
     c.stop()  # gone for good
     t0 = time.monotonic()
-    runner.join(timeout=60)
-    assert not runner.is_alive()
-    assert isinstance(runner.error, CoordinatorUnavailable), runner.error
-    assert "unreachable for" in runner.error.message
+    with pytest.raises(CoordinatorUnavailable) as info:
+        p0.join(timeout=60)  # an AssertionError instead if it still runs
+    assert "unreachable for" in info.value.message
     assert time.monotonic() - t0 < 30
-    assert runner.fed.steps > 3 * c.service.version  # it trained on while it waited
+    assert p0.fed is not None and p0.fed.steps > 3 * c.service.version  # it trained on while it waited
 
 
 @pytest.mark.parametrize("status", [500, 503])

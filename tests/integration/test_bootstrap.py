@@ -6,30 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import ModelMismatchError
 from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.wire import write_file
 from tests.conftest import PTOKEN, tiny_config
+from tests.tiny import Regression, Small, init_file, train
 
-
-class Small(nn.Module):
-    def __init__(self, width: int = 4) -> None:
-        super().__init__()
-        self.lin = nn.Linear(3, width)
-        self.head = nn.Linear(width, 1)
-        self.frozen = nn.Parameter(torch.ones(2), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.lin(x)))
-
-
-def init_file(tmp_path: Path, model: nn.Module) -> Path:
-    path = tmp_path / "init.safetensors"
-    write_file(path, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
-    return path
+__all__ = ["Small", "init_file"]  # imported from here by other tests
 
 
 def test_any_module_trains_from_init_weights(tmp_path: Path) -> None:
@@ -37,22 +22,12 @@ def test_any_module_trains_from_init_weights(tmp_path: Path) -> None:
     reference = Small()
     cfg = tiny_config(rounds=4, train={"sync_every": 5}, outer={"algorithm": "fedavg"})
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, reference)) as c:
-        model = Small()  # different local init: the participant must receive the run's weights
-        x = torch.randn(64, 3)
-        y = x.sum(dim=1, keepdim=True)
-        with Participant(CoordinatorClient(c.url, PTOKEN), model=model, name="solo") as fed:
-            assert torch.equal(model.lin.weight, reference.lin.weight)
-            first = None
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            while not fed.finished:
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                first = first if first is not None else loss.item()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                fed.step(tokens=64, loss=loss.item())
-            assert fed.round == 4 and len(fed.history) == 4
-        assert torch.nn.functional.mse_loss(model(x), y).item() < first
+        # a different local init (Small() after the reference): the participant must receive the run's weights
+        solo = train(c.url, "solo", Regression(rows=64))
+        assert torch.equal(solo.initial["lin.weight"], reference.lin.weight)
+        assert solo.fed is not None and solo.fed.round == 4 and len(solo.fed.history) == 4
+        model = solo.model
+        assert solo.loss() < solo.losses[0]
         assert set(c.service.outer.params) == {"lin.weight", "lin.bias", "head.weight", "head.bias"}
         for n, t in c.service.outer.params.items():  # FedAvg with one participant: its weights
             assert torch.equal(t, dict(model.named_parameters())[n].detach())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -12,48 +11,21 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.recipes import build_model
-from fedtrain.recipes.data import TokenStream, evaluate, heldout_paths, load_tokens, parse_data_spec
+from fedtrain.recipes.data import TokenStream, evaluate, heldout_paths, load_tokens
 from tests.conftest import PTOKEN, tiny_config
+from tests.tiny import TinyGPT, TinyParticipant, run_all
 
 
-def train(url: str, i: int, n: int, results: dict, errors: list) -> None:
-    """One participant: the recipe's loop, keeping the model for inspection."""
-    try:
-        client = CoordinatorClient(url, PTOKEN)
-        cfg = tiny_config()  # replaced by the coordinator's config at join
-        with Participant(client, model=build_model(cfg.model, seed=123 + i), name=f"p{i}") as fed:
-            cfg = fed.config
-            model = fed.model
-            opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-            stream = TokenStream(
-                load_tokens(parse_data_spec(f"stdlib:{i}/{n}")),
-                batch_size=cfg.train.batch_size,
-                seq_len=cfg.train.seq_len,
-                seed=i,
-            )
-            while not fed.finished:
-                x, y = stream.next_batch()
-                _, loss = model(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                fed.step(tokens=x.numel(), loss=loss.item())
-            results[i] = {n_: p.detach().clone() for n_, p in model.named_parameters()}
-    except BaseException as e:
-        errors.append(e)
+def recipe_gpt(i: int, n: int) -> TinyGPT:
+    """Participant i of n: the recipe's GPT (seed 123 + i) on its shard of the stdlib text, with
+    the run's batch size, sequence length and learning rate."""
+    return TinyGPT(shard=i, of=n, model_seed=123 + i)
 
 
-def train_all(url: str, n: int) -> dict:
+def train_all(url: str, n: int) -> dict[int, dict[str, torch.Tensor]]:
     """n participants training in threads until the run finishes; their final weights."""
-    results: dict = {}
-    errors: list = []
-    threads = [threading.Thread(target=train, args=(url, i, n, results, errors)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-    assert not errors, errors
-    return results
+    runners = run_all([TinyParticipant(url, f"p{i}", recipe_gpt(i, n)) for i in range(n)])
+    return {i: p.weights for i, p in enumerate(runners)}
 
 
 def assert_all_on(results: dict, final_global: dict[str, torch.Tensor]) -> None:

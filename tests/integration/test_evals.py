@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from fedtrain.cli import main as fedtrain_main
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.recipes.train import run_participant
 from tests.conftest import PTOKEN, tiny_config
+from tests.tiny import TrainingThread, join_all
 
 
 def test_eval_cadence_global_eval_and_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -22,21 +22,9 @@ def test_eval_cadence_global_eval_and_status_table(tmp_path: Path, capsys: pytes
         keep_checkpoints=10,  # tiny rounds outrun the evaluator; it skips versions no longer on disk
         eval={"every": 2, "global_data": "stdlib:heldout", "global_batches": 2},
     )
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            run_participant(c.url, PTOKEN, f"stdlib:{i}/2", name=f"p{i}", run_dir=tmp_path / f"p{i}")
-        except BaseException as e:
-            errors.append(e)
-
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors, errors
+        join_all(*(TrainingThread(run_participant, c.url, PTOKEN, f"stdlib:{i}/2", name=f"p{i}",
+                                  run_dir=tmp_path / f"p{i}").start() for i in range(2)), timeout=120)
         deadline = time.monotonic() + 30
         while not any(m["name"] == "global_eval/loss" and m["round"] == 4 for m in c.service.store.metrics()):
             assert time.monotonic() < deadline, "the coordinator did not evaluate the final global model"

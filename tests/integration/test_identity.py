@@ -23,7 +23,7 @@ from fedtrain.faults import InjectedCrash
 from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
-from tests.integration.test_bootstrap import Small, init_file
+from tests.tiny import Regression, Small, init_file, inner_steps
 
 
 def client(c: BackgroundCoordinator, token: str = PTOKEN, key: str | None = None) -> httpx.Client:
@@ -203,14 +203,8 @@ def test_an_evicted_participant_cannot_come_straight_back_under_another_name(tmp
 
 
 def _train(fed: Participant, model: torch.nn.Module, steps: int) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x = torch.randn(8, 3)
-    for _ in range(steps):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        fed.step(tokens=8, loss=loss.item())
+    """`steps` inner steps of a participant the test entered itself (SGD on model(x)² of 8 rows)."""
+    inner_steps(fed, Regression(rows=8, target="zero").on(model), steps=steps)
 
 
 def test_the_participant_client_carries_its_key_and_a_key_file_rejoins_as_itself(

@@ -12,9 +12,8 @@ import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, Participant
-from fedtrain.recipes import build_model
-from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
+from tests.tiny import TinyGPT, TinyParticipant, join_all
 
 
 def admin(c: BackgroundCoordinator) -> httpx.Client:
@@ -75,53 +74,38 @@ def test_sse_stream_pushes_config_changes(coordinator: BackgroundCoordinator) ->
         assert r.status_code == 401
 
 
-def run_participant(url: str, i: int, seen: dict, errors: list) -> None:
-    try:
-        cfg = tiny_config()
-        model = build_model(cfg.model)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-        stream = TokenStream(load_tokens(parse_data_spec(f"stdlib:{i}/3")), batch_size=4, seq_len=32, seed=i)
-        changes: list = []
-        with Participant(CoordinatorClient(url, PTOKEN), model=model, inner_optimizer=opt, name=f"p{i}") as fed:
-            fed.on_config_change(lambda old, new, diff: changes.append((fed.round, sorted(diff))))
-            while not fed.finished:
-                x, y = stream.next_batch()
-                _, loss = model(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                fed.step(tokens=x.numel(), loss=loss.item())
-            seen[i] = {"history": fed.history, "lr": opt.param_groups[0]["lr"], "changes": changes}
-    except BaseException as e:
-        errors.append(e)
+def live_participant(url: str, i: int) -> tuple[TinyParticipant, list]:
+    """Participant i of 3 (batches of 4 x 32 tokens), and the config changes it saw: (round, fields)."""
+    changes: list = []
+
+    def follow(fed: Participant) -> None:
+        fed.on_config_change(lambda old, new, diff: changes.append((fed.round, sorted(diff))))
+
+    return TinyParticipant(url, f"p{i}", TinyGPT(shard=i, of=3, batch_size=4, seq_len=32), on_join=follow), changes
 
 
 def test_h_and_lr_change_mid_run_switch_at_one_boundary(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=7, train={"sync_every": 5, "lr": 3e-3})
     with BackgroundCoordinator(tmp_path / "s", cfg) as c:
-        seen: dict = {}
-        errors: list = []
-        threads = [threading.Thread(target=run_participant, args=(c.url, i, seen, errors)) for i in range(3)]
-        for t in threads:
-            t.start()
-        while c.service.version < 2 and not errors:
+        runners, changes = zip(*(live_participant(c.url, i) for i in range(3)))
+        for p in runners:
+            p.start()
+        while c.service.version < 2 and not any(p.error for p in runners):
             time.sleep(0.01)
         with admin(c) as http:
             r = http.put("/v1/config", json={"changes": {"train": {"sync_every": 8, "lr": 1e-3}}}).json()
-        for t in threads:
-            t.join(timeout=240)
-        assert not errors, errors
+        join_all(*runners)
         status = c.service.status()
     effective = r["effective_round"]
     assert 2 <= effective < 7
-    for i in range(3):
-        history = seen[i]["history"]
-        for rec in history:
+    for i, p in enumerate(runners):
+        assert p.fed is not None
+        for rec in p.fed.history:
             expected = 8 if rec["round"] >= effective else 5
             assert rec["steps"] == expected and rec["sync_every"] == expected, (i, rec)
             assert rec["config_version"] == (2 if rec["round"] >= effective else 1)
-        assert seen[i]["lr"] == 1e-3
-        assert seen[i]["changes"] == [(effective, ["train.lr", "train.sync_every"])]
+        assert p.optimizer.param_groups[0]["lr"] == 1e-3
+        assert changes[i] == [(effective, ["train.lr", "train.sync_every"])]
     # the coordinator knows the version each participant runs
     assert {p["id"]: p["config_version"] for p in status["participants"]} == {f"p{i}": 2 for i in range(3)}
 

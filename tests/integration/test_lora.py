@@ -14,6 +14,7 @@ from fedtrain.recipes import build_model
 from fedtrain.recipes.train import run_participant
 from fedtrain.wire import EncodedBody, iter_file, read_tensors
 from tests.conftest import PTOKEN, tiny_config
+from tests.tiny import TrainingThread, join_all
 
 LLAMA = {
     "model_type": "llama",
@@ -34,22 +35,11 @@ def lora_config(**overrides: object) -> RunConfig:
 
 
 def run_two(url: str, tmp: Path) -> dict[int, dict]:
-    results: dict[int, dict] = {}
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            results[i] = run_participant(url, PTOKEN, f"stdlib:{i}/2", name=f"p{i}", run_dir=tmp / f"p{i}")
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=180)
-    assert not errors, errors
-    return results
+    """Two recipe participants in threads until the run finishes; their summaries."""
+    threads = [TrainingThread(run_participant, url, PTOKEN, f"stdlib:{i}/2", name=f"p{i}", run_dir=tmp / f"p{i}")
+               for i in range(2)]
+    join_all(*(t.start() for t in threads), timeout=180)
+    return {i: t.result for i, t in enumerate(threads)}
 
 
 def test_only_adapters_travel_and_are_stored(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ lost; its participants reconnect by themselves and finish on identical weights."
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -13,7 +12,8 @@ import torch
 
 from fedtrain.participant import CoordinatorClient
 from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
-from tests.integration.test_e2e import train
+from tests.integration.test_e2e import recipe_gpt
+from tests.tiny import TinyParticipant, join_all
 
 
 def current_round(url: str) -> int:
@@ -28,24 +28,20 @@ def test_sigkill_coordinator_resumes_without_losing_rounds(tmp_path: Path) -> No
     state, log, port = tmp_path / "state", tmp_path / "coordinator.log", free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_coordinator(cfg_path, state, port, log)
-    results: dict = {}
-    errors: list = []
-    threads = [threading.Thread(target=train, args=(url, i, n, results, errors)) for i in range(n)]
+    runners = [TinyParticipant(url, f"p{i}", recipe_gpt(i, n)) for i in range(n)]
     try:
-        for t in threads:
-            t.start()
+        for r in runners:
+            r.start()
         deadline = time.monotonic() + 120
         while current_round(url) < 3:
-            assert time.monotonic() < deadline and not errors, errors
+            assert time.monotonic() < deadline and not any(r.error for r in runners), [r.error for r in runners]
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed_at = int((state / "run.db").exists())
         time.sleep(1.0)
         proc = start_coordinator(cfg_path, state, port, log)
-        for t in threads:
-            t.join(timeout=240)
-        assert not errors, errors
+        join_all(*runners)
         assert killed_at
         with CoordinatorClient(url, PTOKEN) as client:
             status = client.status()
@@ -57,6 +53,6 @@ def test_sigkill_coordinator_resumes_without_losing_rounds(tmp_path: Path) -> No
     committed = sorted(r["round"] for r in status["recent_rounds"])
     assert committed == list(range(rounds)), committed  # no committed round lost or repeated
     assert any(m.startswith("resumed at round") for m in events), events
-    for i in range(n):
+    for i, r in enumerate(runners):
         for name, t in final.items():
-            assert torch.equal(results[i][name], t), (i, name)
+            assert torch.equal(r.weights[name], t), (i, name)

@@ -20,10 +20,10 @@ from fastapi.routing import APIRoute
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
 from fedtrain.coordinator.auth import ROLE_CHECK_ATTR, role_check
 from fedtrain.errors import CoordinatorError
-from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
+from fedtrain.participant import CoordinatorClient, RetryPolicy
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
 from tests.integration.test_api import assert_error, client, put, zeros_like_model
-from tests.integration.test_bootstrap import Small, init_file
+from tests.tiny import Regression, Small, init_file, train
 from tests.tls import make_tls
 
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
@@ -124,12 +124,7 @@ def test_tokens_are_never_logged(tmp_path: Path, caplog: pytest.LogCaptureFixtur
     cfg = tiny_config(rounds=2, train={"sync_every": 2})
     tokens = Tokens([secret_p], secret_a)
     with BackgroundCoordinator(tmp_path / "s", cfg, tokens=tokens, init_weights=init_file(tmp_path, Small())) as c:
-        model = Small()
-        with Participant(CoordinatorClient(c.url, secret_p), model=model, name="solo") as fed:
-            while not fed.finished:
-                loss = model(torch.randn(4, 3)).pow(2).mean()
-                loss.backward()
-                fed.step(tokens=4, loss=loss.item())
+        train(c.url, "solo", Regression(rows=4, target="zero"), token=secret_p)  # until the run finishes
         for bad in (secret_p + "x", secret_a[:-1], f"{secret_p} {secret_a}"):
             with client(c, bad) as http:
                 assert http.get("/v1/status").status_code == 401
@@ -167,11 +162,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path: Path) -> None:
             assert insecure.health()["ok"]
         with pytest.raises(httpx.HTTPError):
             httpx.get(c.url.replace("https://", "http://") + "/v1/healthz", timeout=5)
-        model = Small()
-        with Participant(c.url, token=PTOKEN, model=model, name="tls", verify=str(ca)) as fed:
-            while not fed.finished:
-                model(torch.randn(4, 3)).pow(2).mean().backward()
-                fed.step(tokens=4)
+        train(c.url, "tls", Regression(rows=4, target="zero"), verify=str(ca))  # Participant(url, verify=...)
         assert c.service.version == 1
 
 

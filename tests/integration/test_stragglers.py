@@ -4,7 +4,6 @@ staleness discount, adaptive deadlines, heartbeat failure, recovery and rejoin."
 from __future__ import annotations
 
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -13,10 +12,10 @@ import torch
 
 from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.participant import CoordinatorClient, Participant
-from tests.conftest import ATOKEN, PTOKEN, tiny_config
+from fedtrain.participant import CoordinatorClient
+from tests.conftest import ATOKEN, tiny_config
 from tests.integration.test_api import assert_error, client, put
-from tests.integration.test_bootstrap import Small, init_file
+from tests.tiny import Regression, Small, TinyParticipant, init_file, join_all
 
 
 def rand_like(c: BackgroundCoordinator, seed: int) -> dict[str, torch.Tensor]:
@@ -99,30 +98,9 @@ def test_silent_participant_fails_then_recovers_on_heartbeat(tmp_path: Path) -> 
         assert "fail" in kinds and "recover" in kinds
 
 
-def _train(url: str, name: str, done: dict, errors: list, started: threading.Event | None = None) -> None:
-    try:
-        torch.manual_seed(hash(name) % 1000)
-        model = Small()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        x = torch.randn(16, 3)
-        y = x.sum(dim=1, keepdim=True)
-        with Participant(CoordinatorClient(url, PTOKEN), model=model, name=name) as fed:
-            done[f"{name}.joined_at"] = fed.round
-            done[f"{name}.initial"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-            if started is not None:
-                started.set()
-            while not fed.finished:
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                fed.step(tokens=16, loss=loss.item())
-                time.sleep(0.01)
-            done[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    except faults.InjectedCrash:
-        done[name] = "crashed"
-    except BaseException as e:
-        errors.append(e)
+def _straggler(url: str, name: str) -> TinyParticipant:
+    """`Small` fitting a fixed batch, seeded by its name; an injected crash ends it quietly."""
+    return TinyParticipant(url, name, Regression(rows=16, seed=hash(name) % 1000), step_sleep_s=0.01, crashes=True)
 
 
 def test_participant_fails_at_round_and_rejoins_with_current_weights(tmp_path: Path) -> None:
@@ -135,42 +113,33 @@ def test_participant_fails_at_round_and_rejoins_with_current_weights(tmp_path: P
         train={"sync_every": 3},
         outer={"algorithm": "fedavg"},
     )
-    done: dict = {}
-    errors: list = []
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())) as c:
         with faults.inject("participant.sync", "crash", who="p2", round=1) as rule:
-            threads = [
-                threading.Thread(target=_train, args=(c.url, f"p{i}", done, errors), daemon=True) for i in range(3)
-            ]
-            for t in threads:
-                t.start()
+            runners = [_straggler(c.url, f"p{i}").start() for i in range(3)]
             deadline = time.monotonic() + 60
             while c.service.version < 3:  # p0 and p1 carry on without p2
-                assert time.monotonic() < deadline and not errors, errors
+                assert time.monotonic() < deadline and not any(r.error for r in runners), [r.error for r in runners]
                 time.sleep(0.05)
-        assert rule.fired == 1 and done["p2"] == "crashed"
+        runners[2].join(timeout=60)
+        assert rule.fired == 1 and runners[2].crashed
         assert c.service.participants["p2"].state == "failed"
         rounds = {r["round"]: r for r in c.service.store.rounds()}
         assert rounds[1]["n_submissions"] == 2  # round 1 closed without the failed participant
-        started = threading.Event()
-        back = threading.Thread(target=_train, args=(c.url, "p2", done, errors, started), daemon=True)
-        back.start()
-        assert started.wait(30), errors
-        joined_at = done["p2.joined_at"]
-        assert joined_at >= 3
+        back = _straggler(c.url, "p2").start()
+        assert back.joined.wait(30), back.error
+        joined_at = back.joined_at
+        assert joined_at is not None and joined_at >= 3
         with CoordinatorClient(c.url, ATOKEN) as admin:  # it starts from the current global weights
             _, global_then = admin.download(version=joined_at)
         assert set(global_then) == {"lin.weight", "lin.bias", "head.weight", "head.bias"}
         for n, t in global_then.items():
-            assert torch.equal(done["p2.initial"][n], t), n
-        for t in [*threads, back]:
-            t.join(timeout=60)
-        assert not errors, errors
+            assert torch.equal(back.initial[n], t), n
+        join_all(*runners[:2], back, timeout=60)
         assert c.service.finished
         final = c.service.outer.params
         for n in final:
-            for name in ("p0", "p1", "p2"):  # everyone ends on the global weights
-                assert torch.equal(done[name][n], final[n]), (name, n)
+            for r in (*runners[:2], back):  # everyone ends on the global weights
+                assert torch.equal(r.weights[n], final[n]), (r.name, n)
         events = [(e["kind"], e["message"]) for e in c.service.store.events(200)]
         assert any(k == "fail" and "p2" in m for k, m in events)
         assert any(k == "join" and "p2 rejoined" in m and "failed" in m for k, m in events)
