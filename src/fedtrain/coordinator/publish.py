@@ -31,10 +31,10 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.httpbody import SEND, SocketOut, Steps
+from fedtrain.transport.protocols import SEND, ModelSender, Steps
 from fedtrain.wire import EncodedBody
 
-# Below the coordinator's mmap threshold (1 MiB, see `server.tune_allocator`): chunks come from
+# Below the coordinator's mmap threshold (1 MiB, see `transport.allocator.tune_allocator`): chunks come from
 # the heap and are reused, where a chunk above it would be a fresh mmap whose page faults and
 # munmap cost more than the copy.
 CHUNK = 512 << 10
@@ -148,8 +148,8 @@ class ModelStream:
         finally:
             self.close()
 
-    def steps(self, out: SocketOut) -> Steps:
-        """Send the whole body through `out`, on worker threads (`httpbody.ResponseSink`), yielding
+    def steps(self, out: ModelSender) -> Steps:
+        """Send the whole body through `out`, on worker threads (`transport.ResponseSink`), yielding
         whenever the socket takes no more (None) or the commit is to be waited for (a `Hold`):
         from memory, a nonblocking write at a time under the guard lock (a slow client never
         holds it while it waits), else or then (once the weights moved on) by `sendfile` from
@@ -180,7 +180,7 @@ class ModelStream:
         assert self._file is not None
         yield from out.sendfile_steps(self._file.fileno(), offset, self.size - offset)
 
-    def pump(self, out: SocketOut) -> None:
+    def pump(self, out: ModelSender) -> None:
         """`steps`, taken on this thread alone: it waits for the client and the commit itself."""
         out.run(self.steps(out))
 
@@ -216,7 +216,7 @@ def _pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
 
 class ModelResponse(StreamingResponse):
     """A model download: written by `ModelStream.steps` straight to the socket where the server
-    offers it (`httpbody.SEND`: plain HTTP with our protocol), else streamed in chunks."""
+    offers it (`transport.SEND`: plain HTTP with fast IO on), else streamed in chunks (the plain path)."""
 
     def __init__(self, stream: ModelStream, headers: dict[str, str]) -> None:
         super().__init__(stream.chunks(), media_type="application/octet-stream", headers=headers)
