@@ -30,10 +30,8 @@ from fedtrain.config import MB
 from fedtrain.coordinator import dashboard, storage
 from fedtrain.coordinator.auth import KEY_HEADER, Identity, key_cookie, role_check
 from fedtrain.coordinator.broadcast import sse
-from fedtrain.coordinator.httpbody import READINTO, SEND
 from fedtrain.coordinator.limits import BodyLimit, InFlight
 from fedtrain.coordinator.publish import ModelResponse
-from fedtrain.coordinator.receive import Body
 from fedtrain.coordinator.service import Coordinator, Refused
 from fedtrain.coordinator.storage import storage_full
 from fedtrain.errors import (
@@ -44,6 +42,7 @@ from fedtrain.errors import (
     WireError,
     error_body,
 )
+from fedtrain.transport import READINTO, SEND, Body
 from fedtrain.wire import DIGEST_HEADER
 
 log = logging.getLogger("fedtrain.coordinator")

@@ -36,7 +36,6 @@ from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.errors import FedtrainError
 from fedtrain.merge import OuterOptimizer, RunningSum
 from fedtrain.wire import EncodedBody
-from fedtrain.wire.files import DIRECT_ALIGN
 
 if TYPE_CHECKING:
     from fedtrain.coordinator.receive import SpoolFiles, Staging
@@ -173,7 +172,7 @@ class CoordinatorBase:
         if written.misfits or written.state_misfits:
             with self._fold_lock, self._weights.lock:
                 if outer is self.outer:
-                    outer.realign(written.misfits, written.state_misfits, DIRECT_ALIGN)
+                    self.ckpt.realign(outer, written)
         return written.digest
 
     def _require_admin(self, ident: Identity, what: str) -> None:

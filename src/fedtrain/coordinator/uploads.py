@@ -57,13 +57,13 @@ from fedtrain.config import RunConfig, parse_config
 from fedtrain.coordinator import policy, storage
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.base import CoordinatorBase, Refused, log
-from fedtrain.coordinator.httpbody import Abandoned
-from fedtrain.coordinator.receive import Body, Head, peek_header, receive_to_spool
+from fedtrain.coordinator.receive import Head, peek_header, receive_to_spool
 from fedtrain.coordinator.spool import needs_spool
 from fedtrain.coordinator.storage import storage_full
 from fedtrain.merge import all_finite, check_compatible  # noqa: F401 - all_finite: tests patch it to see no second pass
 from fedtrain.merge.aggregate import MAX_UPDATE_ABS, max_abs
 from fedtrain.merge.robust import clip_scale, sum_of_squares
+from fedtrain.transport import Abandoned, Body
 from fedtrain.wire import BodyReader, TensorSpec
 from fedtrain.wire.compress import expected_specs, scheme_of
 
