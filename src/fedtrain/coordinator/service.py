@@ -97,8 +97,10 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
         lock: StateLock | None = None,
         apply_config: bool = False,
         recover: bool = False,
+        fast_io: bool | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self._fast_io = fast_io  # the transport's fast paths (None: FEDTRAIN_FAST_IO decides)
         self.lock = lock  # the state dir's OS lock: taken by the caller early, else at open()
         self.config_path = config_path
         self.broadcast = Broadcaster()
@@ -146,7 +148,7 @@ class Coordinator(ParticipantsMixin, LiveConfigMixin, UploadsMixin, RoundsMixin)
 
     def _open_locked(self) -> None:
         self.store = Store(self.state_dir / "run.db")
-        self.ckpt = CheckpointDir(self.state_dir / "checkpoints")
+        self.ckpt = CheckpointDir(self.state_dir / "checkpoints", fast_io=self._fast_io)
         self.ckpt.remove_temp_files()
         self.spool = self.state_dir / "spool"
         shutil.rmtree(self.spool, ignore_errors=True)
