@@ -13,7 +13,9 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.recipes import build_model
 from fedtrain.recipes.data import TokenStream, evaluate, heldout_paths, load_tokens, parse_data_spec
-from tests.conftest import PTOKEN, tiny_config
+from tests.conftest import BOTH_TRANSPORTS, PTOKEN, tiny_config
+
+pytestmark = BOTH_TRANSPORTS
 
 
 def train(url: str, i: int, n: int, results: dict, errors: list) -> None:

@@ -12,8 +12,10 @@ import httpx
 import torch
 
 from fedtrain.participant import CoordinatorClient
-from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
+from tests.conftest import BOTH_TRANSPORTS, PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
 from tests.integration.test_e2e import train
+
+pytestmark = BOTH_TRANSPORTS
 
 
 def current_round(url: str) -> int:
