@@ -2,8 +2,9 @@
 
 A round's new model is served straight from the master weights as soon as the outer step
 is done, while its checkpoint files are written and fsync'd beside the downloads, and after
-that until the next outer step (the checkpoint is written past the page cache, so its file
-is read from the disk: the memory is the faster source while it holds the same bytes). By
+that until the next outer step (with fast IO the checkpoint is written past the page cache,
+so its file is read from the disk: the memory is the faster source while it holds the same
+bytes). By
 default (commit first) a download holds back its last piece until the round is committed
 (files and database row): no participant holds a whole model that a crash could still
 take back, and yet the commit does not sit between the merge and the downloads. Should the
@@ -15,6 +16,10 @@ The weights must not change under a download: every piece is copied out under th
 epoch) only runs once this round's commit is done; a download still streaming from memory
 when the epoch moves continues from the committed file at the same offset. The bytes are
 the same either way: the file is the same `EncodedBody` (same tensors, same metadata).
+
+A download goes out through the transport seam (`ModelResponse`): written by
+`ModelStream.steps` through the server's `ResponseSink` where it offers one (fast IO on,
+plain HTTP), else as a chunked StreamingResponse of `ModelStream.chunks` (the plain path).
 """
 
 from __future__ import annotations
@@ -128,10 +133,10 @@ class ModelStream:
                 self._file.seek(offset)
             file = self._file
             assert file is not None
-            # From the page cache (a file read recently) a chunk is a ~50 µs copy, so it is read
+            # From the page cache (a file read recently) a chunk is a short copy, so it is read
             # in the event loop: on a worker thread the stream would wait for a hop per batch of
             # reads, which costs more than the reads. A read slower than SLOW_READ_S is a disk's
-            # (a checkpoint is written past the page cache): the rest of the file is then read on
+            # (a checkpoint written with O_DIRECT is not in the page cache): the rest is then read on
             # a worker thread, so the loop waits on the disk once.
             while True:
                 t0 = time.perf_counter()

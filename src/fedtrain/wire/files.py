@@ -90,8 +90,8 @@ def write_temp(
 
     `reuse` names a spare file in the same directory (a temp name, owned by the caller and
     read by nobody) to write over instead of a fresh one: overwriting pages that are in the
-    page cache costs about half as much as allocating new ones, and written direct, blocks the
-    disk has allocated already are cheaper too. It becomes the temp file.
+    page cache costs less than allocating new ones, and written direct, blocks the disk has
+    allocated already are cheaper too. It becomes the temp file.
     `digest`, when the caller has hashed the same body already (same tensors, metadata and
     algorithm), is taken as the file's digest and the bytes are not hashed again; `""`
     for a file whose digest nobody asks for. `write` puts the bytes into the file (None:
