@@ -45,9 +45,9 @@ from pathlib import Path
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.server import tune_allocator
+from fedtrain.transport.allocator import tune_process
 
-tune_allocator()  # as `fedtrain coordinator` does
+tune_process()  # as `fedtrain coordinator` does
 state, init, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 with BackgroundCoordinator(state, RunConfig.model_validate(config), tokens=Tokens([sys.argv[4]], "admin"),
                            init_weights=Path(init)) as c:

@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny run configs, a coordinator on a free loopback port (in-process), and
-a coordinator as a `python -m fedtrain coordinator` process for tests that kill or signal it."""
+"""Shared fixtures: tiny run configs, a coordinator on a free loopback port (in-process), a
+coordinator as a `python -m fedtrain coordinator` process for tests that kill or signal it,
+and `transport`, which runs a test once with the fast IO paths on and once with them off."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.transport import FAST_IO_ENV
 
 PTOKEN = "participant-token"
 ATOKEN = "admin-token"
@@ -42,6 +44,19 @@ def tiny_config(**overrides: object) -> RunConfig:
 def coordinator(tmp_path: Path) -> Iterator[BackgroundCoordinator]:
     with BackgroundCoordinator(tmp_path / "state", tiny_config()) as c:
         yield c
+
+
+@pytest.fixture(params=["fast", "plain"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test runs twice: with the fast IO paths on (`[fast]`) and off (`[plain]`: stock uvicorn,
+    buffered checkpoints, plain httpx), through `FEDTRAIN_FAST_IO`, which coordinators and clients
+    made in the test read, and `start_coordinator`'s processes inherit."""
+    monkeypatch.setenv(FAST_IO_ENV, "1" if request.param == "fast" else "0")
+    return str(request.param)
+
+
+BOTH_TRANSPORTS = pytest.mark.usefixtures("transport")
+"""`pytestmark = BOTH_TRANSPORTS`: every test of a module runs once per transport (`transport`)."""
 
 
 def free_port() -> int:

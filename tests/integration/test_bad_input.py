@@ -18,8 +18,10 @@ import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, digest_bytes
-from tests.conftest import tiny_config
+from tests.conftest import BOTH_TRANSPORTS, tiny_config
 from tests.integration.test_api import assert_error, client, put, zeros_like_model
+
+pytestmark = BOTH_TRANSPORTS
 
 
 @pytest.fixture

@@ -12,8 +12,10 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.recipes import build_model
 from fedtrain.recipes.data import TokenStream, evaluate, heldout_paths, load_tokens
-from tests.conftest import PTOKEN, tiny_config
+from tests.conftest import BOTH_TRANSPORTS, PTOKEN, tiny_config
 from tests.tiny import TinyGPT, TinyParticipant, run_all
+
+pytestmark = BOTH_TRANSPORTS
 
 
 def recipe_gpt(i: int, n: int) -> TinyGPT:

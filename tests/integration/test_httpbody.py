@@ -1,4 +1,5 @@
-"""The HTTP protocol whose request bodies are read straight into the app's memory (`httpbody.py`),
+"""The HTTP protocol whose request bodies are read straight into the app's memory
+(`fedtrain.transport.readinto`),
 served by uvicorn over loopback and driven by a raw socket, so that keep-alive, pauses
 and pipelining are under the test's control."""
 
@@ -19,8 +20,12 @@ import pytest
 import uvicorn
 from starlette.requests import ClientDisconnect
 
-from fedtrain.coordinator.httpbody import READINTO, SEND, Abandoned, ReadIntoProtocol
 from fedtrain.coordinator.server import bind
+from fedtrain.transport import versions
+from fedtrain.transport.http_server import fast_protocol
+from fedtrain.transport.protocols import READINTO, SEND, Abandoned
+from fedtrain.transport.readinto import ReadIntoProtocol
+from fedtrain.transport.server_limits import ServerLimits
 
 events: list[str] = []
 
@@ -303,15 +308,19 @@ def test_a_cancelled_send_closes_the_connection_and_the_server_goes_on(server: i
         assert raw_response(s, 1000) == payload(1000)
 
 
-def test_the_coordinator_falls_back_to_the_stock_protocol_on_a_uvicorn_it_was_not_built_on(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedtrain.coordinator import httpbody, server
-
-    assert httpbody.supported()  # the uvicorn installed here
-    assert server.http_protocol() is ReadIntoProtocol
-    monkeypatch.setitem(httpbody._RELIED_ON, "RequestResponseCycle.__init__", {"body", "renamed_in_a_later_uvicorn"})
-    assert not httpbody.supported()
-    assert server.http_protocol() == "httptools"
+@pytest.mark.parametrize("name, version", [("uvicorn", "0.55.0"), ("uvicorn", "0.53.1"), ("httptools", "0.10.0"),
+                                           ("httptools", None)])
+def test_the_coordinator_falls_back_to_the_stock_protocol_outside_the_tested_versions(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str, version: str | None) -> None:
+    limits = ServerLimits()
+    ours = fast_protocol(limits, fast_io=True)  # the uvicorn and httptools installed here
+    assert ours is not None and ours.func is ReadIntoProtocol  # type: ignore[attr-defined]
+    real = versions.installed
+    monkeypatch.setattr(versions, "installed", lambda dist: version if dist == name else real(dist))
+    assert fast_protocol(limits, fast_io=True) is None
+    assert fast_protocol(limits, fast_io=True) is None
+    warned = [r for r in caplog.records if "outside the range" in r.getMessage() and name in r.getMessage()]
+    assert len(warned) == 1  # once, however often the server is built
 
 
 def test_stalled_downloads_do_not_hold_up_the_default_thread_pool(server: int) -> None:

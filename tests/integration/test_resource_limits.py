@@ -28,7 +28,9 @@ WAIT_S = 30.0  # the most any step may take before the test calls it stuck (neve
 @contextlib.contextmanager
 def coordinator(tmp_path: Path, limits: ServerLimits | None = None, init: Path | None = None,
                 **config: Any) -> Iterator[BackgroundCoordinator]:
-    with BackgroundCoordinator(tmp_path / "state", tiny_config(**config), init_weights=init, limits=limits) as c:
+    # The limits are the fast protocol's to enforce (with fast IO off only uvicorn's hold).
+    with BackgroundCoordinator(tmp_path / "state", tiny_config(**config), init_weights=init, limits=limits,
+                               fast_io=True) as c:
         yield c
 
 

@@ -11,9 +11,11 @@ import httpx
 import torch
 
 from fedtrain.participant import CoordinatorClient
-from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
+from tests.conftest import BOTH_TRANSPORTS, PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
 from tests.integration.test_e2e import recipe_gpt
 from tests.tiny import TinyParticipant, join_all
+
+pytestmark = BOTH_TRANSPORTS
 
 
 def current_round(url: str) -> int:

@@ -1,6 +1,6 @@
-"""Checkpoint files written with O_DIRECT (`write_temp(direct=True)`): the same bytes as through
-the page cache, tensors whose memory lines up with the file go to the disk from where they lie,
-the others are named so `OuterOptimizer.realign` can move them; refusals fall back."""
+"""Checkpoint files written with O_DIRECT (`transport.direct.DirectWriter`): the same bytes as
+through the page cache, tensors whose memory lines up with the file go to the disk from where they
+lie, the others are named so `transport.writers.realign` can move them; refusals fall back."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ import pytest
 import torch
 
 from fedtrain.merge import OuterOptimizer
-from fedtrain.wire import EncodedBody, files
-from fedtrain.wire.files import DIRECT_ALIGN, REALIGN_MIN, write_temp
+from fedtrain.transport import direct as direct_io
+from fedtrain.transport.direct import DIRECT_ALIGN, REALIGN_MIN, DirectWriter
+from fedtrain.transport.writers import realign
+from fedtrain.wire import EncodedBody
+from fedtrain.wire.files import PendingFile, write_temp
 
 META = {"run": "t", "version": "3"}
 
@@ -24,14 +27,8 @@ META = {"run": "t", "version": "3"}
 def needs_o_direct(tmp_path: Path) -> None:
     """Skips a test of direct writes themselves where tmp_path's file system refuses O_DIRECT
     (the fallback has tests of its own)."""
-    probe = tmp_path / ".probe"
-    fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600)
-    try:
-        if not files._set_direct(fd, True):
-            pytest.skip("this file system refuses O_DIRECT")
-    finally:
-        os.close(fd)
-        probe.unlink()
+    if not direct_io.o_direct_supported(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
 
 
 def mixed(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -59,8 +56,9 @@ def offsets(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> dict[str,
     return out
 
 
-def written(tmp_path: Path, name: str, tensors: dict[str, torch.Tensor], **kw) -> tuple[bytes, files.PendingFile]:
-    pending = write_temp(tmp_path / name, tensors, META, **kw)
+def written(tmp_path: Path, name: str, tensors: dict[str, torch.Tensor], direct: bool = False,
+            **kw) -> tuple[bytes, PendingFile]:
+    pending = write_temp(tmp_path / name, tensors, META, write=DirectWriter().write if direct else None, **kw)
     pending.commit()
     return (tmp_path / name).read_bytes(), pending
 
@@ -95,7 +93,7 @@ def test_tensors_moved_by_realign_go_from_their_memory(tmp_path: Path, monkeypat
     ids = {k: id(v) for k, v in outer.params.items()}
     values = {k: v.clone() for k, v in outer.params.items()}
     momentum = {k: v.clone() for k, v in state.items()}
-    outer.realign(first.misfits, first_state.misfits, DIRECT_ALIGN)
+    realign(outer, DirectWriter(), first.misfits, first_state.misfits)
     assert {k: id(v) for k, v in outer.params.items()} == ids  # same tensors, moved storage
     for k, v in outer.params.items():
         assert torch.equal(v, values[k])
@@ -137,9 +135,9 @@ def test_realign_leaves_what_it_cannot_move() -> None:
     params = {"a": torch.randn(1000), "b": torch.randn(1000)}
     outer = OuterOptimizer(params, "fedavg", {"lr": 1.0})
     before = {k: v.data_ptr() for k, v in outer.params.items()}
-    outer.realign({"a": 6, "nope": 0}, {"momentum_buffer/a": 0}, DIRECT_ALIGN)  # 6: not a float32 boundary
+    realign(outer, DirectWriter(), {"a": 6, "nope": 0}, {"momentum_buffer/a": 0})  # 6: not a float32 boundary
     assert {k: v.data_ptr() for k, v in outer.params.items()} == before
-    outer.realign({"b": 8}, {}, DIRECT_ALIGN)
+    realign(outer, DirectWriter(), {"b": 8}, {})
     assert outer.params["b"].data_ptr() % DIRECT_ALIGN == 8 and torch.equal(outer.params["b"], params["b"])
 
 
@@ -147,13 +145,13 @@ def test_realign_leaves_what_it_cannot_move() -> None:
 def test_bounce_buffer_sizes_and_a_longer_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounce: int) -> None:
     """Every path of the writer (buffer full, flush before a direct piece, padded end) gives the
     same file, also written over a longer file (a spare), which is cut to size."""
-    monkeypatch.setattr(files, "BOUNCE_BYTES", bounce)
-    monkeypatch.setattr(files, "DIRECT_PIECE", 5 * DIRECT_ALIGN)  # many pieces per tensor
+    monkeypatch.setattr(direct_io, "BOUNCE_BYTES", bounce)
+    monkeypatch.setattr(direct_io, "DIRECT_PIECE", 5 * DIRECT_ALIGN)  # many pieces per tensor
     tensors = mixed(1)
     plain, _ = written(tmp_path, "plain", tensors)
     spare = tmp_path / "spare.tmp"
     spare.write_bytes(b"\xff" * (len(plain) + 3 * DIRECT_ALIGN + 5))
-    pending = write_temp(tmp_path / "d", tensors, META, reuse=spare, direct=True)
+    pending = write_temp(tmp_path / "d", tensors, META, reuse=spare, write=DirectWriter().write)
     assert pending.tmp == str(spare)
     pending.commit()
     assert (tmp_path / "d").read_bytes() == plain
@@ -176,7 +174,6 @@ def test_a_file_system_without_o_direct_gets_the_page_cache(
         return real(fd, cmd, arg)
 
     monkeypatch.setattr(fcntl, "fcntl", refuse)
-    monkeypatch.setattr(files, "_warned_direct", False)
     data, pending = written(tmp_path, "refused", tensors, direct=True)
     assert data == plain and pending.misfits == {}
     assert "cannot be written with O_DIRECT" in caplog.text
@@ -196,8 +193,7 @@ def test_a_direct_write_refused_midway_is_written_again_through_the_page_cache(
         return real(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", second_refused)
-    monkeypatch.setattr(files, "_warned_direct", False)
-    monkeypatch.setattr(files, "BOUNCE_BYTES", 2 * DIRECT_ALIGN)  # many writes
+    monkeypatch.setattr(direct_io, "BOUNCE_BYTES", 2 * DIRECT_ALIGN)  # many writes
     data, pending = written(tmp_path, "midway", tensors, direct=True)
     assert calls[0] == 2  # refused at the second; then written again through the page cache (no pwrite)
     assert data == plain and pending.digest == EncodedBody(tensors, META).digest()
@@ -211,7 +207,7 @@ def test_a_failing_disk_fails_the_write_and_leaves_no_temp_file(tmp_path: Path,
 
     monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(OSError, match="No space"):
-        write_temp(tmp_path / "x", mixed(), META, direct=True)
+        write_temp(tmp_path / "x", mixed(), META, write=DirectWriter().write)
     assert list(tmp_path.iterdir()) == []
 
     def short(fd: int, data: memoryview, offset: int) -> int:
@@ -219,7 +215,7 @@ def test_a_failing_disk_fails_the_write_and_leaves_no_temp_file(tmp_path: Path,
 
     monkeypatch.setattr(os, "pwrite", short)
     with pytest.raises(OSError, match="direct write"):
-        write_temp(tmp_path / "x", mixed(), META, direct=True)
+        write_temp(tmp_path / "x", mixed(), META, write=DirectWriter().write)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -234,7 +230,7 @@ def test_the_coordinator_moves_its_tensors_once_then_writes_them_from_memory(
     from tests.conftest import ATOKEN, tiny_config
     from tests.integration.test_api import put
 
-    monkeypatch.setattr(files, "REALIGN_MIN", 64)
+    monkeypatch.setattr(direct_io, "REALIGN_MIN", 64)
     seen = []
     real = CheckpointDir.write
 
@@ -244,7 +240,7 @@ def test_the_coordinator_moves_its_tensors_once_then_writes_them_from_memory(
         return out
 
     monkeypatch.setattr(CheckpointDir, "write", spy)
-    with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=3)) as c, httpx.Client(
+    with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=3), fast_io=True) as c, httpx.Client(
             base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as http:
         http.post("/v1/join", json={"name": "a"})
         for r in range(2):
@@ -267,16 +263,16 @@ def test_the_coordinator_moves_its_tensors_once_then_writes_them_from_memory(
 def test_a_consuming_move_gives_the_old_pages_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """`aligned_copy(consume=True)` copies piece by piece and releases each piece's whole
     pages of the source behind it (they read as zeros then): the move never holds two copies."""
-    monkeypatch.setattr(files, "MOVE_PIECE", 3 * files.PAGE + 100)  # pieces that end mid-page
+    monkeypatch.setattr(direct_io, "MOVE_PIECE", 3 * direct_io.PAGE + 100)  # pieces that end mid-page
     t = torch.arange(1, 300_001, dtype=torch.float32)
     expected = t.clone()
-    moved = files.aligned_copy(t, 1234 * 4, consume=True)
+    moved = direct_io.aligned_copy(t, 1234 * 4, consume=True)
     assert moved is not None and torch.equal(moved, expected)
     assert (moved.data_ptr() - 1234 * 4) % DIRECT_ALIGN == 0
     raw = t.view(torch.uint8)
-    first = -t.data_ptr() % files.PAGE
-    last = (t.data_ptr() + raw.numel()) // files.PAGE * files.PAGE - t.data_ptr()
-    assert last - first > 100 * files.PAGE
+    first = -t.data_ptr() % direct_io.PAGE
+    last = (t.data_ptr() + raw.numel()) // direct_io.PAGE * direct_io.PAGE - t.data_ptr()
+    assert last - first > 100 * direct_io.PAGE
     assert not raw[first:last].any()  # every whole page of the source was given back
     assert torch.equal(raw[:first], expected.view(torch.uint8)[:first])  # bytes sharing a page with others stay
 
@@ -292,8 +288,8 @@ def test_a_config_change_between_merge_and_commit_keeps_the_new_optimizers_state
     from tests.conftest import ATOKEN, tiny_config
     from tests.integration.test_api import put
 
-    monkeypatch.setattr(files, "REALIGN_MIN", 64)
-    with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=3)) as c, httpx.Client(
+    monkeypatch.setattr(direct_io, "REALIGN_MIN", 64)
+    with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=3), fast_io=True) as c, httpx.Client(
             base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as http:
         http.post("/v1/join", json={"name": "a"})
         r = http.put("/v1/config", json={"changes": {"outer": {"lr": 0.5}}}).json()

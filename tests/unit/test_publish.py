@@ -17,8 +17,8 @@ from fedtrain import faults
 from fedtrain.coordinator import Coordinator
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.httpbody import SocketOut
 from fedtrain.coordinator.publish import ModelStream, NotCommitted, Published, WeightsGuard
+from fedtrain.transport.send import SocketOut
 from fedtrain.wire import EncodedBody, write_file
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
 from tests.unit.test_uploads import ADMIN_ID, chunked, raw_body

@@ -15,10 +15,12 @@ checked for non-finite values: refusing it would strand every older state direct
 file whose model beside it is still verified, and the next commit writes it with a digest.
 It is logged and listed by `unverified()`.
 
-The files are written with O_DIRECT (`write_temp(direct=True)`): the disk takes the tensors
-from memory, and the CPU, which the round's downloads need at the same time, copies nothing
-into the page cache. `write` names the tensors that were not placed in memory for that
-(`Written`), and the coordinator moves them (`OuterOptimizer.realign`) after the first commit.
+The bytes go into the files through the transport seam's checkpoint writer
+(`fedtrain.transport.writers`): with fast IO on, O_DIRECT (the disk takes the tensors from
+memory, and the CPU, which the round's downloads need at the same time, copies nothing into
+the page cache); off, through the page cache. `write` names the tensors the writer could not
+take from memory (`Written`), and the coordinator has them moved (`realign`) after the first
+commit.
 
 Pruned files are kept as spares (up to two, under temp names) and the next checkpoint is
 written over them: blocks the disk has allocated already are written faster than fresh
@@ -40,16 +42,20 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
 from fedtrain import faults
 from fedtrain.errors import StateError, WireError
+from fedtrain.transport import writers
 from fedtrain.wire import EncodedBody, StreamingDigest, iter_file, read_tensors
 from fedtrain.wire.digest import digests_equal, parse_digest
 from fedtrain.wire.files import write_temp
 from fedtrain.wire.reader import OnHeader
+
+if TYPE_CHECKING:
+    from fedtrain.merge.outer import OuterOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,7 @@ STATE_DIGEST_KEY = "fedtrain.state_digest"
 @dataclass
 class Written:
     """What `CheckpointDir.write` wrote: the model file's digest, and the tensors of each file
-    that went to the disk through the bounce buffer (`PendingFile.misfits`)."""
+    that the writer could not take from memory (`PendingFile.misfits`; empty when buffered)."""
 
     digest: str
     misfits: dict[str, int]
@@ -70,11 +76,13 @@ class Written:
 
 
 class CheckpointDir:
-    """Reads, writes and prunes the tensor files of committed rounds."""
+    """Reads, writes and prunes the tensor files of committed rounds. `fast_io` picks the
+    writer (O_DIRECT or the page cache; None: `FEDTRAIN_FAST_IO` decides)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, fast_io: bool | None = None) -> None:
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
+        self._writer = writers.checkpoint_writer(fast_io)
         # Readers, spares and their names change on the event loop (downloads), the commit
         # thread (taking spares) and the janitor (pruning): all under this lock.
         self._lock = threading.Lock()
@@ -132,11 +140,12 @@ class CheckpointDir:
         copies, the hash and the fsyncs release the GIL), so a commit takes about as long as
         the larger file. The model file is renamed into place only after the outer state
         file is: a version whose model file exists always has its optimizer state."""
+        write = self._writer.write
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-ckpt") as pool:
             outer = pool.submit(self._write_outer, version, outer_tensors, outer_meta, digest_algorithm)
             try:
                 pending = write_temp(self.global_path(version), params, {**run_meta, "version": str(version)},
-                                     digest_algorithm, reuse=self._take_spare(), digest=digest, direct=True)
+                                     digest_algorithm, reuse=self._take_spare(), digest=digest, write=write)
             except BaseException:
                 concurrent.futures.wait([outer])
                 raise
@@ -148,6 +157,14 @@ class CheckpointDir:
         pending.commit()
         return Written(pending.digest, pending.misfits, state_misfits)
 
+    def realign(self, outer: OuterOptimizer, written: Written) -> None:
+        """Move the tensors of `outer` that `written` names (the misfits of its last `write`) to
+        where the writer takes them from memory next time; values unchanged. The caller holds
+        off every reader and writer of `outer`'s tensors meanwhile, and makes sure that no other
+        optimizer shares its state (the state's old memory is given back as it is moved)."""
+        if written.misfits or written.state_misfits:
+            writers.realign(outer, self._writer, written.misfits, written.state_misfits)
+
     def _write_outer(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, str],
                      digest_algorithm: str | None) -> dict[str, int]:
         if STATE_DIGEST_KEY in meta:
@@ -156,7 +173,7 @@ class CheckpointDir:
         # GIL); the file's own bytes, which hold the result, are then not hashed.
         claimed = EncodedBody(tensors, meta, digest_algorithm=digest_algorithm).digest()
         pending = write_temp(self.outer_path(version), tensors, {**meta, STATE_DIGEST_KEY: claimed},
-                             digest_algorithm, reuse=self._take_spare(), digest="", direct=True)
+                             digest_algorithm, reuse=self._take_spare(), digest="", write=self._writer.write)
         pending.commit()
         faults.hit("checkpoint.after_outer_write", round=version - 1)
         return pending.misfits

@@ -34,7 +34,6 @@ from fedtrain.coordinator.store import Store
 from fedtrain.errors import MergeError, Refused, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum
 from fedtrain.wire import EncodedBody
-from fedtrain.wire.files import DIRECT_ALIGN
 
 
 def model_meta(cfg: RunConfig, algorithm: str, version: int) -> dict[str, str]:
@@ -175,7 +174,7 @@ class Committer:
         if written.misfits or written.state_misfits:
             with self._fold_lock, self.weights.lock:
                 if outer is self.outer:
-                    outer.realign(written.misfits, written.state_misfits, DIRECT_ALIGN)
+                    self.ckpt.realign(outer, written)
         return written.digest
 
     def commit_restored(self, r: int, outer: OuterOptimizer, reason: str, cfg: RunConfig, opened_at: float) -> None:

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from fedtrain.coordinator.receive import Abandoned, Body
 from fedtrain.coordinator.values import ValueScan
 from fedtrain.errors import Refused
+from fedtrain.transport import Abandoned, Body
 from fedtrain.wire import BodyReader
 
 # A direct receive reads the body into the sum this many bytes at a time, and hashes each

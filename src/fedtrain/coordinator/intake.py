@@ -40,12 +40,12 @@ from fedtrain.config import RunConfig
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.direct import DirectUpload, read_into
 from fedtrain.coordinator.folds import MergeInputs, Pending, RoundSum
-from fedtrain.coordinator.receive import Body, Head, SpoolFiles, Staging, receive_to_spool
+from fedtrain.coordinator.receive import Head, SpoolFiles, Staging, receive_to_spool
 from fedtrain.coordinator.values import non_finite
 from fedtrain.errors import Refused
 from fedtrain.merge import RunningSum, check_compatible
 from fedtrain.merge.robust import clip_scale
-from fedtrain.transport import fast_io_enabled
+from fedtrain.transport import Body, fast_io_enabled
 from fedtrain.wire import BodyReader, TensorSpec
 from fedtrain.wire.compress import expected_specs, scheme_of
 
@@ -116,8 +116,9 @@ class Intake:
     """The open round's updates: received, verified, then folded or kept (`RoundSum`)."""
 
     def __init__(self, spool_dir: Path, spec: Spec, params: Mapping[str, torch.Tensor],
-                 fold_lock: threading.Lock | None = None) -> None:
+                 fold_lock: threading.Lock | None = None, fast_io: bool | None = None) -> None:
         self._spec = spec
+        self._fast_io = fast_io_enabled(fast_io)  # off: no upload is received straight into the sum
         self.round = RoundSum(spool_dir, spec, params, fold_lock or threading.Lock())
         self._spool_files = SpoolFiles(spool_dir)
         self._direct: DirectUpload | None = None
@@ -188,7 +189,7 @@ class Intake:
         Raises Refused for a bad body or values, or a round that closed meanwhile."""
         plain = head is not None and scheme_of(head[1])[0] == "none"
         empty = self._direct is None and not self._in_flight.count and self.round.is_empty()
-        path = policy.receive_path(fast_io=fast_io_enabled(), action=action, sum_empty=empty, active=active,
+        path = policy.receive_path(fast_io=self._fast_io, action=action, sum_empty=empty, active=active,
                                    plain=plain, fits=head is not None and self.round.fits(head[0]), cfg=cfg)
         self.last_path = path
         try:

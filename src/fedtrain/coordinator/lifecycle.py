@@ -35,6 +35,7 @@ from fedtrain.coordinator.rounds import Rounds
 from fedtrain.coordinator.store import Store
 from fedtrain.coordinator.uploads import Uploads
 from fedtrain.errors import FedtrainError, StateError
+from fedtrain.transport import fast_io_enabled
 from fedtrain.wire import iter_file, read_tensors
 
 log = logging.getLogger("fedtrain.coordinator")
@@ -73,6 +74,7 @@ class Given:
     init_weights: Path | None = None
     apply_config: bool = False
     recover: bool = False
+    fast_io: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ def open_run(state_dir: Path, given: Given, config_path: Path | None, events: Ev
     """Every part of a run over `state_dir`, created or resumed (the caller holds its lock)."""
     store = Store(state_dir / "run.db")
     events.attach(store)
-    ckpt = CheckpointDir(state_dir / "checkpoints")
+    fast_io = fast_io_enabled(given.fast_io)
+    ckpt = CheckpointDir(state_dir / "checkpoints", fast_io=fast_io)
     ckpt.remove_temp_files()
     spool = state_dir / "spool"
     shutil.rmtree(spool, ignore_errors=True)
@@ -107,7 +110,7 @@ def open_run(state_dir: Path, given: Given, config_path: Path | None, events: Ev
         version = _resume(store, configs, committer, given, committed, state_dir)
     spec = committer.spec()
     configs.spec = spec
-    intake = Intake(spool, spec, committer.params(), fold_lock)
+    intake = Intake(spool, spec, committer.params(), fold_lock, fast_io=fast_io)
     roster = Roster(store, events, tokens, clock)
     recent = [[max(0.0, s["received_at"] - row["opened_at"]) for s in store.submissions(row["round"])]
               for row in reversed(store.rounds(limit=configs.config.deadline_window))]

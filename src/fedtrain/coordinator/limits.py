@@ -7,12 +7,12 @@ exempt here: the service refuses them by Content-Length against the run's
 `max_upload_mb`, and its streaming reader never accepts more bytes than declared. Should
 an upload be answered before its body was read (a refusal from its headers), up to that
 limit of it is read and dropped after the answer, so that a client that sends its body
-whole reads the answer; a longer one closes the connection (`httpbody.BodySource.allow_drop`).
+whole reads the answer; a longer one closes the connection (`transport.BodySource.allow_drop`).
 
 `InFlight` keeps one upload in progress per (participant, round): a second one at the same
 time is refused from its headers (`app.py`), so one participant cannot hold any number of
 connections, spool files and receive buffers. Timeouts and the cap on connections are the
-HTTP protocol's (`httpbody.ServerLimits`, set in `server.uvicorn_config`).
+HTTP protocol's (`transport.ServerLimits`, set in `server.uvicorn_config`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from fedtrain.coordinator.httpbody import READINTO, ServerLimits
 from fedtrain.errors import error_body
+from fedtrain.transport.protocols import READINTO
+from fedtrain.transport.server_limits import ServerLimits
 
 __all__ = ["MAX_JSON_BYTES", "BodyLimit", "InFlight", "ServerLimits"]
 

@@ -2,8 +2,9 @@
 
 A round's new model is served straight from the master weights as soon as the outer step
 is done, while its checkpoint files are written and fsync'd beside the downloads, and after
-that until the next outer step (the checkpoint is written past the page cache, so its file
-is read from the disk: the memory is the faster source while it holds the same bytes). By
+that until the next outer step (with fast IO the checkpoint is written past the page cache,
+so its file is read from the disk: the memory is the faster source while it holds the same
+bytes). By
 default (commit first) a download holds back its last piece until the round is committed
 (files and database row): no participant holds a whole model that a crash could still
 take back, and yet the commit does not sit between the merge and the downloads. Should the
@@ -15,6 +16,10 @@ The weights must not change under a download: every piece is copied out under th
 epoch) only runs once this round's commit is done; a download still streaming from memory
 when the epoch moves continues from the committed file at the same offset. The bytes are
 the same either way: the file is the same `EncodedBody` (same tensors, same metadata).
+
+A download goes out through the transport seam (`ModelResponse`): written by
+`ModelStream.steps` through the server's `ResponseSink` where it offers one (fast IO on,
+plain HTTP), else as a chunked StreamingResponse of `ModelStream.chunks` (the plain path).
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.httpbody import SEND, SocketOut, Steps
+from fedtrain.transport.protocols import SEND, ModelSender, Steps
 from fedtrain.wire import EncodedBody
 
-# Below the coordinator's mmap threshold (1 MiB, see `server.tune_allocator`): chunks come from
+# Below the coordinator's mmap threshold (1 MiB, see `transport.allocator.tune_allocator`): chunks come from
 # the heap and are reused, where a chunk above it would be a fresh mmap whose page faults and
 # munmap cost more than the copy.
 CHUNK = 512 << 10
@@ -128,10 +133,10 @@ class ModelStream:
                 self._file.seek(offset)
             file = self._file
             assert file is not None
-            # From the page cache (a file read recently) a chunk is a ~50 µs copy, so it is read
+            # From the page cache (a file read recently) a chunk is a short copy, so it is read
             # in the event loop: on a worker thread the stream would wait for a hop per batch of
             # reads, which costs more than the reads. A read slower than SLOW_READ_S is a disk's
-            # (a checkpoint is written past the page cache): the rest of the file is then read on
+            # (a checkpoint written with O_DIRECT is not in the page cache): the rest is then read on
             # a worker thread, so the loop waits on the disk once.
             while True:
                 t0 = time.perf_counter()
@@ -148,8 +153,8 @@ class ModelStream:
         finally:
             self.close()
 
-    def steps(self, out: SocketOut) -> Steps:
-        """Send the whole body through `out`, on worker threads (`httpbody.ResponseSink`), yielding
+    def steps(self, out: ModelSender) -> Steps:
+        """Send the whole body through `out`, on worker threads (`transport.ResponseSink`), yielding
         whenever the socket takes no more (None) or the commit is to be waited for (a `Hold`):
         from memory, a nonblocking write at a time under the guard lock (a slow client never
         holds it while it waits), else or then (once the weights moved on) by `sendfile` from
@@ -180,7 +185,7 @@ class ModelStream:
         assert self._file is not None
         yield from out.sendfile_steps(self._file.fileno(), offset, self.size - offset)
 
-    def pump(self, out: SocketOut) -> None:
+    def pump(self, out: ModelSender) -> None:
         """`steps`, taken on this thread alone: it waits for the client and the commit itself."""
         out.run(self.steps(out))
 
@@ -216,7 +221,7 @@ def _pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
 
 class ModelResponse(StreamingResponse):
     """A model download: written by `ModelStream.steps` straight to the socket where the server
-    offers it (`httpbody.SEND`: plain HTTP with our protocol), else streamed in chunks."""
+    offers it (`transport.SEND`: plain HTTP with fast IO on), else streamed in chunks (the plain path)."""
 
     def __init__(self, stream: ModelStream, headers: dict[str, str]) -> None:
         super().__init__(stream.chunks(), media_type="application/octet-stream", headers=headers)

@@ -1,7 +1,7 @@
 """Receiving an upload's bytes: stream them to a spool file, verify them, read them back cheaply.
 
-A body is read into memory the coordinator names (`Body.readinto`): with our HTTP
-protocol (`httpbody.py`) the socket is read straight into it, with no copy on the way.
+A body is read into memory the coordinator names (`fedtrain.transport.Body.readinto`):
+with the fast HTTP protocol the socket is read straight into it, with no copy on the way.
 
 The coordinator never holds an upload in memory of its own. The body is read into two
 batch buffers in turn; the event loop only parses the safetensors header (checked against
@@ -27,15 +27,14 @@ import asyncio
 import logging
 import mmap
 import os
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
-from fedtrain.coordinator.httpbody import Abandoned, BodySource
 from fedtrain.errors import WireError
+from fedtrain.transport.body import Body
 from fedtrain.wire import BodyReader, StreamingDigest, TensorSpec, parse_header
 from fedtrain.wire.compress import decompress, scheme_of
 from fedtrain.wire.digest import parse_digest, verify_digest
@@ -48,92 +47,6 @@ log = logging.getLogger("fedtrain.coordinator")
 # 2 MiB rather than less keeps the trips to the thread few, at 4 MiB per upload in flight.
 BATCH = 2 << 20
 _PREFIX = 8
-
-
-class Body:
-    """An upload's body, read into the coordinator's own memory (`readinto`).
-
-    Served by `httpbody.ReadIntoProtocol`, the socket is read straight into the memory the
-    caller names: no copy of ours, none of the HTTP server's. Otherwise (another server, a
-    test) the body comes as the ASGI app's chunks, copied out. Bytes read ahead (`unread`)
-    are served first. `abandon()` stops a `readinto` in progress at once: it raises
-    `Abandoned`, and nothing is written into its memory after that."""
-
-    def __init__(self, chunks: AsyncIterator[bytes] | None = None, source: BodySource | None = None) -> None:
-        self._chunks = chunks
-        self._source = source
-        self._ahead: deque[memoryview] = deque()
-        self._abandoned = False
-
-    @classmethod
-    def of(cls, body: Body | AsyncIterator[bytes]) -> Body:
-        return body if isinstance(body, Body) else cls(body)
-
-    async def readinto(self, view: memoryview) -> int:
-        """Fill `view` with the next bytes of the body; fewer only at its end (0: no more)."""
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        if self._abandoned:
-            self._abandoned = False
-            raise Abandoned()
-        got = 0
-        while self._ahead and got < len(view):
-            piece = self._ahead[0]
-            n = min(len(piece), len(view) - got)
-            view[got : got + n] = piece[:n]
-            got += n
-            if n == len(piece):
-                self._ahead.popleft()
-            else:
-                self._ahead[0] = piece[n:]
-        if got == len(view):
-            return got
-        if self._source is not None:
-            return got + await self._source.readinto(view[got:])
-        while got < len(view) and self._chunks is not None:
-            chunk = await anext(self._chunks, None)
-            if self._abandoned:  # stopped while the chunk was awaited: it does not go into view
-                self._abandoned = False
-                if chunk:
-                    self._ahead.append(memoryview(chunk))
-                raise Abandoned()
-            if chunk is None:
-                self._chunks = None
-                break
-            if not chunk:
-                continue
-            n = min(len(chunk), len(view) - got)
-            view[got : got + n] = memoryview(chunk)[:n]
-            got += n
-            if n < len(chunk):
-                self._ahead.append(memoryview(chunk)[n:])
-        return got
-
-    async def read(self, n: int) -> bytes:
-        """The next `n` bytes of the body (fewer only at its end)."""
-        buf = bytearray(n)
-        return bytes(buf[: await self.readinto(memoryview(buf))])
-
-    def unread(self, data: bytes) -> None:
-        """Give bytes back: the next reads return them first."""
-        if data:
-            self._ahead.appendleft(memoryview(data))
-
-    def abandon(self) -> None:
-        """Stop a `readinto` in progress (or the next one) now: it raises `Abandoned`."""
-        self._abandoned = True
-        if self._source is not None:
-            self._source.abandon()
-
-    async def drain(self) -> None:
-        """Let the rest of the body go: the answer does not wait for it. Nothing more is read
-        here (a refusal from the headers reads no byte and sends no 100 Continue); once the
-        answer is out, the HTTP server reads the rest and drops it, or closes the connection
-        when that is too much or never comes (`httpbody.ReadIntoProtocol`). A later
-        `readinto` reads nothing."""
-        self._abandoned = False
-        self._ahead.clear()
-        self._source = None
-        self._chunks = None
 
 
 class SpoolFiles:

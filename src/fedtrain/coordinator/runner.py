@@ -18,10 +18,11 @@ import uvicorn
 
 from fedtrain.config import load_config
 from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.server import bind, tune_allocator, uvicorn_config
+from fedtrain.coordinator.server import bind, uvicorn_config
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.coordinator.statelock import StateLock
 from fedtrain.errors import ConfigError, StateError
+from fedtrain.transport.allocator import tune_process
 
 ENDPOINT_FILE = "endpoint.json"
 TOKENS_FILE = "tokens.json"
@@ -102,7 +103,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         # refused here, naming the one that holds it.
         lock = StateLock.acquire(state_dir)
         tokens, tokens_file, note = resolve_tokens(args, state_dir)
-        tune_allocator()
+        tune_process()  # the fast path's process tuning; nothing with FEDTRAIN_FAST_IO=0
         service = Coordinator(
             state_dir, config, tokens, init_weights=args.init_weights, config_path=args.config, lock=lock,
             apply_config=getattr(args, "apply_config", False), recover=getattr(args, "recover", False),

@@ -6,9 +6,6 @@ port with no race and the caller learns the real address at once.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
 import math
 import socket
 import threading
@@ -18,38 +15,12 @@ from pathlib import Path
 import uvicorn
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator import httpbody
 from fedtrain.coordinator.app import create_app
 from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.httpbody import ReadIntoProtocol
-from fedtrain.coordinator.limits import ServerLimits
 from fedtrain.coordinator.service import Coordinator
-
-log = logging.getLogger("fedtrain.coordinator")
-
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-
-
-def tune_allocator(threshold: int = 1 << 20, trim: int = 16 << 20) -> bool:
-    """Send every freed block of `threshold` bytes or more straight back to the OS, and keep
-    up to `trim` bytes of free memory at the top of the heap.
-
-    glibc keeps freed large blocks in per-thread arenas and raises its mmap threshold after
-    each free, so tensors read on the worker threads of concurrent uploads ratchet the
-    coordinator's RSS up with the number of participants. A fixed threshold keeps the peak
-    flat.
-
-    Fixing it also fixes the trim threshold, at 128 KiB: the heap was then shrunk and grown
-    again all through an upload, whose ~160 KiB body chunks are held a few MiB at a time
-    until the spool writer is done with them, and every regrown page was faulted in and
-    zeroed again. With `trim` kept, an upload is received as fast as by a server that drops
-    the body. No effect outside glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim))
-    except (OSError, AttributeError):
-        return False
+from fedtrain.transport.http_server import STOCK, fast_protocol
+from fedtrain.transport.server_limits import ServerLimits
+from fedtrain.transport.setting import fast_io_enabled
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -62,32 +33,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def http_protocol() -> type[ReadIntoProtocol] | str:
-    """Our protocol (bodies read in place, downloads by `sendfile`) where the installed
-    uvicorn has what it relies on; uvicorn's own httptools protocol otherwise."""
-    if httpbody.supported():
-        return ReadIntoProtocol
-    log.warning("this uvicorn's httptools protocol is not the one fedtrain's in-place body reads were built "
-                "on: serving with the stock protocol (correct, but uploads and downloads are slower)")
-    return "httptools"
-
-
 def uvicorn_config(
     service: Coordinator,
     log_level: str = "warning",
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
     limits: ServerLimits | None = None,
+    fast_io: bool | None = None,
 ) -> uvicorn.Config:
-    """How uvicorn serves the coordinator, held to `limits` (timeouts, connections; defaults if None)."""
+    """How uvicorn serves the coordinator, held to `limits` (timeouts, connections; defaults if
+    None): with the fast protocol when fast IO is on (`fast_io`, else `FEDTRAIN_FAST_IO`) and
+    uvicorn is in its tested range, else with uvicorn's stock httptools protocol."""
     limits = limits or ServerLimits()
-    protocol = http_protocol()
-    ours = protocol is ReadIntoProtocol
+    ours = fast_protocol(limits, fast_io)
     return uvicorn.Config(
         create_app(service),
         log_level=log_level,
-        # A BufferedProtocol, which uvicorn only constructs: with our limits.
-        http=functools.partial(ReadIntoProtocol, limits=limits) if ours else protocol,  # type: ignore[arg-type]
+        http=ours or STOCK,  # type: ignore[arg-type]  # a BufferedProtocol factory; uvicorn only calls it
         loop="auto",
         access_log=False,
         timeout_keep_alive=math.ceil(limits.idle_timeout_s),
@@ -100,7 +62,9 @@ def uvicorn_config(
 
 
 class BackgroundCoordinator:
-    """A coordinator serving on 127.0.0.1 from a thread; a context manager that stops it."""
+    """A coordinator serving on 127.0.0.1 from a thread; a context manager that stops it.
+    `fast_io` switches the fast IO paths on or off for this coordinator (None: `FEDTRAIN_FAST_IO`
+    decides); `fast_io` tells which it got."""
 
     def __init__(
         self,
@@ -115,16 +79,19 @@ class BackgroundCoordinator:
         tls_key: Path | None = None,
         limits: ServerLimits | None = None,
         apply_config: bool = False,
+        fast_io: bool | None = None,
     ) -> None:
         self.scheme = "https" if tls_cert else "http"
+        self.fast_io = fast_io_enabled(fast_io)
         self.service = Coordinator(
             state_dir, config, tokens or Tokens(["participant-token"], "admin-token"), init_weights=init_weights,
-            apply_config=apply_config,
+            apply_config=apply_config, fast_io=self.fast_io,
         )
         self.service.open()
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn_config(self.service, tls_cert=tls_cert, tls_key=tls_key, limits=limits))
+        self.server = uvicorn.Server(uvicorn_config(self.service, tls_cert=tls_cert, tls_key=tls_key, limits=limits,
+                                                    fast_io=self.fast_io))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property

@@ -51,7 +51,6 @@ from fedtrain.coordinator.events import Events
 from fedtrain.coordinator.global_eval import GlobalEvaluator
 from fedtrain.coordinator.intake import Intake
 from fedtrain.coordinator.publish import ModelStream
-from fedtrain.coordinator.receive import Body
 from fedtrain.coordinator.roster import Live, Roster
 from fedtrain.coordinator.rounds import Rounds
 from fedtrain.coordinator.statelock import StateLock
@@ -59,6 +58,7 @@ from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.coordinator.uploads import Uploads
 from fedtrain.errors import Refused
 from fedtrain.merge import OuterOptimizer, RunningSum, all_finite
+from fedtrain.transport import Body
 from fedtrain.wire import DTYPE_TO_ST
 
 log = lifecycle.log
@@ -83,6 +83,7 @@ class Coordinator:
         lock: StateLock | None = None,
         apply_config: bool = False,
         recover: bool = False,
+        fast_io: bool | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.lock = lock  # the state dir's OS lock: taken by the caller early, else at open()
@@ -92,8 +93,9 @@ class Coordinator:
         self.events = Events()
         # How to open the run (`lifecycle.open_run`): on a resumed run the stored config wins
         # over `config` unless `apply_config`; `recover` resumes from the newest intact kept
-        # version when the newest checkpoint is damaged.
-        self._given = lifecycle.Given(config, init_weights, apply_config, recover)
+        # version when the newest checkpoint is damaged; `fast_io` switches the transport's fast
+        # paths (checkpoint writes, the receive into the sum) on or off (None: FEDTRAIN_FAST_IO).
+        self._given = lifecycle.Given(config, init_weights, apply_config, recover, fast_io)
         self.fold_lock = threading.Lock()  # the intake's; the committer takes it to realign and reconfigure
         # The parts, made by `open()`.
         self.store: Store
@@ -117,7 +119,7 @@ class Coordinator:
             self.lock = StateLock.acquire(self.state_dir)
         try:
             parts = lifecycle.open_run(self.state_dir, self._given, self.config_path, self.events, self.tokens,
-                                       self.clock, self.fold_lock)
+                                       self.now, self.fold_lock)
         except BaseException:
             self.lock.release()
             raise
@@ -154,6 +156,10 @@ class Coordinator:
         self.store.close()
 
     # -- what the run is now (read only) -----------------------------------------------------------
+
+    def now(self) -> float:
+        """The coordinator's clock, as every part reads it (`clock` may be replaced, in tests)."""
+        return self.clock()
 
     @property
     def broadcast(self) -> Any:

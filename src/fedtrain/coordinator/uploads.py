@@ -20,13 +20,14 @@ from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.config_versions import ConfigVersions
 from fedtrain.coordinator.events import Events
 from fedtrain.coordinator.intake import Intake, Ticket, Upload
-from fedtrain.coordinator.receive import Body, peek_header
+from fedtrain.coordinator.receive import peek_header
 from fedtrain.coordinator.roster import Roster
 from fedtrain.coordinator.rounds import Rounds
 from fedtrain.coordinator.storage import storage_full
 from fedtrain.coordinator.store import Store
 from fedtrain.coordinator.values import POISON_CODES
 from fedtrain.errors import Refused
+from fedtrain.transport import Body
 
 
 class Uploads:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,7 +26,9 @@ import torch
 from fedtrain.errors import MergeError
 from fedtrain.merge.aggregate import TensorDict, _listed, all_finite, check_compatible
 from fedtrain.merge.yogi import Yogi
-from fedtrain.wire.files import aligned_copy
+
+Move = Callable[[torch.Tensor], "torch.Tensor | None"]
+"""A copy of a tensor in other memory, or None (`OuterOptimizer.move_storage`)."""
 
 ALGORITHMS = ("fedavg", "diloco", "fedavgm", "fedadam", "fedyogi")
 
@@ -220,30 +222,26 @@ class OuterOptimizer:
                 out[f"{key}/{name}"] = value
         return out
 
-    def realign(self, params: Mapping[str, int], state: Mapping[str, int], align: int) -> None:
-        """Move master weights (`params`, by name) and optimizer state tensors (`state`, by
-        their `state_tensors` name) to memory `offset` bytes past an `align` boundary, values
-        unchanged: the place their bytes have in a checkpoint file, so that the next one is
-        written straight from memory with O_DIRECT (`fedtrain.wire.files`). The tensors keep
-        their identity (the optimizer's state is keyed by them); one that is not a contiguous
-        CPU tensor, or whose offset does not suit its dtype, stays where it is.
-
-        The state tensors are moved piece by piece, their old memory given back as they go
-        (`aligned_copy(consume=True)`): the caller makes sure that no other optimizer shares
-        them (`OuterOptimizer.restore` may adopt the tensors it is given). The weights are
-        copied whole: a download may still read the old ones."""
-        for name, offset in params.items():
+    def move_storage(self, params: Mapping[str, Move], state: Mapping[str, Move]) -> None:
+        """Give master weights (`params`, by name) and optimizer state tensors (`state`, by their
+        `state_tensors` name) the storage `move(tensor)` returns, a tensor of the same values
+        (None: the tensor stays where it is); names not held here are skipped. The weights
+        keep their identity (the optimizer's state is keyed by them): their `.data` is replaced.
+        A state tensor is replaced in the optimizer's state; its `move` may give the old memory
+        back, so the caller makes sure that no other optimizer shares it (`restore` may adopt
+        the tensors it is given)."""
+        for name, move in params.items():
             p = self.params.get(name)
-            moved = aligned_copy(p, offset, align) if p is not None else None
-            if moved is not None:
-                p.data = moved  # type: ignore[union-attr]
-        for flat, offset in state.items():
+            moved = move(p) if p is not None else None
+            if p is not None and moved is not None:
+                p.data = moved
+        for flat, move in state.items():
             key, _, name = flat.partition("/")
             p = self.params.get(name)
             slot = self.optimizer.state.get(p) if p is not None else None
             value = slot.get(key) if slot is not None else None
             if slot is not None and isinstance(value, torch.Tensor):
-                moved = aligned_copy(value, offset, align, consume=True)
+                moved = move(value)
                 if moved is not None:
                     slot[key] = moved
 

@@ -10,7 +10,7 @@ participant key of the header `X-Fedtrain-Participant-Key`, else of the cookie i
 answer set (`auth.py`, `Coordinator.act_as`); as a dependency, before its body is read.
 Every dependency that authenticates is marked `role_check` (a test walks the route table).
 
-The server's own hooks into a request (`httpbody.py`: a sink for the answer, a `readinto`
+The server's own hooks into a request (`fedtrain.transport`: a sink for the answer, a `readinto`
 for the body) are looked up here only, so that the routes never learn the server behind them.
 """
 
@@ -19,10 +19,9 @@ from __future__ import annotations
 from fastapi import Query, Request
 
 from fedtrain.coordinator.auth import KEY_HEADER, Identity, key_cookie, role_check
-from fedtrain.coordinator.httpbody import READINTO, SEND, ResponseSink
-from fedtrain.coordinator.receive import Body
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused
+from fedtrain.transport import READINTO, SEND, Body, ResponseSink
 
 MAX_COUNT = 2**62  # counts beyond this are refused with 422 (SQLite stores 64-bit integers)
 
@@ -82,7 +81,7 @@ def stream_identity(request: Request, token: str | None = Query(None, descriptio
 
 
 def response_sink(request: Request) -> ResponseSink | None:
-    """The server's sink for the answer to `request` (`httpbody.ResponseSink`), if it has one."""
+    """The server's sink for the answer to `request` (`fedtrain.transport.ResponseSink`), if it has one."""
     sink: ResponseSink | None = request.scope.get("extensions", {}).get(SEND)
     return sink
 

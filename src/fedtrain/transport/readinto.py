@@ -1,5 +1,8 @@
-"""uvicorn's httptools protocol, with request bodies read straight into the caller's memory,
-responses written from worker threads, and bounds on what one connection may hold.
+"""uvicorn's httptools protocol with request bodies read straight into the caller's memory
+(`ReadIntoProtocol`), responses written from worker threads (`send.SocketSink`), and bounds
+on what one connection may hold (`ServerLimits`). The fast path of the HTTP seam; with fast
+IO off, or on a uvicorn outside the tested range (`versions.py`), uvicorn's stock protocol
+serves instead and the app never sees the extensions below.
 
 Stock, each piece of an upload's body is copied four times on its way to our code: the
 event loop reads it into a fresh `bytes`, the HTTP parser copies it out as another,
@@ -23,21 +26,13 @@ serves its next request; it is closed instead when the client waits for `100 Con
 the app allowed, `BodySource.allow_drop`; a chunked body's rest counts as it comes), or
 if a `readinto` was cancelled.
 `readinto` raises starlette's `ClientDisconnect` if the client goes away meanwhile.
-
-Responses go the other way round: a plain-HTTP request carries `scope["extensions"][SEND]`,
-a `ResponseSink`. Once the response has started, `await sink.run(pump)` runs `pump(out)`
-on a worker thread, where `out` writes to the socket itself: `out.sendfile` from a file
-(the kernel copies page cache to socket, no bytes object on the way) or `out.write_some`
-from memory. A pump that is a generator yields whenever the socket takes no more (or a
-`Hold` to wait for): its thread goes back to the pool and the event loop waits for the
-client, so a stalled download holds no thread and never holds up the others.
+A plain-HTTP request also carries `scope["extensions"][SEND]`, a `ResponseSink` (`send.py`).
 
 What one connection may hold (`ServerLimits`): no buffer of its own (socket reads that no
 `readinto` waits for go into one buffer per event-loop thread); no longer than
 `idle_timeout_s` without a request, `body_timeout_s` of silence in a body it was asked
 for, `send_timeout_s` without taking a byte of its answer; and beyond `max_connections`
-its requests are answered 503. Threads: the event loop runs everything here but the
-pumps' steps, which run on the send pool and touch only the socket they were given.
+its requests are answered 503. Threads: the event loop runs everything here.
 """
 
 from __future__ import annotations
@@ -47,82 +42,24 @@ import contextlib
 import json
 import logging
 import math
-import os
-import select
-import socket
 import threading
-import time
-import typing
-from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import httptools
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from fedtrain.errors import error_body
+from fedtrain.transport.protocols import READINTO, SEND, Abandoned
+from fedtrain.transport.send import SocketSink
+from fedtrain.transport.server_limits import ServerLimits
+
+__all__ = ["ReadIntoProtocol", "SocketBodySource"]
 
 log = logging.getLogger("fedtrain.coordinator")
 
-READINTO = "fedtrain.readinto"
-SEND = "fedtrain.send"
 # The loop reads the socket into this buffer when no `readinto` waits: headers, small bodies.
 BUFFER = 256 << 10
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one connection may hold of the coordinator, and for how long (`ReadIntoProtocol`
-    enforces them all; with the stock protocol only uvicorn's keep-alive and concurrency limits hold)."""
-
-    send_timeout_s: float = 60.0
-    """A response: the longest its client may go without taking a byte; then the connection is closed."""
-    body_timeout_s: float = 60.0
-    """A request body: the longest its client may stay silent while the app waits for bytes; then closed."""
-    idle_timeout_s: float = 30.0
-    """A connection without a request in progress (new, or between requests): the head of its next
-    request must be in within this, else it is closed."""
-    max_connections: int = 1000
-    """Open connections at most: a request on one beyond them is answered 503, and that connection closed."""
-    drop_limit_bytes: int = 64 << 20
-    """Body bytes left unread once the answer is out: read and dropped if at most this many (so that a
-    client sending its body whole reads the answer), else the connection is closed."""
-
-    def __post_init__(self) -> None:
-        for name in ("send_timeout_s", "body_timeout_s", "idle_timeout_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"ServerLimits.{name} must be a positive number of seconds, not {value!r}")
-        if self.max_connections < 1 or self.drop_limit_bytes < 0:
-            raise ValueError(f"ServerLimits: max_connections must be at least 1, drop_limit_bytes at least 0: {self}")
-
-
-# What this module relies on in uvicorn's httptools protocol, beyond the ASGI interface:
-# names its classes set up (checked in their code, so nothing is started to check them).
-_RELIED_ON = {
-    "HttpToolsProtocol.__init__": {"parser", "cycle", "flow", "transport", "headers", "scope", "scheme", "app",
-                                   "connections", "pipeline", "expect_100_continue", "loop"},
-    "HttpToolsProtocol.on_headers_complete": {"app"},
-    "RequestResponseCycle.__init__": {"body", "more_body", "keep_alive", "disconnected", "response_started",
-                                      "response_complete", "expected_content_length", "waiting_for_100_continue"},
-}
-_METHODS = ("data_received", "on_headers_complete", "on_body", "on_response_complete", "connection_made",
-            "connection_lost", "eof_received", "pause_writing", "resume_writing")
-
-
-def supported() -> bool:
-    """Whether the installed uvicorn's httptools protocol has what `ReadIntoProtocol` relies on;
-    if not, the coordinator serves with the stock protocol (`server.uvicorn_config`)."""
-    owners = {"HttpToolsProtocol": HttpToolsProtocol, "RequestResponseCycle": RequestResponseCycle}
-    for where, names in _RELIED_ON.items():
-        owner, method = where.split(".")
-        code = getattr(getattr(owners[owner], method, None), "__code__", None)
-        if code is None or not names <= set(code.co_names):
-            return False
-    return all(callable(getattr(HttpToolsProtocol, name, None)) for name in _METHODS)
-
 
 _local = threading.local()
 
@@ -137,12 +74,9 @@ def _read_buffer() -> memoryview:
     return buffer
 
 
-class Abandoned(Exception):
-    """A `readinto` stopped by `abandon()`."""
-
-
-class BodySource:
-    """One request's body, read into the caller's memory (the `READINTO` extension)."""
+class SocketBodySource:
+    """One request's body, read from the socket into the caller's memory (the `READINTO`
+    extension, a `BodySource`)."""
 
     def __init__(self, protocol: ReadIntoProtocol, cycle: RequestResponseCycle) -> None:
         self._protocol, self._cycle = protocol, cycle
@@ -160,225 +94,6 @@ class BodySource:
         `ServerLimits.drop_limit_bytes`) may be read and dropped before the connection goes on."""
         if self._cycle is self._protocol.http.cycle:
             self._protocol.http.drop_limit = max(self._protocol.http.drop_limit, nbytes)
-
-
-class SendTimeout(TimeoutError):
-    """The client took no byte of the response for `ServerLimits.send_timeout_s`."""
-
-
-class Hold(Protocol):
-    """What a pump waits for before it goes on (e.g. its round's commit): on its thread, or on the loop."""
-
-    def wait(self, cancelled: threading.Event) -> None: ...
-
-    async def wait_async(self) -> None: ...
-
-
-class SocketOut:
-    """The socket of one response, written from a worker thread (`ResponseSink.run`)."""
-
-    POLL_S = 0.25  # how often a wait on a thread looks at `cancelled`
-
-    def __init__(self, fd: int, timeout_s: float = ServerLimits.send_timeout_s) -> None:
-        self.fd = fd
-        self.timeout_s = timeout_s
-        self.sent = 0
-        self.cancelled = threading.Event()
-        self._poll = select.poll()
-        self._poll.register(fd, select.POLLOUT)
-
-    def write_some(self, view: memoryview) -> int:
-        """Write what the socket takes now of `view` (0 when it takes nothing); never blocks."""
-        try:
-            n = os.write(self.fd, view)
-        except BlockingIOError:
-            return 0
-        self.sent += n
-        return n
-
-    def ready(self, wait_s: float) -> bool:
-        """Whether the socket takes more bytes within `wait_s`; raises if the client left or the send is cancelled."""
-        if self.cancelled.is_set():
-            raise ConnectionAbortedError("the response was cancelled")
-        for _, flags in self._poll.poll(wait_s * 1000):
-            if flags & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                raise ConnectionResetError("the client closed the connection")
-            return True
-        return False
-
-    def wait(self) -> None:
-        """On this thread, until the socket takes more bytes: `SendTimeout` after `timeout_s`."""
-        deadline = time.monotonic() + self.timeout_s
-        while not self.ready(min(self.POLL_S, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                raise SendTimeout(f"the client took no byte for {self.timeout_s:g}s")
-
-    async def writable(self) -> None:
-        """On the event loop, until the socket takes more bytes: `SendTimeout` after `timeout_s`."""
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
-
-        def on_writable() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        loop.add_writer(self.fd, on_writable)
-        try:
-            await asyncio.wait_for(ready, self.timeout_s)
-        except asyncio.TimeoutError:
-            raise SendTimeout(f"the client took no byte for {self.timeout_s:g}s") from None
-        finally:
-            loop.remove_writer(self.fd)
-
-    def write_steps(self, view: memoryview) -> Iterator[None]:
-        """Send all of `view`, yielding whenever the socket takes nothing (a pump's steps)."""
-        while view:
-            n = self.write_some(view)
-            if n:
-                view = view[n:]
-            else:
-                yield
-
-    def sendfile_steps(self, fd: int, offset: int, count: int) -> Iterator[None]:
-        """Send `count` bytes of the file `fd` from `offset` (the kernel copies them), yielding
-        whenever the socket takes nothing."""
-        while count:
-            if self.cancelled.is_set():
-                raise ConnectionAbortedError("the response was cancelled")
-            try:
-                n = os.sendfile(self.fd, fd, offset, count)
-            except BlockingIOError:
-                yield
-                continue
-            if n == 0:
-                raise EOFError("the file ended before the response's bytes")
-            offset, count, self.sent = offset + n, count - n, self.sent + n
-
-    def run(self, steps: Iterator[Hold | None]) -> None:
-        """Take a pump's steps to their end on this thread, waiting here whenever they yield."""
-        for hold in steps:
-            if hold is None:
-                self.wait()
-            else:
-                hold.wait(self.cancelled)
-
-    def sendall(self, view: memoryview) -> None:
-        self.run(self.write_steps(view))
-
-    def sendfile(self, fd: int, offset: int, count: int) -> None:
-        self.run(self.sendfile_steps(fd, offset, count))
-
-
-# Pumps' steps run on threads of their own: on asyncio's default pool (6 threads on 2 cores)
-# downloads would hold up every spool write, fold and commit. A step holds its thread only
-# while the socket takes bytes (and SPIN_S after), so the pool bounds the downloads being
-# copied at once, not those in progress.
-SEND_THREADS = 64
-SPIN_S = 0.002  # a socket full for longer than this is waited for on the loop, not on the thread
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-_DONE = object()
-
-
-def _send_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix="fedtrain-send")
-        return _pool
-
-
-def _advance(steps: Steps, out: SocketOut) -> object:
-    """Take a pump's steps on this (worker) thread until they end (`_DONE`) or must wait longer
-    than a moment: then return what for (None: the socket, else a `Hold`)."""
-    for hold in steps:
-        if hold is None and out.ready(SPIN_S):
-            continue
-        return hold
-    return _DONE
-
-
-Steps = Generator["Hold | None", None, None]
-Pump = Callable[[SocketOut], "Steps | None"]
-
-
-class ResponseSink:
-    """One response's body, written to the socket from a worker thread (the `SEND` extension)."""
-
-    def __init__(self, protocol: ReadIntoProtocol, cycle: RequestResponseCycle) -> None:
-        self._protocol, self._cycle = protocol, cycle
-
-    async def run(self, pump: Pump) -> None:
-        """Send the response's body with `pump(out)` once its headers are out; the bytes sent
-        count toward its Content-Length. A pump that returns steps (a generator) is taken step
-        by step, its waits on the loop; one that returns None sent it all on its thread.
-        Raises `ClientDisconnect` when the client goes away or takes no byte for the send
-        timeout; if cancelled, the connection is closed."""
-        cycle, http = self._cycle, self._protocol.http
-        transport = http.transport
-        if not cycle.response_started or cycle.response_complete:
-            raise RuntimeError("ResponseSink.run: start the response first, and only once")
-        while transport.get_write_buffer_size() and not cycle.disconnected:  # the headers, normally out at once
-            await (http.flow.drain() if http.flow.write_paused else asyncio.sleep(0.001))
-        if cycle.disconnected or transport.is_closing():
-            raise ClientDisconnect()
-        # The threads write through a descriptor of its own: should the loop close the
-        # connection meanwhile (the client reset it), the number cannot be reused under them.
-        out = SocketOut(os.dup(transport.get_extra_info("socket").fileno()), self._protocol.limits.send_timeout_s)
-        steps: Steps | None = None
-        try:
-            steps = await self._on_thread(out, pump, out)
-            while steps is not None:
-                wait = await self._on_thread(out, _advance, steps, out)
-                if wait is _DONE:
-                    break
-                if wait is None:
-                    await out.writable()
-                else:
-                    await typing.cast(Hold, wait).wait_async()
-        except asyncio.CancelledError:
-            self._give_up(transport)
-            raise
-        except OSError as e:  # the client went away, took nothing for too long, or the pump gave up
-            self._give_up(transport, abort=isinstance(e, SendTimeout))
-            deadline = time.monotonic() + 1.0  # let the loop see the connection go, so that uvicorn does too
-            while not cycle.disconnected and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
-            raise ClientDisconnect() from None
-        finally:
-            cycle.expected_content_length -= out.sent
-            if steps is not None:
-                steps.close()
-            os.close(out.fd)  # no thread writes to it any more (`_on_thread` waits for them)
-
-    def limit_kernel_buffer(self, nbytes: int) -> None:
-        """Let the kernel hold about `nbytes` of this connection's unsent bytes, not megabytes: a
-        client that stops reading a long stream of small writes (server-sent events) then
-        backs up into the transport at once, where the app sees it (`flow.drain` waits, then
-        the send timeout), instead of costing a copy per write for as long as the kernel absorbs."""
-        sock = self._protocol.http.transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
-
-    @staticmethod
-    async def _on_thread(out: SocketOut, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the send pool; if cancelled, the thread is told to stop and waited for
-        (off the socket within `SocketOut.POLL_S`) before the cancel goes on."""
-        work = asyncio.get_running_loop().run_in_executor(_send_pool(), fn, *args)
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            out.cancelled.set()
-            await asyncio.wait({work})
-            if not work.cancelled():
-                work.exception()  # its ConnectionAbortedError is the cancel's own doing
-            raise
-
-    def _give_up(self, transport: asyncio.Transport, abort: bool = False) -> None:
-        """The response is not in step with its Content-Length any more: close the connection."""
-        self._cycle.keep_alive = False
-        transport.abort() if abort else transport.close()
 
 
 async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
@@ -607,7 +322,7 @@ class _Http(HttpToolsProtocol):
                         len(self.connections), self.outer.limits.max_connections)
         extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
         if self.scheme == "http":  # not through TLS, which must encrypt every byte itself
-            extensions[SEND] = ResponseSink(self.outer, self.cycle)
+            extensions[SEND] = SocketSink(self.outer, self.cycle)
         length = None
         for name, value in self.headers:
             if name == b"transfer-encoding":
@@ -618,7 +333,7 @@ class _Http(HttpToolsProtocol):
         if length is None or not length.isdigit():
             return
         self.body_left = int(length)
-        extensions[READINTO] = BodySource(self.outer, self.cycle)
+        extensions[READINTO] = SocketBodySource(self.outer, self.cycle)
 
     def on_body(self, body: bytes) -> None:
         self.body_left -= len(body)

@@ -1,0 +1,115 @@
+"""One setting switches every fast IO path of the coordinator: with it off (`FEDTRAIN_FAST_IO=0`
+or `fast_io=False`) the coordinator serves on uvicorn's stock protocol, uploads come as
+`receive()` chunks, downloads as a chunked StreamingResponse, and checkpoints are written
+without O_DIRECT; with it on, the fast paths serve. A round runs through either way."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.coordinator.publish import ModelStream
+from fedtrain.transport import FAST_IO_ENV, Body
+from fedtrain.transport.readinto import ReadIntoProtocol
+from fedtrain.wire import read_tensors
+from tests.conftest import ATOKEN, tiny_config
+from tests.integration.test_api import put
+
+
+def spy_on_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """Records which path each upload body, download and file write took."""
+    seen: dict[str, list[Any]] = {"upload_source": [], "download": [], "o_direct": []}
+    body_init, steps, chunks = Body.__init__, ModelStream.steps, ModelStream.chunks
+    real_fcntl, real_open = fcntl.fcntl, os.open
+
+    def body(self: Body, chunks: Any = None, source: Any = None) -> None:
+        seen["upload_source"].append(source is not None)
+        body_init(self, chunks, source)
+
+    def spy_steps(self: ModelStream, out: Any) -> Any:
+        seen["download"].append("send")
+        return steps(self, out)
+
+    async def spy_chunks(self: ModelStream) -> Any:  # made by every ModelResponse, run only on the plain path
+        seen["download"].append("chunks")
+        async for chunk in chunks(self):
+            yield chunk
+
+    def spy_fcntl(fd: int, cmd: int, arg: int = 0) -> Any:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            seen["o_direct"].append(fd)
+        return real_fcntl(fd, cmd, arg)
+
+    def spy_open(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if flags & os.O_DIRECT:
+            seen["o_direct"].append(path)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(Body, "__init__", body)
+    monkeypatch.setattr(ModelStream, "steps", spy_steps)
+    monkeypatch.setattr(ModelStream, "chunks", spy_chunks)
+    monkeypatch.setattr(fcntl, "fcntl", spy_fcntl)
+    monkeypatch.setattr(os, "open", spy_open)
+    return seen
+
+
+def one_round(c: BackgroundCoordinator) -> None:
+    """A join, an upload, the round's commit, and a download of the new model."""
+    with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as http:
+        http.post("/v1/join", json={"name": "a"})
+        delta = {n: torch.full_like(t, 0.01) for n, t in c.service.outer.params.items()}
+        assert put(http, 0, "a", delta).status_code == 200
+        http.get("/v1/rounds/0", params={"wait": 10})
+        deadline = time.monotonic() + 10
+        while c.service.committed_version < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.service.committed_version == 1
+        r = http.get("/v1/model", params={"version": 1})
+        assert r.status_code == 200
+        got = dict(read_tensors([r.content]))
+        for n, t in c.service.outer.params.items():
+            assert torch.equal(got[n], t)
+
+
+@pytest.mark.parametrize("env, override", [("0", None), ("OFF", None), (None, False), ("1", False)])
+def test_with_fast_io_off_every_path_is_the_plain_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      env: str | None, override: bool | None) -> None:
+    if env is None:
+        monkeypatch.delenv(FAST_IO_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FAST_IO_ENV, env)
+    seen = spy_on_paths(monkeypatch)
+    with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=2), fast_io=override) as c:
+        assert not c.fast_io
+        assert c.server.config.http_protocol_class is HttpToolsProtocol  # uvicorn's stock protocol
+        one_round(c)
+    assert seen["upload_source"] == [False]  # the body came as receive() chunks
+    assert seen["download"] == ["chunks"]  # a StreamingResponse
+    assert seen["o_direct"] == []  # no file opened or switched to O_DIRECT
+
+
+@pytest.mark.parametrize("env, override", [(None, None), ("yes", None), ("0", True)])
+def test_with_fast_io_on_the_fast_paths_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              env: str | None, override: bool | None) -> None:
+    if env is None:
+        monkeypatch.delenv(FAST_IO_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FAST_IO_ENV, env)
+    seen = spy_on_paths(monkeypatch)
+    with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=2), fast_io=override) as c:
+        assert c.fast_io
+        protocol = c.server.config.http_protocol_class
+        assert getattr(protocol, "func", None) is ReadIntoProtocol
+        one_round(c)
+    assert seen["upload_source"] == [True]  # read from the socket into the coordinator's memory
+    assert seen["download"] == ["send"]  # written to the socket from a worker thread
+    assert seen["o_direct"]  # the checkpoints went past the page cache (tmp_path takes O_DIRECT here)
