@@ -1,5 +1,5 @@
 """The participant's model download and update upload: straight between the socket and the
-tensors (`participant.fetch`), or through httpx where a proxy is configured; both give the
+tensors (`transport.direct_http`), or through httpx where a proxy is configured; both give the
 same model, the same sum and the same errors."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, RoundClosedError
-from fedtrain.participant import CoordinatorClient, RetryPolicy, fetch
+from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant import client as client_module
+from fedtrain.transport import direct_http as fetch
 from fedtrain.wire import EncodedBody, read_tensors, write_file
 from tests.conftest import PTOKEN, tiny_config
 from tests.tls import make_tls
@@ -189,3 +190,13 @@ def test_a_proxy_in_the_environment_sends_downloads_through_httpx(monkeypatch: p
     monkeypatch.setenv("ALL_PROXY", "http://proxy.example:3128")
     monkeypatch.delenv("NO_PROXY")
     assert not fetch.is_direct("https://127.0.0.1:8000")
+
+
+def test_with_fast_io_off_transfers_go_through_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy",
+                "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FEDTRAIN_FAST_IO", "1")
+    assert fetch.is_direct(URL)
+    monkeypatch.setenv("FEDTRAIN_FAST_IO", "off")
+    assert not fetch.is_direct(URL)  # the plain path: httpx, as with a proxy

@@ -83,11 +83,11 @@ def test_every_public_name_resolves(package: str) -> None:
 
 def test_public_names_are_the_classes_themselves() -> None:
     import fedtrain
-    from fedtrain.participant import fetch  # a submodule, not an export: still importable
+    from fedtrain.participant import retry  # a submodule, not an export: still importable
     from fedtrain.participant.runner import Participant
 
     assert fedtrain.Participant is Participant
     from fedtrain import Participant as again
 
     assert again is Participant
-    assert fetch.__name__ == "fedtrain.participant.fetch"
+    assert retry.__name__ == "fedtrain.participant.retry"

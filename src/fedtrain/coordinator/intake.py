@@ -40,9 +40,10 @@ from fedtrain.config import RunConfig
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.direct import DirectUpload, read_into
 from fedtrain.coordinator.folds import MergeInputs, Pending, RoundSum
+from fedtrain.coordinator.pieces import ROWS_META, Coverage, Partial, Piece, assemble, check_label, piece_rows
 from fedtrain.coordinator.receive import Head, SpoolFiles, Staging, receive_to_spool
 from fedtrain.coordinator.values import non_finite
-from fedtrain.errors import Refused
+from fedtrain.errors import Refused, WireError
 from fedtrain.merge import RunningSum, check_compatible
 from fedtrain.merge.robust import clip_scale
 from fedtrain.transport import Body, fast_io_enabled
@@ -90,6 +91,21 @@ class Seats(Protocol):
         """Why the round stopped taking `up` while its body streamed in."""
 
 
+@dataclass(frozen=True)
+class PieceAnswer:
+    """What became of one piece: the update's ticket once complete (None before, or for a
+    duplicate), whether this piece completed it or came before, the pieces in, the tensors
+    still missing, and the update's bytes and digest so far."""
+
+    ticket: Ticket | None
+    complete: bool
+    duplicate: bool
+    pieces: int
+    missing: list[str]
+    length: int
+    digest: str
+
+
 class _InFlight:
     """A count of folds in flight (event loop only), with a wait for none."""
 
@@ -125,6 +141,7 @@ class Intake:
         self._in_flight = _InFlight()
         self._deferred: set[asyncio.Task[None]] = set()
         self._failure: str | None = None  # a fold failed: the open round cannot be merged
+        self._partials: dict[tuple[str, int], Partial] = {}  # (participant, round) -> its pieces so far
         self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
 
     # -- what others may read ---------------------------------------------------------------
@@ -200,6 +217,9 @@ class Intake:
             self._give_back_freed()
 
     def check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
+        if ROWS_META in metadata:
+            raise WireError(f"a body with {ROWS_META} in its metadata is a piece of an update: send it with "
+                            "?piece=<label>")
         scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header
         check_compatible(expected_specs(dict(self._spec), scheme, block),
                          {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
@@ -255,10 +275,9 @@ class Intake:
 
     async def _receive_spooled(self, up: Upload, body: Body, cfg: RunConfig, seats: Seats,
                                may_reach: Callable[[], int]) -> Ticket | None:
-        """Receive an upload into a spool file, check it and place it (`policy.place_update`):
-        folded now, kept until the close, or folded after the direct upload in the sum."""
+        """Receive an upload into a spool file, verify it, then place it (`_place`)."""
         path, new = self._spool_files.take()
-        owned = False  # the round owns the file now (`RoundSum`, or a deferred fold)
+        placing = False
         try:
             try:
                 _, scan = await receive_to_spool(body, path, digest=up.digest, length=up.length, limit=up.limit,
@@ -269,6 +288,18 @@ class Intake:
             faults.hit("upload.received", who=up.pid, round=up.round)
             if scan is not None and scan.bad is not None:
                 raise non_finite(scan.bad)
+            placing = True
+        finally:
+            if not placing:
+                self._spool_files.discard(path, new)
+        return await self._place(up, path, new, cfg, seats, may_reach)
+
+    async def _place(self, up: Upload, path: Path, new: bool, cfg: RunConfig, seats: Seats,
+                     may_reach: Callable[[], int]) -> Ticket | None:
+        """Check a verified spool file's values and place it (`policy.place_update`): folded
+        now, kept until the close, or folded after the direct upload in the sum."""
+        owned = False  # the round owns the file now (`RoundSum`, or a deferred fold)
+        try:
             place = policy.place_update(cfg, self._direct is not None)
             largest: float | None = None
             if place.check_first:
@@ -304,6 +335,70 @@ class Intake:
         finally:
             if not owned:
                 self._spool_files.discard(path, new)
+
+    # -- updates in pieces ----------------------------------------------------------------------
+
+    async def receive_piece(self, up: Upload, label: str, body: Body, cfg: RunConfig, seats: Seats,
+                            may_reach: Callable[[], int]) -> PieceAnswer:
+        """Receive and verify one piece of `up.pid`'s update for the open round (`pieces.py`);
+        once the pieces cover the sync set, assemble and place the update like any other."""
+        key = (up.pid, up.round)
+        self._check_piece_fits(key, label, up)
+        known = self._partials.get(key)
+        if known is not None and label in known.pieces:
+            await body.drain()
+            if known.pieces[label].digest != up.digest:
+                raise Refused(409, "piece_conflict", f"piece {label!r} of {up.pid}'s update for round {up.round} "
+                              "came before with other bytes")
+            return PieceAnswer(None, False, True, len(known.pieces), known.coverage.missing(), known.length, "")
+        rows: dict[str, tuple[int, int]] = {}
+
+        def on_header(specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
+            rows.update(piece_rows(specs, metadata, self._spec))
+
+        path, new = self._spool_files.take()
+        owned = False
+        try:
+            try:
+                _, scan = await receive_to_spool(body, path, digest=up.digest, length=up.length, limit=up.limit,
+                                                 on_header=on_header)
+            except BaseException:
+                await body.drain()
+                raise
+            faults.hit("upload.received", who=up.pid, round=up.round)
+            if scan is not None and scan.bad is not None:
+                raise non_finite(scan.bad)
+            await asyncio.to_thread(self.round.check_values, path)  # each piece as it comes
+            self._check_piece_fits(key, label, up)  # again: others came in meanwhile
+            partial = self._partials.setdefault(key, Partial(up.tokens, Coverage(self._spec)))
+            partial.coverage.add(label, rows)
+            partial.pieces[label] = Piece(path, dict(rows), up.digest, up.length)
+            owned = True
+        finally:
+            if not owned:
+                self._spool_files.discard(path, new)
+        if not partial.coverage.complete:
+            return PieceAnswer(None, False, False, len(partial.pieces), partial.coverage.missing(), partial.length,
+                               partial.digest())
+        del self._partials[key]
+        whole, whole_new = self._spool_files.take()
+        try:
+            await asyncio.to_thread(assemble, partial, self._spec, whole)
+        except BaseException:
+            self._spool_files.discard(whole, whole_new)
+            raise
+        finally:
+            for piece in partial.pieces.values():
+                self._spool_files.give_back(piece.path)
+        ticket = await self._place(up, whole, whole_new, cfg, seats, may_reach)
+        return PieceAnswer(ticket, True, ticket is None, len(partial.pieces), [], partial.length, partial.digest())
+
+    def _check_piece_fits(self, key: tuple[str, int], label: str, up: Upload) -> None:
+        check_label(label)
+        partial = self._partials.get(key)
+        if partial is not None and partial.tokens != up.tokens:
+            raise Refused(400, "piece_mismatch", f"piece {label!r} claims {up.tokens} tokens, the pieces before it "
+                          f"{partial.tokens}: every piece of an update carries the update's token count")
 
     def _fold_later(self, path: Path, weight: float, pending: Pending, may_reach: Callable[[], int]) -> None:
         """Fold a checked spool file once the direct upload in the sum is counted (or stopped);
@@ -347,6 +442,10 @@ class Intake:
         rounds before `oldest_round` are forgotten once `committed` (`RoundSum.clear`)."""
         for path in self.round.clear(committed, oldest_round):
             self._spool_files.give_back(path)
+        for partial in self._partials.values():  # updates still in pieces: their round is over
+            for piece in partial.pieces.values():
+                self._spool_files.give_back(piece.path)
+        self._partials.clear()
         self._failure = None
 
     async def stop(self) -> None:

@@ -318,9 +318,10 @@ class Coordinator:
     # -- rounds, uploads, downloads ------------------------------------------------------------------
 
     async def receive_update(self, ident: Identity, pid: str, round_: int, tokens: int, digest: str,
-                             length: int | None, body: Any) -> dict[str, Any]:
-        """Verify and fold one participant's pseudo-gradient for `round_` (`uploads.py`)."""
-        return await self.uploads.receive_update(ident, pid, round_, tokens, digest, length, Body.of(body))
+                             length: int | None, body: Any, piece: str | None = None) -> dict[str, Any]:
+        """Verify and fold one participant's pseudo-gradient for `round_`, or one `piece` of
+        it (`uploads.py`, `pieces.py`)."""
+        return await self.uploads.receive_update(ident, pid, round_, tokens, digest, length, Body.of(body), piece)
 
     async def wait_round(self, ident: Identity, pid: str | None, round_: int, wait_s: float) -> dict[str, Any]:
         """Long-poll until round `round_` is closed, or `wait_s` (`Rounds.wait_round`)."""

@@ -24,7 +24,7 @@ from fedtrain.coordinator.receive import peek_header
 from fedtrain.coordinator.roster import Roster
 from fedtrain.coordinator.rounds import Rounds
 from fedtrain.coordinator.storage import storage_full
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.coordinator.values import POISON_CODES
 from fedtrain.errors import Refused
 from fedtrain.transport import Body
@@ -90,56 +90,99 @@ class Uploads:
     # -- one upload ---------------------------------------------------------------------------------
 
     async def receive_update(self, ident: Identity, pid: str, round_: int, tokens: int, digest: str,
-                             length: int | None, body: Body) -> dict[str, Any]:
-        """Verify and fold one participant's pseudo-gradient for `round_`."""
+                             length: int | None, body: Body, piece: str | None = None) -> dict[str, Any]:
+        """Verify and fold one participant's pseudo-gradient for `round_`, or one `piece` of it
+        (`pieces.py`: counted as submitted once its pieces cover the sync set)."""
         p = self._roster.get(ident, pid)
-        cfg = self._configs.config
         try:
-            admission = self.check_open(round_)
-            if self._is_duplicate(pid, round_, admission):
-                await body.drain()
-                return {"accepted": True, "duplicate": True, "round": round_}
-            if cfg.outer.weighting == "tokens" and tokens <= 0:
-                raise Refused(400, "invalid_tokens", "tokens must be a positive count of tokens processed this round")
-            barred = self._intake.barred(round_, pid)
-            if barred is not None:
-                raise Refused(422, "update_refused", barred, {"round": round_})
-            tokens, clamped = policy.count_tokens(tokens, self._configs.for_round(round_, self._rounds.version))
-            limit = int(cfg.max_upload_mb * 1_000_000)
-            if length is None:
-                raise Refused(411, "length_required", "uploads need a Content-Length header")
-            if length > limit:
-                raise Refused(413, "too_large", f"upload of {length:,} bytes exceeds max_upload_mb ({limit:,} bytes)")
+            admitted = self._admit(pid, round_, tokens, digest, length, piece)
         except Refused:
             await body.drain()
             raise
+        if admitted is None:
+            await body.drain()
+            return {"accepted": True, "duplicate": True, "round": round_}
+        admission, up, clamped = admitted
         try:
             head, body = await peek_header(body)
             faults.hit("upload.streaming", who=pid, round=round_)
         except BaseException:
             await body.drain()
             raise
-        up = Upload(pid, round_, tokens, digest, length, limit)
-        open_ = self._rounds.open
+        cfg, open_ = self._configs.config, self._rounds.open
+
+        def may_reach() -> int:
+            return open_.may_reach(self._roster.active())
+
+        answer: dict[str, Any] = {}
+        nbytes, whole_digest = up.length, up.digest
         try:
-            ticket = await self._intake.receive(up, body, head, admission.action, cfg, len(self._roster.active()),
-                                                self, lambda: open_.may_reach(self._roster.active()))
+            if piece is None:
+                ticket = await self._intake.receive(up, body, head, admission.action, cfg,
+                                                    len(self._roster.active()), self, may_reach)
+            else:
+                got = await self._intake.receive_piece(up, piece, body, cfg, self, may_reach)
+                answer = {"piece": piece, "complete": got.complete, "pieces": got.pieces, "missing": got.missing[:20]}
+                if not got.duplicate:  # a piece's bytes count as it comes, its update's tokens once complete
+                    self._roster.counted_upload(p, round_, 0, up.length)
+                if not got.complete or got.duplicate:
+                    self._roster.store_row(p)
+                    self._events.notify()
+                    return {"accepted": True, "duplicate": got.duplicate, "round": round_, **answer}
+                ticket, nbytes, whole_digest = got.ticket, got.length, got.digest
         except Refused as e:
             if e.code in POISON_CODES:
-                self._events.record("refuse", f"the update of {pid} for round {round_} was refused: {e.message}", pid)
+                what = f"the update of {pid}" if piece is None else f"piece {piece!r} of the update of {pid}"
+                self._events.record("refuse", f"{what} for round {round_} was refused: {e.message}", pid)
             raise
         if ticket is None:
-            return {"accepted": True, "duplicate": True, "round": round_}
+            return {"accepted": True, "duplicate": True, "round": round_, **answer}
+        self._count(p, up, ticket, clamped, nbytes, whole_digest, counted_bytes=piece is None)
+        late = ({"folded_into": self._rounds.version, "staleness": ticket.admission.staleness}
+                if ticket.admission.action == "late" else {})
+        counted = {"tokens_counted": up.tokens, "tokens_reason": clamped} if clamped is not None else {}
+        return {"accepted": True, "duplicate": False, "round": round_, **late, **counted, **answer}
+
+    def _admit(self, pid: str, round_: int, tokens: int, digest: str, length: int | None,
+               piece: str | None) -> tuple[policy.Admission, Upload, str | None] | None:
+        """The checks an upload passes before a byte of its body is read: the round takes it,
+        it is not a duplicate (None), its tokens count (bounded: the reason when clamped), its
+        length fits. Raises Refused."""
+        cfg = self._configs.config
+        admission = self.check_open(round_)
+        if self._is_duplicate(pid, round_, admission):
+            return None
+        if cfg.outer.weighting == "tokens" and tokens <= 0:
+            raise Refused(400, "invalid_tokens", "tokens must be a positive count of tokens processed this round")
+        barred = self._intake.barred(round_, pid)
+        if barred is not None:
+            raise Refused(422, "update_refused", barred, {"round": round_})
+        tokens, clamped = policy.count_tokens(tokens, self._configs.for_round(round_, self._rounds.version))
+        limit = int(cfg.max_upload_mb * 1_000_000)
+        if length is None:
+            raise Refused(411, "length_required", "uploads need a Content-Length header")
+        if length > limit:
+            raise Refused(413, "too_large", f"upload of {length:,} bytes exceeds max_upload_mb ({limit:,} bytes)")
+        if piece is not None and admission.action != "accept":
+            raise Refused(409, "round_closed", f"round {round_} is closed: the pieces of an update are taken for "
+                          "the open round only", {"current_round": self._rounds.version})
+        return admission, Upload(pid, round_, tokens, digest, length, limit), clamped
+
+    def _count(self, p: ParticipantRow, up: Upload, ticket: Ticket, clamped: str | None, nbytes: int, digest: str,
+               counted_bytes: bool) -> None:
+        """An update is in the open round: count it (its participant's counters, unless its
+        bytes were counted piece by piece; its submission's row; the round's clock), then
+        ask whether the round closes."""
+        pid, round_ = up.pid, up.round
         if clamped is not None:
             self._events.record("tokens", f"{pid}'s update for round {round_}: {clamped}", pid)
-        admission = ticket.admission
-        self._roster.counted_upload(p, round_, tokens, length)
-        if admission.action == "late":
-            self._events.record("late", f"{pid}'s update for round {round_}: {admission.reason}", pid)
+        self._roster.counted_upload(p, round_, up.tokens, nbytes if counted_bytes else 0)
+        if ticket.admission.action == "late":
+            self._events.record("late", f"{pid}'s update for round {round_}: {ticket.admission.reason}", pid)
         else:
-            open_.note_submission(self._rounds.clock())
+            self._rounds.open.note_submission(self._rounds.clock())
             try:
-                self._store.add_submission(round_, pid, tokens, length, digest)
+                self._store.add_submission(round_, pid, up.tokens, nbytes, digest)
             except Exception as e:
                 if storage_full(e):  # folded but not recorded: the round must not commit as it is
                     # the merge fails on it and the run goes back, once there is room (rounds.py)
@@ -148,7 +191,3 @@ class Uploads:
         self._roster.store_row(p)
         self._rounds.maybe_close()
         self._events.notify()
-        late = ({"folded_into": self._rounds.version, "staleness": admission.staleness}
-                if admission.action == "late" else {})
-        counted = {"tokens_counted": tokens, "tokens_reason": clamped} if clamped is not None else {}
-        return {"accepted": True, "duplicate": False, "round": round_, **late, **counted}

@@ -15,8 +15,9 @@ without that attribute is left as it is.
 
 from __future__ import annotations
 
-import os
 import threading
+
+from fedtrain.transport.setting import fast_io_enabled
 
 __all__ = ["READ_BYTES", "tune_httpcore"]
 
@@ -27,18 +28,13 @@ _lock = threading.Lock()
 _original: int | None = None  # httpcore's own read size, noted before the first change
 
 
-def _fast_io_enabled() -> bool:
-    """Whether the fast IO paths are on: unless FEDTRAIN_FAST_IO says 0, off, false or no."""
-    return os.environ.get("FEDTRAIN_FAST_IO", "").strip().lower() not in ("0", "off", "false", "no")
-
-
 def tune_httpcore(enabled: bool | None = None) -> bool:
     """Raise httpcore's read size to `READ_BYTES` (`enabled`), or put its own value back.
 
     `enabled` None: as `FEDTRAIN_FAST_IO` says. Returns whether the larger reads are in force."""
     global _original
     if enabled is None:
-        enabled = _fast_io_enabled()
+        enabled = fast_io_enabled()
     try:
         from httpcore._sync.http11 import HTTP11Connection
     except ImportError:  # a httpcore without that module: keep its default

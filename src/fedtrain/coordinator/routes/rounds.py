@@ -59,6 +59,8 @@ async def upload(
     pid: str,
     request: Request,
     tokens: int = Query(..., ge=0, le=MAX_COUNT),
+    piece: str | None = Query(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                              description="this body is one piece of the update, so labelled (docs/training-jobs.md)"),
     ident: Identity = Depends(speaker),
     service: Coordinator = Depends(coordinator),
     in_flight: InFlight = Depends(uploads_in_flight),
@@ -72,16 +74,16 @@ async def upload(
         length = int(length_header) if length_header is not None else None
     except ValueError:
         raise Refused(400, "invalid_length", "Content-Length is not a number") from None
-    if not in_flight.take((pid, round_)):
+    if not in_flight.take((pid, round_, piece)):
         raise Refused(429, "upload_in_progress", f"an upload of {pid} for round {round_} is in progress on another "
                       "connection; send again once it is over",
                       {"round": round_, "retry_after_s": UPLOAD_RETRY_AFTER_S})
     try:
-        return await service.receive_update(ident, pid, round_, tokens, digest, length, upload_body(request))
+        return await service.receive_update(ident, pid, round_, tokens, digest, length, upload_body(request), piece)
     except ClientDisconnect:
         raise Refused(400, "client_disconnected", "the upload ended before the body was complete") from None
     finally:
-        in_flight.give_back((pid, round_))
+        in_flight.give_back((pid, round_, piece))
 
 
 @router.get(

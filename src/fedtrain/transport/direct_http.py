@@ -1,5 +1,5 @@
-"""Model downloads read from the socket straight into the tensors, uploads sent from the
-tensors' memory (stdlib `http.client`).
+"""The participant's fast path: model downloads read from the socket straight into the
+tensors, uploads sent from the tensors' memory (stdlib `http.client`).
 
 httpx parses a response body through h11, which appends every received block to a
 bytearray and slices it out again: two copies per byte on top of the socket read.
@@ -11,9 +11,10 @@ Uploads go the other way: httpx hands every chunk of a body to h11, which joins 
 fresh `bytes` before the socket sees it. Here each chunk (a view of a tensor) goes to
 `sendall` as it is.
 
-Only the download of the global model and the upload of an update take this path, and
-only where httpx would have connected directly: where a proxy in the environment applies
-(which httpx honours), both go through httpx. TLS uses the same trust as the httpx client
+Only the download of the global model and the upload of an update take this path, only
+with fast IO on (`FEDTRAIN_FAST_IO`), and only where httpx would have connected directly:
+with fast IO off, or where a proxy in the environment applies (which httpx honours), both
+go through httpx (the plain path). TLS uses the same trust as the httpx client
 (certifi's CAs, or the CA file given, or none with `verify=False`). Errors come out as httpx's, so the
 client's retry loop and error reporting treat both paths alike.
 """
@@ -33,6 +34,7 @@ from urllib.parse import urlencode, urlsplit
 import httpx
 
 from fedtrain.errors import WireError
+from fedtrain.transport.setting import fast_io_enabled
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +50,10 @@ READ_BYTES = 1 << 20
 
 
 def is_direct(url: str) -> bool:
-    """Whether httpx would connect to `url` without a proxy (environment settings)."""
+    """Whether transfers to `url` take this path: fast IO is on, and httpx would connect to
+    `url` without a proxy (environment settings)."""
+    if not fast_io_enabled():
+        return False
     parts = urlsplit(url)
     proxies = urllib.request.getproxies()
     if not (proxies.get(parts.scheme) or proxies.get("all")):
