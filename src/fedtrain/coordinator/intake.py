@@ -276,23 +276,28 @@ class Intake:
     async def _receive_spooled(self, up: Upload, body: Body, cfg: RunConfig, seats: Seats,
                                may_reach: Callable[[], int]) -> Ticket | None:
         """Receive an upload into a spool file, verify it, then place it (`_place`)."""
+        path, new = await self._spool(up, body, self.check_header)
+        return await self._place(up, path, new, cfg, seats, may_reach)
+
+    async def _spool(self, up: Upload, body: Body,
+                     on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None]) -> tuple[Path, bool]:
+        """Receive a body into a spool file, verified (digest, length, header by `on_header`,
+        a plain body's NaN and Inf); the file and whether it is new. On failure the file goes."""
         path, new = self._spool_files.take()
-        placing = False
         try:
             try:
                 _, scan = await receive_to_spool(body, path, digest=up.digest, length=up.length, limit=up.limit,
-                                                 on_header=self.check_header)
+                                                 on_header=on_header)
             except BaseException:
                 await body.drain()
                 raise
             faults.hit("upload.received", who=up.pid, round=up.round)
             if scan is not None and scan.bad is not None:
                 raise non_finite(scan.bad)
-            placing = True
-        finally:
-            if not placing:
-                self._spool_files.discard(path, new)
-        return await self._place(up, path, new, cfg, seats, may_reach)
+        except BaseException:
+            self._spool_files.discard(path, new)
+            raise
+        return path, new
 
     async def _place(self, up: Upload, path: Path, new: bool, cfg: RunConfig, seats: Seats,
                      may_reach: Callable[[], int]) -> Ticket | None:
@@ -356,18 +361,9 @@ class Intake:
         def on_header(specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
             rows.update(piece_rows(specs, metadata, self._spec))
 
-        path, new = self._spool_files.take()
+        path, new = await self._spool(up, body, on_header)
         owned = False
         try:
-            try:
-                _, scan = await receive_to_spool(body, path, digest=up.digest, length=up.length, limit=up.limit,
-                                                 on_header=on_header)
-            except BaseException:
-                await body.drain()
-                raise
-            faults.hit("upload.received", who=up.pid, round=up.round)
-            if scan is not None and scan.bad is not None:
-                raise non_finite(scan.bad)
             await asyncio.to_thread(self.round.check_values, path)  # each piece as it comes
             self._check_piece_fits(key, label, up)  # again: others came in meanwhile
             partial = self._partials.setdefault(key, Partial(up.tokens, Coverage(self._spec)))

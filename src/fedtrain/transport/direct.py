@@ -22,17 +22,15 @@ import functools
 import logging
 import mmap
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from fedtrain.wire.digest import StreamingDigest
 from fedtrain.wire.encode import EncodedBody
-from fedtrain.wire.files import write_buffered
+from fedtrain.wire.files import linux_libc, write_buffered
 
 __all__ = ["DIRECT_ALIGN", "DirectWriter", "aligned_copy", "o_direct_supported"]
 
@@ -258,19 +256,6 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def _linux_libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
-    """A function of Linux's libc returning int, or None where there is none (not Linux, no libc found)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = argtypes
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
 @functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    return _linux_libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+    return linux_libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])

@@ -5,13 +5,13 @@ separately from the body (the `X-Fedtrain-Digest` HTTP header, a column in the s
 receiver can refuse a corrupted or truncated body before it is used.
 
 Two algorithms are accepted, and the digest names its own, so a receiver checks whatever a
-sender chose: "xxh3-128" (the default: xxHash's XXH3, 128 bits, ~20 GB/s) and "sha256"
-(~1.8 GB/s here). The digest guards against corruption and truncation, not against an
-attacker: it travels in the same request as the body, so whoever could alter the body could
-recompute any unkeyed hash too; TLS and the bearer tokens are what keep bodies authentic.
-For that job a 128-bit non-cryptographic hash is as good as sha256 and ten times cheaper,
-and with sha256 the hash is the largest per-byte cost of a sync. The run config's `digest` picks the
-algorithm the coordinator and its participants write. An unknown algorithm is refused
+sender chose: "xxh3-128" (the default: xxHash's XXH3, 128 bits) and "sha256". The digest
+guards against corruption and truncation, not against an attacker: it travels in the same
+request as the body, so whoever could alter the body could recompute any unkeyed hash too;
+TLS and the bearer tokens are what keep bodies authentic. For that job a 128-bit
+non-cryptographic hash is as good as sha256 and ten times cheaper, and with sha256 the hash
+is the largest per-byte cost of a sync. The run config's `digest` picks the algorithm the
+coordinator and its participants write. An unknown algorithm is refused
 rather than skipped, so a typo can never turn the check off.
 """
 

@@ -140,7 +140,7 @@ WRITEBACK_WINDOW = 16 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
 
 
-def _linux_libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+def linux_libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
     """A function of Linux's libc returning int, or None where there is none (not Linux, no libc found)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -156,7 +156,7 @@ def _linux_libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
 @functools.cache
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's sync_file_range, or None where there is none."""
-    return _linux_libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+    return linux_libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
 class _Writeback:
