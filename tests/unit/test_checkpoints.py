@@ -88,17 +88,17 @@ def test_writeback_is_started_window_by_window_and_the_file_is_the_same(tmp_path
     from fedtrain.wire import files
 
     tensors = {"a": torch.arange(3_000_000, dtype=torch.float32), "b": torch.ones(700_000)}
-    monkeypatch.setattr(files, "_sync_file_range", lambda: None)
+    monkeypatch.setattr(files, "sync_file_range", lambda: None)
     reference = files.write_file(tmp_path / "plain.safetensors", tensors)
 
     calls: list[tuple[int, int]] = []
 
     def fake(fd: int, offset: int, nbytes: int, flags: int) -> int:
-        assert flags == files._SYNC_FILE_RANGE_WRITE
+        assert flags == files.SYNC_FILE_RANGE_WRITE
         calls.append((offset, nbytes))
         return 0
 
-    monkeypatch.setattr(files, "_sync_file_range", lambda: fake)
+    monkeypatch.setattr(files, "sync_file_range", lambda: fake)
     monkeypatch.setattr(files, "WRITEBACK_WINDOW", 4 << 20)
     digest = files.write_file(tmp_path / "hinted.safetensors", tensors)
     assert digest == reference
@@ -111,7 +111,7 @@ def test_writeback_is_started_window_by_window_and_the_file_is_the_same(tmp_path
     assert calls[-1][0] + calls[-1][1] <= size
 
     refused: list[int] = []
-    monkeypatch.setattr(files, "_sync_file_range", lambda: lambda fd, o, n, f: refused.append(o) or -1)
+    monkeypatch.setattr(files, "sync_file_range", lambda: lambda fd, o, n, f: refused.append(o) or -1)
     assert files.write_file(tmp_path / "refused.safetensors", tensors) == reference
     assert len(refused) == 1  # a file system without it: asked once, then left to the fsync
 
@@ -122,7 +122,7 @@ def test_sync_file_range_is_found_on_linux() -> None:
     from fedtrain.wire import files
 
     if sys.platform.startswith("linux"):
-        assert files._sync_file_range() is not None
+        assert files.sync_file_range() is not None
 
 
 def test_a_known_digest_is_taken_and_the_files_are_the_same(tmp_path: Path) -> None:

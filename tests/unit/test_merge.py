@@ -172,7 +172,7 @@ def test_running_sum_add_uniform_weights_and_reset_reuses_memory() -> None:
         assert acc.mean() is not mean and acc.mean()["scale"] is mean["scale"]  # idempotent
         acc.reset()
         assert acc.count == 0 and acc.total_weight == 0.0
-        assert acc._fresh == set(mean), f"round {rnd}"  # no contribution: written over next round
+        assert acc.is_empty, f"round {rnd}"  # no contribution: written over next round
     assert acc.nbytes == 4 * (15 + 3 + 6 + 1)
 
 
@@ -182,16 +182,14 @@ def test_a_first_contribution_is_written_as_it_is_and_sets_the_scale(dtype: torc
     gen = torch.Generator().manual_seed(5)
     first = {"w": torch.randn(4, 5, generator=gen).to(dtype), "b": torch.randn(7, generator=gen).to(dtype)}
     second = {k: torch.randn(v.shape, generator=gen).to(dtype) for k, v in first.items()}
-    acc = RunningSum(first)
-    for v in acc._acc.values():
-        v.fill_(123.0)  # stale values from an earlier round: they must not count
-    acc.reset()
+    memory = {k: torch.full(v.shape, 123.0) for k, v in first.items()}  # stale values from an earlier round
+    acc = RunningSum(first, storage=memory)  # they must not count
     acc.fold("w", first["w"], weight)
     acc.fold_part("b", 0, first["b"][:3], weight)  # in pieces: each piece written over
     acc.fold_part("b", 3, first["b"][3:], weight)
     acc.finish_contribution(weight)
     for k in first:  # the first contribution's values as they are: what adding into zeros gives
-        assert torch.equal(acc._acc[k], torch.zeros(first[k].shape).add_(first[k])), k
+        assert torch.equal(acc.peek()[k], torch.zeros(first[k].shape).add_(first[k])), k
     acc.add(second, 2.0)
     tensors, divisor = acc.scaled()  # Σ wᵢΔᵢ / weight, and (weight + 2) / weight
     assert divisor == (weight + 2.0) / weight

@@ -54,7 +54,7 @@ def test_model_stream_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     files.remove(7)  # a prune meanwhile: nothing to do with the file being read
     assert collect(s) == data
     assert bool(hops) == slow_disk  # the first chunk came from the loop, the rest from the thread
-    assert not files._readers  # the reader was counted out
+    assert files.open_readers == 0  # the reader was counted out
 
 
 def test_model_stream_from_memory_switches_to_the_file_when_the_weights_move(tmp_path: Path) -> None:
@@ -130,7 +130,7 @@ def test_model_stream_pumps_the_file_and_switches_from_memory_when_the_weights_m
     got = pumped(ModelStream(1, published.digest, len(expected), tmp_path / "g", files, published, guard),
                  next_outer_step)
     assert moved and got == expected  # the rest came from the committed file, not from the changed weights
-    assert not files._readers
+    assert files.open_readers == 0
 
 
 def test_a_stalled_download_does_not_hold_the_weights_and_can_be_cancelled(tmp_path: Path) -> None:

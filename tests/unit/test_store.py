@@ -13,8 +13,8 @@ from fedtrain.errors import StateError
 
 def test_new_store_is_migrated_and_wal(tmp_path: Path) -> None:
     store = Store(tmp_path / "run.db")
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
-    assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.schema_version() == len(MIGRATIONS)
+    assert store.journal_mode() == "wal"
     assert store.committed_version() is None
     store.close()
     store = Store(tmp_path / "run.db")  # reopening runs no migration twice

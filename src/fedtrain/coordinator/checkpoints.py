@@ -105,6 +105,12 @@ class CheckpointDir:
             self._readers[path] += 1
         return f
 
+    @property
+    def open_readers(self) -> int:
+        """How many checkpoint files downloads hold open now."""
+        with self._lock:
+            return sum(self._readers.values())
+
     def close_reader(self, path: Path, f: BinaryIO) -> None:
         f.close()
         with self._lock:

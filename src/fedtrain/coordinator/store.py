@@ -300,6 +300,13 @@ class Store:
                 (time.time(), kind, participant_id, message),
             )
 
+    def schema_version(self) -> int:
+        """The database's migration number (SQLite's user_version)."""
+        return int(self._query("PRAGMA user_version")[0][0])
+
+    def journal_mode(self) -> str:
+        return str(self._query("PRAGMA journal_mode")[0][0])
+
     def events(self, limit: int = 100) -> list[dict[str, Any]]:
         rows = self._query("SELECT * FROM events ORDER BY id DESC LIMIT ?", (limit,))
         return [dict(r) for r in reversed(rows)]

@@ -137,7 +137,7 @@ def _buffered(fd: int, body: EncodedBody, digest: str | None) -> tuple[str, dict
 
 
 WRITEBACK_WINDOW = 16 << 20
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
+SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
 
 
 def linux_libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
@@ -154,7 +154,7 @@ def linux_libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
 
 
 @functools.cache
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+def sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's sync_file_range, or None where there is none."""
     return linux_libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
@@ -164,7 +164,7 @@ class _Writeback:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.fn = _sync_file_range()
+        self.fn = sync_file_range()
         self.written = 0
         self.started = 0  # bytes [0, started) were handed to writeback
 
@@ -172,7 +172,7 @@ class _Writeback:
         self.written += n
         if self.fn is None or self.written - self.started < WRITEBACK_WINDOW:
             return
-        if self.fn(self.fd, self.started, self.written - self.started, _SYNC_FILE_RANGE_WRITE) != 0:
+        if self.fn(self.fd, self.started, self.written - self.started, SYNC_FILE_RANGE_WRITE) != 0:
             self.fn = None  # e.g. a file system without it: the fsync then does all the work
         self.started = self.written
 
