@@ -101,6 +101,10 @@ def test_overlapped_sync_trains_and_ends_on_the_global_model(tmp_path: Path) -> 
         final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
     assert sorted(r["round"] for r in rounds) == list(range(5))
+    # Each overlapped upload carries its round's tokens (sync_every steps of batch x seq_len),
+    # not the count after the training thread reset it for the next round.
+    per_round = {s["tokens"] for r in rounds for s in r["submissions"]}
+    assert per_round == {10 * cfg.train.batch_size * cfg.train.seq_len}, per_round
     assert_all_on(results, final_global)
     assert heldout_loss(final_global) < initial - 1.0
 

@@ -72,11 +72,15 @@ class Published:
     hold: bool = False  # commit first: each download's last piece waits for the commit
     durable: bool = False
     settled: threading.Event = field(default_factory=threading.Event)  # the commit is over, either way
+    # The same, for waiters on the event loop (settle() runs there: `rounds.Rounds`).
+    settled_async: asyncio.Event = field(default_factory=asyncio.Event)
 
     def settle(self, durable: bool) -> None:
+        """On the event loop: the commit is over, durable or not."""
         if not self.settled.is_set():
             self.durable = durable
             self.settled.set()
+            self.settled_async.set()
 
     def check_durable(self) -> None:
         if not (self.settled.is_set() and self.durable):
@@ -91,8 +95,7 @@ class Published:
 
     async def wait_async(self) -> None:
         """On the event loop: until the commit is over; raises if it failed."""
-        while not self.settled.is_set():
-            await asyncio.sleep(0.005)
+        await self.settled_async.wait()
         self.check_durable()
 
 
