@@ -170,3 +170,20 @@ def test_a_round_that_closes_drops_an_update_still_in_pieces(tmp_path: Path) -> 
         # the next round starts from nothing: one piece is not an update
         assert send_piece(http, "p", "r1", t1, rows1, round_=1).json()["complete"] is False
         assert c.service.submitted == {}
+
+
+def test_an_update_comes_in_a_bounded_number_of_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("fedtrain.coordinator.pieces.MAX_PIECES", 2)
+    with BackgroundCoordinator(tmp_path / "s", tiny_config()) as c, client(c) as http:
+        for pid in ("p", "q"):
+            http.post("/v1/join", json={"name": pid})
+        delta = deltas(c, 1)
+        names = list(delta)
+        for i, name in enumerate(names[:2]):
+            assert send_piece(http, "p", f"t{i}", {name: delta[name]}).json()["complete"] is False
+        err = assert_error(send_piece(http, "p", "t2", {names[2]: delta[names[2]]}), 400, "too_many_pieces")
+        assert "send larger pieces" in err["message"]
+        assert send_piece(http, "p", "t1", {names[1]: delta[names[1]]}).json()["duplicate"] is True  # not a new one
+        rest = {n: delta[n] for n in names[2:]}
+        assert_error(send_piece(http, "p", "rest", rest), 400, "too_many_pieces")
+        assert c.service.submitted == {}

@@ -37,7 +37,7 @@ import torch
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
-from fedtrain.coordinator import policy
+from fedtrain.coordinator import pieces, policy
 from fedtrain.coordinator.direct import DirectUpload, read_into
 from fedtrain.coordinator.folds import MergeInputs, Pending, RoundSum
 from fedtrain.coordinator.pieces import ROWS_META, Coverage, Partial, Piece, assemble, check_label, piece_rows
@@ -392,6 +392,10 @@ class Intake:
     def _check_piece_fits(self, key: tuple[str, int], label: str, up: Upload) -> None:
         check_label(label)
         partial = self._partials.get(key)
+        if partial is not None and label not in partial.pieces and len(partial.pieces) >= pieces.MAX_PIECES:
+            raise Refused(400, "too_many_pieces", f"{up.pid}'s update for round {up.round} has {len(partial.pieces)} "
+                          f"pieces in already, the most one update may come in ({pieces.MAX_PIECES}), and they do "
+                          "not cover it: send larger pieces")
         if partial is not None and partial.tokens != up.tokens:
             raise Refused(400, "piece_mismatch", f"piece {label!r} claims {up.tokens} tokens, the pieces before it "
                           f"{partial.tokens}: every piece of an update carries the update's token count")

@@ -8,8 +8,9 @@ there is whole. Pieces may come in any order and in parallel, compressed or not,
 is verified (digest, header, values) as it arrives. The update counts as submitted only
 once its pieces cover every tensor exactly, with no overlap (`Coverage`); the coordinator
 then assembles them into one plain update (`assemble`) that goes the way of any other.
-All the pieces carry the same token count. A round that closes with an update still in
-pieces drops them: its sender finds the round closed and sends the next round's update.
+All the pieces carry the same token count, and an update comes in at most `MAX_PIECES`. A
+round that closes with an update still in pieces drops them: its sender finds the round
+closed and sends the next round's update.
 
 Pure functions and plain state (`Coverage`, `Partial`), used by the intake on the event
 loop; `assemble` runs on a worker thread.
@@ -34,6 +35,9 @@ from fedtrain.wire.compress import SCALE_SUFFIX, decompress, expected_specs, sch
 from fedtrain.wire.format import byte_view
 
 ROWS_META = "fedtrain.rows"
+#: The most pieces one update may come in: each waits in a spool file of its own until the
+#: update is complete (a rank each for FSDP, a fragment each for Streaming DiLoCo).
+MAX_PIECES = 256
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
