@@ -15,6 +15,7 @@ fold lock where the round's sum is involved. Everything else, and every assignme
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -30,10 +31,11 @@ from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.events import Events
 from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
 from fedtrain.coordinator.restore import load_version, newest_intact, restore_record
+from fedtrain.coordinator.slices import SliceStream, parse_rows
 from fedtrain.coordinator.store import Store
 from fedtrain.errors import MergeError, Refused, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum
-from fedtrain.wire import EncodedBody
+from fedtrain.wire import EncodedBody, parse_digest
 
 
 def model_meta(cfg: RunConfig, algorithm: str, version: int) -> dict[str, str]:
@@ -219,17 +221,47 @@ class Committer:
             stream = ModelStream(v, published.digest, published.body.content_length, path, self.ckpt, published,
                                  self.weights)
         else:
-            digest = self._store.get_meta(f"digest/{v}")
+            digest = self._committed_digest(v)
             try:
-                if v > self.committed_version or digest is None:
-                    raise FileNotFoundError(path)
                 stream = ModelStream(v, digest, path.stat().st_size, path, self.ckpt)
-            except FileNotFoundError:  # never kept, or pruned a moment ago
-                kept = [x for x in self.ckpt.versions() if x <= self.committed_version]
-                raise Refused(404, "version_not_kept",
-                              f"global model version {v} is not available (kept: {kept})") from None
+            except FileNotFoundError:  # pruned a moment ago
+                raise self._not_kept(v) from None
         self.bytes_out += stream.size
         return stream
+
+    async def model_slice(self, v: int, rows: str) -> SliceStream:
+        """A download of the rows `rows` (a JSON query, `slices.parse_rows`) of global version
+        `v`, from the same source `model_stream` would take; read and hashed on a worker thread."""
+        wanted = parse_rows(rows, self.spec())
+        path = self.ckpt.global_path(v)
+        published = self.published if self.published is not None and self.published.version == v else None
+        if published is not None:
+            stream = SliceStream(v, wanted, path, self.ckpt, memory=published, guard=self.weights,
+                                 params=self.model.params)
+        else:
+            algorithm = parse_digest(self._committed_digest(v))[0]
+            try:
+                stream = SliceStream(v, wanted, path, self.ckpt, digest_algorithm=algorithm)
+            except FileNotFoundError:  # pruned a moment ago
+                raise self._not_kept(v) from None
+        try:
+            await asyncio.to_thread(stream.prepare)
+        except BaseException:
+            stream.close()
+            raise
+        self.bytes_out += stream.size
+        return stream
+
+    def _committed_digest(self, v: int) -> str:
+        """The digest of committed version `v`'s file; 404 when it is not kept."""
+        digest = self._store.get_meta(f"digest/{v}")
+        if v > self.committed_version or digest is None:
+            raise self._not_kept(v)
+        return digest
+
+    def _not_kept(self, v: int) -> Refused:
+        kept = [x for x in self.ckpt.versions() if x <= self.committed_version]
+        return Refused(404, "version_not_kept", f"global model version {v} is not available (kept: {kept})")
 
     def spec(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return {n: (t.dtype, tuple(t.shape)) for n, t in self.model.params.items()}

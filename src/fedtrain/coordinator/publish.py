@@ -27,16 +27,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.transport.protocols import SEND, ModelSender, Steps
+from fedtrain.transport.protocols import SEND, Hold, ModelSender, Steps
 from fedtrain.wire import EncodedBody
 
 # Below the coordinator's mmap threshold (1 MiB, see `transport.allocator.tune_allocator`): chunks come from
@@ -120,18 +120,12 @@ class ModelStream:
         offset = 0
         try:
             if self.memory is not None and self.guard is not None:
-                for view, last in _pieces(self.memory.body, CHUNK):
-                    if last and self.memory.hold:
-                        await self.memory.wait_async()
-                    with self.guard.lock:
-                        if self.guard.epoch != self.memory.epoch:
-                            break  # the weights moved on: the rest comes from the committed file
-                        data = bytes(view)
+                async for data in memory_chunks(self.memory.body, self.memory, self.guard):
                     offset += len(data)
                     yield data
-                else:
+                if offset == self.size:
                     return
-                self.memory.check_durable()  # a move after a failed commit: no file to go on from
+                # the weights moved on: the rest comes from the committed file
                 self._file = self.files.open_reader(self.path)
                 self._file.seek(offset)
             file = self._file
@@ -165,25 +159,9 @@ class ModelStream:
         `NotCommitted` (the connection is closed) when that commit failed."""
         offset = 0
         if self.memory is not None and self.guard is not None:
-            moved = False
-            for view, last in _pieces(self.memory.body, SEND_PIECE):
-                if last and self.memory.hold:
-                    if not self.memory.settled.is_set():
-                        yield self.memory  # waited for on the loop, or by `pump` on its thread
-                    self.memory.check_durable()
-                while view and not moved:
-                    with self.guard.lock:
-                        moved = self.guard.epoch != self.memory.epoch
-                        n = 0 if moved else out.write_some(view)
-                    if n:
-                        view, offset = view[n:], offset + n
-                    elif not moved:
-                        yield None
-                if moved:
-                    break
-            else:
+            offset = yield from memory_steps(self.memory.body, self.memory, self.guard, out)
+            if offset == self.size:
                 return
-            self.memory.check_durable()
             self._file = self.files.open_reader(self.path)
         assert self._file is not None
         yield from out.sendfile_steps(self._file.fileno(), offset, self.size - offset)
@@ -210,6 +188,50 @@ def _read_chunks(file: BinaryIO, n: int) -> list[bytes]:
     return chunks
 
 
+async def memory_chunks(body: EncodedBody, memory: Published, guard: WeightsGuard) -> AsyncIterator[bytes]:
+    """`body` (over the master weights as `memory` published them) in chunks, each copied out
+    under the guard lock; a held body's last chunk waits for the commit. Ends early when the
+    weights move on (the caller goes on from the committed file: raises `NotCommitted` when
+    there is none)."""
+    for view, last in _pieces(body, CHUNK):
+        if last and memory.hold:
+            await memory.wait_async()
+        with guard.lock:
+            if guard.epoch != memory.epoch:
+                break
+            data = bytes(view)
+        yield data
+    else:
+        return
+    memory.check_durable()  # a move after a failed commit: no file to go on from
+
+
+def memory_steps(body: EncodedBody, memory: Published, guard: WeightsGuard, out: ModelSender,
+                 ) -> Generator[Hold | None, None, int]:
+    """Send `body` (over the master weights as `memory` published them) through `out`, a
+    nonblocking write at a time under the guard lock; a held body's last piece waits for the
+    commit (`NotCommitted` when it failed). Returns the bytes sent: all, or fewer when the
+    weights moved on (then the committed file holds the rest)."""
+    offset, moved = 0, False
+    for view, last in _pieces(body, SEND_PIECE):
+        if last and memory.hold:
+            if not memory.settled.is_set():
+                yield memory  # waited for on the loop, or by `pump` on its thread
+            memory.check_durable()
+        while view and not moved:
+            with guard.lock:
+                moved = guard.epoch != memory.epoch
+                n = 0 if moved else out.write_some(view)
+            if n:
+                view, offset = view[n:], offset + n
+            elif not moved:
+                yield None
+        if moved:
+            memory.check_durable()
+            break
+    return offset
+
+
 def _pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
     """The body in pieces of at most `size` bytes, each with whether it is the last."""
     held: memoryview | None = None
@@ -222,11 +244,21 @@ def _pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
         yield held, True
 
 
+class Download(Protocol):
+    """One download's bytes, two ways: `ModelStream` (the whole model), `slices.SliceStream` (rows of it)."""
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def steps(self, out: ModelSender) -> Steps: ...
+
+    def close(self) -> None: ...
+
+
 class ModelResponse(StreamingResponse):
-    """A model download: written by `ModelStream.steps` straight to the socket where the server
+    """A model download: written by its `steps` straight to the socket where the server
     offers it (`transport.SEND`: plain HTTP with fast IO on), else streamed in chunks (the plain path)."""
 
-    def __init__(self, stream: ModelStream, headers: dict[str, str]) -> None:
+    def __init__(self, stream: Download, headers: dict[str, str]) -> None:
         super().__init__(stream.chunks(), media_type="application/octet-stream", headers=headers)
         self.stream = stream
 

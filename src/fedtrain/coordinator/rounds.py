@@ -41,6 +41,7 @@ from fedtrain.coordinator.intake import Intake, MergeInputs
 from fedtrain.coordinator.open_round import OpenRound
 from fedtrain.coordinator.publish import ModelStream, Published
 from fedtrain.coordinator.roster import Roster
+from fedtrain.coordinator.slices import SliceStream
 from fedtrain.coordinator.storage import storage_full
 from fedtrain.coordinator.store import Store
 from fedtrain.errors import MergeError, Refused
@@ -156,6 +157,12 @@ class Rounds:
     def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
         """A download of global version `version` (default: the newest)."""
         stream = self._committer.model_stream(self.version if version is None else version)
+        self._roster.counted_download(pid, stream.size)
+        return stream
+
+    async def model_slice(self, version: int | None, pid: str | None, rows: str) -> SliceStream:
+        """A download of rows `rows` of global version `version` (default: the newest)."""
+        stream = await self._committer.model_slice(self.version if version is None else version, rows)
         self._roster.counted_download(pid, stream.size)
         return stream
 

@@ -53,6 +53,7 @@ from fedtrain.coordinator.intake import Intake
 from fedtrain.coordinator.publish import ModelStream
 from fedtrain.coordinator.roster import Live, Roster
 from fedtrain.coordinator.rounds import Rounds
+from fedtrain.coordinator.slices import SliceStream
 from fedtrain.coordinator.statelock import StateLock
 from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.coordinator.uploads import Uploads
@@ -335,6 +336,10 @@ class Coordinator:
     def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
         """A download of global version `version` (default: the newest)."""
         return self.rounds.model_stream(version, pid)
+
+    async def model_slice(self, version: int | None, pid: str | None, rows: str) -> SliceStream:
+        """A download of some rows of version `version` (`rows`: JSON, see `slices.parse_rows`)."""
+        return await self.rounds.model_slice(version, pid, rows)
 
     def tick(self) -> None:
         """Periodic duties: fail silent participants, close rounds whose deadline passed."""

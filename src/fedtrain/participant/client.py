@@ -34,7 +34,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -347,14 +347,20 @@ class CoordinatorClient:
         allocate: Callable[[TensorSpec], torch.Tensor] | None = None,
         on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None = None,
         retry: RetryPolicy | None = None,
+        rows: Mapping[str, Sequence[int] | None] | None = None,
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """Stream the global model; returns (version, tensors). Each tensor is read straight
-        into the storage `allocate` gives (e.g. a parameter), one copy per byte."""
+        into the storage `allocate` gives (e.g. a parameter), one copy per byte. With `rows`
+        (tensor name -> its [start, stop) rows along dimension 0, or None: whole), only those
+        tensors come, each only those rows (a rank's shard: docs/training-jobs.md)."""
         params: dict[str, Any] = {}
         if version is not None:
             params["version"] = version
         if pid is not None:
             params["participant_id"] = pid
+        if rows is not None:
+            params["rows"] = json.dumps({n: None if r is None else list(r) for n, r in rows.items()},
+                                        separators=(",", ":"))
 
         def once() -> tuple[int, dict[str, torch.Tensor]]:
             if is_direct(self.url):

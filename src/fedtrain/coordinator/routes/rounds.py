@@ -1,4 +1,5 @@
-"""Routes of the rounds: a round's status (long-polled), uploads of updates, model downloads.
+"""Routes of the rounds: a round's status (long-polled), uploads of updates, model downloads
+(whole, or some rows of it: `slices.py`).
 
 Tensor bodies stream in both directions; nothing here buffers a whole body. One upload at a
 time per (participant, round): a second connection for the same one is told to come back
@@ -15,9 +16,10 @@ from starlette.requests import ClientDisconnect
 
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.limits import InFlight
-from fedtrain.coordinator.publish import ModelResponse
+from fedtrain.coordinator.publish import ModelResponse, ModelStream
 from fedtrain.coordinator.routes.deps import MAX_COUNT, coordinator, speaker, speaker_by_query, upload_body
 from fedtrain.coordinator.service import Coordinator
+from fedtrain.coordinator.slices import SliceStream
 from fedtrain.errors import Refused
 from fedtrain.wire import DIGEST_HEADER
 
@@ -88,16 +90,22 @@ async def upload(
 
 @router.get(
     "/v1/model",
-    summary="Download the global model (safetensors stream)",
+    summary="Download the global model, or some rows of it (safetensors stream)",
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
 async def model(
     version: int | None = Query(None, ge=0, le=MAX_COUNT),
     participant_id: str | None = None,  # counted as its download: only by itself (`speaker_by_query`)
+    rows: str | None = Query(None, description="only these rows: a JSON object mapping tensor names to "
+                             "[start, stop] (rows along dimension 0) or null (whole); docs/training-jobs.md"),
     ident: Identity = Depends(speaker_by_query),
     service: Coordinator = Depends(coordinator),
 ) -> StreamingResponse:
-    stream = service.model_stream(version, participant_id)
+    stream: ModelStream | SliceStream
+    if rows is None:
+        stream = service.model_stream(version, participant_id)
+    else:
+        stream = await service.model_slice(version, participant_id, rows)
     headers = {
         "Content-Length": str(stream.size), DIGEST_HEADER: stream.digest, VERSION_HEADER: str(stream.version)
     }
