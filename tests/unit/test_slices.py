@@ -1,0 +1,79 @@
+"""Slices of the global model (`coordinator/slices.py`): from views of the master weights until
+they move on, then the rest from the committed file, the same bytes either way, through both send
+paths (chunks, the worker-thread pump); a version whose weights moved on before the download
+comes from its file, or is gone when its commit failed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedtrain.coordinator.checkpoints import CheckpointDir
+from fedtrain.coordinator.publish import Published, WeightsGuard
+from fedtrain.coordinator.slices import SliceStream, Wanted, read_slice
+from fedtrain.errors import Refused
+from fedtrain.wire import EncodedBody, write_file
+from tests.unit.test_publish import collect, pumped
+
+WANTED: Wanted = {"a": (100_000, 2_900_000), "b": None}
+
+
+def served(tmp_path: Path) -> tuple[dict[str, torch.Tensor], Published, WeightsGuard, bytes]:
+    """Weights published and committed (their file written), and the bytes of their slice."""
+    t = {"a": torch.randn(3_000_000), "b": torch.randn(1000), "c": torch.randn(7)}
+    body = EncodedBody(t, {"version": "1", "run": "r"})
+    guard = WeightsGuard()
+    published = Published(1, body.digest(), body, guard.epoch)
+    write_file(tmp_path / "g", t, {"version": "1", "run": "r"})
+    published.settle(True)
+    with open(tmp_path / "g", "rb") as f:
+        expected = b"".join(bytes(v) for v in read_slice(f, WANTED, "xxh3-128"))
+    return t, published, guard, expected
+
+
+def from_memory(tmp_path: Path, t: dict[str, torch.Tensor], published: Published, guard: WeightsGuard) -> SliceStream:
+    stream = SliceStream(1, WANTED, tmp_path / "g", CheckpointDir(tmp_path), memory=published, guard=guard, params=t)
+    stream.prepare()
+    return stream
+
+
+@pytest.mark.parametrize("path", ["chunks", "pump"])
+def test_a_slice_goes_on_from_the_file_when_the_weights_move(tmp_path: Path, path: str) -> None:
+    t, published, guard, expected = served(tmp_path)
+    send = collect if path == "chunks" else pumped
+    stream = from_memory(tmp_path, t, published, guard)
+    assert stream.memory is published and send(stream) == expected  # from memory: the file's bytes
+    moved = []
+
+    def next_outer_step(n: int) -> None:  # a few MB in, the weights change in place
+        if n > (2 if path == "chunks" else 3_000_000) and not moved:
+            with guard.lock:
+                guard.epoch += 1
+                t["a"].add_(1.0)
+            moved.append(n)
+
+    stream = from_memory(tmp_path, t, published, guard)
+    assert send(stream, next_outer_step) == expected  # the rest came from the file, not the changed weights
+    assert moved
+
+
+def test_a_slice_of_weights_moved_on_comes_from_the_file_or_not_at_all(tmp_path: Path) -> None:
+    t, published, guard, expected = served(tmp_path)
+    stream = SliceStream(1, WANTED, tmp_path / "g", CheckpointDir(tmp_path), memory=published, guard=guard, params=t)
+    with guard.lock:
+        guard.epoch += 1
+        t["a"].add_(1.0)
+    stream.prepare()
+    assert stream.memory is None and collect(stream) == expected  # committed: from its file
+
+    failed = Published(1, published.digest, published.body, guard.epoch, hold=True)
+    failed.settle(False)  # its commit failed, and the run went back
+    with guard.lock:
+        guard.epoch += 1
+    files = CheckpointDir(tmp_path)
+    stream = SliceStream(1, WANTED, tmp_path / "g", files, memory=failed, guard=guard, params=t)
+    with pytest.raises(Refused) as info:
+        stream.prepare()
+    assert info.value.status == 404 and files.open_readers == 0
