@@ -14,7 +14,7 @@ from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.publish import Published, WeightsGuard
 from fedtrain.coordinator.slices import SliceStream, Wanted, read_slice
 from fedtrain.errors import Refused
-from fedtrain.wire import EncodedBody, write_file
+from fedtrain.wire import EncodedBody, digest_bytes, write_file
 from tests.unit.test_publish import collect, pumped
 
 WANTED: Wanted = {"a": (100_000, 2_900_000), "b": None}
@@ -77,3 +77,22 @@ def test_a_slice_of_weights_moved_on_comes_from_the_file_or_not_at_all(tmp_path:
     with pytest.raises(Refused) as info:
         stream.prepare()
     assert info.value.status == 404 and files.open_readers == 0
+
+
+def test_a_slice_whose_weights_move_while_it_is_hashed_comes_from_the_file(tmp_path: Path) -> None:
+    """The hash runs without the guard lock: an outer step meanwhile is seen by the epoch after it."""
+    t, published, guard, expected = served(tmp_path)
+    stream = SliceStream(1, WANTED, tmp_path / "g", CheckpointDir(tmp_path), memory=published, guard=guard, params=t)
+    assert stream.body is not None
+    hash_views = stream.body.digest
+
+    def step_midway() -> str:
+        with guard.lock:
+            guard.epoch += 1
+            t["a"].add_(1.0)
+        return hash_views()  # the digest of weights that were never published
+
+    stream.body.digest = step_midway  # type: ignore[method-assign]
+    stream.prepare()
+    assert stream.memory is None and collect(stream) == expected
+    assert stream.digest == digest_bytes(expected)

@@ -164,9 +164,14 @@ class SliceStream:
         or is no longer available (404) when its commit failed."""
         try:
             if self.memory is not None and self.guard is not None and self.body is not None:
-                with self.guard.lock:  # the views must not change while they are hashed
-                    if self.guard.epoch == self.memory.epoch:
-                        self.digest = self.body.digest()
+                # Hashed without the guard lock, so that the slices of several ranks are hashed at
+                # once and no download from memory waits: every change of the weights bumps the
+                # epoch (under the lock) before it touches them, so an epoch unchanged after the
+                # hash means that the views held the published weights throughout.
+                if self._current():
+                    digest = self.body.digest()
+                    if self._current():
+                        self.digest = digest
                         return
                 if not (self.memory.settled.is_set() and self.memory.durable):
                     raise Refused(404, "version_not_kept", f"global model version {self.version} was not committed")
@@ -177,6 +182,12 @@ class SliceStream:
             self.digest = self.body.digest()
         finally:
             self.close()
+
+    def _current(self) -> bool:
+        """Whether the master weights are still those `memory` published."""
+        assert self.guard is not None and self.memory is not None
+        with self.guard.lock:
+            return self.guard.epoch == self.memory.epoch
 
     def _committed(self) -> EncodedBody:
         """The slice read from the committed file (the weights moved on mid-stream)."""
