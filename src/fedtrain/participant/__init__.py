@@ -1,5 +1,6 @@
 """The participant side: HTTP client (timeouts, retries), the `Participant` runner, its torchrun
-form (`DistributedParticipant`), and its local state (checkpoint, metrics log).
+form (`DistributedParticipant`), its FSDP form (`FsdpParticipant`), and its local state
+(checkpoint, metrics log).
 
 The names below load on first use (see `fedtrain/__init__.py`).
 """
@@ -14,6 +15,7 @@ _SOURCES = {
     "fedtrain.participant.checkpoint": ("LocalCheckpoint",),
     "fedtrain.participant.client": ("CoordinatorClient", "RetryPolicy", "Timeouts"),
     "fedtrain.participant.distributed": ("DistributedParticipant", "DistributedSyncError"),
+    "fedtrain.participant.fsdp": ("FsdpParticipant",),
     "fedtrain.participant.metrics_log": ("MetricsLog",),
     "fedtrain.participant.outage": ("OutagePolicy",),
     "fedtrain.participant.runner": ("Participant", "sync_set"),
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from fedtrain.participant.checkpoint import LocalCheckpoint
     from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
     from fedtrain.participant.distributed import DistributedParticipant, DistributedSyncError
+    from fedtrain.participant.fsdp import FsdpParticipant
     from fedtrain.participant.metrics_log import MetricsLog
     from fedtrain.participant.outage import OutagePolicy
     from fedtrain.participant.runner import Participant, sync_set
@@ -33,6 +36,7 @@ __all__ = [
     "CoordinatorClient",
     "DistributedParticipant",
     "DistributedSyncError",
+    "FsdpParticipant",
     "LocalCheckpoint",
     "MetricsLog",
     "OutagePolicy",

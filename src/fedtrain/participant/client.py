@@ -319,8 +319,9 @@ class CoordinatorClient:
         return self._json("GET", f"/v1/rounds/{round_}", params=params, headers=self._as(pid), retry=retry)
 
     def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int, *,
-               retry: RetryPolicy | None = None) -> dict[str, Any]:
-        """PUT one pseudo-gradient; RoundClosedError (409) when the round is already over."""
+               retry: RetryPolicy | None = None, piece: str | None = None) -> dict[str, Any]:
+        """PUT one pseudo-gradient; RoundClosedError (409) when the round is already over.
+        `piece`: the body is that piece of the update (its metadata names its rows)."""
         from fedtrain.wire.digest import DIGEST_HEADER
 
         path = f"/v1/rounds/{round_}/updates/{pid}"
@@ -331,10 +332,12 @@ class CoordinatorClient:
             **self._as(pid),
         }
 
+        params: dict[str, Any] = {"tokens": tokens} if piece is None else {"tokens": tokens, "piece": piece}
+
         def once() -> Any:
             if is_direct(self.url):
-                return self._upload_direct(path, {"tokens": tokens}, headers, body)
-            r = self._http.put(path, params={"tokens": tokens}, content=iter(body), headers=headers)  # type: ignore[arg-type]
+                return self._upload_direct(path, params, headers, body)
+            r = self._http.put(path, params=params, content=iter(body), headers=headers)  # type: ignore[arg-type]
             return self._answer(r, f"PUT {path}")
 
         return self._call(f"upload of round {round_}", once, retry=retry)

@@ -52,6 +52,7 @@ from torch import nn
 from fedtrain.config import RunConfig
 from fedtrain.errors import FedtrainError
 from fedtrain.participant.runner import Participant, sync_set
+from fedtrain.participant.shards import is_sharded
 
 __all__ = ["DistributedParticipant", "DistributedSyncError", "init_from_env", "launch", "world_from_env"]
 
@@ -155,6 +156,9 @@ class DistributedParticipant:
                 raise FedtrainError("rank 0 needs make_participant to build its Participant")
             self.fed = make_participant()
         self._params = sync_set(model)
+        if is_sharded(self._params):
+            raise FedtrainError("the model is sharded (fully_shard): use FsdpParticipant, whose ranks sync "
+                                "their own shards")
         self._names = sorted(self._params)
         self.config = RunConfig()
         self.round = 0

@@ -1,0 +1,55 @@
+"""One rank of a 2-rank FSDP2 participant (run under torchrun by test_fsdp.py): the built-in GPT,
+`fully_shard` per block then the root, trained on stdlib:0/2 (each rank its own batches);
+writes its rows of the final weights and its history to OUT/rank<k>.*"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.fsdp import fully_shard
+
+from fedtrain.config import RunConfig
+from fedtrain.participant import CoordinatorClient
+from fedtrain.participant.fsdp import FsdpParticipant
+from fedtrain.participant.shards import local_tensor, shard_layout
+from fedtrain.recipes.build import build_model
+from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
+
+
+def main(url: str, name: str, out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    client = CoordinatorClient(url, os.environ["FEDTRAIN_TOKEN"])
+    cfg = RunConfig.model_validate(client.get_config()["config"])
+    model = build_model(cfg.model, seed=1)  # any weights: the global model is loaded at join
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    data = TokenStream(load_tokens(parse_data_spec("stdlib:0/2")), batch_size=cfg.train.batch_size,
+                       seq_len=cfg.train.seq_len, seed=100 + rank)
+    with FsdpParticipant(model, client=client, name=name, keepalive_s=1.0) as fed:
+        while not fed.finished:
+            x, y = data.next_batch()
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            fed.step(tokens=x.numel(), loss=float(loss))
+    layout = shard_layout(dict(model.named_parameters()))
+    mine = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters() if not layout[n].empty}
+    rows = {n: [layout[n].start, layout[n].stop] for n in mine}
+    save_file(mine, str(out / f"rank{rank}.safetensors"), metadata={"rows": json.dumps(rows)})
+    (out / f"rank{rank}.json").write_text(json.dumps({"history": fed.history, "shard_bytes": fed.shard_bytes,
+                                                      "participant_id": fed.participant_id}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))

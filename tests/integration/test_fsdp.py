@@ -1,0 +1,67 @@
+"""An FSDP2 participant of 2 ranks (gloo, CPU, torchrun) beside a single-process one: each rank
+uploads its own rows as a piece and downloads only its rows; one participant, same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from fedtrain.coordinator import BackgroundCoordinator
+from tests.conftest import PTOKEN, tiny_config
+from tests.integration.test_torchrun import participant, weights
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+def fsdp_group(url: str, name: str, out: Path) -> subprocess.Popen:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    return subprocess.Popen([*launch, str(WORKER), url, name, str(out)],
+                            env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_rank_fsdp_participant_beside_a_single_process_one(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=4, min_participants=2)  # every round waits for both participants
+    out = tmp_path / "fsdp"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        group = fsdp_group(c.url, "group", out)
+        single = participant(c.url, "single", "--run-dir", str(tmp_path / "single"))
+        out_group, _ = group.communicate(timeout=240)
+        out_single, _ = single.communicate(timeout=60)
+        assert group.returncode == 0, out_group[-3000:]
+        assert single.returncode == 0, out_single[-3000:]
+        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        rounds = c.service.store.rounds()
+        roster = c.service.status()["participants"]
+        assert c.service.finished and c.service.version == 4
+    assert sorted(p["id"] for p in roster) == ["group", "single"]  # one entry for the 2 ranks
+    for r in rounds:  # one submission per round for the group, with the tokens of both ranks
+        tokens = {s["participant_id"]: s["tokens"] for s in r["submissions"]}
+        assert tokens == {"group": 2 * tokens["single"], "single": tokens["single"]}, tokens
+    reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
+    for k, report in enumerate(reports):  # each rank sent its own piece every round; the second completed it
+        assert report["participant_id"] == "group"
+        assert [h["piece"]["piece"] for h in report["history"]] == [f"rank{k}"] * 4
+        assert report["shard_bytes"] < sum(t.numel() * t.element_size() for t in final.values())
+    assert all(h["piece"]["pieces"] in (1, 2) for rep in reports for h in rep["history"])
+    assert sum(h["piece"]["complete"] for rep in reports for h in rep["history"]) == 4
+    covered = {n: 0 for n in final}
+    for k in (0, 1):  # the rows each rank ends on are the global model's rows: together, all of it
+        with safe_open(str(out / f"rank{k}.safetensors"), "pt") as f:
+            rows = json.loads(f.metadata()["rows"])
+            for n in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                start, stop = rows[n]
+                assert torch.equal(f.get_tensor(n), final[n][start:stop]), (k, n)
+                covered[n] += stop - start
+    assert covered == {n: t.shape[0] for n, t in final.items()}
+    single_w = weights(tmp_path / "single" / "final.safetensors")
+    assert all(torch.equal(single_w[k], final[k]) for k in final)
+    losses = [h["train_loss"] for h in reports[0]["history"]]
+    assert losses[-1] < losses[0], losses  # the loss falls
