@@ -32,9 +32,8 @@ from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import check_compatible
 from fedtrain.wire import DTYPE_TO_ST, TensorSpec
 from fedtrain.wire.compress import SCALE_SUFFIX, decompress, expected_specs, scheme_of
-from fedtrain.wire.format import byte_view
+from fedtrain.wire.format import ROWS_META, byte_view
 
-ROWS_META = "fedtrain.rows"
 #: The most pieces one update may come in: each waits in a spool file of its own until the
 #: update is complete (a rank each for FSDP, a fragment each for Streaming DiLoCo).
 MAX_PIECES = 256

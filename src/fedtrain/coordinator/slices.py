@@ -31,12 +31,11 @@ from typing import BinaryIO
 import torch
 
 from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.pieces import ROWS_META
 from fedtrain.coordinator.publish import CHUNK, SEND_PIECE, Published, WeightsGuard, memory_chunks, memory_steps
 from fedtrain.errors import Refused, StateError
 from fedtrain.transport.protocols import ModelSender, Steps
 from fedtrain.wire import EncodedBody
-from fedtrain.wire.format import PREFIX_BYTES, byte_view, parse_header
+from fedtrain.wire.format import PREFIX_BYTES, ROWS_META, byte_view, parse_header
 
 #: The longest `rows` query accepted (a few thousand tensor names).
 MAX_ROWS_CHARS = 1 << 16

@@ -40,7 +40,6 @@ import torch.distributed as dist
 from torch import nn
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.pieces import ROWS_META
 from fedtrain.errors import CoordinatorUnavailable, FedtrainError, MergeError, ModelMismatchError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client import CoordinatorClient
@@ -49,6 +48,7 @@ from fedtrain.participant.presence import Presence
 from fedtrain.participant.runner import sync_set
 from fedtrain.participant.shards import local_tensor, shard_layout
 from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
+from fedtrain.wire.format import ROWS_META
 
 __all__ = ["FsdpParticipant"]
 

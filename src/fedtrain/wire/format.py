@@ -67,6 +67,11 @@ ST_TO_DTYPE: dict[str, torch.dtype] = {st: getattr(torch, attr) for st, attr in 
 DTYPE_TO_ST: dict[torch.dtype, str] = {dtype: st for st, dtype in ST_TO_DTYPE.items()}
 
 
+#: A body's metadata key naming the rows it holds of each tensor: JSON {name: [start, stop]}, rows
+#: along dimension 0; a tensor not named is whole. Pieces of an update and row downloads use it.
+ROWS_META = "fedtrain.rows"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """What a body says about one tensor: its name, dtype and shape."""
