@@ -50,9 +50,11 @@ def heldout_loss(params: dict[str, torch.Tensor]) -> float:
 @pytest.mark.parametrize(("algorithm", "publish_first", "digest"),
                          [("diloco", False, "xxh3-128"), ("fedavg", False, "sha256"), ("diloco", True, "xxh3-128")])
 def test_participants_train_and_agree(tmp_path: Path, algorithm: str, publish_first: bool, digest: str) -> None:
-    cfg = tiny_config(rounds=6, outer={"algorithm": algorithm}, train={"sync_every": 10, "lr": 1e-2},
-                      publish_first=publish_first, digest=digest)
     n = 3
+    # min_participants = n: a round never closes before all three are in, whatever order their
+    # threads join in (one that joins after the others sent round 0 would miss it).
+    cfg = tiny_config(rounds=6, outer={"algorithm": algorithm}, train={"sync_every": 10, "lr": 1e-2},
+                      publish_first=publish_first, digest=digest, min_participants=n)
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         initial = heldout_loss(c.service.outer.params)
         results = train_all(c.url, n)
