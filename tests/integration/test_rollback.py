@@ -72,6 +72,28 @@ def test_an_admin_rolls_the_run_back_to_a_kept_version(tmp_path: Path) -> None:
         assert c.service.version == 5
 
 
+def test_a_roll_back_that_comes_while_a_round_closes_waits_for_it(tmp_path: Path) -> None:
+    """A roll back during a close (here a merge slowed on purpose) is not refused: it waits
+    for the close to end, then goes back; the round that closed meanwhile stays committed."""
+    from fedtrain import faults
+
+    cfg = tiny_config(rounds=0, outer={"algorithm": "fedavg"}, keep_checkpoints=3)
+    with BackgroundCoordinator(tmp_path / "state", cfg, tokens=TOKENS) as c:
+        with client(c) as http:
+            http.post("/v1/join", json={"name": "a"})
+        run_rounds(c, 0, 1)  # version 1
+        with faults.inject("merge.before_step", "sleep", seconds=1.5, round=1), client(c, ATOKEN) as admin:
+            assert put(admin, 1, "a", rand_like(c, 1)).status_code == 200  # round 1 closes: its merge sleeps
+            assert c.service.closing
+            r = admin.post("/v1/admin/rollback", json={"version": 1})
+            assert r.status_code == 200, r.text
+            assert r.json() == {"version": 3, "restored": 1}  # round 1 committed as version 2 first
+        assert [row["round"] for row in c.service.store.rounds(3)] == [2, 1, 0]
+        now, kept = model_at(c, 3), model_at(c, 1)
+        for n, t in kept.items():
+            torch.testing.assert_close(now[n], t, rtol=0, atol=0)
+
+
 def test_the_cli_lists_and_rolls_back(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=0, outer={"algorithm": "fedavg"})
     with BackgroundCoordinator(tmp_path / "state", cfg, tokens=TOKENS) as c:

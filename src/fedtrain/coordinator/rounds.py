@@ -50,6 +50,9 @@ from fedtrain.merge.outer import NonFiniteStep
 
 log = logging.getLogger("fedtrain.coordinator")
 
+#: How long an admin's roll back waits for a round that is closing when it comes.
+ROLL_BACK_WAIT_S = 30.0
+
 
 class PoisonedMerge(MergeError):
     """A round's merge was not finite; `key` names the update refused for it (`largest_influence`)."""
@@ -378,13 +381,18 @@ class Rounds:
         """Put kept `version`'s weights and optimizer state back in force: the open round r
         closes with no updates (uploads sent for it are dropped; their senders find it closed
         and fetch the new model) and version r + 1 is committed with the kept version's
-        state, durably, before this returns (`restore.py`)."""
-        kept = self._committer.kept_versions()
-        if version not in kept:
-            raise Refused(404, "version_not_kept", f"version {version} is not a kept checkpoint; kept: "
-                                                   f"{', '.join(map(str, kept)) or 'none'}")
-        if self.open.closing:
-            raise Refused(409, "round_closing", f"round {self.version} is closing; try again in a moment")
+        state, durably, before this returns (`restore.py`). A round closing when it comes is
+        let finish first (up to `ROLL_BACK_WAIT_S`; then 409 `round_closing`)."""
+        self._check_kept(version)
+        deadline = time.monotonic() + ROLL_BACK_WAIT_S
+        while self.open.closing:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Refused(409, "round_closing", f"round {self.version} is still closing after "
+                              f"{ROLL_BACK_WAIT_S:g}s; try again in a moment")
+            if not await self._events.wait_changed(min(remaining, 1.0)):
+                await asyncio.sleep(0.05)  # (no notifications before start: look again shortly)
+        self._check_kept(version)  # a commit meanwhile may have pruned it
         self.open.closing = True  # admit no upload while going back
         self._intake.abort_direct()
         try:
@@ -404,6 +412,12 @@ class Rounds:
                                         f"weights of version {version}")
         self._events.notify()
         return {"version": r + 1, "restored": version}
+
+    def _check_kept(self, version: int) -> None:
+        kept = self._committer.kept_versions()
+        if version not in kept:
+            raise Refused(404, "version_not_kept", f"version {version} is not a kept checkpoint; kept: "
+                                                   f"{', '.join(map(str, kept)) or 'none'}")
 
     def _restore(self, r: int, version: int, reason: str) -> None:
         """Worker thread: kept `version` in force, committed again as version r + 1."""
