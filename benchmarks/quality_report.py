@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fedtrain.report import human_bytes
+
 if TYPE_CHECKING:
     from quality import Method, Setup
 
@@ -37,14 +39,6 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
 def table(todo: list[Method], results: dict[str, dict]) -> list[str]:
     dp = results.get("dp")
     rows = ["| run | method | final eval loss | vs DP | tokens | bytes communicated | fewer bytes than DP | "
@@ -54,7 +48,7 @@ def table(todo: list[Method], results: dict[str, dict]) -> list[str]:
         gap = f"{(r['final'] / dp['final'] - 1) * 100:+.2f}%" if dp else "–"
         ratio = f"{dp['bytes'] / r['bytes']:.0f}×" if dp and m.kind == "fed" else ("1×" if m.kind == "dp" else "–")
         rows.append(f"| `{m.name}` | {m.describe()} | {r['final']:.4f} | {gap} | {r['tokens'] / 1e6:.2f} M | "
-                    f"{human(r['bytes'])} | {ratio} | {r['rounds']} | {r['wall_s']:.0f} |")
+                    f"{human_bytes(r['bytes'])} | {ratio} | {r['rounds']} | {r['wall_s']:.0f} |")
     return rows
 
 

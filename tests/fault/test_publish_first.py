@@ -5,7 +5,9 @@ finish the run, and commit first their downloads of it are cut short."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from fedtrain import faults
+from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
 from tests.conftest import PTOKEN, tiny_config
 from tests.fault.test_coordinator_crash import delta, download, upload
@@ -44,18 +47,30 @@ def back_at_round_0_then_commit_it(c: BackgroundCoordinator, http: httpx.Client,
         torch.testing.assert_close(t, theta0[n] - (da[n] + db[n]) / 2, rtol=0, atol=1e-6)
 
 
-def test_failed_background_commit_goes_back_to_the_committed_round(tmp_path: Path) -> None:
-    cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, publish_first=True, min_participants=2)
+@contextlib.contextmanager
+def two_joined(tmp_path: Path, cfg: RunConfig) -> Iterator[tuple[BackgroundCoordinator, httpx.Client, dict]]:
+    """A coordinator that "a" and "b" joined, a client of theirs, and the weights of version 0."""
     headers = {"Authorization": f"Bearer {PTOKEN}"}
     with BackgroundCoordinator(tmp_path / "state", cfg, tokens=Tokens([PTOKEN], "admin")) as c, \
             httpx.Client(base_url=c.url, headers=headers, timeout=30) as http:
         for pid in ("a", "b"):
             assert http.post("/v1/join", json={"name": pid}).status_code == 200
         _, theta0 = download(http)
+        yield c, http, theta0
+
+
+def send_round_0(http: httpx.Client, theta0: dict) -> None:
+    """Both send their update for round 0."""
+    for who, pid in enumerate(("a", "b")):
+        assert upload(http, 0, pid, delta(theta0, who, 0)).status_code == 200
+
+
+def test_failed_background_commit_goes_back_to_the_committed_round(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, publish_first=True, min_participants=2)
+    with two_joined(tmp_path, cfg) as (c, http, theta0):
         rule = faults.arm(faults.Rule("commit.before_db", "raise", round=0))
         try:
-            for who, pid in enumerate(("a", "b")):
-                assert upload(http, 0, pid, delta(theta0, who, 0)).status_code == 200
+            send_round_0(http, theta0)
             wait_for(lambda: rule.fired == 1, "the commit of round 0 never ran")
             wait_for(lambda: c.service.version == 0 and not c.service.closing, "no roll back")
         finally:
@@ -98,7 +113,6 @@ def test_a_full_disk_during_the_commit_goes_back_and_the_round_commits_once_ther
     import os
 
     cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, min_participants=2)
-    headers = {"Authorization": f"Bearer {PTOKEN}"}
     real = os.pwrite
     full = {"on": False, "refused": 0}
 
@@ -109,14 +123,9 @@ def test_a_full_disk_during_the_commit_goes_back_and_the_round_commits_once_ther
         return real(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
-    with BackgroundCoordinator(tmp_path / "state", cfg, tokens=Tokens([PTOKEN], "admin")) as c, \
-            httpx.Client(base_url=c.url, headers=headers, timeout=30) as http:
-        for pid in ("a", "b"):
-            assert http.post("/v1/join", json={"name": pid}).status_code == 200
-        _, theta0 = download(http)
+    with two_joined(tmp_path, cfg) as (c, http, theta0):
         full["on"] = True
-        for who, pid in enumerate(("a", "b")):
-            assert upload(http, 0, pid, delta(theta0, who, 0)).status_code == 200
+        send_round_0(http, theta0)
         wait_for(lambda: full["refused"] > 0, "the commit of round 0 never wrote")
         wait_for(lambda: c.service.version == 0 and not c.service.closing, "no roll back")
         full["on"] = False
@@ -134,7 +143,6 @@ def test_a_full_disk_that_also_fills_the_database_holds_the_run_with_507_then_le
     used to raise on its first event write and left the round `closing` for good (uploads 409,
     downloads 404) until a restart. Now the run waits for room with uploads answered 507 (what
     to do, not an internal error), then goes back to the open round 0 and commits it."""
-    import contextlib
     import errno
     import os
     import sqlite3
@@ -142,7 +150,6 @@ def test_a_full_disk_that_also_fills_the_database_holds_the_run_with_507_then_le
     from fedtrain.coordinator.store import Store
 
     cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, min_participants=2)
-    headers = {"Authorization": f"Bearer {PTOKEN}"}
     real_pwrite, real_write = os.pwrite, Store.write
     full = {"armed": False, "on": False, "db": 0}
 
@@ -163,14 +170,9 @@ def test_a_full_disk_that_also_fills_the_database_holds_the_run_with_507_then_le
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(Store, "write", write)
-    with BackgroundCoordinator(tmp_path / "state", cfg, tokens=Tokens([PTOKEN], "admin")) as c, \
-            httpx.Client(base_url=c.url, headers=headers, timeout=30) as http:
-        for pid in ("a", "b"):
-            assert http.post("/v1/join", json={"name": pid}).status_code == 200
-        _, theta0 = download(http)
+    with two_joined(tmp_path, cfg) as (c, http, theta0):
         full["armed"] = True
-        for who, pid in enumerate(("a", "b")):
-            assert upload(http, 0, pid, delta(theta0, who, 0)).status_code == 200
+        send_round_0(http, theta0)
         wait_for(lambda: full["db"] > 1, "the database never refused a write")
         r = upload(http, 0, "a", delta(theta0, 0, 0))  # meanwhile: told to retry, not a 500 or 'closing'
         assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", r.text

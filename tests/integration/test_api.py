@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from http.cookiejar import CookieJar
 from pathlib import Path
 
@@ -42,6 +43,18 @@ def put(
     data = body if body is not None else b"".join(bytes(c) for c in enc)
     headers = {DIGEST_HEADER: digest or enc.digest()}
     return http.put(f"/v1/rounds/{round_}/updates/{pid}", params={"tokens": tokens}, content=data, headers=headers)
+
+
+def commit_round_0(c: BackgroundCoordinator, http: httpx.Client, name: str = "a") -> None:
+    """`name` uploads a small update for round 0 (admin's client: it acts for anyone); returns
+    once version 1 is committed."""
+    delta = {n: torch.full_like(t, 0.01) for n, t in c.service.outer.params.items()}
+    assert put(http, 0, name, delta).status_code == 200
+    http.get("/v1/rounds/0", params={"wait": 10})
+    deadline = time.monotonic() + 10
+    while c.service.committed_version < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert c.service.committed_version == 1
 
 
 def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.conftest import PTOKEN, tiny_config
-from tests.integration.test_torchrun import participant, weights
+from tests.integration.test_torchrun import finish, participant, weights
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
@@ -32,11 +32,7 @@ def test_two_rank_fsdp_participant_beside_a_single_process_one(tmp_path: Path) -
     out.mkdir()
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         group = fsdp_group(c.url, "group", out)
-        single = participant(c.url, "single", "--run-dir", str(tmp_path / "single"))
-        out_group, _ = group.communicate(timeout=240)
-        out_single, _ = single.communicate(timeout=60)
-        assert group.returncode == 0, out_group[-3000:]
-        assert single.returncode == 0, out_single[-3000:]
+        finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
         final = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
         roster = c.service.status()["participants"]

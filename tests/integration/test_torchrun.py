@@ -42,15 +42,20 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return dict(read_tensors(iter_file(path)))
 
 
+def finish(group: subprocess.Popen, single: subprocess.Popen) -> str:
+    """Both ended, with status 0 (their output's tail otherwise); the group's output."""
+    out_group, _ = group.communicate(timeout=240)
+    out_single, _ = single.communicate(timeout=60)
+    assert group.returncode == 0, out_group[-3000:]
+    assert single.returncode == 0, out_single[-3000:]
+    return out_group
+
+
 def test_two_rank_torchrun_participant_beside_a_single_process_one(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=3, min_participants=2)  # every round waits for both participants
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         group = torchrun(c.url, "group", "--run-dir", str(tmp_path / "group"))
-        single = participant(c.url, "single", "--run-dir", str(tmp_path / "single"))
-        out_group, _ = group.communicate(timeout=240)
-        out_single, _ = single.communicate(timeout=60)
-        assert group.returncode == 0, out_group[-3000:]
-        assert single.returncode == 0, out_single[-3000:]
+        out_group = finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
         final = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
         assert c.service.finished and c.service.version == 3

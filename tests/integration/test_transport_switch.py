@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from fedtrain.transport import FAST_IO_ENV, Body
 from fedtrain.transport.readinto import ReadIntoProtocol
 from fedtrain.wire import read_tensors
 from tests.conftest import ATOKEN, tiny_config
-from tests.integration.test_api import put
+from tests.integration.test_api import commit_round_0
 
 
 def spy_on_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
@@ -62,17 +61,19 @@ def spy_on_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     return seen
 
 
+def set_env(monkeypatch: pytest.MonkeyPatch, env: str | None) -> None:
+    """FEDTRAIN_FAST_IO set to `env`, or unset (None)."""
+    if env is None:
+        monkeypatch.delenv(FAST_IO_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FAST_IO_ENV, env)
+
+
 def one_round(c: BackgroundCoordinator) -> None:
     """A join, an upload, the round's commit, and a download of the new model."""
     with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as http:
         http.post("/v1/join", json={"name": "a"})
-        delta = {n: torch.full_like(t, 0.01) for n, t in c.service.outer.params.items()}
-        assert put(http, 0, "a", delta).status_code == 200
-        http.get("/v1/rounds/0", params={"wait": 10})
-        deadline = time.monotonic() + 10
-        while c.service.committed_version < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert c.service.committed_version == 1
+        commit_round_0(c, http)
         r = http.get("/v1/model", params={"version": 1})
         assert r.status_code == 200
         got = dict(read_tensors([r.content]))
@@ -83,10 +84,7 @@ def one_round(c: BackgroundCoordinator) -> None:
 @pytest.mark.parametrize("env, override", [("0", None), ("OFF", None), (None, False), ("1", False)])
 def test_with_fast_io_off_every_path_is_the_plain_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       env: str | None, override: bool | None) -> None:
-    if env is None:
-        monkeypatch.delenv(FAST_IO_ENV, raising=False)
-    else:
-        monkeypatch.setenv(FAST_IO_ENV, env)
+    set_env(monkeypatch, env)
     seen = spy_on_paths(monkeypatch)
     with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=2), fast_io=override) as c:
         assert not c.fast_io
@@ -100,10 +98,7 @@ def test_with_fast_io_off_every_path_is_the_plain_one(tmp_path: Path, monkeypatc
 @pytest.mark.parametrize("env, override", [(None, None), ("yes", None), ("0", True)])
 def test_with_fast_io_on_the_fast_paths_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               env: str | None, override: bool | None) -> None:
-    if env is None:
-        monkeypatch.delenv(FAST_IO_ENV, raising=False)
-    else:
-        monkeypatch.setenv(FAST_IO_ENV, env)
+    set_env(monkeypatch, env)
     seen = spy_on_paths(monkeypatch)
     with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=2), fast_io=override) as c:
         assert c.fast_io

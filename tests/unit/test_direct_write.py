@@ -286,7 +286,7 @@ def test_a_config_change_between_merge_and_commit_keeps_the_new_optimizers_state
 
     from fedtrain.coordinator import BackgroundCoordinator
     from tests.conftest import ATOKEN, tiny_config
-    from tests.integration.test_api import put
+    from tests.integration.test_api import commit_round_0
 
     monkeypatch.setattr(direct_io, "REALIGN_MIN", 64)
     with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=3), fast_io=True) as c, httpx.Client(
@@ -294,12 +294,7 @@ def test_a_config_change_between_merge_and_commit_keeps_the_new_optimizers_state
         http.post("/v1/join", json={"name": "a"})
         r = http.put("/v1/config", json={"changes": {"outer": {"lr": 0.5}}}).json()
         assert r["effective_round"] == 1  # in force right after round 0's merge, during its commit
-        delta = {n: torch.full_like(t, 0.01) for n, t in c.service.outer.params.items()}
-        assert put(http, 0, "a", delta).status_code == 200
-        http.get("/v1/rounds/0", params={"wait": 10})
-        deadline = time.monotonic() + 10
-        while c.service.committed_version < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        commit_round_0(c, http)
         outer = c.service.outer
         assert outer.hp["lr"] == 0.5 and outer.steps == 1
         saved, _ = c.service.ckpt.load_outer(1)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedtrain.config import OuterConfig
+from fedtrain.config import OuterConfig, RunConfig
 from fedtrain.coordinator import spool as spool_mod
-from fedtrain.coordinator.spool import RoundSpool, needs_spool, update_norm_of_file
+from fedtrain.coordinator.policy import keeps_every_update
+from fedtrain.coordinator.spool import RoundSpool, update_norm_of_file
 from fedtrain.errors import MergeError
 from fedtrain.merge import RunningSum, weighted_mean
 from fedtrain.merge.robust import (
@@ -109,7 +110,7 @@ def test_spool_aggregation_matches_in_memory(tmp_path: Path, method: str) -> Non
     rs = _spool(tmp_path, ds)
     acc = RunningSum({n: t for n, t in ds[0].items()})
     outer = OuterConfig(aggregator=method, trim_fraction=0.2)
-    assert needs_spool(outer)
+    assert keeps_every_update(RunConfig(outer=outer))[0]
     assert rs.aggregate_into(acc, outer, {n: torch.float32 for n in ds[0]}) == {}
     want = aggregate(ds, method, 0.2)
     got = acc.mean()

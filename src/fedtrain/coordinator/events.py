@@ -37,10 +37,6 @@ class Events:
         """On the event loop: from now on changes wake waiters and go out on the stream."""
         self._changed = asyncio.Event()
 
-    @property
-    def started(self) -> bool:
-        return self._changed is not None
-
     def record(self, kind: str, message: str, pid: str | None = None) -> None:
         """Log, store and stream one event. A full disk does not stop what reports it (a
         roll back, say): the event is then only logged."""

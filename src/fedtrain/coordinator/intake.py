@@ -184,10 +184,6 @@ class Intake:
         """Read spool files back in pieces of at most `nbytes` (tests use small pieces)."""
         self.round.staging = Staging(nbytes)
 
-    def check_values(self, path: Path) -> float:
-        """The largest |value| of a verified spool file, or its refusal (`RoundSum.check_values`)."""
-        return self.round.check_values(path)
-
     async def idle(self) -> None:
         """Wait until no fold is in flight (the folds beside a direct receive included)."""
         await self._in_flight.wait_none()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,12 +80,6 @@ class Roster:
     def live(self) -> dict[str, Live]:
         """What each participant last reported (read only)."""
         return self._live
-
-    def __contains__(self, pid: object) -> bool:
-        return pid in self._rows
-
-    def __iter__(self) -> Iterator[ParticipantRow]:
-        return iter(self._rows.values())
 
     def views(self) -> list[policy.ParticipantView]:
         """The participants as the policy sees them."""

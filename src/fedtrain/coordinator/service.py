@@ -255,9 +255,6 @@ class Coordinator:
     def model_spec(self) -> dict[str, dict[str, Any]]:
         return {n: {"dtype": DTYPE_TO_ST[d], "shape": list(s)} for n, (d, s) in self.spec.items()}
 
-    def update_bytes(self, cfg: RunConfig) -> int:
-        return self.configs.update_bytes(cfg)
-
     # -- participants ------------------------------------------------------------------------------
 
     def join(self, ident: Identity, name: str | None, info: dict[str, Any], key: str | None = None) -> dict[str, Any]:
@@ -445,10 +442,6 @@ class Coordinator:
     # -- reads for the routes --------------------------------------------------------------------
     # What the HTTP routes read (`coordinator/routes/`): they reach the run through these
     # methods, never through its store or its round state.
-
-    def current_round(self) -> int:
-        """The open round (= the version of the global model being trained)."""
-        return self.version
 
     def config_history(self, limit: int = 50) -> list[dict[str, Any]]:
         """The newest `limit` accepted config versions: when, by whom, the diff."""

@@ -58,11 +58,6 @@ def _tensor(f: Any, meta: Mapping[str, str], name: str, dtype: torch.dtype) -> t
     raise KeyError(name)
 
 
-def needs_spool(outer: OuterConfig) -> bool:
-    """True when updates must be kept until the round closes instead of folded at once."""
-    return outer.aggregator != "mean" or outer.outlier_factor is not None
-
-
 class RoundSpool:
     """Retained, verified updates of one open round."""
 

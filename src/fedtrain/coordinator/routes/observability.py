@@ -25,7 +25,7 @@ STREAM_SEND_BUFFER = 64 << 10  # kernel bytes an event stream may have unsent (`
 
 @router.get("/v1/healthz", summary="Liveness (no token needed)")
 async def healthz(service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
-    return {"ok": True, "current_round": service.current_round()}
+    return {"ok": True, "current_round": service.version}
 
 
 @router.get("/v1/stream", summary="Server-sent events: config changes, run events, status updates",
