@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from fedtrain.merge import check_compatible
 from fedtrain.participant.client import CoordinatorClient
 from fedtrain.participant.distributed import DistributedSyncError
 from fedtrain.participant.presence import Presence
-from fedtrain.participant.runner import sync_set
+from fedtrain.participant.runner import EvalFn, sync_set
 from fedtrain.participant.shards import local_tensor, shard_layout
 from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
 from fedtrain.wire.format import ROWS_META
@@ -64,16 +65,22 @@ class FsdpParticipant:
     `config`, `sync_every`, `history` (rank 0's)."""
 
     def __init__(self, model: nn.Module, *, client: CoordinatorClient, name: str | None = None,
-                 info: dict[str, Any] | None = None, group: dist.ProcessGroup | None = None,
-                 keepalive_s: float = 5.0, patience_s: float = 60.0) -> None:
+                 info: dict[str, Any] | None = None, eval_fn: EvalFn | None = None,
+                 inner_optimizer: torch.optim.Optimizer | None = None, key_file: str | Path | None = None,
+                 group: dist.ProcessGroup | None = None, keepalive_s: float = 5.0,
+                 patience_s: float = 60.0) -> None:
         if not dist.is_initialized():
             raise FedtrainError("FsdpParticipant needs torch.distributed initialised (run under torchrun)")
         self.client = client
         self.name = name
-        self.info = info or {}
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.info = {**(info or {}), "parallel": "fsdp", "world_size": self.world_size}
+        self.model = model
+        self.eval_fn = eval_fn
+        self.inner_optimizer = inner_optimizer
+        self.key_file = Path(key_file) if key_file is not None and self.rank == 0 else None
         self.keepalive_s = keepalive_s
         self.patience_s = patience_s
         self._params = sync_set(model)
