@@ -1,12 +1,14 @@
-"""One rank of a 2-rank FSDP2 participant (run under torchrun by test_fsdp.py): the built-in GPT,
+"""One rank of a 2-rank FSDP2 participant (run under torchrun by test_fsdp*.py): the built-in GPT,
 `fully_shard` per block then the root, trained on stdlib:0/2 (each rank its own batches);
-writes its rows of the final weights and its history to OUT/rank<k>.*"""
+writes its rows of the final weights and its history to OUT/rank<k>.*
+
+    fsdp_worker.py URL NAME OUT [--key-file F] [--attempt-s S] [--budget-s S]"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -14,15 +16,18 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
 
+from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.participant import CoordinatorClient
 from fedtrain.participant.fsdp import FsdpParticipant
+from fedtrain.participant.outage import OutagePolicy
 from fedtrain.participant.shards import local_tensor, shard_layout
 from fedtrain.recipes.build import build_model
 from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
 
 
-def main(url: str, name: str, out: Path) -> None:
+def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePolicy) -> None:
+    faults.arm_from_env()  # FEDTRAIN_FAULTS: kill a rank at a named point
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     client = CoordinatorClient(url, os.environ["FEDTRAIN_TOKEN"])
@@ -34,7 +39,8 @@ def main(url: str, name: str, out: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     data = TokenStream(load_tokens(parse_data_spec("stdlib:0/2")), batch_size=cfg.train.batch_size,
                        seq_len=cfg.train.seq_len, seed=100 + rank)
-    with FsdpParticipant(model, client=client, name=name, keepalive_s=1.0) as fed:
+    with FsdpParticipant(model, client=client, name=name, keepalive_s=1.0, key_file=key_file, outage=outage,
+                         inner_optimizer=opt) as fed:
         while not fed.finished:
             x, y = data.next_batch()
             _, loss = model(x, y)
@@ -47,9 +53,19 @@ def main(url: str, name: str, out: Path) -> None:
     rows = {n: [layout[n].start, layout[n].stop] for n in mine}
     save_file(mine, str(out / f"rank{rank}.safetensors"), metadata={"rows": json.dumps(rows)})
     (out / f"rank{rank}.json").write_text(json.dumps({"history": fed.history, "shard_bytes": fed.shard_bytes,
-                                                      "participant_id": fed.participant_id}))
+                                                      "participant_id": fed.participant_id, "outages": fed.outages,
+                                                      "bytes_up": fed.bytes_up}))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    cli = argparse.ArgumentParser()
+    cli.add_argument("url")
+    cli.add_argument("name")
+    cli.add_argument("out", type=Path)
+    cli.add_argument("--key-file", type=Path, default=None)
+    cli.add_argument("--attempt-s", type=float, default=10.0)
+    cli.add_argument("--budget-s", type=float, default=None)
+    a = cli.parse_args()
+    main(a.url, a.name, a.out, a.key_file, OutagePolicy(budget_s=a.budget_s, attempt_s=a.attempt_s,
+                                                       backoff_initial_s=0.2, backoff_max_s=1.0))

@@ -19,10 +19,11 @@ from tests.integration.test_torchrun import finish, participant, weights
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
-def fsdp_group(url: str, name: str, out: Path) -> subprocess.Popen:
+def fsdp_group(url: str, name: str, out: Path, *extra: str, faults: str = "") -> subprocess.Popen:
+    """A 2-rank FSDP participant (fsdp_worker.py) under torchrun; `faults`: FEDTRAIN_FAULTS of its ranks."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    return subprocess.Popen([*launch, str(WORKER), url, name, str(out)],
-                            env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1"},
+    env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1", "FEDTRAIN_FAULTS": faults}
+    return subprocess.Popen([*launch, str(WORKER), url, name, str(out), *extra], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

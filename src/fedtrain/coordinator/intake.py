@@ -385,6 +385,22 @@ class Intake:
         ticket = await self._place(up, whole, whole_new, cfg, seats, may_reach)
         return PieceAnswer(ticket, True, ticket is None, len(partial.pieces), [], partial.length, partial.digest())
 
+    def drop_pieces(self, pid: str) -> list[tuple[int, int]]:
+        """Forget the pieces of `pid`'s updates still incomplete (it joined again: the process
+        that sent them is gone, and the new one sends its own). Returns (round, pieces) dropped."""
+        dropped = []
+        for key in [k for k in self._partials if k[0] == pid]:
+            partial = self._partials.pop(key)
+            for piece in partial.pieces.values():
+                self._spool_files.give_back(piece.path)
+            dropped.append((key[1], len(partial.pieces)))
+        return dropped
+
+    def has_piece(self, pid: str, round_: int, label: str) -> bool:
+        """Whether piece `label` of `pid`'s update for `round_` is in, its update not yet complete."""
+        partial = self._partials.get((pid, round_))
+        return partial is not None and label in partial.pieces
+
     def _check_piece_fits(self, key: tuple[str, int], label: str, up: Upload) -> None:
         check_label(label)
         partial = self._partials.get(key)

@@ -120,7 +120,10 @@ class Rounds:
         return policy.decide_round(self.open.view(self.deadline()[0]), self._roster.views(), self.clock(),
                                    self._configs.config)
 
-    def round_info(self, round_: int, pid: str | None = None) -> dict[str, Any]:
+    def round_info(self, round_: int, pid: str | None = None,
+                   piece_in: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Round `round_`'s state; `submitted`: whether `pid`'s update is in the open round (or,
+        with `piece_in`, that its update is in or the piece `piece_in` asks after is)."""
         open_ = self.open
         state, _ = policy.round_state(round_, open_.version, self._committer.committed_version, open_.closing,
                                       self.finished)
@@ -129,14 +132,20 @@ class Rounds:
             "state": state,
             "current_round": open_.version,
             "finished": self.finished,
-            "submitted": (pid in open_.submitted) if pid and round_ == open_.version else None,
+            "submitted": self._submitted(round_, pid, piece_in) if pid else None,
             "n_submitted": len(open_.submitted) if round_ == open_.version else None,
             "n_active": len(self._roster.active()),
             "reason": open_.reason,
             "config_version": self._configs.version,
         }
 
-    async def wait_round(self, pid: str | None, round_: int, wait_s: float) -> dict[str, Any]:
+    def _submitted(self, round_: int, pid: str, piece_in: Callable[[], bool] | None) -> bool | None:
+        if round_ != self.open.version:
+            return None
+        return pid in self.open.submitted or (piece_in is not None and piece_in())
+
+    async def wait_round(self, pid: str | None, round_: int, wait_s: float,
+                         piece_in: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Long-poll: answer as soon as round `round_` is closed (committed), or after `wait_s`.
         A participant (`pid`) is answered as soon as the round is merged ("committing"): its
         next step, the download of the new model, completes once the round is committed."""
@@ -151,11 +160,11 @@ class Rounds:
 
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
         while pending():
-            if round_ == self.version and pid is not None and not self.open.closing and pid not in self.open.submitted:
+            if pid is not None and not self.open.closing and self._submitted(round_, pid, piece_in) is False:
                 break  # its upload is missing (lost, or dropped by a restart): answer now so it resends
             if not await self._events.wait_changed(deadline - time.monotonic()):
                 break
-        return self.round_info(round_, pid)
+        return self.round_info(round_, pid, piece_in)
 
     def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
         """A download of global version `version` (default: the newest)."""

@@ -50,6 +50,7 @@ from fedtrain.coordinator.config_versions import ConfigVersions
 from fedtrain.coordinator.events import Events
 from fedtrain.coordinator.global_eval import GlobalEvaluator
 from fedtrain.coordinator.intake import Intake
+from fedtrain.coordinator.pieces import check_label
 from fedtrain.coordinator.publish import ModelStream
 from fedtrain.coordinator.roster import Live, Roster
 from fedtrain.coordinator.rounds import Rounds
@@ -261,6 +262,9 @@ class Coordinator:
         """Join as `name` (a new one when None), presenting the participant key of an earlier
         join (`key`) or not; the answer carries the key to present from now on."""
         name, issued = self.roster.join(ident, name, info, key, self.version, self.config)
+        for round_, n in self.intake.drop_pieces(name):  # sent by the process that joined before this one
+            self.events.record("pieces", f"{name} joined again: the {n} piece(s) of its update for round {round_} "
+                               "that came before are dropped; its update comes whole from the new process", name)
         self.events.notify()
         return {
             "participant_id": name,
@@ -321,11 +325,18 @@ class Coordinator:
         it (`uploads.py`, `pieces.py`)."""
         return await self.uploads.receive_update(ident, pid, round_, tokens, digest, length, Body.of(body), piece)
 
-    async def wait_round(self, ident: Identity, pid: str | None, round_: int, wait_s: float) -> dict[str, Any]:
-        """Long-poll until round `round_` is closed, or `wait_s` (`Rounds.wait_round`)."""
-        if pid is not None:
-            self.roster.get(ident, pid)
-        return await self.rounds.wait_round(pid, round_, wait_s)
+    async def wait_round(self, ident: Identity, pid: str | None, round_: int, wait_s: float,
+                         piece: str | None = None) -> dict[str, Any]:
+        """Long-poll until round `round_` is closed, or `wait_s` (`Rounds.wait_round`). With
+        `piece`, `pid`'s update counts as in while that piece of it is (`Intake.has_piece`)."""
+        if pid is None:
+            return await self.rounds.wait_round(None, round_, wait_s)
+        self.roster.get(ident, pid)
+        if piece is None:
+            return await self.rounds.wait_round(pid, round_, wait_s)
+        check_label(piece)
+        return await self.rounds.wait_round(pid, round_, wait_s,
+                                            piece_in=lambda: self.intake.has_piece(pid, round_, piece))
 
     def round_info(self, round_: int, pid: str | None = None) -> dict[str, Any]:
         return self.rounds.round_info(round_, pid)

@@ -312,10 +312,15 @@ class CoordinatorClient:
         )
 
     def wait_round(self, round_: int, pid: str | None = None, wait_s: float = 25.0, *,
-                   retry: RetryPolicy | None = None) -> dict[str, Any]:
+                   retry: RetryPolicy | None = None, piece: str | None = None) -> dict[str, Any]:
+        """Round `round_`'s state, long-polled up to `wait_s` while it is open. With `pid` the
+        answer says whether its update is in (`submitted`), or with `piece`, that piece of it:
+        the poll returns at once when it is not, so that it is sent again."""
         params: dict[str, Any] = {"wait": wait_s}
         if pid is not None:
             params["participant_id"] = pid
+        if piece is not None:
+            params["piece"] = piece
         return self._json("GET", f"/v1/rounds/{round_}", params=params, headers=self._as(pid), retry=retry)
 
     def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int, *,

@@ -1,38 +1,46 @@
 """FSDP participants: one federated participant whose ranks each sync their own shard.
 
-A model sharded with FSDP2 (`fully_shard`, under torchrun) is one participant: rank 0 joins
-and sends heartbeats; every rank holds the snapshot of its own rows only (`shards.py`),
-uploads Δ of those rows itself as its piece of the participant's update (`piece=rank<k>`,
-in parallel with the other ranks), and downloads only its rows of the new global model
-(`GET /v1/model?rows=`) into its local shard. No rank ever holds the whole model: no
-`full_tensor()`, no gather. The coordinator counts the update once the pieces cover the
-sync set (`coordinator/pieces.py`); all pieces carry the group's token count.
+A model sharded with FSDP2 (`fully_shard`, under torchrun) is one participant: rank 0
+joins, sends heartbeats and reports; every rank holds the snapshot of its own rows only
+(`shards.py`), uploads Δ of those rows itself as its piece of the participant's update
+(`piece=rank<k>`, in parallel with the other ranks), and downloads only its rows of the new
+global model (`GET /v1/model?rows=`) into its local shard. No rank ever holds the whole
+model: no `full_tensor()`, no gather. The coordinator counts the update once the pieces
+cover the sync set (`coordinator/pieces.py`); all pieces carry the group's token count. A
+rank's exchange is a `SyncEngine` of its own over its shards (`sync.py`, with a `PieceOf`):
+compression and error feedback, resending after a coordinator restart and moving on when
+a round closed without us work as they do for one process.
 
 Every collective is entered by every rank in the same order, and every decision is drawn
-from values every rank holds after a collective, or broadcast from rank 0:
+from facts every rank holds after a collective (`group.py`):
 
-    enter:   TOGETHER(rank 0 joins) ── JSON(id, key, round, config | error) ── TOGETHER(download rows)
-    step:    below H nothing; at H: ALL_REDUCE(tokens, loss) ── TOGETHER(upload piece, wait for
-             the round, download rows; rank 0 also fetches the next round's config)
-             ── ALL_REDUCE(versions) ── JSON(config | error)
+    enter:  TOGETHER(rank 0 joins) ── JSON(id, key, round, config, model | error)
+            ── TOGETHER(download our rows) ── adopt
+    step:   below H nothing; from H on, each step is a sync point:
+            [in an outage: RANK0(attempt now?)] ── SUM(tokens, loss) ── [eval before, on every rank]
+            ── TOGETHER(upload our piece, wait for the round, download our rows)
+            ── ok everywhere, one version: adopt ── [eval after] ── SUM(bytes)
+               ── TOGETHER(rank 0 reports, fetches the round's config) ── JSON(config)
+            ── a failure to ride out on any rank: every rank puts its snapshot back, rank 0
+               decides when to try again (or to give up) ── JSON(decision)
+            ── any other failure: every rank raises
 
-TOGETHER runs the rank's HTTP work on a worker thread and, every `keepalive_s` until every
-rank's work has ended, all-reduces (running, failed per rank): so no rank sits in one
-collective long enough to hit the process group's timeout, every rank leaves the loop at
-the same all-reduce, and a failure on any rank stops every rank (`DistributedSyncError`).
-The participant key travels inside the job's process group (same site), never pickled.
+So an outage is ridden out by the group as a whole, as a single process rides it out
+(`outage.py`): training goes on, the sync is tried again later, and the group gives up
+only when the outage budget is spent. A rank that dies stops the group (torchrun ends the
+others; a rank blocked in a collective with a dead peer fails): the coordinator never
+merges an update whose pieces are not all in, and drops them when the round closes. The
+participant key travels inside the job's process group (same site), never pickled.
 
-Not yet (issue #20's later steps): riding out an outage (a failed sync stops the group),
-compressed pieces, the overlapped sync, distributed checkpoints and the CLI's `--parallel fsdp`.
+Not yet (issue #20): the overlapped sync (`train.overlap` is ignored: FSDP ranks sync
+blocking) and `on_config_change` callbacks.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,20 +48,52 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fedtrain import faults
 from fedtrain.config import RunConfig
-from fedtrain.errors import CoordinatorUnavailable, FedtrainError, MergeError, ModelMismatchError
-from fedtrain.merge import check_compatible
+from fedtrain.config_changes import config_diff
+from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, FedtrainError
 from fedtrain.participant.client import CoordinatorClient
 from fedtrain.participant.distributed import DistributedSyncError
-from fedtrain.participant.presence import Presence
-from fedtrain.participant.runner import EvalFn, sync_set
-from fedtrain.participant.shards import local_tensor, shard_layout
-from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
-from fedtrain.wire.format import ROWS_META
+from fedtrain.participant.group import Outcome, RankGroup
+from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
+from fedtrain.participant.presence import Presence, TokenRate
+from fedtrain.participant.runner import EvalFn, join_as, sync_set
+from fedtrain.participant.shards import Shard, local_tensor, shard_layout
+from fedtrain.participant.sync import PieceOf, SyncEngine
 
 __all__ = ["FsdpParticipant"]
 
 log = logging.getLogger("fedtrain.participant")
+
+
+class _LocalShards(Mapping[str, torch.Tensor]):
+    """name -> this rank's local tensor of that parameter, looked up on each use."""
+
+    def __init__(self, params: Mapping[str, nn.Parameter], names: list[str]) -> None:
+        self._params = params
+        self._names = names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return local_tensor(self._params[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def piece_of(rank: int, params: Mapping[str, nn.Parameter], layout: Mapping[str, Shard]) -> PieceOf:
+    """What rank `rank` sends: its rows of each sharded tensor, and (rank 0) the replicated ones."""
+    held = {n: s for n, s in layout.items() if not s.empty}
+    return PieceOf(
+        label=f"rank{rank}",
+        sends=frozenset(n for n, s in held.items() if rank == 0 or not s.whole),
+        rows={n: (s.start, s.stop) for n, s in held.items() if not s.whole},
+        shapes={n: (p.dtype, tuple(p.shape)) for n, p in params.items()},  # a DTensor's shape is global
+    )
 
 
 class FsdpParticipant:
@@ -61,48 +101,60 @@ class FsdpParticipant:
 
     Construct it on every rank with the same arguments and a `CoordinatorClient` of the
     rank's own; `model` is the `fully_shard`ed module (its trainable parameters are the
-    sync set). The loop-facing surface is `Participant`'s: `step`, `finished`, `round`,
-    `config`, `sync_every`, `history` (rank 0's)."""
+    sync set). `eval_fn(model)` runs on every rank (an FSDP forward is collective); the
+    ranks' results are averaged. `key_file` (rank 0's) keeps the participant key, so that a
+    restarted group rejoins as itself. The loop-facing surface is `Participant`'s: `step`,
+    `finished`, `round`, `config`, `sync_every`, `steps`, `tokens`, `history`."""
 
     def __init__(self, model: nn.Module, *, client: CoordinatorClient, name: str | None = None,
                  info: dict[str, Any] | None = None, eval_fn: EvalFn | None = None,
                  inner_optimizer: torch.optim.Optimizer | None = None, key_file: str | Path | None = None,
                  group: dist.ProcessGroup | None = None, keepalive_s: float = 5.0,
-                 patience_s: float = 60.0) -> None:
+                 patience_s: float = 60.0, outage: OutagePolicy = OutagePolicy()) -> None:
         if not dist.is_initialized():
             raise FedtrainError("FsdpParticipant needs torch.distributed initialised (run under torchrun)")
         self.client = client
         self.name = name
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.ranks = RankGroup(group, keepalive_s)
+        self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
         self.info = {**(info or {}), "parallel": "fsdp", "world_size": self.world_size}
         self.model = model
         self.eval_fn = eval_fn
         self.inner_optimizer = inner_optimizer
         self.key_file = Path(key_file) if key_file is not None and self.rank == 0 else None
-        self.keepalive_s = keepalive_s
-        self.patience_s = patience_s
-        self._params = sync_set(model)
-        self._layout = shard_layout(self._params)
-        # What this rank sends and fetches: its non-empty rows, and (rank 0) the replicated tensors.
-        self._mine = {n: s for n, s in self._layout.items() if not s.empty and (self.rank == 0 or not s.whole)}
-        self._fetch = {n: s for n, s in self._layout.items() if not s.empty}
-        self._snapshot: dict[str, torch.Tensor] = {}
-        self._version = -1  # the global version of the snapshot's last download (-1: none: no rows here)
+        self.outage_policy = outage
+        self._outage = OutageState()
+        self._outage_budget_s = outage.budget_s if outage.budget_s is not None else client.retry.max_elapsed_s
+        self._attempt_retry = client.retry.within(outage.attempt_s)
+        self.outages: list[dict[str, Any]] = []
+        params = sync_set(model)
+        layout = shard_layout(params)
+        held = sorted(n for n, s in layout.items() if not s.empty)
+        self._engine = SyncEngine(client, _LocalShards(params, held), who=f"{name or 'fsdp'}.rank{self.rank}",
+                                  patience_s=patience_s, piece=piece_of(self.rank, params, layout))
+        self._engine.wait_s = max(1.0, min(25.0, 2 * keepalive_s))  # a rank's failure cuts our wait this soon
         self.participant_id = ""
         self.config = RunConfig()
+        self.config_version = 0
         self.round = 0
         self.finished = False
         self.steps = 0
         self.tokens = 0
+        self.bytes_up = 0  # the group's, all ranks together
+        self.bytes_down = 0
+        self.sync_seconds = 0.0
         self.history: list[dict[str, Any]] = []
         self._round_steps = 0
-        self._pending = [0.0, 0.0, 0.0]  # tokens, loss sum, loss count not yet all-reduced
+        self._round_tokens = 0
+        self._round_loss = [0.0, 0.0]  # sum, count: the group's, over the round's attempts
+        self._pending = [0.0, 0.0, 0.0]  # this rank's tokens, loss sum, loss count not yet summed
+        self._record: dict[str, Any] | None = None  # the round's record, from its first attempt
+        self._last_loss: float | None = None
+        self._rate = TokenRate()
         self._presence: Presence | None = None
         if self.rank == 0:
             self._presence = Presence(client, interval_s=lambda: self.config.heartbeat_interval_s,
-                                      stats=lambda: {"step": self.steps, "round": self.round})
+                                      stats=self._heartbeat_stats)
 
     @property
     def sync_every(self) -> int:
@@ -111,23 +163,30 @@ class FsdpParticipant:
     @property
     def shard_bytes(self) -> int:
         """Bytes of this rank's snapshot: its rows of the sync set."""
-        return sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        return self._engine.snapshot_bytes
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def __enter__(self) -> FsdpParticipant:
-        joined = self._together(self._join if self.rank == 0 else None)
-        answer = self._broadcast_json(self._joined_message(joined) if self.rank == 0 else None)
+        outcomes, error = self.ranks.together(self._join if self.rank == 0 else None)
+        self._raise_failed(outcomes, error)
+        answer = self.ranks.broadcast_json(outcomes[0].result)
         self.participant_id = answer["participant_id"]
+        self._engine.who = f"{self.participant_id}.rank{self.rank}"
         self.client.remember_key(self.participant_id, answer["participant_key"])
         self.config = RunConfig.model_validate(answer["config"])
+        self.config_version = int(answer["config_version"])
+        self._engine.prepare(answer["model"])
         version = int(answer["round"])
-        self._snapshot = {n: torch.empty(tuple(local_tensor(self._params[n]).shape),
-                                         dtype=self._params[n].dtype) for n in self._fetch}
-        self._together(lambda: self._download(version=version))
-        self._adopt(version)
+        outcomes, error = self.ranks.together(lambda: self._engine.download(self.participant_id, version=version))
+        self._raise_failed(outcomes, error)
+        self._engine.adopt()
+        self._enter_round(self._agreed(outcomes))
         if self._presence is not None:
+            self._presence.note_config_version(self.config_version)
             self._presence.start(self.participant_id)
+            if self.config.train.overlap:
+                log.warning("train.overlap is on, but FSDP participants sync blocking")
         log.info("rank %d of %s joined at round %d, holding %d bytes of the sync set", self.rank,
                  self.participant_id, self.round, self.shard_bytes)
         return self
@@ -135,163 +194,218 @@ class FsdpParticipant:
     def __exit__(self, *exc: object) -> None:
         if self._presence is not None:
             self._presence.stop()
-            try:
-                self.client.leave(self.participant_id, retry=self.client.retry.within(2.0))
-            except FedtrainError as e:
-                log.info("could not say goodbye to the coordinator: %s", e)
+            if not isinstance(exc[1], faults.InjectedCrash):  # a crashed process says no goodbye
+                try:
+                    self.client.leave(self.participant_id, retry=self.client.retry.within(2.0))
+                except FedtrainError as e:
+                    log.info("could not say goodbye to the coordinator: %s", e)
         self.client.close()
 
     # -- the user's loop -------------------------------------------------------------------
 
     def step(self, tokens: int, loss: float | None = None) -> bool:
-        """Count one inner step on this rank; at the H-th step of a round every rank syncs
+        """Count one inner step on this rank; from the H-th step of a round on, every rank syncs
         its shard (see the module docstring). Returns True when the group synced."""
         if self.finished:
             return False
         self.steps += 1
         self._round_steps += 1
         self._pending[0] += tokens
+        self._rate.add(tokens)
         if loss is not None:
+            self._last_loss = float(loss)
             self._pending[1] += float(loss)
             self._pending[2] += 1
         if self._round_steps < self.sync_every:
             return False
-        sums = torch.tensor(self._pending, dtype=torch.float64)
-        self._pending = [0.0, 0.0, 0.0]
-        dist.all_reduce(sums, group=self.group)
-        group_tokens = max(1, int(sums[0].item()))
-        self.tokens += group_tokens
-        r = self.round
+        if self._outage.active and not self.ranks.rank0_says(time.monotonic() >= self._outage.next_at):
+            return False
+        return self.sync()
+
+    def sync(self) -> bool:
+        """One sync attempt of the whole group (every rank calls it at the same step). False
+        when the coordinator could not be reached: training goes on, tried again later."""
         t0 = time.perf_counter()
-        piece, config = self._together(lambda: self._exchange(r, group_tokens))
-        version = self._agreed_version(int(self._version))
-        answer = self._broadcast_json({"config": config} if self.rank == 0 else None)
-        self.config = RunConfig.model_validate(answer["config"])
-        self._adopt(version)
-        self._round_steps = 0
-        record: dict[str, Any] = {"round": r, "tokens": group_tokens, "sync_s": time.perf_counter() - t0,
-                                  "piece": piece}
-        if sums[2] > 0:
-            record["train_loss"] = float(sums[1] / sums[2])
-        self.history.append(record)
+        summed = self.ranks.sum(self._pending)
+        self._pending = [0.0, 0.0, 0.0]
+        self._round_tokens += int(summed[0])
+        self._round_loss = [self._round_loss[0] + summed[1], self._round_loss[1] + summed[2]]
+        r = self.round
+        faults.hit("participant.sync", who=self._engine.who, round=r)
+        record = self._record = self._record or self._open_record(r)
+        # Every attempt at round r sends the tokens of the first: a piece of it may be in already,
+        # and the pieces of one update carry one count.
+        tokens = record.setdefault("tokens", max(1, self._round_tokens))
+        outcomes, error = self.ranks.together(
+            lambda: self._engine.fetch(r, self.participant_id, self.config, tokens=tokens, retry=self._attempt_retry),
+            cancel=self._engine.cancel)
+        if not all(o.ok for o in outcomes):
+            self._failed(r, outcomes, error)
+            return False
+        version = self._settle(outcomes)
+        self._engine.adopt()
+        self._enter_round(version)
+        if self._outage.active:
+            seconds = time.monotonic() - (self._outage.since or time.monotonic())
+            self.outages.append({"round": r, "seconds": round(seconds, 2), "attempts": self._outage.attempts + 1})
+            if self.rank == 0:
+                log.warning("the coordinator is back after %.0fs; synced round %d", seconds, r)
+        self._outage = OutageState()
+        self.tokens += self._round_tokens
+        self._close_record(record, r, time.perf_counter() - t0)
         return True
 
-    # -- the HTTP work of one rank (on the worker thread of `_together`) ---------------------
+    # -- one round's record ---------------------------------------------------------------------
+
+    def _open_record(self, r: int) -> dict[str, Any]:
+        record: dict[str, Any] = {"round": r, "config_version": self.config_version, "sync_every": self.sync_every,
+                                  "_up0": self._engine.bytes_up, "_down0": self._engine.bytes_down}
+        if self.eval_due(r):
+            record.update(self._evaluate("eval_before"))
+        return record
+
+    def _close_record(self, record: dict[str, Any], r: int, blocked_s: float) -> None:
+        """After the new global weights are in: eval after, the group's bytes, report, the new config."""
+        if self.eval_due(r):
+            record.update(self._evaluate("eval_after"))
+        up, down = self.ranks.sum([self._engine.bytes_up - record.pop("_up0"),
+                                   self._engine.bytes_down - record.pop("_down0")])
+        self.bytes_up += int(up)
+        self.bytes_down += int(down)
+        record.update(steps=self._round_steps, bytes_up=int(up), bytes_down=int(down), sync_s=blocked_s,
+                      piece=self._engine.last_answer)
+        if self._round_loss[1] > 0:
+            record["train_loss"] = self._round_loss[0] / self._round_loss[1]
+        self.sync_seconds += blocked_s
+        self.history.append(record)
+        self._record = None
+        self._round_steps, self._round_tokens, self._round_loss = 0, 0, [0.0, 0.0]
+        outcomes, error = self.ranks.together(lambda: self._report_and_config(record) if self.rank == 0 else None)
+        self._raise_failed(outcomes, error)
+        view = self.ranks.broadcast_json(outcomes[0].result)
+        if view is not None:
+            self._apply_config(view)
+
+    def _report_and_config(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Rank 0: report the round's metrics; the config view of the round we are now in (None:
+        unchanged, or unreachable for now, which keeps the current one)."""
+        values = {k: float(v) for k, v in record.items()
+                  if k not in ("round", "steps", "config_version", "sync_every", "piece")}
+        try:
+            self.client.report(self.participant_id, values, round_=record["round"], step=self.steps,
+                               retry=self._attempt_retry)
+        except CoordinatorError as e:
+            log.warning("could not report metrics of round %d: %s", record["round"], e.message)
+        if self.finished:
+            return None
+        try:
+            view = self.client.get_config(round_=self.round, retry=self._attempt_retry)
+        except CoordinatorError as e:
+            if not is_transient(e):
+                raise
+            log.warning("could not fetch the config of round %d (%s); keeping the current one", self.round, e.message)
+            return None
+        return dict(view) if int(view["version"]) != self.config_version else None
+
+    def _apply_config(self, view: dict[str, Any]) -> None:
+        """On every rank: the config in force for the round we now start."""
+        old, new = self.config, RunConfig.model_validate(view["config"])
+        diff = config_diff(old.model_dump(mode="json"), new.model_dump(mode="json"))
+        self.config, self.config_version = new, int(view["version"])
+        if "train.lr" in diff and self.inner_optimizer is not None:
+            for group in self.inner_optimizer.param_groups:
+                group["lr"] = new.train.lr
+        if self._presence is not None:
+            self._presence.note_config_version(self.config_version)
+            log.info("config v%d in force from round %d: %s", self.config_version, self.round,
+                     ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()))
+
+    def eval_due(self, r: int) -> bool:
+        """Whether round `r` is evaluated around its sync: every `eval.every` rounds, and the last."""
+        last = self.config.rounds > 0 and r + 1 >= self.config.rounds
+        return self.eval_fn is not None and (r % self.config.eval.every == 0 or last)
+
+    def _evaluate(self, prefix: str) -> dict[str, float]:
+        """`eval_fn` on every rank, averaged over the ranks (the keys are rank 0's)."""
+        assert self.eval_fn is not None
+        result = self.eval_fn(self.model)
+        values = result if isinstance(result, dict) else {"loss": result}
+        keys = self.ranks.broadcast_json(sorted(values))
+        if sorted(values) != keys:
+            raise DistributedSyncError(f"rank {self.rank}'s eval_fn returned {sorted(values)}, rank 0's {keys}")
+        means = self.ranks.sum([float(values[k]) for k in keys])
+        return {f"{prefix}/{k}": v / self.world_size for k, v in zip(keys, means, strict=True)}
+
+    # -- joining, failing, agreeing -----------------------------------------------------------------
 
     def _join(self) -> dict[str, Any]:
-        joined = self.client.join(self.name, self.info)
-        self._check_model(joined["model"])
-        return joined
-
-    def _joined_message(self, joined: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0: join (as the participant of the key file, if any) and check the run's model."""
+        joined = join_as(self.client, self.name, self.info, self.key_file)
+        self._engine.check_model(joined["model"])
         pid = joined["participant_id"]
         return {"participant_id": pid, "participant_key": self.client.participant_key(pid) or "",
-                "config": joined["config"], "round": int(joined["current_round"])}
+                "config": joined["config"], "config_version": int(joined["config_version"]),
+                "round": int(joined["current_round"]), "model": joined["model"]}
 
-    def _exchange(self, r: int, tokens: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """Upload this rank's piece of round r, wait for the round to close, download our rows
-        of the new global model (into the snapshot). Returns the coordinator's answer to our
-        piece (None: no rows here) and, on rank 0, the config in force in the new round."""
-        answer = None
-        config = self.config
-        with torch.no_grad():
-            delta = {n: self._snapshot[n] - local_tensor(self._params[n]).detach().cpu() for n in self._mine}
-        if delta:
-            rows = {n: s.rows() for n, s in self._mine.items() if not s.whole}
-            body = EncodedBody(delta, {ROWS_META: json.dumps(rows)}, digest_algorithm=config.digest)
-            answer = self.client.upload(r, self.participant_id, body, tokens=tokens, piece=f"rank{self.rank}")
-        give_up_at = time.monotonic() + config.round_timeout_s + self.patience_s
-        while True:
-            info = self.client.wait_round(r, self.participant_id, wait_s=25.0)
-            if info["state"] not in ("open", "closing"):
-                break
-            if time.monotonic() > give_up_at:
-                raise CoordinatorUnavailable(f"round {r} has not closed {config.round_timeout_s:g}s after its "
-                                             f"deadline: {info.get('reason', 'no reason given')}",
-                                             status=0, code="unavailable")
-        self._download()
-        if self.rank != 0:
-            return answer, None
-        return answer, dict(self.client.get_config(round_=self._version)["config"])
+    def _failed(self, r: int, outcomes: list[Outcome], error: BaseException | None) -> None:
+        """A sync attempt failed on some rank: ride it out as a group (every rank's engine has put
+        its snapshot back), or raise on every rank when the failure is not one to ride out."""
+        if not all(o.ok or o.transient for o in outcomes):
+            self._raise_failed(outcomes, error)
+        failed = [o for o in outcomes if not o.ok]
+        first = next((o for o in failed if o.code != "cancelled"), failed[0])
+        decision = None
+        if self.rank == 0:
+            now = time.monotonic()
+            self._outage.last_error = f"rank {first.rank}: {first.error}"
+            attempt = next_attempt(self._outage, now, self.outage_policy, self._outage_budget_s)
+            decision = {"action": attempt.action, "reason": attempt.reason}
+            if attempt.action != "give_up":
+                self._outage.next_at = now + attempt.delay_s
+                log.warning("round %d: %s", r, attempt.reason)
+        decision = self.ranks.broadcast_json(decision)
+        if decision["action"] == "give_up":
+            raise CoordinatorUnavailable(decision["reason"], status=0, code="unavailable")
+        if self._outage.since is None:
+            self._outage.since = time.monotonic()
+        self._outage.attempts += 1
 
-    def _download(self, version: int | None = None) -> None:
-        """Our rows of the global model (the latest, or `version`) into the snapshot."""
-        self._version = -1
-        if not self._fetch:  # this rank holds no row of any tensor
-            return
-        rows = {n: s.rows() for n, s in self._fetch.items()}
-        got, _ = self.client.download(version=version, pid=self.participant_id, rows=rows,
-                                      allocate=self._allocate)
-        self._version = int(got)
+    def _raise_failed(self, outcomes: list[Outcome], error: BaseException | None) -> None:
+        """Raise on every rank if any rank's work failed: its own error where it failed."""
+        failed = [o for o in outcomes if not o.ok]
+        if error is not None:
+            raise error
+        if failed:
+            raise DistributedSyncError("; ".join(f"rank {o.rank} of this participant failed: {o.error}"
+                                                 for o in failed))
 
-    def _allocate(self, spec: TensorSpec) -> torch.Tensor:
-        buffer = self._snapshot.get(spec.name)
-        if buffer is None or tuple(buffer.shape) != tuple(spec.shape) or buffer.dtype != spec.dtype:
-            raise ModelMismatchError(f"the coordinator sent {spec.name} {tuple(spec.shape)}, not our rows of it")
-        return buffer
+    def _agreed(self, outcomes: list[Outcome]) -> int:
+        """The global version every rank holding rows downloaded (-1 on a rank with none)."""
+        versions = {int(o.result) for o in outcomes if o.result is not None and int(o.result) >= 0}
+        if len(versions) != 1:
+            raise DistributedSyncError(f"the ranks of this participant downloaded different global versions "
+                                       f"({sorted(versions)})")
+        return versions.pop()
 
-    def _check_model(self, spec: dict[str, dict[str, Any]]) -> None:
-        run = {n: (ST_TO_DTYPE[s["dtype"]], tuple(s["shape"])) for n, s in spec.items()}
-        ours = {n: (p.dtype, tuple(p.shape)) for n, p in self._params.items()}  # a DTensor's shape is global
-        try:
-            check_compatible(run, ours, what="your model")
-        except MergeError as e:
-            raise ModelMismatchError(f"{e.message} (the run's model is the reference)", details=e.details) from None
+    def _settle(self, outcomes: list[Outcome]) -> int:
+        """The version the ranks' downloads agree on. The coordinator may commit a round between
+        two ranks' downloads (the others went on without us): then every rank fetches the
+        newest of the versions they got, by number, so that the shards are of one model."""
+        versions = {int(o.result) for o in outcomes if o.result is not None and int(o.result) >= 0}
+        if len(versions) > 1:
+            newest = max(versions)
+            log.info("rank %d: the ranks got versions %s; all take %d", self.rank, sorted(versions), newest)
+            outcomes, error = self.ranks.together(lambda: self._engine.download(self.participant_id, version=newest))
+            self._raise_failed(outcomes, error)
+        return self._agreed(outcomes)
 
-    # -- collectives -------------------------------------------------------------------------
-
-    def _adopt(self, version: int) -> None:
-        """The snapshot (our rows of global version `version`) into the local shards."""
-        with torch.no_grad():
-            for n in self._fetch:
-                local_tensor(self._params[n]).copy_(self._snapshot[n])
+    def _enter_round(self, version: int) -> None:
         self.round = version
         self.finished = self.config.rounds > 0 and version >= self.config.rounds
 
-    def _together(self, work: Callable[[], Any] | None) -> Any:
-        """Run `work` (this rank's HTTP, or nothing) on a thread while every rank all-reduces
-        (running, failed per rank) every `keepalive_s`; raise on every rank if one failed."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = work() if work is not None else None
-            except BaseException as e:  # noqa: BLE001 - every rank learns of it below, then it is raised
-                box["error"] = e
-
-        worker = threading.Thread(target=run, name=f"fedtrain-rank{self.rank}-sync", daemon=True)
-        worker.start()
-        while True:
-            worker.join(self.keepalive_s)
-            state = torch.zeros(1 + self.world_size, dtype=torch.int64)
-            state[0] = int(worker.is_alive())
-            state[1 + self.rank] = int(not worker.is_alive() and "error" in box)
-            dist.all_reduce(state, group=self.group)
-            if state[0] == 0:
-                break
-        failed = [k for k in range(self.world_size) if state[1 + k]]
-        if "error" in box:
-            raise box["error"]
-        if failed:
-            raise DistributedSyncError(f"rank {', '.join(map(str, failed))} of this participant failed its sync")
-        return box.get("result")
-
-    def _agreed_version(self, version: int) -> int:
-        """Rank 0's global version, checked against every rank's download (-1: none)."""
-        seen = torch.tensor([version, -version if version >= 0 else -(1 << 62)], dtype=torch.int64)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
-        if int(seen[0]) != -int(seen[1]):
-            raise DistributedSyncError(f"the ranks of this participant downloaded different global versions "
-                                       f"({-int(seen[1])} to {int(seen[0])})")
-        return int(seen[0])
-
-    def _broadcast_json(self, payload: dict[str, Any] | None) -> dict[str, Any]:
-        """`payload` from rank 0 to every rank, as bytes (no pickle)."""
-        data = json.dumps(payload).encode() if self.rank == 0 else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
-            torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(body, src=0, group=self.group)
-        return dict(json.loads(body.numpy().tobytes().decode()))
-
+    def _heartbeat_stats(self) -> dict[str, Any]:
+        """What rank 0's heartbeats tell: the group's throughput, from rank 0's (the ranks step together)."""
+        rate = self._rate.per_second()
+        return {"step": self.steps, "round": self.round, "loss": self._last_loss,
+                "tokens_per_s": rate * self.world_size if rate is not None else None,
+                "config_version": self.config_version}

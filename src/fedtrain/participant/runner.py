@@ -115,16 +115,8 @@ class Participant:
     # -- lifecycle --------------------------------------------------------------------------
 
     def __enter__(self) -> Participant:
-        name = self.name
-        saved = _read_key_file(self.key_file) if self.key_file is not None else None
-        if saved is not None and name in (None, saved[0]):  # rejoin as itself, under the name it had
-            name = saved[0]
-            self.client.remember_key(*saved)
-        joined = self.client.join(name, self.info)
+        joined = join_as(self.client, self.name, self.info, self.key_file)
         self.participant_id = joined["participant_id"]
-        key = self.client.participant_key(self.participant_id)
-        if self.key_file is not None and key is not None and saved != (self.participant_id, key):
-            _write_key_file(self.key_file, self.participant_id, key)
         self.config = RunConfig.model_validate(joined["config"])
         self.config_version = int(joined["config_version"])
         self._presence.note_config_version(self.config_version)
@@ -394,6 +386,22 @@ class Participant:
         """What each heartbeat tells (read on the heartbeat thread)."""
         return {"step": self.steps, "round": self.round, "loss": self._last_loss,
                 "tokens_per_s": self._rate.per_second(), "config_version": self.config_version}
+
+
+def join_as(client: CoordinatorClient, name: str | None, info: dict[str, Any],
+            key_file: Path | None) -> dict[str, Any]:
+    """Join the run; with `key_file`, as the participant whose key it keeps (and keep the
+    key of this join there). Returns the join answer."""
+    saved = _read_key_file(key_file) if key_file is not None else None
+    if saved is not None and name in (None, saved[0]):  # rejoin as itself, under the name it had
+        name = saved[0]
+        client.remember_key(*saved)
+    joined = client.join(name, info)
+    pid = joined["participant_id"]
+    key = client.participant_key(pid)
+    if key_file is not None and key is not None and saved != (pid, key):
+        _write_key_file(key_file, pid, key)
+    return joined
 
 
 def _read_key_file(path: Path) -> tuple[str, str] | None:

@@ -6,9 +6,10 @@ The engine owns the sync set's reference copy (the snapshot, on the CPU) and the
     Δ = θ_round − θ  ── upload ── wait for the round to close ── (upload again if the
     coordinator has lost ours: it restarted) ── download θ_{r+1} into the snapshot
 
-The snapshot is always in one of three states: it holds θ_round (the reference of the next
-Δ), it holds Δ (between `take_delta` and the download), or a download into it was cut
-short (the round is over; only a fresh download mends it). `restore` puts θ_round back
+The snapshot is always in one of four states: it holds θ_round (the reference of the next
+Δ), it holds Δ (between `take_delta` and the download), a download into it was cut short
+(the round is over; only a fresh download mends it), or it holds new global weights not yet
+in the model (`fetch` without `adopt`: the round is over too). `restore` puts θ_round back
 after a failed exchange, so that a later attempt sends the same Δ.
 
 Who runs what: the participant calls `prepare` and `load_global` at join and the blocking
@@ -19,16 +20,26 @@ while `exchange` runs the training thread calls nothing else of the engine's. Ev
 the coordinator takes the retry budget its caller passes (`retry=`), never a policy set on
 the shared client. The byte counters are the engine's: only the thread that runs the
 exchange adds to them.
+
+A rank of an FSDP participant drives an engine of its own over its local shards, built
+with a `PieceOf`: it uploads its rows as its piece of the participant's update (labelled,
+with the rows in the body's metadata), waits for the round asking after its own piece, and
+downloads only its rows. It calls `fetch` and `adopt` separately, since every rank of the
+group must hold the same global version before any of them adopts it (`fsdp.py`); between
+the two the snapshot holds that version, not yet in the model ("fetched").
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
@@ -38,29 +49,57 @@ from fedtrain.participant.client import CoordinatorClient
 from fedtrain.participant.retry import RetryPolicy
 from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
 from fedtrain.wire.compress import ErrorFeedback, compress
+from fedtrain.wire.format import ROWS_META
 
-__all__ = ["SyncEngine"]
+__all__ = ["PieceOf", "SyncEngine"]
 
 log = logging.getLogger("fedtrain.participant")
 
-Holds = Literal["reference", "delta", "cut_short"]
+Holds = Literal["reference", "delta", "cut_short", "fetched"]
+
+
+@dataclass(frozen=True)
+class PieceOf:
+    """What one rank of a sharded participant syncs: `label` names its piece of the update;
+    it sends the tensors in `sends` (rows `rows[name]` of those sharded, the others whole)
+    and fetches every tensor of the engine's params (the same rows). `shapes` is the whole
+    model's (dtype, shape) per tensor, which the run's model is checked against at join."""
+
+    label: str
+    sends: frozenset[str]
+    rows: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+
+    def rows_of(self, names: Any) -> dict[str, list[int] | None]:
+        """`{name: [start, stop] or None (whole)}` for `names`, as uploads and downloads name them."""
+        return {n: list(self.rows[n]) if n in self.rows else None for n in names}
 
 
 class SyncEngine:
     """Δ up, θ down, for the sync set `params` of one participant (named `who` in fault
     injection). `patience_s`: how long past a round's deadline we wait for it to close."""
 
-    def __init__(self, client: CoordinatorClient, params: dict[str, nn.Parameter], *, who: str | None = None,
-                 patience_s: float = 0.0) -> None:
+    def __init__(self, client: CoordinatorClient, params: Mapping[str, torch.Tensor], *, who: str | None = None,
+                 patience_s: float = 0.0, piece: PieceOf | None = None) -> None:
         self.client = client
         self.params = params
         self.who = who
         self.patience_s = patience_s
+        self.piece = piece
         self.bytes_up = 0
         self.bytes_down = 0
+        self.last_answer: dict[str, Any] | None = None  # the coordinator's answer to our last upload
+        self.wait_s = 25.0  # one long-poll of the round's state
+        self.cancel = threading.Event()  # set (by another thread) to stop waiting for the round
+        self._piece_in: int | None = None  # the round our piece is in (a conflict told us it is)
         self._snapshot: dict[str, torch.Tensor] = {}  # set aside by `prepare`, at join
         self._holds: Holds = "reference"
         self._feedback = ErrorFeedback()
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of the snapshot: the sync set (a piece's engine: its rows of it)."""
+        return sum(t.numel() * t.element_size() for t in self._snapshot.values())
 
     @property
     def holds(self) -> Holds:
@@ -79,15 +118,23 @@ class SyncEngine:
         """One blocking round trip for round `r`; the model ends on the new global weights.
         Returns the global version now in the model. On failure the snapshot holds θ_round
         again (or, after a download cut short, the next call downloads without uploading)."""
+        version = self.fetch(r, pid, config, tokens=tokens, retry=retry)
+        self.adopt()
+        return version
+
+    def fetch(self, r: int, pid: str, config: RunConfig, *, tokens: int, retry: RetryPolicy | None = None) -> int:
+        """`sync` without the last step: the new global weights end in the snapshot ("fetched"),
+        not in the model, until `adopt`. After a download cut short, or a fetch not adopted,
+        round r is over: this downloads again without uploading."""
         try:
-            if self._holds != "cut_short":  # else round r is over: fetch the model again
+            if self._holds not in ("cut_short", "fetched"):
                 self.take_delta()
                 self.submit(r, pid, self.encode(config), config, tokens=tokens, retry=retry)
             version = self.download(pid, after_round=r, retry=retry)
         except CoordinatorError:
             self.restore()
             raise
-        self.adopt()
+        self._holds = "fetched"
         return version
 
     def load_global(self, pid: str, *, retry: RetryPolicy | None = None) -> int:
@@ -113,15 +160,22 @@ class SyncEngine:
         self._holds = "delta"
 
     def encode(self, config: RunConfig) -> EncodedBody:
-        """Δ (held in the snapshot) as a body, compressed as the run config says."""
+        """Δ (held in the snapshot) as a body, compressed as the run config says: the whole of
+        it, or (a piece) the tensors and rows this rank sends."""
         t = config.train
+        delta = self._snapshot
+        meta: dict[str, str] = {}
+        if self.piece is not None:
+            delta = {n: self._snapshot[n] for n in self._snapshot if n in self.piece.sends}
+            rows = {n: r for n, r in self.piece.rows_of(delta).items() if r is not None}
+            meta[ROWS_META] = json.dumps(rows)
         if t.compression == "none":
-            return EncodedBody(self._snapshot, digest_algorithm=config.digest)
+            return EncodedBody(delta, meta, digest_algorithm=config.digest)
         if t.error_feedback:
-            tensors, meta = self._feedback.compress(self._snapshot, t.compression, t.compression_block)
+            tensors, packed = self._feedback.compress(delta, t.compression, t.compression_block)
         else:
-            tensors, meta = compress(self._snapshot, t.compression, t.compression_block)
-        return EncodedBody(tensors, meta, digest_algorithm=config.digest)
+            tensors, packed = compress(delta, t.compression, t.compression_block)
+        return EncodedBody(tensors, {**packed, **meta}, digest_algorithm=config.digest)
 
     def exchange(self, r: int, pid: str, body: EncodedBody, config: RunConfig, *, tokens: int,
                  retry: RetryPolicy | None = None) -> int:
@@ -135,12 +189,17 @@ class SyncEngine:
         """Upload `body` as our update to round `r` and wait until the round is no longer open,
         uploading again whenever the coordinator says it has none of ours. False when the
         round had closed before our upload (the caller moves on to the current model)."""
-        uploaded = self._upload(r, pid, body, tokens, retry)
+        if self.piece is not None and not self.piece.sends:
+            return self._wait_closed(r, config, retry)
+        uploaded = self._piece_in == r or self._upload(r, pid, body, tokens, retry)
         give_up_at = time.monotonic() + config.round_timeout_s + self.patience_s
         while uploaded:
             info = self._wait_round(r, pid, retry)
             if info["state"] not in ("open", "closing"):
                 break
+            if self.cancel.is_set():  # e.g. another rank of our participant failed: its piece is not coming
+                raise CoordinatorUnavailable(f"stopped waiting for round {r}: the sync was cancelled", status=0,
+                                             code="cancelled")
             if info.get("submitted") is False and info["state"] == "open":
                 log.warning("the coordinator has no upload of ours for round %d (restarted?); sending again", r)
                 uploaded = self._upload(r, pid, body, tokens, retry)
@@ -153,16 +212,40 @@ class SyncEngine:
                 )
         return uploaded
 
-    def download(self, pid: str, *, after_round: int | None = None, retry: RetryPolicy | None = None) -> int:
-        """The global model, streamed into the snapshot; returns its version. `after_round`:
-        the round whose result this fetches (a sync's download, a fault injection point)."""
+    def _wait_closed(self, r: int, config: RunConfig, retry: RetryPolicy | None) -> bool:
+        """A rank of a sharded participant that sends nothing: wait for round r to be merged."""
+        give_up_at = time.monotonic() + config.round_timeout_s + self.patience_s
+        while self.client.wait_round(r, None, wait_s=self.wait_s, retry=retry)["state"] in ("open", "closing"):
+            if self.cancel.is_set():
+                raise CoordinatorUnavailable(f"stopped waiting for round {r}: the sync was cancelled", status=0,
+                                             code="cancelled")
+            if time.monotonic() > give_up_at:
+                raise CoordinatorUnavailable(f"round {r} has not closed {config.round_timeout_s:g}s after its "
+                                             "deadline", status=0, code="unavailable")
+        return True
+
+    def download(self, pid: str, *, after_round: int | None = None, retry: RetryPolicy | None = None,
+                 version: int | None = None) -> int:
+        """The global model (the newest, or `version`), streamed into the snapshot; returns its
+        version. `after_round`: the round whose result this fetches (a sync's download, a fault
+        injection point). A piece's engine downloads its rows only."""
         self._holds = "cut_short"  # until the last byte is in
         if after_round is not None:
             faults.hit("participant.download", who=self.who or pid, round=after_round)
-        version, _ = self.client.download(pid=pid, allocate=self._allocate, on_header=self._check_header, retry=retry)
+        if self.piece is not None and not self._snapshot:  # a rank that holds no row of any tensor
+            self._holds = "reference"
+            return -1
+        which: dict[str, Any] = {"version": version} if version is not None else {}
+        if self.piece is None:
+            got, _ = self.client.download(pid=pid, allocate=self._allocate, on_header=self._check_header,
+                                          retry=retry, **which)
+        else:
+            got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
+                                          allocate=self._allocate_rows, retry=retry, **which)
+        version = int(got)
         self._holds = "reference"
-        self.bytes_down += sum(t.numel() * t.element_size() for t in self._snapshot.values())
-        return int(version)
+        self.bytes_down += self.snapshot_bytes
+        return version
 
     def adopt(self, sent: dict[str, torch.Tensor] | None = None) -> None:
         """Put the downloaded weights into the model: as they are, or (`sent`: θ_sent, as
@@ -173,6 +256,7 @@ class SyncEngine:
                     p.copy_(self._snapshot[n])
                 else:
                     p.add_((self._snapshot[n] - sent[n]).to(p.device, p.dtype))
+        self._holds = "reference"
 
     def restore(self, sent: dict[str, torch.Tensor] | None = None) -> None:
         """After a failed exchange: θ_round back into the snapshot (Δ + θ = θ_round, to
@@ -198,7 +282,8 @@ class SyncEngine:
             return d if isinstance(d, torch.dtype) else ST_TO_DTYPE[d]
 
         run = {n: (dtype(s["dtype"]), tuple(s["shape"])) for n, s in spec.items()}
-        ours = {n: (p.dtype, tuple(p.shape)) for n, p in self.params.items()}
+        ours = dict(self.piece.shapes) if self.piece is not None else \
+            {n: (p.dtype, tuple(p.shape)) for n, p in self.params.items()}
         try:
             check_compatible(run, ours, what="your model")
         except MergeError as e:
@@ -210,11 +295,21 @@ class SyncEngine:
         if faults.hit("participant.upload", who=self.who or pid, round=r) == "drop":
             log.warning("fault injected: the upload of round %d is lost on the way", r)
             return True
+        label = self.piece.label if self.piece is not None else None
+        which = {"piece": label} if label is not None else {}
         try:
-            self.client.upload(r, pid, body, tokens=tokens, retry=retry)
+            self.last_answer = self.client.upload(r, pid, body, tokens=tokens, retry=retry, **which)
         except RoundClosedError as e:
             log.warning("round %d closed before our upload (%s); moving on to the current model", r, e.message)
             return False
+        except CoordinatorError as e:
+            if e.code != "piece_conflict":
+                raise
+            # An earlier attempt's piece got in (its answer was lost) and we have trained since:
+            # that one counts.
+            log.warning("round %d: the coordinator has our piece %r from an earlier attempt; it counts", r, label)
+            self._piece_in = r
+            return True
         self.bytes_up += body.content_length
         return True
 
@@ -223,7 +318,8 @@ class SyncEngine:
         served under publish_first failed to commit) answers round_not_open: r is gone, and the
         caller takes the coordinator's current model."""
         try:
-            return self.client.wait_round(r, pid, wait_s=25.0, retry=retry)
+            which = {"piece": self.piece.label} if self.piece is not None else {}
+            return self.client.wait_round(r, pid, wait_s=self.wait_s, retry=retry, **which)
         except CoordinatorError as e:
             if e.code != "round_not_open":
                 raise
@@ -232,6 +328,14 @@ class SyncEngine:
 
     def _allocate(self, spec: TensorSpec) -> torch.Tensor:
         return self._snapshot[spec.name]
+
+    def _allocate_rows(self, spec: TensorSpec) -> torch.Tensor:
+        """Where our rows of `spec.name` go: the snapshot, when the coordinator sent those rows."""
+        buffer = self._snapshot.get(spec.name)
+        if buffer is None or tuple(buffer.shape) != tuple(spec.shape) or buffer.dtype != spec.dtype:
+            raise ModelMismatchError(f"the coordinator sent {spec.name} {tuple(spec.shape)} {spec.dtype}, "
+                                     "not our rows of it")
+        return buffer
 
     def _check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
         self.check_model({n: {"dtype": s.dtype, "shape": list(s.shape)} for n, s in specs.items()})

@@ -40,10 +40,11 @@ async def round_status(
     round_: int,
     wait: float = Query(0.0, ge=0, le=60),
     participant_id: str | None = None,
+    piece: str | None = Query(None, description="with participant_id: whether this piece of its update is in"),
     ident: Identity = Depends(speaker_by_query),
     service: Coordinator = Depends(coordinator),
 ) -> dict[str, Any]:
-    return await service.wait_round(ident, participant_id, round_, wait)
+    return await service.wait_round(ident, participant_id, round_, wait, piece)
 
 
 @router.put(

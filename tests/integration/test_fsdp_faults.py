@@ -1,0 +1,90 @@
+"""An FSDP participant under failure: a rank killed mid-sync leaves the round consistent and the
+group recovers as a whole; a coordinator that fails some of the group's pieces is ridden out."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from fedtrain import faults
+from fedtrain.coordinator import BackgroundCoordinator
+from tests.conftest import tiny_config
+from tests.integration.test_fsdp import fsdp_group
+from tests.integration.test_torchrun import participant, weights
+
+
+def shards_match(out: Path, final: dict[str, torch.Tensor]) -> None:
+    """Each rank's rows of its final weights are the global model's rows."""
+    for k in (0, 1):
+        with safe_open(str(out / f"rank{k}.safetensors"), "pt") as f:
+            rows = json.loads(f.metadata()["rows"])
+            for n in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                start, stop = rows[n]
+                assert torch.equal(f.get_tensor(n), final[n][start:stop]), (k, n)
+
+
+def test_a_rank_killed_mid_sync_leaves_no_half_update_and_the_group_comes_back_whole(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=3, min_participants=2)  # round 1 waits for the group's whole update
+    key = tmp_path / "group-key.json"
+    out = tmp_path / "fsdp"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        single = participant(c.url, "single", "--run-dir", str(tmp_path / "single"))
+        # rank 1 dies just before it uploads its piece of round 1; rank 0's piece is in by then
+        first = fsdp_group(c.url, "group", out, "--key-file", str(key),
+                           faults="participant.upload:kill:who=group.rank1:round=1")
+        text, _ = first.communicate(timeout=240)
+        assert first.returncode != 0, text[-3000:]  # torchrun ends the group when a rank dies
+        service = c.service
+        assert service.version == 1 and not service.finished  # round 1 is not merged with half an update
+        assert [s["participant_id"] for s in service.store.submissions(1)] == ["single"]
+        assert service.intake.has_piece("group", 1, "rank0"), text[-3000:]  # the dead group's half is held...
+        second = fsdp_group(c.url, "group", out, "--key-file", str(key))  # ...until the group joins again
+        text, _ = second.communicate(timeout=240)
+        assert second.returncode == 0, text[-3000:]
+        out_single, _ = single.communicate(timeout=60)
+        assert single.returncode == 0, out_single[-3000:]
+        final = {k: v.clone() for k, v in service.outer.params.items()}
+        rounds = service.store.rounds()
+        events = [e["message"] for e in service.store.events() if e["kind"] == "pieces"]
+        assert service.finished and service.version == 3
+    assert len(events) == 1 and "round 1" in events[0], events  # the half update from before is dropped
+    for r in rounds:  # every round merged one whole update of each participant
+        assert sorted(s["participant_id"] for s in r["submissions"]) == ["group", "single"], r
+    shards_match(out, final)
+    single_w = weights(tmp_path / "single" / "final.safetensors")
+    assert all(torch.equal(single_w[k], final[k]) for k in final)
+
+
+def test_the_group_rides_out_a_coordinator_that_fails_one_of_its_pieces(tmp_path: Path) -> None:
+    # int8 deltas with error feedback: each rank compresses its own rows
+    cfg = tiny_config(rounds=3, min_participants=1, train={"compression": "int8", "error_feedback": True})
+    out = tmp_path / "fsdp"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        service = c.service
+        # round 1: the first piece gets in, every other upload of the group fails (500) for a while
+        with faults.inject("upload.streaming", "raise", who="group", round=1, after=1, times=0):
+            group = fsdp_group(c.url, "group", out, "--attempt-s", "1", "--budget-s", "120")
+            deadline = time.monotonic() + 120
+            while not any(service.intake.has_piece("group", 1, f"rank{k}") for k in (0, 1)):
+                assert group.poll() is None and time.monotonic() < deadline, "round 1's first piece never came"
+                time.sleep(0.05)
+            time.sleep(4)  # a few failed attempts of the group (each gives up after 1 s)
+        text, _ = group.communicate(timeout=240)
+        assert group.returncode == 0, text[-3000:]
+        final = {k: v.clone() for k, v in service.outer.params.items()}
+        rounds = service.store.rounds()
+        assert service.finished and service.version == 3
+    reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert reports[0]["outages"] and reports[0]["outages"] == reports[1]["outages"], reports[0]["outages"]
+    assert reports[0]["outages"][0]["round"] == 1  # ridden out as a group, at round 1
+    assert [len(r["submissions"]) for r in rounds] == [1, 1, 1]
+    shards_match(out, final)
+    assert all(torch.isfinite(t).all() for t in final.values())
+    losses = [h["train_loss"] for h in reports[0]["history"]]
+    assert losses[-1] < losses[0], losses
