@@ -57,7 +57,30 @@ def sync_set(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 class Participant:
-    """A context manager around a training loop that syncs it with a coordinator."""
+    """A context manager around a training loop that syncs it with a coordinator.
+
+    A model sharded with FSDP2 (`fully_shard`, under torchrun) gives an `FsdpParticipant`
+    instead, made from the same arguments: every rank constructs it, and each syncs its own
+    shard (`fsdp.py`)."""
+
+    def __new__(cls, coordinator: str | CoordinatorClient, *, model: nn.Module, **kwargs: Any) -> Participant:
+        from fedtrain.participant.shards import is_sharded
+
+        if cls is not Participant or not is_sharded(sync_set(model)):
+            return super().__new__(cls)
+        from fedtrain.participant.fsdp import FsdpParticipant
+
+        if isinstance(coordinator, CoordinatorClient):
+            client = coordinator
+        else:
+            if kwargs.get("token") is None:
+                raise ValueError("Participant needs token= when given a coordinator URL")
+            client = CoordinatorClient(coordinator, kwargs["token"], timeouts=kwargs.get("timeouts", Timeouts()),
+                                       retry=kwargs.get("retry", RetryPolicy()), verify=kwargs.get("verify", True))
+        given = {k: kwargs[k] for k in ("name", "info", "eval_fn", "inner_optimizer", "key_file", "outage")
+                 if k in kwargs}
+        # Not a Participant, so Python does not call __init__ on it: it has the same loop surface.
+        return FsdpParticipant(model, client=client, **given)  # type: ignore[return-value]
 
     def __init__(
         self,
