@@ -221,6 +221,18 @@ class OuterConfig(_Strict):
     )
 
 
+class ScheduleConfig(_Strict):
+    """How participants' work is paced against each other (issue #22)."""
+
+    mode: Literal["rounds", "balanced", "async"] = Field(
+        "rounds",
+        description="rounds: every participant runs train.sync_every inner steps and a round waits for them "
+        "(today's lockstep). balanced: rounds, but each participant gets its own number of inner steps, from its "
+        "measured throughput, so that all finish together. async: no round barrier; each update is applied to "
+        "the global model as it arrives, scaled by its staleness.",
+    )
+
+
 class RunConfig(_Strict):
     """Everything that defines a run; shared with every participant at join."""
 
@@ -231,6 +243,7 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     min_participants: int = Field(1, ge=1, description="Submissions needed to close at the deadline.")
     round_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Deadline of a round after it opens.")
     deadline: Literal["fixed", "adaptive"] = Field(
