@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.conftest import tiny_config
+from fedtrain.participant import CoordinatorClient
+from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
 from tests.integration.test_fsdp import fsdp_group
 from tests.integration.test_torchrun import participant, weights
 
@@ -88,3 +89,35 @@ def test_the_group_rides_out_a_coordinator_that_fails_one_of_its_pieces(tmp_path
     assert all(torch.isfinite(t).all() for t in final.values())
     losses = [h["train_loss"] for h in reports[0]["history"]]
     assert losses[-1] < losses[0], losses
+
+
+def test_a_coordinator_killed_with_half_the_groups_update_in_resumes_and_the_group_resends(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=3)
+    cfg_path = tmp_path / "run.json"
+    cfg_path.write_text(cfg.model_dump_json())
+    state, log, port = tmp_path / "state", tmp_path / "coordinator.log", free_port()
+    url = f"http://127.0.0.1:{port}"
+    # the coordinator dies as the first piece of the group's round-1 update is spooled
+    kill = {"FEDTRAIN_FAULTS": "upload.received:kill:who=group:round=1"}
+    proc = start_coordinator(cfg_path, state, port, log, env=kill)
+    out = tmp_path / "fsdp"
+    out.mkdir()
+    group = fsdp_group(url, "group", out, "--attempt-s", "2", "--budget-s", "120")
+    try:
+        assert proc.wait(timeout=180) != 0, log.read_text()[-3000:]  # killed by the fault
+        proc = start_coordinator(cfg_path, state, port, log)  # the same state: it resumes at round 1
+        text, _ = group.communicate(timeout=240)
+        assert group.returncode == 0, text[-3000:]
+        with CoordinatorClient(url, PTOKEN) as client:
+            status = client.status()
+            version, final = client.download()
+    finally:
+        stop_coordinator(proc)
+        if group.poll() is None:
+            group.kill()
+    assert status["finished"] and version == 3
+    committed = sorted(r["round"] for r in status["recent_rounds"])
+    assert committed == [0, 1, 2], committed  # no committed round lost or repeated
+    reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert reports[0]["outages"] and reports[0]["outages"][0]["round"] == 1, reports[0]["outages"]
+    shards_match(out, final)
