@@ -26,6 +26,38 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def ranks_label(p: dict[str, Any]) -> str:
+    """How a participant trains, from its status row: "1" (one process), "ddp×4", "fsdp×2";
+    "?" where it did not say (or said something unreadable), "-" from a coordinator that does not tell."""
+    if "parallel" not in p:
+        return "-"
+    parallel, world = p["parallel"], p.get("world_size")
+    if parallel == "single":
+        return "1"
+    name = parallel or "?"
+    return f"{name}×{world}" if world else name
+
+
+def expected_pieces(p: dict[str, Any]) -> int | None:
+    """The pieces an update of participant `p` comes in, where its status says: one per FSDP rank."""
+    pieces = p.get("pieces") or {}
+    world = p.get("world_size")
+    if p.get("parallel") == "fsdp" and world and world >= pieces.get("received", 0):
+        return int(world)
+    return None
+
+
+def pieces_label(p: dict[str, Any]) -> str:
+    """The open round's update of `p` in pieces: "1/2 (50%)" while they come in, "2/2 complete"
+    once whole; "" for a participant that sends its update whole (or has sent nothing yet)."""
+    pieces = p.get("pieces")
+    if not pieces:
+        return ""
+    received, expected = pieces["received"], expected_pieces(p)
+    count = f"{received}/{expected}" if expected else str(received)
+    return f"{count} complete" if pieces["complete"] else f"{count} ({pieces['covered']:.0%})"
+
+
 def format_status(s: dict[str, Any]) -> str:
     now = time.time()
     rounds = f"{s['current_round']}/{s['rounds'] or '∞'}"
@@ -40,14 +72,17 @@ def format_status(s: dict[str, Any]) -> str:
         f"round state: {s['reason']}\n"
         f"bytes in {human_bytes(s['bytes_in'])}, out {human_bytes(s['bytes_out'])}\n"
     )
+    in_pieces = any(p.get("pieces") for p in s["participants"])  # the column only while there is one
     parts = [
         head,
         table(
-            ["participant", "state", "round", "step", "tokens", "tok/s", "loss", "last seen", "up", "down"],
+            ["participant", "state", "ranks", "round", "step", "tokens", "tok/s", "loss", "last seen", "up", "down"]
+            + (["pieces (this round)"] if in_pieces else []),
             [
                 [
                     p["id"],
                     p["state"],
+                    ranks_label(p),
                     p["round"],
                     p["step"],
                     f"{p['tokens']:,}",
@@ -57,6 +92,7 @@ def format_status(s: dict[str, Any]) -> str:
                     human_bytes(p["bytes_up"]),
                     human_bytes(p["bytes_down"]),
                 ]
+                + ([pieces_label(p)] if in_pieces else [])
                 for p in s["participants"]
             ],
         ),

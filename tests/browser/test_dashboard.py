@@ -1,22 +1,26 @@
 """The dashboard in headless Chromium against a live run: the page fills from the API and
 the SSE stream, a config change made in the form reaches every participant at one round
 boundary, an invalid change shows its error and changes nothing, participant tokens get a
-read-only view, an admin can evict or roll the run back to a kept version, and the event log
-filters by kind."""
+read-only view, an admin can evict or roll the run back to a kept version, the event log
+filters by kind, and an FSDP group shows its ranks and its update's pieces as they come in."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import torch
 from playwright.sync_api import Dialog, Route, expect
 
+from fedtrain.coordinator.auth import KEY_HEADER
 from tests.browser.conftest import ARTIFACTS, SITES, LiveRun, Page
 from tests.conftest import ATOKEN, PTOKEN
+from tests.integration.test_pieces import halves, send_piece
 
 
 def open_dashboard(p: Page, run: LiveRun, token: str) -> None:
@@ -269,3 +273,66 @@ def test_admin_rolls_back_to_a_kept_version_from_the_dashboard(page: Page, live_
     expect(go).to_be_enabled()
     pg.unroute("**/v1/admin/rollback")
     assert not [e for e in page.errors if "409" not in e], page.errors  # the refused POST logs one 409
+
+
+def keep_alive(run: LiveRun, pid: str, key: str, done: threading.Event) -> threading.Thread:
+    """Heartbeats for `pid` every half second until `done`, on a connection of their own: a
+    participant silent for the run's heartbeat_timeout_s would be failed, and the round would
+    close without it."""
+    headers = {"Authorization": f"Bearer {ATOKEN}", KEY_HEADER: key}
+
+    def beat() -> None:
+        with httpx.Client(base_url=run.url, headers=headers, timeout=30) as http:
+            while not done.wait(0.5):
+                http.post(f"/v1/participants/{pid}/heartbeat", json={})
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_fsdp_group_shows_its_ranks_and_its_pieces_as_they_come_in(page: Page, live_run: LiveRun) -> None:
+    pg = page.page
+    pg.goto(f"{live_run.url}/#token={ATOKEN}")  # not open_dashboard: an earlier test may have added a participant
+    expect(pg.locator("body")).to_have_attribute("data-ready", "1")
+    for name in SITES:  # the sites are single processes
+        expect(pg.locator(f'#participants tbody tr[data-pid="{name}"] td.ranks')).to_have_text("1")
+    pid, c = "fsdp-group", live_run.coordinator
+    zeros = {n: torch.zeros_like(t) for n, t in c.service.outer.params.items()}  # a no-op update: the run goes on
+    (t0, rows0), (t1, rows1) = halves(zeros)
+    done = threading.Event()
+    # The admin token: the participant token may add no participant for a while after the eviction above.
+    with httpx.Client(base_url=live_run.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as http:
+        joined = http.post("/v1/join", json={"name": pid, "info": {"parallel": "fsdp", "world_size": 2}})
+        assert joined.status_code == 200, joined.text
+        http.headers[KEY_HEADER] = joined.json()["participant_key"]
+        beats = keep_alive(live_run, pid, joined.json()["participant_key"], done)
+        try:
+            row = pg.locator(f'#participants tbody tr[data-pid="{pid}"]')
+            expect(row.locator("td.ranks .par.fsdp")).to_have_text("fsdp×2")
+            # Active now, the group holds the open round back until its update is whole: the first piece
+            # goes into the round that is open (a round that was closing at the join is the next one's).
+            for _ in range(5):
+                round_ = http.get("/v1/status").json()["current_round"]
+                first = send_piece(http, pid, "rank0", t0, rows0, tokens=1, round_=round_)
+                if first.status_code != 409:
+                    break
+            assert first.status_code == 200 and first.json()["complete"] is False, first.text
+            coming = pg.locator(f'#rounds tr.open-round .chip.partial[data-pieces="{pid}"]')
+            expect(coming).to_have_text(f"{pid} · 1/2 pieces")
+            expect(coming).to_have_attribute("title", re.compile(r"^pieces in: rank0 · \d+% of the sync set$"))
+            ARTIFACTS.mkdir(exist_ok=True)
+            pg.locator("#participants").locator("xpath=../..").screenshot(path=str(ARTIFACTS / "dashboard-ranks.png"))
+            pg.locator("#rounds-wrap").screenshot(path=str(ARTIFACTS / "dashboard-pieces.png"))
+            last = send_piece(http, pid, "rank1", t1, rows1, tokens=1, round_=round_)
+            assert last.status_code == 200 and last.json()["complete"] is True, last.text
+            # whole: counted in the round like any update, which closes once the sites are in too
+            expect(coming).to_have_count(0)
+            closed = pg.locator(f'#rounds tbody tr[data-round="{round_}"]')
+            expect(closed.locator(".chip", has_text=pid)).to_have_count(1)
+        finally:
+            done.set()
+            beats.join(10)
+            http.post(f"/v1/participants/{pid}/leave")  # the run's rounds no longer wait for it
+    expect(row.locator("td.ranks")).to_have_text("fsdp×2")  # what it said stays on its row
+    assert not page.errors, page.errors

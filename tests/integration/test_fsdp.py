@@ -39,6 +39,8 @@ def test_two_rank_fsdp_participant_beside_a_single_process_one(tmp_path: Path) -
         roster = c.service.status()["participants"]
         assert c.service.finished and c.service.version == 4
     assert sorted(p["id"] for p in roster) == ["group", "single"]  # one entry for the 2 ranks
+    ranks = {p["id"]: (p["parallel"], p["world_size"]) for p in roster}
+    assert ranks == {"group": ("fsdp", 2), "single": ("single", 1)}  # the coordinator sees what each one is
     for r in rounds:  # one submission per round for the group, with the tokens of both ranks
         tokens = {s["participant_id"]: s["tokens"] for s in r["submissions"]}
         assert tokens == {"group": 2 * tokens["single"], "single": tokens["single"]}, tokens

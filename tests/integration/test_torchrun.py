@@ -58,7 +58,9 @@ def test_two_rank_torchrun_participant_beside_a_single_process_one(tmp_path: Pat
         out_group = finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
         final = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
+        ranks = {p["id"]: (p["parallel"], p["world_size"]) for p in c.service.status()["participants"]}
         assert c.service.finished and c.service.version == 3
+    assert ranks == {"group": ("ddp", 2), "single": ("single", 1)}  # the coordinator sees what each one is
     for r in rounds:  # both took part in every round; the group's tokens are the sum over its 2 ranks
         tokens = {s["participant_id"]: s["tokens"] for s in r["submissions"]}
         assert tokens == {"group": 2 * tokens["single"], "single": tokens["single"]}, tokens

@@ -82,3 +82,17 @@ def test_labels_are_escaped_and_an_empty_run_renders() -> None:
     m = parse(text)
     assert m['fedtrain_round_duration_seconds_bucket{le="+Inf"}'] == 0
     assert "fedtrain_last_round_duration_seconds" not in text
+
+
+def test_world_size_per_participant_with_its_parallelism() -> None:
+    base = {"state": "active", "tokens": 1, "bytes_up": 0, "bytes_down": 0}
+    rows = [{**base, "id": "f", "parallel": "fsdp", "world_size": 2},
+            {**base, "id": "s", "parallel": "single", "world_size": 1},
+            {**base, "id": "u", "parallel": None, "world_size": 8},
+            {**base, "id": "n", "parallel": None, "world_size": None}]
+    m = parse(render(status(participants=rows), []))
+    assert m['fedtrain_participant_world_size{participant="f",parallel="fsdp"}'] == 2
+    assert m['fedtrain_participant_world_size{participant="s",parallel="single"}'] == 1
+    assert m['fedtrain_participant_world_size{participant="u",parallel="unknown"}'] == 8
+    assert not any('participant="n"' in k for k in m if k.startswith("fedtrain_participant_world_size"))
+    assert "fedtrain_participant_world_size" not in render(status(), [])  # a status without it: no family

@@ -3,8 +3,9 @@
 `Intake` owns the receiving of updates: the spool files uploads stream into
 (`SpoolFiles`), the one upload being received straight into the sum (`direct.py`), the
 folds in flight (with a wait for none: `idle`), the folds waiting for that upload, and
-why the open round cannot be merged (a fold of an accepted update failed). The sum and
-what waits to go into it are `RoundSum`'s (`folds.py`).
+why the open round cannot be merged (a fold of an accepted update failed), and the
+updates that come in pieces (`pieces.py`; `pieces_in` shows them). The sum and what waits
+to go into it are `RoundSum`'s (`folds.py`).
 
 Where an upload goes is the policy's decision, with its reason: `policy.receive_path`
 (straight into the empty sum, or a spool file; the latest is `last_path`) and, for a
@@ -40,7 +41,7 @@ from fedtrain.config import RunConfig
 from fedtrain.coordinator import pieces, policy
 from fedtrain.coordinator.direct import DirectUpload, read_into
 from fedtrain.coordinator.folds import MergeInputs, Pending, RoundSum
-from fedtrain.coordinator.pieces import ROWS_META, Coverage, Partial, Piece, assemble, check_label, piece_rows
+from fedtrain.coordinator.pieces import ROWS_META, Coverage, Partial, Piece, PiecesIn, assemble, check_label, piece_rows
 from fedtrain.coordinator.receive import Head, SpoolFiles, Staging, receive_to_spool
 from fedtrain.coordinator.values import non_finite
 from fedtrain.errors import Refused, WireError
@@ -142,6 +143,7 @@ class Intake:
         self._deferred: set[asyncio.Task[None]] = set()
         self._failure: str | None = None  # a fold failed: the open round cannot be merged
         self._partials: dict[tuple[str, int], Partial] = {}  # (participant, round) -> its pieces so far
+        self._assembled: dict[tuple[str, int], PiecesIn] = {}  # updates of the round made whole from pieces
         self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
 
     # -- what others may read ---------------------------------------------------------------
@@ -172,6 +174,13 @@ class Intake:
     def fail(self, why: str) -> None:
         """The open round cannot be merged: an accepted update is not in the sum."""
         self._failure = why
+
+    def pieces_in(self, round_: int) -> dict[str, PiecesIn]:
+        """The updates for `round_` that come in pieces, by participant: those still coming
+        in (the labels so far, the share of the sync set they hold) and those made whole."""
+        out = {pid: PiecesIn.of(partial) for (pid, r), partial in self._partials.items() if r == round_}
+        out.update({pid: done for (pid, r), done in self._assembled.items() if r == round_})
+        return out
 
     def barred(self, round_: int, pid: str) -> str | None:
         """Why `pid`'s update for `round_` is refused (its merge was not finite), or None."""
@@ -383,6 +392,8 @@ class Intake:
             for piece in partial.pieces.values():
                 self._spool_files.give_back(piece.path)
         ticket = await self._place(up, whole, whole_new, cfg, seats, may_reach)
+        if ticket is not None:
+            self._assembled[key] = PiecesIn.of(partial)
         return PieceAnswer(ticket, True, ticket is None, len(partial.pieces), [], partial.length, partial.digest())
 
     def drop_pieces(self, pid: str) -> list[tuple[int, int]]:
@@ -458,6 +469,7 @@ class Intake:
             for piece in partial.pieces.values():
                 self._spool_files.give_back(piece.path)
         self._partials.clear()
+        self._assembled.clear()
         self._failure = None
 
     async def stop(self) -> None:

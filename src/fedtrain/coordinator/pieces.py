@@ -19,6 +19,7 @@ loop; `assemble` runs on a worker thread.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -37,6 +38,8 @@ from fedtrain.wire.format import ROWS_META, byte_view
 #: The most pieces one update may come in: each waits in a spool file of its own until the
 #: update is complete (a rank each for FSDP, a fragment each for Streaming DiLoCo).
 MAX_PIECES = 256
+#: The labels of an update's pieces the status lists (it counts them all).
+SHOWN_LABELS = 16
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -102,6 +105,7 @@ class Coverage:
 
     def __init__(self, model: Spec) -> None:
         self._rows = {n: (shape[0] if shape else 1) for n, (_, shape) in model.items()}
+        self._row_size = {n: math.prod(shape[1:]) for n, (_, shape) in model.items()}
         self._held: dict[str, list[tuple[int, int, str]]] = {n: [] for n in model}
 
     def add(self, label: str, rows: Rows) -> None:
@@ -121,6 +125,12 @@ class Coverage:
     @property
     def complete(self) -> bool:
         return not self.missing()
+
+    def fraction(self) -> float:
+        """The share of the sync set's elements the pieces in hold, from 0 to 1."""
+        total = sum(rows * self._row_size[n] for n, rows in self._rows.items())
+        held = sum((b - a) * self._row_size[n] for n, spans in self._held.items() for a, b, _ in spans)
+        return held / total if total else 1.0
 
     def order(self, name: str) -> list[tuple[int, int, str]]:
         """The pieces holding `name`, by their first row."""
@@ -150,6 +160,26 @@ class Partial:
     def digest(self) -> str:
         """One digest for the whole update: its pieces', by label."""
         return "pieces:" + ",".join(f"{label}={p.digest}" for label, p in sorted(self.pieces.items()))
+
+
+@dataclass(frozen=True)
+class PiecesIn:
+    """What the status shows of an update that comes in pieces: the labels in so far, the
+    share of the sync set they hold, and whether they made the whole update."""
+
+    labels: tuple[str, ...]
+    covered: float
+    complete: bool
+
+    @classmethod
+    def of(cls, partial: Partial) -> PiecesIn:
+        return cls(tuple(sorted(partial.pieces)), partial.coverage.fraction(), partial.coverage.complete)
+
+    def view(self) -> dict[str, object]:
+        """As the status has it (at most `SHOWN_LABELS` labels: an update may come in 256)."""
+        return {"received": len(self.labels), "labels": list(self.labels[:SHOWN_LABELS]),
+                "covered": math.floor(self.covered * 10_000) / 10_000,  # down: never 1 before it is whole
+                "complete": self.complete}
 
 
 def assemble(partial: Partial, model: Spec, out: Path) -> None:

@@ -139,4 +139,11 @@ def render(status: dict[str, Any], timings: Sequence[tuple[float, float]], subsc
         w.family(name, kind, help_)
         for pid, value in rows:
             w.sample(name, float(value), {"participant": pid})
+    ranked = [p for p in status["participants"] if p.get("world_size") is not None]
+    if ranked:
+        w.family("fedtrain_participant_world_size", "gauge",
+                 "Ranks a participant trains on; parallel: single, ddp, fsdp (unknown: not said).")
+        for p in ranked:
+            w.sample("fedtrain_participant_world_size", p["world_size"],
+                     {"participant": p["id"], "parallel": p.get("parallel") or "unknown"})
     return w.text()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator import policy
+from fedtrain.coordinator import policy, ranks
 from fedtrain.coordinator.auth import (
     Holder,
     Identity,
@@ -111,6 +111,7 @@ class Roster:
             raise Refused(
                 400, "invalid_name", f"participant name {name!r} must be 1-64 letters, digits, '_', '.' or '-'"
             )
+        ranks.check_info(info)  # what it says of its processes is shown to everyone: readable, or refused
         now = self._clock()
         p = self._rows.get(name)
         if p is not None and p.token_id != ident.token_id and not ident.is_admin:

@@ -43,14 +43,14 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator import lifecycle
+from fedtrain.coordinator import lifecycle, ranks
 from fedtrain.coordinator.auth import Identity, Tokens, require_admin
 from fedtrain.coordinator.committer import Committer
 from fedtrain.coordinator.config_versions import ConfigVersions
 from fedtrain.coordinator.events import Events
 from fedtrain.coordinator.global_eval import GlobalEvaluator
 from fedtrain.coordinator.intake import Intake
-from fedtrain.coordinator.pieces import check_label
+from fedtrain.coordinator.pieces import PiecesIn, check_label
 from fedtrain.coordinator.publish import ModelStream
 from fedtrain.coordinator.roster import Live, Roster
 from fedtrain.coordinator.rounds import Rounds
@@ -410,6 +410,7 @@ class Coordinator:
         last_weights = {s["participant_id"]: s["weight"] for s in recent[0]["submissions"]} if recent else {}
         rows = self.roster.rows
         live = self.roster.live
+        pieces = self.intake.pieces_in(self.version)
         return {
             "run": self.config.name,
             "current_round": self.version,
@@ -430,23 +431,8 @@ class Coordinator:
             "bytes_in": sum(p.bytes_up for p in rows.values()),
             "bytes_out": sum(p.bytes_down for p in rows.values()),
             "submitted": sorted(self.submitted),
-            "participants": [
-                {
-                    "id": p.id,
-                    "state": p.state,
-                    "round": p.round,
-                    "tokens": p.tokens,
-                    "bytes_up": p.bytes_up,
-                    "bytes_down": p.bytes_down,
-                    "last_seen": p.last_seen,
-                    "step": live.get(p.id, Live()).step,
-                    "loss": live.get(p.id, Live()).loss,
-                    "tokens_per_s": live.get(p.id, Live()).tokens_per_s,
-                    "config_version": p.config_version,
-                    "weight": last_weights.get(p.id),
-                }
-                for p in sorted(rows.values(), key=lambda p: p.id)
-            ],
+            "participants": [_participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id))
+                             for p in sorted(rows.values(), key=lambda p: p.id)],
             "recent_rounds": recent,
         }
 
@@ -469,3 +455,26 @@ class Coordinator:
     def round_timings(self) -> list[tuple[float, float]]:
         """(duration_s, merge_s) of every committed round, oldest first."""
         return self.store.round_timings()
+
+
+def _participant_view(p: ParticipantRow, live: Live, weight: float | None, pieces: PiecesIn | None) -> dict[str, Any]:
+    """One participant in the status: its counters, what it last reported, its weight in the
+    last round, its processes (`ranks.describe`) and its open round's update in pieces, if any."""
+    parallel, world_size = ranks.describe(p.info)
+    return {
+        "id": p.id,
+        "state": p.state,
+        "round": p.round,
+        "tokens": p.tokens,
+        "bytes_up": p.bytes_up,
+        "bytes_down": p.bytes_down,
+        "last_seen": p.last_seen,
+        "step": live.step,
+        "loss": live.loss,
+        "tokens_per_s": live.tokens_per_s,
+        "config_version": p.config_version,
+        "weight": weight,
+        "parallel": parallel,
+        "world_size": world_size,
+        "pieces": pieces.view() if pieces is not None else None,
+    }

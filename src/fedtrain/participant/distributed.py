@@ -131,7 +131,8 @@ class DistributedParticipant:
     Construct it on every rank with the same arguments; on rank 0 it calls
     `make_participant()` to build the `Participant` (the other ranks never call it).
     `model` is the plain module (not the DDP wrapper): its trainable parameters are the
-    sync set. With NCCL, pass `device` (the rank's GPU) for the control messages.
+    sync set. With NCCL, pass `device` (the rank's GPU) for the control messages. Its join
+    tells the coordinator what it is: `info` `parallel` "ddp" and `world_size` the group's ranks.
     """
 
     def __init__(
@@ -154,7 +155,11 @@ class DistributedParticipant:
         if self.rank == 0:
             if make_participant is None:
                 raise FedtrainError("rank 0 needs make_participant to build its Participant")
-            self.fed = make_participant()
+            fed = make_participant()
+            # The coordinator shows the group as one participant of `world_size` ranks (`coordinator/ranks.py`);
+            # set before `__enter__` joins, on a copy: the caller's info dict stays as it was.
+            fed.info = {**fed.info, "parallel": "ddp", "world_size": self.world_size}
+            self.fed = fed
         self._params = sync_set(model)
         if is_sharded(self._params):
             raise FedtrainError("the model is sharded (fully_shard): use FsdpParticipant, whose ranks sync "

@@ -18,7 +18,9 @@ router = APIRouter()
 class JoinRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, description="Stable participant name; rejoining with it resumes the identity.")
-    info: dict[str, Any] = Field(default_factory=dict, description="Free-form facts (host, world size, ...).")
+    info: dict[str, Any] = Field(default_factory=dict, description=(
+        "Free-form facts (host, ...). Two are checked (400 invalid_info) and shown in the status: `parallel` "
+        "(single, ddp, fsdp; left out: one process) and `world_size` (its ranks, 1 to 2^20)."))
     key_cookie: bool = Field(True, description="Also set the participant key as a cookie (`fedtrain-key-<id>`), "
                              "for HTTP clients with a cookie jar; a client that sends the key header itself "
                              "says false (a Set-Cookie would show the key in its HTTP debug logs).")

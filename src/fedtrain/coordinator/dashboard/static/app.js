@@ -218,6 +218,7 @@ function renderParticipants(st) {
     return el("tr", { dataset: { pid: p.id, state: p.state } },
       el("td", { class: "pid" }, swatch, p.id),
       el("td", {}, el("span", { class: "pill " + p.state, text: p.state })),
+      el("td", { class: "ranks" }, ranksBadge(p)),
       el("td", { class: "num", text: fmt.int(p.round) }),
       el("td", { class: "num", text: fmt.int(p.step) }),
       el("td", { class: "num", text: fmt.si(p.tokens) }),
@@ -232,6 +233,24 @@ function renderParticipants(st) {
   }));
   $("parts-empty").hidden = st.participants.length > 0;
   $("parts-hint").textContent = st.participants.length ? `${st.participants.length} joined` : "";
+}
+
+// How a participant trains (status `parallel`, `world_size`): "1", "ddp×4", "fsdp×2"; "?" where it did not say.
+function ranksBadge(p) {
+  const n = p.world_size;
+  const ranks = n ? `${n} rank${n === 1 ? "" : "s"}` : "ranks not said";
+  const [kind, text, title] = p.parallel === "single" ? ["single", "1", "one process"]
+    : p.parallel === "ddp" ? ["ddp", n ? `ddp×${n}` : "ddp", `DDP, ${ranks}: rank 0 syncs for the group`]
+    : p.parallel === "fsdp" ? ["fsdp", n ? `fsdp×${n}` : "fsdp", `FSDP, ${ranks}: each rank uploads its own shard as a piece`]
+    : ["unknown", n ? `?×${n}` : "?", `it did not say how it trains${n ? ` (${ranks})` : ""}`];
+  return el("span", { class: "par " + kind, text, title });
+}
+
+// An update in pieces (status `pieces`): "1/2 pieces" for an FSDP group (a piece per rank), else "1 piece".
+function piecesText(p) {
+  const got = p.pieces.received;
+  const of = p.parallel === "fsdp" && p.world_size >= got ? p.world_size : null;
+  return of ? `${got}/${of} pieces` : `${got} piece${got === 1 ? "" : "s"}`;
 }
 
 const ageOf = (ts) => fmt.age(Date.now() / 1000 + S.offset - ts);
@@ -264,7 +283,7 @@ function renderRounds(st) {
       el("td", { text: st.closing ? "closing…" : "open" }),
       el("td", {}),
       el("td", { class: "reason", text: st.reason }),
-      el("td", {}, ...chips(st.submitted.map((pid) => ({ participant_id: pid, weight: null })))),
+      el("td", {}, ...openChips(st)),
       el("td", {}), el("td", {}), el("td", {})));
   }
   const longest = Math.max(1e-9, ...st.recent_rounds.map((r) => r.closed_at - r.opened_at));
@@ -341,6 +360,24 @@ async function rollBackClicked() {
     S.rollingBack = false;
     loadKept();
   }
+}
+
+// The open round's updates: one chip per submitted participant, and a dashed one per update
+// whose pieces are still coming in ("site-a · 1/2 pieces").
+function openChips(st) {
+  const byId = new Map(st.participants.map((p) => [p.id, p]));
+  const done = chips(st.submitted.map((pid) => ({ participant_id: pid, weight: null })));
+  done.forEach((chip, i) => {
+    const p = byId.get(st.submitted[i]);
+    if (p && p.pieces) chip.title = `in ${piecesText(p)}: ${p.pieces.labels.join(", ")}`;
+  });
+  const coming = st.participants.filter((p) => p.pieces && !p.pieces.complete).map((p) => {
+    const chip = el("span", { class: "chip partial", dataset: { pieces: p.id }, text: `${p.id} · ${piecesText(p)}`,
+      title: `pieces in: ${p.pieces.labels.join(", ")} · ${fmt.percent(p.pieces.covered)} of the sync set` });
+    chip.style.borderColor = colorOf(p.id);
+    return chip;
+  });
+  return [...done, ...coming];
 }
 
 function chips(subs) {

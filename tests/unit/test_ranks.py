@@ -1,0 +1,73 @@
+"""A participant's processes as the coordinator reads them (`coordinator/ranks.py`), and the
+share of the sync set an update's pieces hold (`pieces.Coverage.fraction`): pure functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from fedtrain.coordinator.pieces import Coverage, Partial, PiecesIn
+from fedtrain.coordinator.ranks import MAX_WORLD_SIZE, check_info, describe
+from fedtrain.errors import Refused
+
+
+@pytest.mark.parametrize(("info", "seen"), [
+    ({}, ("single", 1)),
+    ({"world_size": 1}, ("single", 1)),
+    ({"parallel": None, "world_size": None}, ("single", 1)),
+    ({"parallel": "single"}, ("single", 1)),
+    ({"parallel": "ddp", "world_size": 4}, ("ddp", 4)),
+    ({"parallel": "fsdp", "world_size": MAX_WORLD_SIZE}, ("fsdp", MAX_WORLD_SIZE)),
+    ({"parallel": "fsdp"}, ("fsdp", None)),
+    ({"world_size": 8}, (None, 8)),  # several ranks, not a word on how they train
+    ({"parallel": "single", "world_size": 3}, (None, 3)),
+    ({"parallel": "FSDP", "world_size": 2}, (None, 2)),
+    ({"parallel": {"kind": "fsdp"}}, (None, None)),
+    ({"parallel": "ddp", "world_size": MAX_WORLD_SIZE + 1}, ("ddp", None)),
+    ({"parallel": "ddp", "world_size": True}, ("ddp", None)),
+    ({"parallel": "ddp", "world_size": 2.0}, ("ddp", None)),
+    ([1, 2], (None, None)),
+    ("fsdp", (None, None)),
+])
+def test_describe_reads_any_stored_info_and_never_raises(info: Any, seen: tuple[str | None, int | None]) -> None:
+    assert describe(info) == seen
+
+
+def test_check_info_takes_what_describe_reads_back_as_said() -> None:
+    for info in ({}, {"host": "x"}, {"world_size": 1}, {"parallel": "ddp", "world_size": 2}, {"parallel": "fsdp"},
+                 {"parallel": "single", "world_size": 1}, {"parallel": None, "world_size": None}):
+        check_info(info)
+        assert describe(info)[0] is not None, info
+    for info in ({"parallel": "mpi"}, {"world_size": 0}, {"world_size": "2"}, {"parallel": "single", "world_size": 2}):
+        with pytest.raises(Refused) as refused:
+            check_info(info)
+        assert refused.value.status == 400 and refused.value.code == "invalid_info"
+
+
+def test_coverage_fraction_counts_elements_not_tensors() -> None:
+    model = {"big": (torch.float32, (4, 10)), "small": (torch.float32, (2,)), "scalar": (torch.float32, ())}
+    cov = Coverage(model)
+    assert cov.fraction() == 0.0
+    cov.add("rank0", {"big": (0, 2)})
+    assert cov.fraction() == pytest.approx(20 / 43)
+    cov.add("rank1", {"big": (2, 4), "small": (0, 2)})
+    assert cov.fraction() == pytest.approx(42 / 43) and not cov.complete
+    partial = Partial(10, cov)
+    view = PiecesIn.of(partial).view()
+    assert view == {"received": 0, "labels": [], "covered": 0.9767, "complete": False}
+    cov.add("rank2", {"scalar": (0, 1)})
+    assert cov.fraction() == 1.0 and cov.complete
+    assert Coverage({"empty": (torch.float32, (0, 3))}).fraction() == 1.0  # nothing to hold
+
+
+def test_the_status_lists_a_bounded_number_of_labels() -> None:
+    cov = Coverage({"w": (torch.float32, (300,))})
+    partial = Partial(1, cov)
+    for i in range(300):
+        cov.add(f"r{i:03d}", {"w": (i, i + 1)})
+        partial.pieces[f"r{i:03d}"] = None  # type: ignore[assignment]  # the view reads the labels only
+    view = PiecesIn.of(partial).view()
+    assert view["received"] == 300 and len(view["labels"]) == 16 and view["labels"][0] == "r000"
+    assert view["complete"] is True and view["covered"] == 1.0
