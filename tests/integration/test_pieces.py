@@ -187,3 +187,40 @@ def test_an_update_comes_in_a_bounded_number_of_pieces(tmp_path: Path, monkeypat
         rest = {n: delta[n] for n in names[2:]}
         assert_error(send_piece(http, "p", "rest", rest), 400, "too_many_pieces")
         assert c.service.submitted == {}
+
+
+def test_a_piece_counts_as_in_while_its_complete_update_is_assembled(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the last piece and the update's place in the round, a rank asking after its piece
+    (GET /v1/rounds/r?piece=) hears it is in, and a resend is a duplicate, not a new update."""
+    from fedtrain.coordinator import intake
+
+    entered, release = threading.Event(), threading.Event()
+    real = intake.assemble
+
+    def slow_assemble(*args: object) -> None:
+        entered.set()
+        assert release.wait(30)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(intake, "assemble", slow_assemble)
+    with BackgroundCoordinator(tmp_path / "s", tiny_config(min_participants=2)) as c, client(c) as http:
+        for pid in ("p", "q"):
+            http.post("/v1/join", json={"name": pid})
+        (t0, rows0), (t1, rows1) = halves(deltas(c, 1))
+        assert send_piece(http, "p", "r0", t0, rows0).json()["complete"] is False
+        last = threading.Thread(target=lambda: send_piece(client(c), "p", "r1", t1, rows1))
+        last.start()
+        assert entered.wait(30)
+        try:
+            info = http.get("/v1/rounds/0", params={"participant_id": "p", "piece": "r0", "wait": 0}).json()
+            assert info["submitted"] is True, info
+            again = send_piece(http, "p", "r0", t0, rows0).json()
+            assert again["duplicate"] is True and again["piece"] == "r0", again
+        finally:
+            release.set()
+            last.join(30)
+        info = http.get("/v1/rounds/0", params={"participant_id": "p", "piece": "r0", "wait": 0}).json()
+        assert info["submitted"] is True and c.service.submitted == {"p": 100}
+        assert_error(http.get("/v1/rounds/0", params={"participant_id": "p", "piece": "bad label!"}), 400,
+                     "invalid_piece")

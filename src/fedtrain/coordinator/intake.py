@@ -143,6 +143,7 @@ class Intake:
         self._deferred: set[asyncio.Task[None]] = set()
         self._failure: str | None = None  # a fold failed: the open round cannot be merged
         self._partials: dict[tuple[str, int], Partial] = {}  # (participant, round) -> its pieces so far
+        self._assembling: dict[tuple[str, int], Partial] = {}  # complete, until placed in the round
         self._assembled: dict[tuple[str, int], PiecesIn] = {}  # updates of the round made whole from pieces
         self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
 
@@ -353,6 +354,10 @@ class Intake:
         """Receive and verify one piece of `up.pid`'s update for the open round (`pieces.py`);
         once the pieces cover the sync set, assemble and place the update like any other."""
         key = (up.pid, up.round)
+        if key in self._assembling:  # complete: its last piece is being assembled and placed
+            await body.drain()
+            done = self._assembling[key]
+            return PieceAnswer(None, False, True, len(done.pieces), [], done.length, done.digest())
         self._check_piece_fits(key, label, up)
         known = self._partials.get(key)
         if known is not None and label in known.pieces:
@@ -382,16 +387,20 @@ class Intake:
             return PieceAnswer(None, False, False, len(partial.pieces), partial.coverage.missing(), partial.length,
                                partial.digest())
         del self._partials[key]
-        whole, whole_new = self._spool_files.take()
+        self._assembling[key] = partial  # its pieces still count as in until the update is placed
         try:
-            await asyncio.to_thread(assemble, partial, self._spec, whole)
-        except BaseException:
-            self._spool_files.discard(whole, whole_new)
-            raise
+            whole, whole_new = self._spool_files.take()
+            try:
+                await asyncio.to_thread(assemble, partial, self._spec, whole)
+            except BaseException:
+                self._spool_files.discard(whole, whole_new)
+                raise
+            finally:
+                for piece in partial.pieces.values():
+                    self._spool_files.give_back(piece.path)
+            ticket = await self._place(up, whole, whole_new, cfg, seats, may_reach)
         finally:
-            for piece in partial.pieces.values():
-                self._spool_files.give_back(piece.path)
-        ticket = await self._place(up, whole, whole_new, cfg, seats, may_reach)
+            del self._assembling[key]
         if ticket is not None:
             self._assembled[key] = PiecesIn.of(partial)
         return PieceAnswer(ticket, True, ticket is None, len(partial.pieces), [], partial.length, partial.digest())
@@ -408,8 +417,9 @@ class Intake:
         return dropped
 
     def has_piece(self, pid: str, round_: int, label: str) -> bool:
-        """Whether piece `label` of `pid`'s update for `round_` is in, its update not yet complete."""
-        partial = self._partials.get((pid, round_))
+        """Whether piece `label` of `pid`'s update for `round_` is in, its update not yet placed
+        in the round (complete and being assembled counts as in)."""
+        partial = self._partials.get((pid, round_)) or self._assembling.get((pid, round_))
         return partial is not None and label in partial.pieces
 
     def _check_piece_fits(self, key: tuple[str, int], label: str, up: Upload) -> None:

@@ -101,7 +101,7 @@ class Uploads:
             raise
         if admitted is None:
             await body.drain()
-            return {"accepted": True, "duplicate": True, "round": round_}
+            return {"accepted": True, "duplicate": True, "round": round_, **({"piece": piece} if piece else {})}
         admission, up, clamped = admitted
         try:
             head, body = await peek_header(body)
