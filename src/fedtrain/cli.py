@@ -175,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
         "TensorBoard events when installed, final weights",
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to train (cuda: LOCAL_RANK's GPU)")
+    p.add_argument(
+        "--parallel",
+        default="ddp",
+        choices=["ddp", "fsdp"],
+        help="how the ranks of a torchrun participant share the model: ddp (default) keeps a replica on every "
+        "rank, rank 0 syncs; fsdp shards it with FSDP2 (fully_shard per layer), every rank syncs its own rows and "
+        "--run-dir keeps a sharded checkpoint that resumes on any number of ranks. fsdp runs under torchrun only "
+        "(--nproc_per_node 1 too)",
+    )
 
     d = sub.add_parser("demo", help="a coordinator and N participants on this machine, then a summary")
     d.add_argument("--participants", type=int, default=4, help="number of participants (default 4)")
@@ -332,6 +341,7 @@ def cmd_participant(args: argparse.Namespace) -> int:
         retry=RetryPolicy(max_elapsed_s=args.give_up_after),
         run_dir=args.run_dir,
         device=args.device,
+        parallel=args.parallel,
     )
     print(json.dumps(result))
     return 0

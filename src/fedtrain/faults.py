@@ -51,6 +51,8 @@ POINTS: dict[str, str] = {
     "participant.sync": "participant: a sync starts (fail participant `who` at round `round`)",
     "participant.upload": "participant: just before an upload is sent (drop it, slow it, fail)",
     "participant.download": "participant: just before the global model is downloaded",
+    "participant.checkpoint": "FSDP participant, rank 0: every rank's part of round `round`'s checkpoint is "
+    "written, its state.json and rename not yet",
 }
 
 Action = Literal["kill", "raise", "crash", "sleep", "drop"]

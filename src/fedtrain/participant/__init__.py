@@ -1,6 +1,6 @@
 """The participant side: HTTP client (timeouts, retries), the `Participant` runner, its torchrun
 form (`DistributedParticipant`), its FSDP form (`FsdpParticipant`), and its local state
-(checkpoint, metrics log).
+(checkpoint, its sharded form through DCP, metrics log).
 
 The names below load on first use (see `fedtrain/__init__.py`).
 """
@@ -14,6 +14,7 @@ from fedtrain import _lazy_exports
 _SOURCES = {
     "fedtrain.participant.checkpoint": ("LocalCheckpoint",),
     "fedtrain.participant.client": ("CoordinatorClient", "RetryPolicy", "Timeouts"),
+    "fedtrain.participant.dcp_checkpoint": ("DcpCheckpoint",),
     "fedtrain.participant.distributed": ("DistributedParticipant", "DistributedSyncError"),
     "fedtrain.participant.fsdp": ("FsdpParticipant",),
     "fedtrain.participant.metrics_log": ("MetricsLog",),
@@ -24,6 +25,7 @@ _SOURCES = {
 if TYPE_CHECKING:
     from fedtrain.participant.checkpoint import LocalCheckpoint
     from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
+    from fedtrain.participant.dcp_checkpoint import DcpCheckpoint
     from fedtrain.participant.distributed import DistributedParticipant, DistributedSyncError
     from fedtrain.participant.fsdp import FsdpParticipant
     from fedtrain.participant.metrics_log import MetricsLog
@@ -34,6 +36,7 @@ else:
 
 __all__ = [
     "CoordinatorClient",
+    "DcpCheckpoint",
     "DistributedParticipant",
     "DistributedSyncError",
     "FsdpParticipant",

@@ -1,22 +1,27 @@
 """Plumbing of the recipe's participant loop: one process or a torchrun group, and its run directory.
 
 `open_participant` gives the loop what it needs whether it runs alone or as one rank of
-a torchrun group: the object to call `step` on (a `Participant`, or a
-`DistributedParticipant` whose rank 0 holds one) and the module to run forward and
-backward through (the model, or its `DistributedDataParallel` wrapper).
+a torchrun group: the object to call `step` on (a `Participant`, a
+`DistributedParticipant` whose rank 0 holds one, or, with `parallel="fsdp"`, an
+`FsdpParticipant` on every rank) and the module to run forward and backward through (the
+model, its `DistributedDataParallel` wrapper, or the `fully_shard`ed model itself).
 
 `RunDir` is the participant's local directory: the checkpoint written at every round
 boundary and restored at start (inner optimizer state, data position, counters), the
 per-round metrics (JSON lines, TensorBoard when installed) and, at the end, the final
-weights of the sync set. Under torchrun rank 0 owns `DIR/`; rank k keeps its own
-checkpoint (its data position) in `DIR/rank-k/`.
+weights of the sync set. Under torchrun rank 0 owns `DIR/`; with DDP rank k keeps its own
+checkpoint (its data position) in `DIR/rank-k/`. With FSDP the checkpoint is one
+`DcpCheckpoint` in `DIR/dcp/` written by every rank (sharded optimizer state, each rank's
+data position, rank 0's counters), which loads on another number of ranks too, and each
+rank writes its own rows of the final weights.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -24,16 +29,29 @@ from torch import nn
 from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.participant.checkpoint import LocalCheckpoint
 from fedtrain.participant.distributed import DistributedParticipant
+from fedtrain.participant.fsdp import FsdpParticipant
 from fedtrain.participant.metrics_log import MetricsLog
 from fedtrain.participant.runner import EvalFn, sync_set
+from fedtrain.participant.shards import is_sharded, local_tensor, shard_layout
 from fedtrain.recipes.data import TokenStream
 from fedtrain.wire import write_file
+from fedtrain.wire.format import ROWS_META
 
-__all__ = ["RunDir", "open_participant", "round_line"]
+__all__ = ["RoundCheckpoint", "RunDir", "open_participant", "round_line"]
 
 log = logging.getLogger("fedtrain.recipe")
 
-Fed = Participant | DistributedParticipant
+Fed = Participant | DistributedParticipant | FsdpParticipant
+
+
+class RoundCheckpoint(Protocol):
+    """What `RunDir` keeps at round boundaries: `LocalCheckpoint` (one process or rank) or
+    `DcpCheckpoint` (every rank of an FSDP participant together)."""
+
+    def save(self, *, round_: int, optimizer: torch.optim.Optimizer, steps: int = 0, tokens: int = 0,
+             user_state: dict[str, Any] | None = None) -> Any: ...
+
+    def load(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None: ...
 
 
 def open_participant(
@@ -47,9 +65,15 @@ def open_participant(
     world_size: int,
     device: torch.device,
     key_file: Path | None = None,
+    parallel: str = "ddp",
 ) -> tuple[Fed, nn.Module]:
     """(the participant to step, the module to train through) for one process or a torchrun group.
-    `key_file` keeps the participant key, so that a restarted process rejoins as itself at once."""
+    `key_file` keeps the participant key, so that a restarted process rejoins as itself at once.
+    `parallel="fsdp"`: `model` is `fully_shard`ed and every rank syncs its own rows."""
+    if parallel == "fsdp":
+        fsdp = FsdpParticipant(model, client=client, name=name, info=info, eval_fn=eval_fn,
+                               inner_optimizer=optimizer, key_file=key_file)
+        return fsdp, model
 
     def make() -> Participant:
         return Participant(client, model=model, inner_optimizer=optimizer, eval_fn=eval_fn, name=name, info=info,
@@ -64,18 +88,18 @@ def open_participant(
     return DistributedParticipant(model, make_participant=make, device=device), net
 
 
-def _inner(fed: Fed) -> Participant | None:
+def _inner(fed: Fed) -> Participant | FsdpParticipant | None:
     return fed.fed if isinstance(fed, DistributedParticipant) else fed
 
 
 class RunDir:
     """A participant's local directory (see the module docstring); one per participant name."""
 
-    def __init__(self, directory: str | Path, rank: int = 0) -> None:
+    def __init__(self, directory: str | Path, rank: int = 0, checkpoint: RoundCheckpoint | None = None) -> None:
         self.dir = Path(directory)
         self.rank = rank
         own = self.dir if rank == 0 else self.dir / f"rank-{rank}"
-        self.checkpoint = LocalCheckpoint(own / "checkpoint")
+        self.checkpoint: RoundCheckpoint = checkpoint if checkpoint is not None else LocalCheckpoint(own / "checkpoint")
         self.metrics = MetricsLog(self.dir) if rank == 0 else None
         self._up = self._down = 0
 
@@ -89,6 +113,8 @@ class RunDir:
         data = saved["user_state"].get("data")
         if data is not None:
             stream.load_state_dict(data)
+        else:  # a rank the checkpoint's world did not have (FSDP on more ranks than before)
+            log.info("rank %d: no saved data position, its data stream starts fresh", self.rank)
         log.info(
             "resumed the local checkpoint of round %d (%d batches drawn, %d steps)",
             saved["round"],
@@ -116,12 +142,22 @@ class RunDir:
             self.metrics.write(inner.history[-1])
 
     def finish(self, model: nn.Module) -> Path:
-        """Write this rank's final weights of the sync set; returns the file."""
-        name = "final.safetensors" if self.rank == 0 else f"final-rank{self.rank}.safetensors"
+        """Write this rank's final weights of the sync set; returns the file. A sharded model's
+        rank writes only its rows, named in the metadata `fedtrain.rows` ({name: [start, stop]})."""
+        params = sync_set(model)
+        sharded = is_sharded(params)
+        name = "final.safetensors" if self.rank == 0 and not sharded else f"final-rank{self.rank}.safetensors"
         path = self.dir / name
         self.dir.mkdir(parents=True, exist_ok=True)
-        tensors = {n: p.detach().to("cpu") for n, p in sync_set(model).items()}
-        write_file(path, tensors, {"written_by": "fedtrain participant"})
+        meta = {"written_by": "fedtrain participant"}
+        if sharded:
+            layout = shard_layout(params)
+            mine = [n for n, s in layout.items() if not s.empty]
+            tensors = {n: local_tensor(params[n]).detach().to("cpu") for n in mine}
+            meta[ROWS_META] = json.dumps({n: [layout[n].start, layout[n].stop] for n in mine})
+        else:
+            tensors = {n: p.detach().to("cpu") for n, p in params.items()}
+        write_file(path, tensors, meta)
         return path
 
     def close(self) -> None:

@@ -3,9 +3,11 @@ optional LoRA) trained on local text, synced by fedtrain.
 
 A short, readable loop on the public API only (`Participant`, the recipe's model and data):
 copy it to start a training script of your own. The same loop runs alone or as every rank
-of a torchrun group (`torchrun --nproc_per_node N -m fedtrain participant ...`): rank 0
-talks to the coordinator, DDP keeps the ranks in step. With a run directory the loop
-resumes from its last round boundary after a restart and logs its metrics there.
+of a torchrun group (`torchrun --nproc_per_node N -m fedtrain participant ...`): with
+`parallel="ddp"` rank 0 talks to the coordinator and DDP keeps the ranks in step; with
+`parallel="fsdp"` the model is `fully_shard`ed (`sharding.py`) and every rank syncs its own
+rows. With a run directory the loop resumes from its last round boundary after a restart
+(with FSDP, on any number of ranks) and logs its metrics there.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig
+from fedtrain.errors import ConfigError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant.distributed import init_from_env
 from fedtrain.recipes.build import base_fingerprint, build_model, check_fits, load_data, loss_fn, tokenizer_of
 from fedtrain.recipes.data import TokenStream, evaluate, parse_data_spec
 from fedtrain.recipes.runtime import RunDir, open_participant, round_line
+from fedtrain.recipes.sharding import PARALLEL, held_bytes, init_fsdp, shard_model
 
 log = logging.getLogger("fedtrain.recipe")
 
@@ -45,13 +49,18 @@ def run_participant(
     retry: RetryPolicy = RetryPolicy(),
     run_dir: Path | None = None,
     device: str = "cpu",
+    parallel: str = "ddp",
 ) -> dict[str, Any]:
     """Join the run at `url`, train on `data` until the run finishes; returns a summary.
 
-    Under torchrun every rank calls this; `run_dir` keeps the checkpoint and metrics."""
+    Under torchrun every rank calls this; `run_dir` keeps the checkpoint and metrics.
+    `parallel`: "ddp" (a replica per rank) or "fsdp" (the model sharded over the ranks)."""
+    if parallel not in PARALLEL:
+        raise ConfigError(f"parallel must be one of {', '.join(PARALLEL)}, not {parallel!r}")
+    fsdp = parallel == "fsdp"
     torch.set_num_threads(threads)
     paths = parse_data_spec(data)  # bad data fails here, before any network call
-    rank, world, dev = init_from_env(device)
+    rank, world, dev = init_fsdp(device) if fsdp else init_from_env(device)
     client = CoordinatorClient(url, token, verify=verify, retry=retry)
     cfg = RunConfig.model_validate(client.get_config()["config"])
     tokenizer = tokenizer_of(cfg.model)
@@ -61,6 +70,9 @@ def run_participant(
     model = build_model(cfg.model, seed=cfg.seed)
     check_fits(model, cfg.model, cfg.train.seq_len, tokenizer)
     model.to(dev)
+    info = {"world_size": world, "base": base_fingerprint(model) if cfg.model.lora else None}  # of the whole base
+    if fsdp:
+        shard_model(model, cfg.model.recipe, dev)  # before the optimizer: its parameters are the DTensors
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     compute_loss = loss_fn(cfg.model)
@@ -69,14 +81,17 @@ def run_participant(
         loss = evaluate(m, stream.eval_batches(cfg.train.eval_batches), compute_loss)
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
-    local = RunDir(run_dir, rank) if run_dir is not None else None
+    local = None
+    if run_dir is not None:
+        from fedtrain.participant.dcp_checkpoint import DcpCheckpoint  # torch.distributed.checkpoint: FSDP only
+
+        local = RunDir(run_dir, rank, checkpoint=DcpCheckpoint(run_dir / "dcp", model) if fsdp else None)
     saved = local.resume(opt, stream, cfg.train.lr) if local is not None else None
-    info = {"world_size": world, "base": base_fingerprint(model) if cfg.model.lora else None}
     log.info("%s: %d training tokens from %s (rank %d of %d)", name or "participant", tokens.numel(), data, rank, world)
     t0 = time.perf_counter()
     key_file = run_dir / "participant-key.json" if run_dir is not None and rank == 0 else None  # only rank 0 joins
     fed, net = open_participant(client, model, opt, eval_fn, name=name, info=info, world_size=world, device=dev,
-                                key_file=key_file)
+                                key_file=key_file, parallel=parallel)
     with fed:
         if local is not None and saved is not None:
             local.restore_counters(fed, saved)
@@ -93,20 +108,24 @@ def run_participant(
             if fed.step(tokens=x.numel(), loss=loss.item()):
                 if local is not None:
                     local.after_sync(fed, opt, stream)
-                if fed.history:
+                if fed.history and rank == 0:
                     log.info("%s", round_line(fed.history[-1]))
         history = fed.history
         inner = getattr(fed, "fed", fed)
+        local_bytes, model_bytes = held_bytes(model)
         summary = {
             "participant": fed.participant_id,
             "rank": rank,
             "world_size": world,
+            "parallel": parallel,
+            "param_bytes": local_bytes,  # of the model's parameters (frozen too) on this rank; all of them,
+            "model_param_bytes": model_bytes,  # unless sharded
             "steps": fed.steps,
             "tokens": fed.tokens,
             "rounds": len(history),
             "bytes_up": getattr(inner, "bytes_up", 0),
             "bytes_down": getattr(inner, "bytes_down", 0),
-            "bytes_up_per_round": history[-1]["bytes_up"] if history else None,
+            "bytes_up_per_round": history[-1].get("bytes_up") if history else None,
             "wall_s": round(time.perf_counter() - t0, 2),
             "sync_s": round(getattr(inner, "sync_seconds", 0.0), 2),
             "final_round": fed.round,
@@ -115,6 +134,6 @@ def run_participant(
     if local is not None:
         summary["final_weights"] = str(local.finish(model))
         local.close()
-    if world > 1:
+    if world > 1 or fsdp:
         torch.distributed.destroy_process_group()
     return summary

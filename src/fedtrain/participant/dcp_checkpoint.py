@@ -1,0 +1,325 @@
+"""A sharded participant's checkpoint at round boundaries, through torch.distributed.checkpoint (DCP).
+
+What `checkpoint.LocalCheckpoint` keeps for one process (inner optimizer state, data position,
+step and token counters), kept here for an FSDP2 participant (`fully_shard`, every rank its own
+rows), so that it resumes on the same or on another number of ranks. The weights are not in
+it: a restarted participant takes the global model from the coordinator, and a frozen base
+is rebuilt from the run's seed.
+
+Files, under ROOT (the run directory's `dcp/`):
+
+    ROOT/round-<r>/                      one complete checkpoint; the newest one is loaded
+        optimizer/shard-<k+1>-model-00001-of-00001.safetensors
+                                         rank k's rows of every optimizer tensor, written by
+                                         DCP's `HuggingFaceStorageWriter`; the safetensors
+                                         metadata `DCP_SHARDING_INFO` says where each chunk
+                                         sits in the whole tensor. Replicated tensors (AdamW's
+                                         `step`) are in rank 0's file alone.
+        data-rank<k>.json                rank k's own state (its data stream's position)
+        state.json                       written by rank 0 last: format, round, steps, tokens,
+                                         the world size that wrote it, the param groups, the
+                                         optimizer state that is not a tensor, every shard
+                                         file with its size
+    ROOT/.partial-<r>/                   a checkpoint being written: never loaded
+
+Atomic: every rank writes into `.partial-<r>`, the ranks agree (an all-reduce) that every
+part is written and fsync'd, then rank 0 writes `state.json` and renames the directory to
+`round-<r>` (then fsyncs ROOT) and only then removes the older checkpoints. A checkpoint cut
+off at any point is a `.partial-` directory (or a `round-` one without a `state.json`), which
+`load` skips for the newest complete one; the next `save` removes it.
+
+Resharding: tensors are stored as chunks with their offsets in the whole tensor, and `load`
+reads, for each DTensor of the current layout, the parts of the saved chunks that overlap its
+rows (DCP's load planner), so a checkpoint written on N ranks loads on any M. A rank that has
+no `data-rank<k>.json` (the world grew) gets an empty user state: its data stream starts
+fresh; the data positions of ranks that are gone (the world shrank) are dropped.
+
+No pickle, on disk or between ranks. DCP's default `FileSystemWriter`/`FileSystemReader`
+keep their metadata in a pickled `.metadata` file (`pickle.load` in torch 2.13's
+`filesystem.py`), and load non-tensor values with `torch.load(weights_only=False)`; its
+collective save and load swap their plans with `gather_object`/`scatter_object_list`, which
+pickle over the process group. Here the tensors go through DCP's safetensors storage (its
+metadata is the files' JSON headers), everything else is JSON, and DCP runs without
+collectives (`use_collectives=False` to save, `no_dist=True` to load): each rank plans its
+own writes and reads, which the headers make possible. The ranks agree through all-reduces
+of plain tensors, and rank 0's choice of checkpoint reaches them as JSON bytes.
+
+ROOT must be one directory that every rank sees (one machine, or a shared file system).
+Tested with torch 2.13 (`HuggingFaceStorageWriter(save_distributed=True)`, `dcp.save(...,
+use_collectives=False)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from fedtrain import faults
+from fedtrain.errors import FedtrainError, StateError
+from fedtrain.participant.checkpoint import write_json_atomically
+
+__all__ = ["DcpCheckpoint"]
+
+log = logging.getLogger("fedtrain.participant")
+
+_FORMAT = 1
+_KIND = "fedtrain-dcp"
+_STATE_FILE = "state.json"
+_PARTIAL = ".partial-"
+_ROUND = "round-"
+
+
+def _rank_writer(path: Path, rank: int) -> Any:
+    """DCP's safetensors writer, naming the file by the rank as its collective plan would (1 + rank)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    class RankFileWriter(HuggingFaceStorageWriter):
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            # Without collectives the global plan is this rank's alone; its file takes the rank's index.
+            return [dataclasses.replace(p, storage_data={"shard_index": rank + 1}) for p in plans]
+
+    return RankFileWriter(str(path), save_distributed=True)
+
+
+def _split_state(optimizer_state: dict[str, Any], rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`get_optimizer_state_dict`'s "state" as flat tensors (`state/<fqn>/<key>`) and JSON-able rest.
+    A tensor that is not a DTensor is the same on every rank: only rank 0 keeps it."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, entry in optimizer_state.items():
+        for key, value in entry.items():
+            if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and rank == 0):
+                tensors[f"state/{fqn}/{key}"] = value
+            elif not isinstance(value, torch.Tensor):
+                scalars.setdefault(fqn, {})[key] = value
+    return tensors, json.loads(json.dumps(scalars))  # fails here on what JSON cannot hold
+
+
+def _groups_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return list(json.loads(json.dumps(groups)))  # tuples (betas) become lists
+
+
+class DcpCheckpoint:
+    """The checkpoint directory of one sharded participant (see the module docstring).
+
+    Construct it on every rank with the same directory and the `fully_shard`ed model; `save`
+    and `load` are collective: every rank calls them at the same point."""
+
+    def __init__(self, directory: str | Path, model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise FedtrainError("a DCP checkpoint needs torch.distributed initialised (run under torchrun)")
+        try:
+            from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter  # noqa: F401
+        except ImportError:
+            raise FedtrainError(f"a sharded checkpoint needs DCP's safetensors storage (tested with torch 2.13), "
+                                f"which torch {torch.__version__} lacks") from None
+        self.dir = Path(directory)
+        self.model = model
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    # -- what is on disk ---------------------------------------------------------------------
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (a `round-<r>` directory whose state.json checks), or None."""
+        found: list[tuple[int, Path]] = []
+        for entry in self.dir.glob(f"{_ROUND}*"):
+            try:
+                found.append((int(entry.name[len(_ROUND):]), entry))
+            except ValueError:
+                continue
+        for _, path in sorted(found, reverse=True):
+            if self._complete(path):
+                return path
+            log.warning("skipping the incomplete checkpoint %s", path)
+        return None
+
+    @staticmethod
+    def _complete(path: Path) -> bool:
+        try:
+            record = json.loads((path / _STATE_FILE).read_text())
+            files = record["files"]
+            return record.get("kind") == _KIND and all(
+                (path / "optimizer" / name).stat().st_size == size for name, size in files.items())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+
+    # -- save --------------------------------------------------------------------------------
+
+    def save(self, *, round_: int, optimizer: torch.optim.Optimizer, steps: int = 0, tokens: int = 0,
+             user_state: dict[str, Any] | None = None) -> Path:
+        """Write the state after the sync that started round `round_` (collective); returns its directory."""
+        partial = self.dir / f"{_PARTIAL}{round_}"
+        self._agree("prepare", self._try(lambda: self._prepare(partial)) if self.rank == 0 else None)
+        groups: list[dict[str, Any]] = []
+        scalars: dict[str, Any] = {}
+
+        def write() -> None:
+            nonlocal groups, scalars
+            from torch.distributed.checkpoint import save
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            sd: Any = get_optimizer_state_dict(self.model, optimizer)
+            tensors, scalars = _split_state(sd["state"], self.rank)
+            groups = _groups_json(sd["param_groups"])
+            save(tensors, storage_writer=_rank_writer(partial / "optimizer", self.rank), use_collectives=False)
+            write_json_atomically(partial / f"data-rank{self.rank}.json", user_state or {})
+
+        self._agree("write", self._try(write))
+        final = self.dir / f"{_ROUND}{round_}"
+        if self.rank == 0:
+            record = {"format": _FORMAT, "kind": _KIND, "round": round_, "steps": steps, "tokens": tokens,
+                      "world_size": self.world_size, "param_groups": groups, "scalars": scalars}
+            self._agree("commit", self._try(lambda: self._commit(partial, final, record)))
+        else:
+            self._agree("commit", None)
+        return final
+
+    def _prepare(self, partial: Path) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.dir.glob(f"{_PARTIAL}*"):  # checkpoints cut off before: never loaded
+            shutil.rmtree(leftover, ignore_errors=True)
+        (partial / "optimizer").mkdir(parents=True)
+
+    def _commit(self, partial: Path, final: Path, record: dict[str, Any]) -> None:
+        """state.json last, then the rename; the older checkpoints go only once this one is complete."""
+        faults.hit("participant.checkpoint", round=record["round"])
+        shards = partial / "optimizer"
+        record["files"] = {f.name: f.stat().st_size for f in sorted(shards.glob("*.safetensors"))}
+        write_json_atomically(partial / _STATE_FILE, record)
+        stale = None
+        if final.exists():  # the same round saved again (a restart that did not get further)
+            stale = self.dir / f"{_PARTIAL}stale-{final.name}"
+            os.replace(final, stale)
+        os.replace(partial, final)
+        _fsync_dir(self.dir)
+        if stale is not None:
+            shutil.rmtree(stale, ignore_errors=True)
+        for old in self.dir.glob(f"{_ROUND}*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # -- load --------------------------------------------------------------------------------
+
+    def load(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """Restore the optimizer state of the newest complete checkpoint into this layout (collective).
+
+        Returns the record (round, steps, tokens, world_size, and this rank's user_state: {} for a
+        rank that the checkpoint's world did not have), or None when there is no checkpoint."""
+        chosen: dict[str, Any] = {}
+        if self.rank == 0:
+            error = self._try(lambda: chosen.update(self._choose()))
+            chosen = {"error": error} if error else chosen
+        chosen = self._broadcast_json(chosen)
+        if "error" in chosen:
+            raise StateError(f"the participant checkpoint in {self.dir} cannot be read: {chosen['error']}")
+        if not chosen:
+            return None
+        path = self.dir / chosen["name"]
+        record = chosen["record"]
+        user_state: dict[str, Any] = {}
+
+        def read() -> None:
+            nonlocal user_state
+            self._restore(path, record, optimizer)
+            own = path / f"data-rank{self.rank}.json"
+            user_state = dict(json.loads(own.read_text())) if own.is_file() else {}
+
+        self._agree("restore", self._try(read), what=f"the participant checkpoint in {path} cannot be restored")
+        log.info("rank %d restored the optimizer state of %s (written by %d ranks, now %d)%s", self.rank, path.name,
+                 record["world_size"], self.world_size, "" if user_state else "; no saved data position here")
+        return {**{k: record[k] for k in ("round", "steps", "tokens", "world_size")}, "user_state": user_state}
+
+    def _choose(self) -> dict[str, Any]:
+        path = self.latest()
+        if path is None:
+            return {}
+        record = json.loads((path / _STATE_FILE).read_text())
+        if record.get("format") != _FORMAT:
+            raise StateError(f"{path}: unknown checkpoint format {record.get('format')!r}")
+        return {"name": path.name, "record": record}
+
+    def _restore(self, path: Path, record: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        sd: Any = get_optimizer_state_dict(self.model, optimizer)  # this layout's state (initialised if empty)
+        wanted: dict[str, torch.Tensor] = {}
+        for fqn, entry in sd["state"].items():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    wanted[f"state/{fqn}/{key}"] = value
+        with warnings.catch_warnings():  # no_dist is on purpose (see the module docstring): not worth a warning
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            load(wanted, storage_reader=HuggingFaceStorageReader(str(path / "optimizer")), no_dist=True)
+        for fqn, values in record["scalars"].items():
+            if fqn not in sd["state"]:
+                raise StateError(f"the checkpoint has optimizer state for {fqn}, which this model does not train")
+            sd["state"][fqn].update(values)
+        saved_groups = record["param_groups"]
+        groups = sd["param_groups"]
+        if [g["params"] for g in saved_groups] != [list(g["params"]) for g in groups]:
+            raise StateError("the checkpoint's optimizer parameter groups are not this model's")
+        for group, saved in zip(groups, saved_groups, strict=True):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        set_optimizer_state_dict(self.model, optimizer, sd)
+
+    # -- the ranks agree ---------------------------------------------------------------------
+
+    @staticmethod
+    def _try(work: Callable[[], object]) -> str | None:
+        """Run `work`; its failure as a message, which every rank then learns in `_agree`."""
+        try:
+            work()
+        except FedtrainError as e:
+            return e.message
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failure that escaped one rank would
+            return f"{type(e).__name__}: {e}"  # leave the others waiting in the next collective
+        return None
+
+    def _agree(self, step: str, error: str | None, what: str | None = None) -> None:
+        """Every rank learns whether any rank failed `step`; all raise together, so that none waits."""
+        failed = torch.zeros(self.world_size, dtype=torch.int64)
+        failed[self.rank] = int(error is not None)
+        dist.all_reduce(failed, group=self.group)
+        ranks = [k for k in range(self.world_size) if failed[k]]
+        if not ranks:
+            return
+        why = error if error is not None else f"rank {', '.join(map(str, ranks))} failed"
+        raise StateError(f"{what or f'the participant checkpoint in {self.dir} cannot be written'} "
+                         f"({step}): {why}")
+
+    def _broadcast_json(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's `payload` on every rank, as JSON bytes (no pickle)."""
+        data = json.dumps(payload).encode() if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, group_src=0, group=self.group)
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
+            torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(body, group_src=0, group=self.group)
+        return dict(json.loads(body.numpy().tobytes().decode()))
+
+def _fsync_dir(directory: Path) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
