@@ -58,7 +58,7 @@ from fedtrain.participant.group import Outcome, RankGroup
 from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
 from fedtrain.participant.presence import Presence, TokenRate
 from fedtrain.participant.runner import EvalFn, join_as, sync_set
-from fedtrain.participant.shards import Shard, local_tensor, shard_layout
+from fedtrain.participant.shards import Shard, local_tensor, reshard, shard_layout
 from fedtrain.participant.sync import PieceOf, SyncEngine
 
 __all__ = ["FsdpParticipant"]
@@ -231,6 +231,7 @@ class FsdpParticipant:
         self._round_tokens += int(summed[0])
         self._round_loss = [self._round_loss[0] + summed[1], self._round_loss[1] + summed[2]]
         r = self.round
+        reshard(self.model)  # the shards are what we send and what the new weights go into
         faults.hit("participant.sync", who=self._engine.who, round=r)
         record = self._record = self._record or self._open_record(r)
         # Every attempt at round r sends the tokens of the first: a piece of it may be in already,
@@ -329,6 +330,7 @@ class FsdpParticipant:
         """`eval_fn` on every rank, averaged over the ranks (the keys are rank 0's)."""
         assert self.eval_fn is not None
         result = self.eval_fn(self.model)
+        reshard(self.model)  # an eval's forward leaves the root gathered (`shards.reshard`)
         values = result if isinstance(result, dict) else {"loss": result}
         keys = self.ranks.broadcast_json(sorted(values))
         if sorted(values) != keys:

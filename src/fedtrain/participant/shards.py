@@ -21,7 +21,7 @@ from torch import nn
 
 from fedtrain.errors import FedtrainError
 
-__all__ = ["Shard", "chunk_rows", "is_sharded", "local_tensor", "shard_layout"]
+__all__ = ["Shard", "chunk_rows", "is_sharded", "local_tensor", "reshard", "shard_layout"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,22 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """This rank's rows of `p` (its DTensor shard, or `p` itself), sharing `p`'s storage."""
     cls = _dtensor_cls()
     return p.to_local() if cls is not None and isinstance(p, cls) else p  # type: ignore[attr-defined]
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every `fully_shard`ed module of `model` back in its sharded state.
+
+    FSDP2 keeps the root module's parameters gathered after a forward that no backward
+    follows (an evaluation), and the module then holds the unsharded parameters in place of
+    the sharded ones until its next backward: the optimizer's (sharded) parameters are not
+    the model's, and a sharded checkpoint of the optimizer fails. Worse for a sync, the
+    next forward would use the gathered copy, not the new global weights loaded into the
+    shards. A no-op on modules already sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def shard_layout(params: Mapping[str, nn.Parameter]) -> dict[str, Shard]:
