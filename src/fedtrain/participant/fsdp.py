@@ -32,8 +32,11 @@ others; a rank blocked in a collective with a dead peer fails): the coordinator 
 merges an update whose pieces are not all in, and drops them when the round closes. The
 participant key travels inside the job's process group (same site), never pickled.
 
-Not yet (issue #20): the overlapped sync (`train.overlap` is ignored: FSDP ranks sync
-blocking) and `on_config_change` callbacks.
+`fedtrain participant --parallel fsdp` (recipes/sharding.py) runs the recipe this way, with
+its checkpoints through torch.distributed.checkpoint (`dcp_checkpoint.py`).
+
+Not built: the overlapped sync (`train.overlap` is ignored: FSDP ranks sync blocking) and
+`on_config_change` callbacks.
 """
 
 from __future__ import annotations
