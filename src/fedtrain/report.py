@@ -43,13 +43,14 @@ def format_status(s: dict[str, Any]) -> str:
     parts = [
         head,
         table(
-            ["participant", "state", "round", "step", "tokens", "tok/s", "loss", "last seen", "up", "down"],
+            ["participant", "state", "round", "step", "H", "tokens", "tok/s", "loss", "last seen", "up", "down"],
             [
                 [
                     p["id"],
                     p["state"],
                     p["round"],
                     p["step"],
+                    _fmt(p.get("sync_every"), "d"),
                     f"{p['tokens']:,}",
                     _fmt(p["tokens_per_s"], ".0f"),
                     _fmt(p["loss"]),
@@ -61,6 +62,9 @@ def format_status(s: dict[str, Any]) -> str:
             ],
         ),
     ]
+    if s.get("schedule_mode") == "balanced":  # each participant's own H, and why
+        told = [f"  {p.get('sync_every_reason') or p['id']}" for p in s["participants"] if p["state"] == "active"]
+        parts.append(f"\nbalanced rounds, H for round {s['current_round']}:\n" + "\n".join(told or ["  (none active)"]))
     if s.get("recent_rounds"):
         parts.append(
             "\n"

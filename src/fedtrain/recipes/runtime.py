@@ -47,13 +47,15 @@ def open_participant(
     world_size: int,
     device: torch.device,
     key_file: Path | None = None,
+    speed: float = 1.0,
 ) -> tuple[Fed, nn.Module]:
     """(the participant to step, the module to train through) for one process or a torchrun group.
-    `key_file` keeps the participant key, so that a restarted process rejoins as itself at once."""
+    `key_file` keeps the participant key, so that a restarted process rejoins as itself at once;
+    `speed` below 1 throttles its inner steps (a slow site on purpose: `participant/pace.py`)."""
 
     def make() -> Participant:
         return Participant(client, model=model, inner_optimizer=optimizer, eval_fn=eval_fn, name=name, info=info,
-                           key_file=key_file)
+                           key_file=key_file, speed=speed)
 
     if world_size <= 1:
         return make(), model

@@ -22,6 +22,7 @@ import torch
 from fedtrain.config import RunConfig
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant.distributed import init_from_env
+from fedtrain.participant.pace import check_speed
 from fedtrain.recipes.build import base_fingerprint, build_model, check_fits, load_data, loss_fn, tokenizer_of
 from fedtrain.recipes.data import TokenStream, evaluate, parse_data_spec
 from fedtrain.recipes.runtime import RunDir, open_participant, round_line
@@ -45,10 +46,13 @@ def run_participant(
     retry: RetryPolicy = RetryPolicy(),
     run_dir: Path | None = None,
     device: str = "cpu",
+    speed: float = 1.0,
 ) -> dict[str, Any]:
     """Join the run at `url`, train on `data` until the run finishes; returns a summary.
 
-    Under torchrun every rank calls this; `run_dir` keeps the checkpoint and metrics."""
+    Under torchrun every rank calls this; `run_dir` keeps the checkpoint and metrics. `speed`
+    below 1 runs the inner steps at that fraction of their natural pace (a slow site on purpose)."""
+    check_speed(speed)  # a bad throttle fails here, before any network call
     torch.set_num_threads(threads)
     paths = parse_data_spec(data)  # bad data fails here, before any network call
     rank, world, dev = init_from_env(device)
@@ -76,7 +80,7 @@ def run_participant(
     t0 = time.perf_counter()
     key_file = run_dir / "participant-key.json" if run_dir is not None and rank == 0 else None  # only rank 0 joins
     fed, net = open_participant(client, model, opt, eval_fn, name=name, info=info, world_size=world, device=dev,
-                                key_file=key_file)
+                                key_file=key_file, speed=speed)
     with fed:
         if local is not None and saved is not None:
             local.restore_counters(fed, saved)
@@ -110,6 +114,7 @@ def run_participant(
             "wall_s": round(time.perf_counter() - t0, 2),
             "sync_s": round(getattr(inner, "sync_seconds", 0.0), 2),
             "final_round": fed.round,
+            "speed": speed,
             "resumed_from_round": saved["round"] if saved else None,
         }
     if local is not None:

@@ -220,6 +220,7 @@ function renderParticipants(st) {
       el("td", {}, el("span", { class: "pill " + p.state, text: p.state })),
       el("td", { class: "num", text: fmt.int(p.round) }),
       el("td", { class: "num", text: fmt.int(p.step) }),
+      renderTold(p, st),
       el("td", { class: "num", text: fmt.si(p.tokens) }),
       el("td", { class: "num", text: p.tokens_per_s == null ? "–" : fmt.si(p.tokens_per_s) }),
       el("td", { class: "num", text: fmt.num(p.loss) }),
@@ -232,6 +233,14 @@ function renderParticipants(st) {
   }));
   $("parts-empty").hidden = st.participants.length > 0;
   $("parts-hint").textContent = st.participants.length ? `${st.participants.length} joined` : "";
+}
+
+// A participant's H for the open round (balanced rounds: its own, with the reason under it).
+function renderTold(p, st) {
+  const td = el("td", { class: "num told", title: p.sync_every_reason || null,
+    text: p.sync_every == null ? "–" : fmt.int(p.sync_every) });
+  if (st.schedule_mode === "balanced" && p.sync_every_reason) td.append(el("div", { class: "hint why", text: p.sync_every_reason }));
+  return td;
 }
 
 const ageOf = (ts) => fmt.age(Date.now() / 1000 + S.offset - ts);
