@@ -14,6 +14,7 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
+from fedtrain.report import format_status
 from fedtrain.wire import EncodedBody
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
 from tests.tiny import Regression, Small, TinyParticipant, init_file, run_all
@@ -87,8 +88,12 @@ def test_what_a_participant_was_told_survives_a_coordinator_restart(tmp_path: Pa
         assert c.service.version == 1
         after = {n: client.get_config(round_=1, participant_id=n)["assignment"] for n in joined}
         assert after == before
-        status = {p["id"]: p for p in client.status()["participants"]}
+        raw = client.status()
+        status = {p["id"]: p for p in raw["participants"]}
         assert status["slow"]["sync_every"] == 3 and status["slow"]["sync_every_reason"] == before["slow"]["reason"]
+        shown = format_status(raw)  # `fedtrain status`: an H column, and each participant's reason
+        assert "balanced rounds, H for round 1:" in shown and before["slow"]["reason"] in shown
+        assert shown.splitlines()[4].split()[:5] == ["participant", "state", "round", "step", "H"]
         # and the next round is planned from the smoothed rates kept with the last ones
         close_round(client, list(joined), 1, joined["fast"]["model"])
         nxt = {n: client.get_config(round_=2, participant_id=n)["assignment"]["sync_every"] for n in joined}
