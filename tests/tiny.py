@@ -224,9 +224,10 @@ class TinyParticipant:
 
     `run()` trains in the calling thread until the run finishes (or `steps`, or `stop`);
     `start()` does it in a daemon thread, and `join()` waits for it (see `TrainingThread`).
-    The `Participant` is made from the URL with `token`, `retry`, `verify`, `outage` and
-    `key_file`, and gets the task's optimizer as its inner optimizer. `on_join(fed)` runs right after the join
-    (register callbacks there), `on_step(fed, loss)` after each `fed.step`. With `crashes`,
+    The `Participant` is made from the URL with `token`, `retry`, `verify`, `outage`,
+    `key_file` and `speed` (below 1: a slow site on purpose), and gets the task's optimizer
+    as its inner optimizer. `on_join(fed)` runs right after the join (register callbacks
+    there), `on_step(fed, loss)` after each `fed.step`. With `crashes`,
     an injected crash (`faults.InjectedCrash`) ends it quietly, like a killed process, and
     `crashed` says so; otherwise it is an error like any other.
 
@@ -253,8 +254,9 @@ class TinyParticipant:
         on_join: Callable[[Participant], None] | None = None,
         on_step: Callable[[Participant, float], None] | None = None,
         crashes: bool = False,
+        speed: float = 1.0,
     ) -> None:
-        self.url, self.name, self.task = url, name, task
+        self.url, self.name, self.task, self.speed = url, name, task, speed
         self.token, self.retry, self.verify, self.outage, self.key_file = token, retry, verify, outage, key_file
         self.steps, self.stop, self.step_sleep_s = steps, stop, step_sleep_s
         self.on_join, self.on_step, self.crashes = on_join, on_step, crashes
@@ -288,7 +290,7 @@ class TinyParticipant:
         self.setup = setup = self.task.build(self._run_config)
         fed = Participant(self.url, token=self.token, retry=self.retry, verify=self.verify, model=setup.model,
                           inner_optimizer=setup.optimizer, eval_fn=setup.eval_fn, name=self.name,
-                          outage=self.outage, key_file=self.key_file)
+                          outage=self.outage, key_file=self.key_file, speed=self.speed)
         try:
             with fed:
                 self.fed = fed

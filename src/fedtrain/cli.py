@@ -100,6 +100,17 @@ def _verify(args: argparse.Namespace) -> bool | str:
     return args.ca_cert or True
 
 
+def _speed(text: str) -> float:
+    """--speed's value: a number above 0 and at most 1 (argparse's error otherwise, no traceback)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text} is not above 0 and at most 1 (1: full speed, 0.5: half)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedtrain",
@@ -184,9 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-dir keeps a sharded checkpoint that resumes on any number of ranks. fsdp runs under torchrun only "
         "(--nproc_per_node 1 too)",
     )
+    p.add_argument(
+        "--speed",
+        type=_speed,
+        default=1.0,
+        metavar="FACTOR",
+        help="run the inner steps at FACTOR of their natural pace, 0 < FACTOR <= 1 (0.5: half speed, by sleeping "
+        "after each step as long as it took): a slow site on purpose, for tests and demos (default 1)",
+    )
 
     d = sub.add_parser("demo", help="a coordinator and N participants on this machine, then a summary")
-    d.add_argument("--participants", type=int, default=4, help="number of participants (default 4)")
+    d.add_argument("--participants", type=int, default=None,
+                   help="number of participants (default 4; 3 with --heterogeneous)")
+    d.add_argument("--heterogeneous", action="store_true",
+                   help="sites of different speed: participants at 1x, 0.5x, 0.25x (cycled) of their natural pace, "
+                   "in balanced rounds unless --schedule says otherwise")
+    d.add_argument("--schedule", default=None, choices=["rounds", "balanced"],
+                   help="schedule.mode of the demo's run (default: the config's; balanced with --heterogeneous)")
     d.add_argument("--rounds", type=int, default=None, help="rounds to run")
     d.add_argument("--sync-every", type=int, default=None, help="H: inner steps between syncs")
     d.add_argument("--algorithm", default="diloco", choices=["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"])
@@ -342,6 +367,7 @@ def cmd_participant(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         device=args.device,
         parallel=args.parallel,
+        speed=args.speed,
     )
     print(json.dumps(result))
     return 0

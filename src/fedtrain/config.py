@@ -228,8 +228,32 @@ class ScheduleConfig(_Strict):
         "rounds",
         description="rounds: every participant runs train.sync_every inner steps and a round waits for them "
         "(today's lockstep). balanced: rounds, but each participant gets its own number of inner steps, from its "
-        "measured throughput, so that all finish together. async: no round barrier; each update is applied to "
-        "the global model as it arrives, scaled by its staleness.",
+        "measured throughput, so that all finish together (docs/schedule.md). async: no round barrier; each "
+        "update is applied to the global model as it arrives, scaled by its staleness. Live: rounds <-> balanced "
+        "switches safely at the next round boundary (each participant learns its inner steps for a round when it "
+        "starts it, and the merge is token-weighted either way).",
+    )
+    min_steps_factor: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="balanced: the fewest inner steps a participant is told, as a multiple of train.sync_every "
+        "(at least 1 step). Live.",
+    )
+    max_steps_factor: float = Field(
+        4.0,
+        ge=1,
+        le=16,
+        description="balanced: the most inner steps a participant is told, as a multiple of train.sync_every; "
+        "token claims are bounded by this many times a round's schedule (outer.token_slack). Live.",
+    )
+    smoothing: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="balanced: weight of a participant's previous smoothed throughput in the moving average "
+        "its inner steps are set from, once a round (0: only the latest measurement counts), so that one slow "
+        "stretch does not swing its H. Live.",
     )
 
 

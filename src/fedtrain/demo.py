@@ -4,6 +4,10 @@ Every piece runs as its own process, exactly as on separate machines (`fedtrain
 coordinator`, `fedtrain participant`); this module only starts them, shows progress from
 the coordinator's status, evaluates the global model at the start and the end on held-out
 text, and prints (and optionally writes as JSON) a summary. Ctrl+C stops every process.
+
+`--heterogeneous` makes the sites differ on purpose: participant i runs at HETEROGENEOUS[i % 3]
+of its natural speed (`fedtrain participant --speed`), in balanced rounds unless `--schedule`
+says otherwise (docs/schedule.md), so the demo shows each participant told its own H.
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ DEMO_CONFIG: dict[str, Any] = {
     "heartbeat_timeout_s": 60.0,
 }
 
+HETEROGENEOUS = (1.0, 0.5, 0.25)
+"""The speeds of `--heterogeneous`, participant by participant (cycled)."""
+
+
+def speeds(args: argparse.Namespace, n: int) -> list[float]:
+    """Each participant's speed: all 1 unless --heterogeneous."""
+    return [HETEROGENEOUS[i % 3] if getattr(args, "heterogeneous", False) else 1.0 for i in range(n)]
+
 
 def demo_config(args: argparse.Namespace) -> RunConfig:
     cfg = load_config(args.config) if args.config else RunConfig.model_validate(DEMO_CONFIG)
@@ -47,6 +59,9 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
         data["rounds"] = args.rounds
     if args.sync_every is not None:
         data["train"]["sync_every"] = args.sync_every
+    schedule = getattr(args, "schedule", None)
+    if schedule is not None or getattr(args, "heterogeneous", False):
+        data["schedule"]["mode"] = schedule or "balanced"
     return RunConfig.model_validate(data)
 
 
@@ -83,9 +98,12 @@ class Demo:
     """The processes of one demo run and their clean-up."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.n = args.participants
+        default = len(HETEROGENEOUS) if getattr(args, "heterogeneous", False) else 4
+        self.n = default if args.participants is None else args.participants
         if self.n < 1:
             raise FedtrainError("--participants must be at least 1")
+        self.speeds = speeds(args, self.n)
+        self.speed_of = {f"p{i}": speed for i, speed in enumerate(self.speeds)}
         self.cfg = demo_config(args)
         # A directory of the user's own is theirs to keep; a temp dir is removed after a run that
         # finished, unless --keep (a failed or interrupted run keeps it: its logs say why).
@@ -148,7 +166,8 @@ class Demo:
         for i in range(self.n):
             run_dir = self.dir / "participants" / f"p{i}"
             argv = ["participant", "--coordinator", self.url, "--data", f"stdlib:{i}/{self.n}", "--name", f"p{i}"]
-            self._spawn(f"p{i}", [*argv, "--run-dir", str(run_dir)])
+            slow = ["--speed", f"{self.speeds[i]:g}"] if self.speeds[i] < 1 else []
+            self._spawn(f"p{i}", [*argv, "--run-dir", str(run_dir), *slow])
 
     def tail(self, name: str, lines: int = 15) -> str:
         path = self.dir / "logs" / f"{name}.log"
@@ -180,7 +199,8 @@ def _progress_line(status: dict[str, Any], t0: float) -> str:
     for p in status["participants"]:
         loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
         rate = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.0f}"
-        parts.append(f"{p['id']} loss {loss} {rate} tok/s")
+        told = f" H={p['sync_every']}" if p.get("sync_every") is not None else ""
+        parts.append(f"{p['id']} loss {loss} {rate} tok/s{told}")
     return " | ".join(parts)
 
 
@@ -214,7 +234,8 @@ def summarize(
 ) -> dict[str, Any]:
     cfg, n = demo.cfg, demo.n
     total_tokens = sum(p["tokens"] for p in status["participants"]) or 1
-    steps = cfg.rounds * cfg.train.sync_every
+    # the inner steps of one lockstep worker that train the same tokens (rounds x H in lockstep)
+    steps = total_tokens / (cfg.train.batch_size * cfg.train.seq_len * n)
     model_bytes = status["model_bytes"]
     # Synchronous data parallelism all-reduces the gradient every step: a ring all-reduce sends
     # 2(N-1)/N model-sized buffers per worker per step.
@@ -227,6 +248,7 @@ def summarize(
         "participants": n,
         "rounds": cfg.rounds,
         "sync_every": cfg.train.sync_every,
+        "schedule": cfg.schedule.mode,
         "parameters": status["parameters"],
         "model_bytes": model_bytes,
         "wall_s": round(wall, 1),
@@ -239,6 +261,8 @@ def summarize(
                 "weight": round(p["tokens"] / total_tokens, 4),
                 "bytes_up": p["bytes_up"],
                 "bytes_down": p["bytes_down"],
+                "speed": demo.speed_of.get(p["id"], 1.0),
+                "steps_by_round": steps_by_round(metrics or [], p["id"], cfg),
             }
             for p in status["participants"]
         ],
@@ -249,6 +273,14 @@ def summarize(
         "evals": eval_rows(metrics or []),
         "state_dir": str(demo.dir / "state"),
     }
+
+
+def steps_by_round(metrics: list[dict[str, Any]], pid: str, cfg: RunConfig) -> list[int]:
+    """The inner steps `pid` ran in each round, from the tokens it reported (balanced rounds: its own H)."""
+    per_step = cfg.train.batch_size * cfg.train.seq_len
+    rows = sorted((m["round"], m["value"]) for m in metrics
+                  if m.get("participant_id") == pid and m["name"] == "tokens" and m.get("round") is not None)
+    return [round(value / per_step) for _, value in rows]
 
 
 def _bytes_per_round(status: dict[str, Any]) -> dict[str, Any]:
@@ -272,10 +304,12 @@ def print_summary(s: dict[str, Any]) -> None:
         print(format_evals(s["evals"]) + "\n")
     print(
         table(
-            ["participant", "tokens", "weight", "uploaded", "downloaded"],
+            ["participant", "speed", "H by round", "tokens", "weight", "uploaded", "downloaded"],
             [
                 [
                     p["id"],
+                    f"{p.get('speed', 1.0):g}x",
+                    " ".join(str(h) for h in p.get("steps_by_round", [])) or "-",
                     f"{p['tokens']:,}",
                     f"{p['weight']:.3f}",
                     human_bytes(p["bytes_up"]),
@@ -315,6 +349,9 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"coordinator: {demo.url}  (state and logs in {where})", flush=True)
         with CoordinatorClient(demo.url, demo.token, retry=RetryPolicy(max_elapsed_s=30)) as client:
             initial = global_eval(client, demo.cfg, version=0)
+            if any(speed < 1 for speed in demo.speeds):
+                sites = ", ".join(f"p{i} {speed:g}x" for i, speed in enumerate(demo.speeds))
+                print(f"heterogeneous sites: {sites} speed; schedule.mode {demo.cfg.schedule.mode}", flush=True)
             print(f"initial global eval loss: {initial:.3f}; starting {demo.n} participants", flush=True)
             demo.start_participants()
             status = monitor(demo, client, t0)

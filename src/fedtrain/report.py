@@ -76,8 +76,8 @@ def format_status(s: dict[str, Any]) -> str:
     parts = [
         head,
         table(
-            ["participant", "state", "ranks", "round", "step", "tokens", "tok/s", "loss", "last seen", "up", "down"]
-            + (["pieces (this round)"] if in_pieces else []),
+            ["participant", "state", "ranks", "round", "step", "H", "tokens", "tok/s", "loss", "last seen", "up",
+             "down"] + (["pieces (this round)"] if in_pieces else []),
             [
                 [
                     p["id"],
@@ -85,6 +85,7 @@ def format_status(s: dict[str, Any]) -> str:
                     ranks_label(p),
                     p["round"],
                     p["step"],
+                    _fmt(p.get("sync_every"), "d"),
                     f"{p['tokens']:,}",
                     _fmt(p["tokens_per_s"], ".0f"),
                     _fmt(p["loss"]),
@@ -97,6 +98,9 @@ def format_status(s: dict[str, Any]) -> str:
             ],
         ),
     ]
+    if s.get("schedule_mode") == "balanced":  # each participant's own H, and why
+        told = [f"  {p.get('sync_every_reason') or p['id']}" for p in s["participants"] if p["state"] == "active"]
+        parts.append(f"\nbalanced rounds, H for round {s['current_round']}:\n" + "\n".join(told or ["  (none active)"]))
     if s.get("recent_rounds"):
         parts.append(
             "\n"

@@ -32,6 +32,7 @@ from fedtrain.coordinator.intake import Intake
 from fedtrain.coordinator.open_round import OpenRound
 from fedtrain.coordinator.roster import Roster
 from fedtrain.coordinator.rounds import Rounds
+from fedtrain.coordinator.schedule import Schedule
 from fedtrain.coordinator.store import Store
 from fedtrain.coordinator.uploads import Uploads
 from fedtrain.errors import FedtrainError, StateError
@@ -88,6 +89,7 @@ class Parts:
     roster: Roster
     rounds: Rounds
     uploads: Uploads
+    schedule: Schedule
 
 
 def open_run(state_dir: Path, given: Given, config_path: Path | None, events: Events, tokens: Tokens,
@@ -117,7 +119,7 @@ def open_run(state_dir: Path, given: Given, config_path: Path | None, events: Ev
     rounds = Rounds(OpenRound(version, clock(), recent), roster, configs, intake, committer, store, events, clock)
     uploads = Uploads(rounds, roster, configs, intake, store, events)
     tokens.revoked.update(json.loads(store.get_meta("revoked_tokens") or "[]"))
-    return Parts(store, spool, spec, configs, committer, intake, roster, rounds, uploads)
+    return Parts(store, spool, spec, configs, committer, intake, roster, rounds, uploads, Schedule(store, events))
 
 
 def _create(store: Store, configs: ConfigVersions, committer: Committer, given: Given) -> int:

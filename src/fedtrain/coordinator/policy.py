@@ -231,10 +231,13 @@ def largest_influence(shares: Mapping[str, float], max_abs: Mapping[str, float])
 
 def token_bound(cfg: RunConfig) -> tuple[int, str]:
     """The most tokens one update may count for: a round's schedule (H inner steps of
-    batch_size sequences of seq_len tokens) times `outer.token_slack`, and how it is made."""
-    t = cfg.train
-    bound = math.ceil(t.sync_every * t.batch_size * t.seq_len * cfg.outer.token_slack)
-    return bound, (f"train.sync_every {t.sync_every} x batch_size {t.batch_size} x seq_len {t.seq_len} x "
+    batch_size sequences of seq_len tokens; in balanced rounds the most steps a participant
+    may be told, max_steps_factor x H) times `outer.token_slack`, and how it is made."""
+    t, s = cfg.train, cfg.schedule
+    factor = s.max_steps_factor if s.mode == "balanced" else 1.0
+    bound = math.ceil(t.sync_every * factor * t.batch_size * t.seq_len * cfg.outer.token_slack)
+    most = f" x schedule.max_steps_factor {factor:g}" if s.mode == "balanced" else ""
+    return bound, (f"train.sync_every {t.sync_every}{most} x batch_size {t.batch_size} x seq_len {t.seq_len} x "
                    f"outer.token_slack {cfg.outer.token_slack:g} = {bound:,}")
 
 

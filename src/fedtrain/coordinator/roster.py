@@ -34,6 +34,7 @@ from fedtrain.coordinator.auth import (
     require_admin,
     within_cap,
 )
+from fedtrain.coordinator.balance import Reported
 from fedtrain.coordinator.events import Events
 from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.errors import Refused
@@ -48,6 +49,7 @@ class Live:
     step: int = 0
     loss: float | None = None
     tokens_per_s: float | None = None
+    steps_per_s: float | None = None  # its own inner-step rate (balanced rounds); the last one reported
     round: int = 0
     config_version: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -87,6 +89,15 @@ class Roster:
 
     def active(self) -> set[str]:
         return {p.id for p in self._rows.values() if p.state == policy.ACTIVE}
+
+    def reported(self, also: str | None = None) -> dict[str, Reported]:
+        """What each active participant (and `also`, whatever its state) last reported about its
+        speed (balanced rounds)."""
+        out = {}
+        for pid in self.active() | ({also} if also in self._rows else set()):
+            live, world = self._live.get(pid, Live()), self._rows[pid].info.get("world_size", 1)
+            out[pid] = Reported(live.steps_per_s, live.tokens_per_s, world if isinstance(world, int) else 1)
+        return out
 
     def get(self, ident: Identity, pid: str) -> ParticipantRow:
         """Participant `pid`, if `ident` may act on it (its token, or the admin's): else 404 or 403."""
@@ -191,6 +202,8 @@ class Roster:
         live.step = int(stats.get("step", live.step))
         live.loss = stats.get("loss", live.loss)
         live.tokens_per_s = stats.get("tokens_per_s", live.tokens_per_s)
+        if stats.get("steps_per_s") is not None:  # a heartbeat without one (a config ack) keeps the last
+            live.steps_per_s = stats["steps_per_s"]
         live.round = int(stats.get("round", live.round))
         if stats.get("config_version") is not None:  # versions only grow: a late heartbeat cannot undo an ack
             p.config_version = max(int(stats["config_version"]), p.config_version or 0)

@@ -9,7 +9,8 @@ orchestrator over parts that each own their state (docs/architecture.md draws th
 - `Intake` (`intake.py`): the open round's updates, the running sum, the spool, the fold lock;
 - `Committer` (`committer.py`): the global model, outer optimizer, checkpoints, publishing;
 - `Rounds` (`rounds.py`) over `OpenRound` (`open_round.py`): the open round, closing,
-  merging, committing and going back; `Uploads` (`uploads.py`): taking one update.
+  merging, committing and going back; `Uploads` (`uploads.py`): taking one update;
+- `Schedule` (`schedule.py`): the inner steps each participant is told for a round.
 
 This module creates a run or resumes it from the state directory (`lifecycle.py` holds the
 steps), starts and stops it, hands each request to the part it concerns, and reports
@@ -54,6 +55,7 @@ from fedtrain.coordinator.pieces import PiecesIn, check_label
 from fedtrain.coordinator.publish import ModelStream
 from fedtrain.coordinator.roster import Live, Roster
 from fedtrain.coordinator.rounds import Rounds
+from fedtrain.coordinator.schedule import Schedule
 from fedtrain.coordinator.slices import SliceStream
 from fedtrain.coordinator.statelock import StateLock
 from fedtrain.coordinator.store import ParticipantRow, Store
@@ -109,6 +111,7 @@ class Coordinator:
         self.roster: Roster
         self.rounds: Rounds
         self.uploads: Uploads
+        self.schedule: Schedule
         self._global_eval: GlobalEvaluator | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -128,6 +131,7 @@ class Coordinator:
         self.store, self.spool, self.spec = parts.store, parts.spool, parts.spec
         self.configs, self.committer, self.intake = parts.configs, parts.committer, parts.intake
         self.roster, self.rounds, self.uploads = parts.roster, parts.rounds, parts.uploads
+        self.schedule = parts.schedule
 
     async def start(self) -> None:
         self.events.start()
@@ -275,6 +279,7 @@ class Coordinator:
             "current_round": self.version,
             "finished": self.finished,
             "model": self.model_spec(),
+            "assignment": self.schedule.tell(name, self.version, self.version, self.config, self.roster.reported(name)),
         }
 
     def act_as(self, ident: Identity, pid: str, key: str | None) -> ParticipantRow:
@@ -365,9 +370,15 @@ class Coordinator:
 
     # -- the config -----------------------------------------------------------------------------------
 
-    def config_view(self, round_: int | None) -> dict[str, Any]:
-        """The config in force at `round_` (default: now), with the newest accepted version."""
-        return self.configs.view(round_, self.version)
+    def config_view(self, round_: int | None, pid: str | None = None) -> dict[str, Any]:
+        """The config in force at `round_` (default: now), with the newest accepted version; for
+        participant `pid` (already authorized) also its inner steps for that round (`assignment`,
+        `Schedule.tell`: in balanced rounds fixed once told)."""
+        view = self.configs.view(round_, self.version)
+        if pid is not None:
+            cfg = self.configs.for_round(view["round"], self.version)
+            view["assignment"] = self.schedule.tell(pid, view["round"], self.version, cfg, self.roster.reported(pid))
+        return view
 
     def validate_config(self, ident: Identity, patch: Any) -> dict[str, Any]:
         """Dry run of a change: valid or not, the reason, and the diff it would make."""
@@ -411,6 +422,7 @@ class Coordinator:
         rows = self.roster.rows
         live = self.roster.live
         pieces = self.intake.pieces_in(self.version)
+        told = self.schedule.status(self.version, self.config, list(rows))
         return {
             "run": self.config.name,
             "current_round": self.version,
@@ -422,6 +434,7 @@ class Coordinator:
             "deadline_s": self.deadline()[0],
             "deadline_reason": self.deadline()[1],
             "algorithm": self.outer.algorithm,
+            "schedule_mode": self.config.schedule.mode,
             "config_version": self.config_version,
             "latest_config_version": self.latest_config_version,
             "parameters": params,
@@ -431,8 +444,8 @@ class Coordinator:
             "bytes_in": sum(p.bytes_up for p in rows.values()),
             "bytes_out": sum(p.bytes_down for p in rows.values()),
             "submitted": sorted(self.submitted),
-            "participants": [_participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id))
-                             for p in sorted(rows.values(), key=lambda p: p.id)],
+            "participants": [_participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
+                                               told[p.id]) for p in sorted(rows.values(), key=lambda p: p.id)],
             "recent_rounds": recent,
         }
 
@@ -457,9 +470,11 @@ class Coordinator:
         return self.store.round_timings()
 
 
-def _participant_view(p: ParticipantRow, live: Live, weight: float | None, pieces: PiecesIn | None) -> dict[str, Any]:
+def _participant_view(p: ParticipantRow, live: Live, weight: float | None, pieces: PiecesIn | None,
+                      told: dict[str, Any]) -> dict[str, Any]:
     """One participant in the status: its counters, what it last reported, its weight in the
-    last round, its processes (`ranks.describe`) and its open round's update in pieces, if any."""
+    last round, its processes (`ranks.describe`), its open round's update in pieces, if any,
+    and its H for the open round with the reason (`told`: `Schedule.status`)."""
     parallel, world_size = ranks.describe(p.info)
     return {
         "id": p.id,
@@ -477,4 +492,6 @@ def _participant_view(p: ParticipantRow, live: Live, weight: float | None, piece
         "parallel": parallel,
         "world_size": world_size,
         "pieces": pieces.view() if pieces is not None else None,
+        "sync_every": told["sync_every"],
+        "sync_every_reason": told["reason"],
     }

@@ -61,6 +61,14 @@ MIGRATIONS: list[str] = [
     ALTER TABLE participants ADD COLUMN key_hash TEXT;
     ALTER TABLE participants ADD COLUMN evicted_at REAL;
     """,
+    # 4: balanced rounds: the inner steps each participant was told for a round, fixed once told
+    """
+    CREATE TABLE assignments (
+        round INTEGER NOT NULL, participant_id TEXT NOT NULL, sync_every INTEGER NOT NULL,
+        steps_per_s REAL, reason TEXT NOT NULL, told_at REAL NOT NULL,
+        PRIMARY KEY (round, participant_id));
+    CREATE INDEX assignments_participant ON assignments (participant_id, round);
+    """,
 ]
 
 
@@ -273,6 +281,34 @@ class Store:
         """(duration_s, merge_s) of every committed round, oldest first (for /metrics)."""
         rows = self._query("SELECT closed_at - opened_at AS d, merge_s FROM rounds ORDER BY round")
         return [(max(0.0, float(r["d"])), float(r["merge_s"])) for r in rows]
+
+    # -- balanced rounds: each participant's inner steps per round --------------------------------
+
+    def add_assignment(self, round_: int, participant_id: str, sync_every: int, steps_per_s: float | None,
+                       reason: str) -> None:
+        """Record what `participant_id` was told for `round_`; the first record stays (told once)."""
+        with self.write() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO assignments (round, participant_id, sync_every, steps_per_s, reason, told_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (round_, participant_id, sync_every, steps_per_s, reason, time.time()),
+            )
+
+    def assignments(self, round_: int) -> dict[str, dict[str, Any]]:
+        """What each participant was told for `round_`: {pid: {sync_every, steps_per_s, reason}}."""
+        rows = self._query("SELECT participant_id, sync_every, steps_per_s, reason FROM assignments WHERE round = ?",
+                           (round_,))
+        return {r["participant_id"]: {k: r[k] for k in ("sync_every", "steps_per_s", "reason")} for r in rows}
+
+    def last_assignments(self, before: int) -> dict[str, dict[str, Any]]:
+        """Each participant's newest assignment of a round before `before` (its previous one)."""
+        rows = self._query(
+            "SELECT a.participant_id, a.sync_every, a.steps_per_s, a.reason FROM assignments a JOIN "
+            "(SELECT participant_id, MAX(round) AS round FROM assignments WHERE round < ? GROUP BY participant_id) b "
+            "ON a.participant_id = b.participant_id AND a.round = b.round",
+            (before,),
+        )
+        return {r["participant_id"]: {k: r[k] for k in ("sync_every", "steps_per_s", "reason")} for r in rows}
 
     # -- metrics and events -----------------------------------------------------------------
 

@@ -237,9 +237,15 @@ class CoordinatorClient:
             raise not_a_coordinator(self._address, f"its answer to {where} has no {key!r}")
         return answer
 
-    def get_config(self, round_: int | None = None, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
-        """The config in force now, or at round `round_`: {"version", "config", ...}."""
-        return self._json("GET", "/v1/config", params={} if round_ is None else {"round": round_}, retry=retry)
+    def get_config(self, round_: int | None = None, *, participant_id: str | None = None,
+                   retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """The config in force now, or at round `round_`: {"version", "config", ...}; with
+        `participant_id` (speaking for it) also its inner steps for the round ("assignment")."""
+        params: dict[str, Any] = {} if round_ is None else {"round": round_}
+        if participant_id is None:
+            return self._json("GET", "/v1/config", params=params, retry=retry)
+        return self._json("GET", "/v1/config", params={**params, "participant_id": participant_id},
+                          headers=self._as(participant_id), retry=retry)
 
     def change_config(self, changes: dict[str, Any], *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """Admin token: change the run config live (in force from the next round boundary)."""

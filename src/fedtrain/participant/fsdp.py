@@ -59,6 +59,7 @@ from fedtrain.participant.client import CoordinatorClient
 from fedtrain.participant.distributed import DistributedSyncError
 from fedtrain.participant.group import Outcome, RankGroup
 from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
+from fedtrain.participant.pace import told_steps
 from fedtrain.participant.presence import Presence, TokenRate
 from fedtrain.participant.runner import EvalFn, join_as, sync_set
 from fedtrain.participant.shards import Shard, local_tensor, reshard, shard_layout
@@ -155,13 +156,14 @@ class FsdpParticipant:
         self._last_loss: float | None = None
         self._rate = TokenRate()
         self._presence: Presence | None = None
+        self._told: tuple[int, str] | None = None  # this round's H and why, as the coordinator told it
         if self.rank == 0:
             self._presence = Presence(client, interval_s=lambda: self.config.heartbeat_interval_s,
                                       stats=self._heartbeat_stats)
 
     @property
     def sync_every(self) -> int:
-        return self.config.train.sync_every
+        return self._told[0] if self._told is not None else self.config.train.sync_every
 
     @property
     def shard_bytes(self) -> int:
@@ -179,6 +181,7 @@ class FsdpParticipant:
         self.client.remember_key(self.participant_id, answer["participant_key"])
         self.config = RunConfig.model_validate(answer["config"])
         self.config_version = int(answer["config_version"])
+        self._told = told_steps(answer)
         self._engine.prepare(answer["model"])
         version = int(answer["round"])
         outcomes, error = self.ranks.together(lambda: self._engine.download(self.participant_id, version=version))
@@ -288,7 +291,9 @@ class FsdpParticipant:
         self._raise_failed(outcomes, error)
         view = self.ranks.broadcast_json(outcomes[0].result)
         if view is not None:
-            self._apply_config(view)
+            self._told = told_steps(view)
+            if int(view["version"]) != self.config_version:
+                self._apply_config(view)
 
     def _report_and_config(self, record: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0: report the round's metrics; the config view of the round we are now in (None:
@@ -303,13 +308,15 @@ class FsdpParticipant:
         if self.finished:
             return None
         try:
-            view = self.client.get_config(round_=self.round, retry=self._attempt_retry)
+            view = self.client.get_config(round_=self.round, participant_id=self.participant_id,
+                                          retry=self._attempt_retry)
         except CoordinatorError as e:
             if not is_transient(e):
                 raise
             log.warning("could not fetch the config of round %d (%s); keeping the current one", self.round, e.message)
             return None
-        return dict(view) if int(view["version"]) != self.config_version else None
+        changed = int(view["version"]) != self.config_version or told_steps(view) != self._told
+        return dict(view) if changed else None
 
     def _apply_config(self, view: dict[str, Any]) -> None:
         """On every rank: the config in force for the round we now start."""
@@ -350,7 +357,8 @@ class FsdpParticipant:
         pid = joined["participant_id"]
         return {"participant_id": pid, "participant_key": self.client.participant_key(pid) or "",
                 "config": joined["config"], "config_version": int(joined["config_version"]),
-                "round": int(joined["current_round"]), "model": joined["model"]}
+                "round": int(joined["current_round"]), "model": joined["model"],
+                "assignment": joined.get("assignment")}
 
     def _failed(self, r: int, outcomes: list[Outcome], error: BaseException | None) -> None:
         """A sync attempt failed on some rank: ride it out as a group (every rank's engine has put

@@ -42,6 +42,7 @@ from fedtrain.errors import CoordinatorError, CoordinatorUnavailable
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
 from fedtrain.participant.overlap import OverlappedSync
+from fedtrain.participant.pace import Pace, told_steps
 from fedtrain.participant.presence import Presence, TokenRate
 from fedtrain.participant.sync import SyncEngine
 
@@ -97,6 +98,7 @@ class Participant:
         verify: bool | str = True,
         outage: OutagePolicy = OutagePolicy(),
         key_file: str | Path | None = None,
+        speed: float = 1.0,
     ) -> None:
         if isinstance(coordinator, CoordinatorClient):
             self.client = coordinator
@@ -128,6 +130,8 @@ class Participant:
         self._round_losses: list[float] = []
         self._last_loss: float | None = None
         self._rate = TokenRate()
+        self._pace = Pace(speed)  # the loop's own step rate; `speed` < 1 throttles it on purpose
+        self._told: tuple[int, str] | None = None  # this round's H and why, as the coordinator told it
         self.config_version = 0
         self._callbacks: list[ConfigCallback] = []
         self._presence = Presence(self.client, interval_s=lambda: self.config.heartbeat_interval_s,
@@ -142,12 +146,14 @@ class Participant:
         self.participant_id = joined["participant_id"]
         self.config = RunConfig.model_validate(joined["config"])
         self.config_version = int(joined["config_version"])
+        self._told = told_steps(joined)
         self._presence.note_config_version(self.config_version)
         self._engine.prepare(joined["model"])
         self.round = self._engine.load_global(self.participant_id)
         self.finished = bool(joined["finished"])
         self._presence.start(self.participant_id)
         log.info("joined as %s at round %d (H=%d)", self.participant_id, self.round, self.sync_every)
+        self._pace.resume()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -199,7 +205,9 @@ class Participant:
 
     @property
     def sync_every(self) -> int:
-        return self.config.train.sync_every
+        """H: the inner steps of this round, as the coordinator told them (balanced rounds give each
+        participant its own), else train.sync_every."""
+        return self._told[0] if self._told is not None else self.config.train.sync_every
 
     def on_config_change(self, callback: ConfigCallback) -> ConfigCallback:
         """Call `callback(old, new, diff)` at the round boundary where a new config takes effect
@@ -214,6 +222,13 @@ class Participant:
         """Count one inner step; sync when H steps have passed. Returns True if it synced."""
         if self.finished:
             return False
+        self._pace.stepped()  # the loop's step is timed (and throttled) without the sync
+        try:
+            return self._step(tokens, loss)
+        finally:
+            self._pace.resume()
+
+    def _step(self, tokens: int, loss: float | None) -> bool:
         self.steps += 1
         self.tokens += tokens
         self._round_steps += 1
@@ -368,7 +383,13 @@ class Participant:
         """At a round boundary: take the config in force for the round we now start."""
         if self.finished:
             return
-        view = self.client.get_config(round_=self.round, retry=self._attempt_retry)
+        if self.config.schedule.mode == "balanced":  # the step rate our next H is set from, fresh
+            self._beat(**self._heartbeat_stats())
+        view = self.client.get_config(round_=self.round, participant_id=self.participant_id,
+                                      retry=self._attempt_retry)
+        told, self._told = self._told, told_steps(view)
+        if self._told is not None and self._told != told:
+            log.info("round %d: H=%d (%s)", self.round, *self._told)
         if int(view["version"]) == self.config_version:
             return
         old, new = self.config, RunConfig.model_validate(view["config"])
@@ -384,11 +405,14 @@ class Participant:
                  ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()))
         for callback in self._callbacks:
             callback(old, new, diff)
-        try:  # acknowledge at once the version we now run
-            self.client.heartbeat(self.participant_id, step=self.steps, round=self.round,
-                                  config_version=self.config_version, retry=self._attempt_retry)
+        self._beat(step=self.steps, round=self.round, config_version=self.config_version)  # the version we run
+
+    def _beat(self, **stats: Any) -> None:
+        """One heartbeat now, from the training thread (a failure is left to the next beat)."""
+        try:
+            self.client.heartbeat(self.participant_id, retry=self._attempt_retry, **stats)
         except CoordinatorError as e:
-            log.debug("config acknowledgement failed: %s", e.message)
+            log.debug("heartbeat failed: %s", e.message)
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -408,7 +432,8 @@ class Participant:
     def _heartbeat_stats(self) -> dict[str, Any]:
         """What each heartbeat tells (read on the heartbeat thread)."""
         return {"step": self.steps, "round": self.round, "loss": self._last_loss,
-                "tokens_per_s": self._rate.per_second(), "config_version": self.config_version}
+                "tokens_per_s": self._rate.per_second(), "steps_per_s": self._pace.steps_per_s,
+                "config_version": self.config_version}
 
 
 def join_as(client: CoordinatorClient, name: str | None, info: dict[str, Any],

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fedtrain.errors import ConfigError
 from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.participant.checkpoint import LocalCheckpoint
 from fedtrain.participant.distributed import DistributedParticipant
@@ -66,18 +67,22 @@ def open_participant(
     device: torch.device,
     key_file: Path | None = None,
     parallel: str = "ddp",
+    speed: float = 1.0,
 ) -> tuple[Fed, nn.Module]:
     """(the participant to step, the module to train through) for one process or a torchrun group.
     `key_file` keeps the participant key, so that a restarted process rejoins as itself at once.
-    `parallel="fsdp"`: `model` is `fully_shard`ed and every rank syncs its own rows."""
+    `parallel="fsdp"`: `model` is `fully_shard`ed and every rank syncs its own rows. `speed`
+    below 1 throttles its inner steps (a slow site on purpose: `participant/pace.py`; not with FSDP)."""
     if parallel == "fsdp":
+        if speed != 1.0:
+            raise ConfigError("--speed is not built for FSDP participants; run them at their own pace")
         fsdp = FsdpParticipant(model, client=client, name=name, info=info, eval_fn=eval_fn,
                                inner_optimizer=optimizer, key_file=key_file)
         return fsdp, model
 
     def make() -> Participant:
         return Participant(client, model=model, inner_optimizer=optimizer, eval_fn=eval_fn, name=name, info=info,
-                           key_file=key_file)
+                           key_file=key_file, speed=speed)
 
     if world_size <= 1:
         return make(), model

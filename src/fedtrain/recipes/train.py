@@ -25,6 +25,7 @@ from fedtrain.config import RunConfig
 from fedtrain.errors import ConfigError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant.distributed import init_from_env
+from fedtrain.participant.pace import check_speed
 from fedtrain.recipes.build import base_fingerprint, build_model, check_fits, load_data, loss_fn, tokenizer_of
 from fedtrain.recipes.data import TokenStream, evaluate, parse_data_spec
 from fedtrain.recipes.runtime import RunDir, open_participant, round_line
@@ -50,13 +51,16 @@ def run_participant(
     run_dir: Path | None = None,
     device: str = "cpu",
     parallel: str = "ddp",
+    speed: float = 1.0,
 ) -> dict[str, Any]:
     """Join the run at `url`, train on `data` until the run finishes; returns a summary.
 
     Under torchrun every rank calls this; `run_dir` keeps the checkpoint and metrics.
-    `parallel`: "ddp" (a replica per rank) or "fsdp" (the model sharded over the ranks)."""
+    `parallel`: "ddp" (a replica per rank) or "fsdp" (the model sharded over the ranks). `speed`
+    below 1 runs the inner steps at that fraction of their natural pace (a slow site on purpose)."""
     if parallel not in PARALLEL:
         raise ConfigError(f"parallel must be one of {', '.join(PARALLEL)}, not {parallel!r}")
+    check_speed(speed)  # a bad throttle fails here, before any network call
     fsdp = parallel == "fsdp"
     torch.set_num_threads(threads)
     paths = parse_data_spec(data)  # bad data fails here, before any network call
@@ -91,7 +95,7 @@ def run_participant(
     t0 = time.perf_counter()
     key_file = run_dir / "participant-key.json" if run_dir is not None and rank == 0 else None  # only rank 0 joins
     fed, net = open_participant(client, model, opt, eval_fn, name=name, info=info, world_size=world, device=dev,
-                                key_file=key_file, parallel=parallel)
+                                key_file=key_file, parallel=parallel, speed=speed)
     with fed:
         if local is not None and saved is not None:
             local.restore_counters(fed, saved)
@@ -129,6 +133,7 @@ def run_participant(
             "wall_s": round(time.perf_counter() - t0, 2),
             "sync_s": round(getattr(inner, "sync_seconds", 0.0), 2),
             "final_round": fed.round,
+            "speed": speed,
             "resumed_from_round": saved["round"] if saved else None,
         }
     if local is not None:

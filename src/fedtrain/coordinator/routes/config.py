@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedtrain.coordinator.auth import Identity
-from fedtrain.coordinator.routes.deps import MAX_COUNT, coordinator, identity
+from fedtrain.coordinator.routes.deps import MAX_COUNT, coordinator, identity, speaker_by_query
 from fedtrain.coordinator.service import Coordinator
 
 router = APIRouter()
@@ -19,12 +19,15 @@ class ConfigChange(BaseModel):
     changes: dict[str, Any] = Field(..., description="Fields to change, nested like the config (a merge patch).")
 
 
-@router.get("/v1/config", summary="The config in force (now, or at `round`) and its version")
+@router.get("/v1/config", summary="The config in force (now, or at `round`) and its version; with "
+            "`participant_id`, also that participant's inner steps for the round (`assignment`)")
 async def get_config(
-    round: int | None = Query(None, ge=0, le=MAX_COUNT), ident: Identity = Depends(identity),
-    service: Coordinator = Depends(coordinator),
+    round: int | None = Query(None, ge=0, le=MAX_COUNT),
+    participant_id: str | None = Query(None, description="A participant this request speaks for (its key): the "
+                                       "answer's `assignment` is its H for the round, fixed once told."),
+    ident: Identity = Depends(speaker_by_query), service: Coordinator = Depends(coordinator),
 ) -> dict[str, Any]:
-    return service.config_view(round)
+    return service.config_view(round, participant_id)
 
 
 @router.put("/v1/config", summary="Admin: change the config live; in force from the next round boundary")

@@ -32,6 +32,9 @@ class HeartbeatRequest(BaseModel):
     round: int = Field(0, ge=0, le=MAX_COUNT)
     loss: float | None = Field(None, allow_inf_nan=False)
     tokens_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    steps_per_s: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                      description="Inner steps per second of the participant's own loop, the "
+                                      "syncs left out: what balanced rounds set its H from.")
     config_version: int | None = Field(None, ge=1, description="The config version the participant runs.")
 
 

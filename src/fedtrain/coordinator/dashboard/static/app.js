@@ -221,6 +221,7 @@ function renderParticipants(st) {
       el("td", { class: "ranks" }, ranksBadge(p)),
       el("td", { class: "num", text: fmt.int(p.round) }),
       el("td", { class: "num", text: fmt.int(p.step) }),
+      renderTold(p, st),
       el("td", { class: "num", text: fmt.si(p.tokens) }),
       el("td", { class: "num", text: p.tokens_per_s == null ? "–" : fmt.si(p.tokens_per_s) }),
       el("td", { class: "num", text: fmt.num(p.loss) }),
@@ -251,6 +252,14 @@ function piecesText(p) {
   const got = p.pieces.received;
   const of = p.parallel === "fsdp" && p.world_size >= got ? p.world_size : null;
   return of ? `${got}/${of} pieces` : `${got} piece${got === 1 ? "" : "s"}`;
+}
+
+// A participant's H for the open round (balanced rounds: its own, with the reason under it).
+function renderTold(p, st) {
+  const td = el("td", { class: "num told", title: p.sync_every_reason || null,
+    text: p.sync_every == null ? "–" : fmt.int(p.sync_every) });
+  if (st.schedule_mode === "balanced" && p.sync_every_reason) td.append(el("div", { class: "hint why", text: p.sync_every_reason }));
+  return td;
 }
 
 const ageOf = (ts) => fmt.age(Date.now() / 1000 + S.offset - ts);
