@@ -410,8 +410,10 @@ class Coordinator:
         last_weights = {s["participant_id"]: s["weight"] for s in recent[0]["submissions"]} if recent else {}
         rows = self.roster.rows
         live = self.roster.live
+        schedule = self.rounds.schedule_view()  # staleness, applied updates, share of the applied weight
         return {
             "run": self.config.name,
+            "mode": self.config.schedule.mode,
             "current_round": self.version,
             "rounds": self.rounds_total(),
             "rounds_configured": self.config.rounds,
@@ -444,6 +446,7 @@ class Coordinator:
                     "tokens_per_s": live.get(p.id, Live()).tokens_per_s,
                     "config_version": p.config_version,
                     "weight": last_weights.get(p.id),
+                    **schedule.get(p.id, {}),
                 }
                 for p in sorted(rows.values(), key=lambda p: p.id)
             ],

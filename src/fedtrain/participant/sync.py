@@ -6,6 +6,10 @@ The engine owns the sync set's reference copy (the snapshot, on the CPU) and the
     Δ = θ_round − θ  ── upload ── wait for the round to close ── (upload again if the
     coordinator has lost ours: it restarted) ── download θ_{r+1} into the snapshot
 
+In asynchronous mode the upload's answer names the round the update was applied in
+(`applied_in`, round_ or later: the model moved on while we trained), and that is the round
+waited for; the download then brings the version it made.
+
 The snapshot is always in one of four states: it holds θ_round (the reference of the next
 Δ), it holds Δ (between `take_delta` and the download), a download into it was cut short
 (the round is over; only a fresh download mends it), or it holds new global weights not yet
@@ -194,7 +198,7 @@ class SyncEngine:
         uploaded = self._piece_in == r or self._upload(r, pid, body, tokens, retry)
         give_up_at = time.monotonic() + config.round_timeout_s + self.patience_s
         while uploaded:
-            info = self._wait_round(r, pid, retry)
+            info = self._wait_round(self._applied_in(r), pid, retry)
             if info["state"] not in ("open", "closing"):
                 break
             if self.cancel.is_set():  # e.g. another rank of our participant failed: its piece is not coming
@@ -211,6 +215,11 @@ class SyncEngine:
                     code="unavailable",
                 )
         return uploaded
+
+    def _applied_in(self, r: int) -> int:
+        """The round our update for round r went into: r, or the one asynchronous mode applied it in."""
+        applied = (self.last_answer or {}).get("applied_in")
+        return int(applied) if isinstance(applied, int) and applied >= r else r
 
     def _wait_closed(self, r: int, config: RunConfig, retry: RetryPolicy | None) -> bool:
         """A rank of a sharded participant that sends nothing: wait for round r to be merged."""
@@ -292,6 +301,7 @@ class SyncEngine:
     # -- one call each -------------------------------------------------------------------------
 
     def _upload(self, r: int, pid: str, body: EncodedBody, tokens: int, retry: RetryPolicy | None) -> bool:
+        self.last_answer = None  # (an answer of an earlier upload must not name this one's round)
         if faults.hit("participant.upload", who=self.who or pid, round=r) == "drop":
             log.warning("fault injected: the upload of round %d is lost on the way", r)
             return True
