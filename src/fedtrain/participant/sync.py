@@ -96,6 +96,7 @@ class SyncEngine:
         self.wait_s = 25.0  # one long-poll of the round's state
         self.cancel = threading.Event()  # set (by another thread) to stop waiting for the round
         self._piece_in: int | None = None  # the round our piece is in (a conflict told us it is)
+        self._applied: int | None = None  # asynchronous mode: the round our last upload was applied in
         self._snapshot: dict[str, torch.Tensor] = {}  # set aside by `prepare`, at join
         self._holds: Holds = "reference"
         self._feedback = ErrorFeedback()
@@ -218,8 +219,7 @@ class SyncEngine:
 
     def _applied_in(self, r: int) -> int:
         """The round our update for round r went into: r, or the one asynchronous mode applied it in."""
-        applied = (self.last_answer or {}).get("applied_in")
-        return int(applied) if isinstance(applied, int) and applied >= r else r
+        return r if self._applied is None else self._applied
 
     def _wait_closed(self, r: int, config: RunConfig, retry: RetryPolicy | None) -> bool:
         """A rank of a sharded participant that sends nothing: wait for round r to be merged."""
@@ -301,7 +301,7 @@ class SyncEngine:
     # -- one call each -------------------------------------------------------------------------
 
     def _upload(self, r: int, pid: str, body: EncodedBody, tokens: int, retry: RetryPolicy | None) -> bool:
-        self.last_answer = None  # (an answer of an earlier upload must not name this one's round)
+        self._applied = None  # (an answer of an earlier upload must not name this one's round)
         if faults.hit("participant.upload", who=self.who or pid, round=r) == "drop":
             log.warning("fault injected: the upload of round %d is lost on the way", r)
             return True
@@ -309,6 +309,8 @@ class SyncEngine:
         which = {"piece": label} if label is not None else {}
         try:
             self.last_answer = self.client.upload(r, pid, body, tokens=tokens, retry=retry, **which)
+            applied = self.last_answer.get("applied_in") if isinstance(self.last_answer, dict) else None
+            self._applied = applied if isinstance(applied, int) and applied >= r else None
         except RoundClosedError as e:
             log.warning("round %d closed before our upload (%s); moving on to the current model", r, e.message)
             return False
