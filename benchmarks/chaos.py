@@ -23,7 +23,12 @@ loss) are bounded, their failures reported. The report opens with the outcome: `
 `out of time at round N/M`, or `failed: <reason>`.
 
     python benchmarks/chaos.py --quick            # ~4-6 minutes on 2 cores
+    python benchmarks/chaos.py --quick --mode async   # the same in asynchronous mode
     python benchmarks/chaos.py --seed 7 --json chaos.json
+
+`--mode async` runs the run in asynchronous mode (`schedule.mode: async`): every applied
+update is a committed version, so a round of the checks is one applied update, and the run
+has --participants times as many of them (the same inner steps in all as --mode rounds).
 
 Exit status 0 for a finished run whose every check passed, 1 otherwise.
 """
@@ -90,6 +95,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             "model": model,
             "train": train,
             "outer": {"algorithm": "diloco"},
+            "schedule": {"mode": args.mode},
             "min_participants": 1,
             "round_timeout_s": 60.0,
             "heartbeat_interval_s": 1.0,
@@ -337,7 +343,8 @@ def begin(chaos: Chaos, cfg: RunConfig) -> float:
     except FedtrainError as e:
         raise RunFailed(f"held-out loss of the initial model: {e}") from None
     print(
-        f"chaos: {chaos.args.participants} participants, {cfg.rounds} rounds of H={cfg.train.sync_every}, "
+        f"chaos: {chaos.args.participants} participants, {cfg.rounds} rounds of H={cfg.train.sync_every} "
+        f"({cfg.schedule.mode} mode), "
         f"seed {chaos.args.seed}, initial held-out loss {initial:.3f}; state in {chaos.dir}",
         flush=True,
     )
@@ -424,7 +431,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a small model and a short run (a few minutes)")
     p.add_argument("--participants", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=None, help="rounds (default 40 quick, 60 full)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds (default 40 quick, 60 full; in async mode times --participants: versions)")
+    p.add_argument("--mode", choices=["rounds", "async"], default="rounds",
+                   help="schedule.mode of the run: synchronous rounds, or asynchronous (one version per update)")
     p.add_argument("--sync-every", type=int, default=None, help="H (default 40 quick, 20 full)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -449,7 +459,7 @@ def main() -> int:
     p.add_argument("--dir", default=None, help="run directory (default: a new temp dir)")
     p.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
     args = p.parse_args()
-    args.rounds = args.rounds or (40 if args.quick else 60)
+    args.rounds = args.rounds or (40 if args.quick else 60) * (args.participants if args.mode == "async" else 1)
     args.kill_every = args.kill_every or ([2.0, 4.0] if args.quick else [4.0, 8.0])
     args.time_limit = args.time_limit or (600.0 if args.quick else 1800.0)
     report = run(args)

@@ -89,6 +89,7 @@ def summarize(args: Any, cfg: Any, state: Path, run_dir: Path, tally: Any, final
         "rounds": cfg.rounds,
         "rounds_done": reached,
         "sync_every": cfg.train.sync_every,
+        "mode": cfg.schedule.mode,
         "time_limit_s": args.time_limit,
         "wall_s": round(wall, 1),
         "total_s": round(total_s, 1),
@@ -124,7 +125,8 @@ def print_report(r: dict[str, Any]) -> None:
         why = f"time limit of {r['time_limit_s']:.0f} s reached"
     print(f"\nchaos run: {r['outcome']}" + (f" ({why})" if why else ""))
     print(
-        f"{r['participants']} participants, {r['rounds_done']}/{r['rounds']} rounds of H={r['sync_every']}, "
+        f"{r['participants']} participants, {r['rounds_done']}/{r['rounds']} rounds of H={r['sync_every']} "
+        f"({r.get('mode', 'rounds')} mode), "
         f"seed {r['seed']}, {r['wall_s']:.0f}s of chaos, {r['total_s']:.0f}s in all"
     )
     print(

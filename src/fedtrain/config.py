@@ -257,6 +257,45 @@ class ScheduleConfig(_Strict):
     )
 
 
+class AsyncConfig(_Strict):
+    """schedule.mode async: how each update is applied as it arrives (docs/schedule.md)."""
+
+    max_staleness: int = Field(
+        16,
+        ge=0,
+        le=1_000_000,
+        description="Most global versions an update may be behind when it is applied (its staleness: versions "
+        "committed since the one it was trained from); an older one is refused with 409 too_stale, and its "
+        "participant trains on from the current global model.",
+    )
+    staleness_fn: Literal["constant", "polynomial", "hinge"] = Field(
+        "polynomial",
+        description="How an update's weight falls with its staleness s (Xie et al., FedAsync): constant 1; "
+        "polynomial (1 + s)^-staleness_exponent; hinge 1 up to staleness_hinge, then "
+        "1 / (1 + staleness_exponent x (s - staleness_hinge)).",
+    )
+    staleness_exponent: float = Field(
+        0.5, ge=0, le=100, description="polynomial: the exponent a of (1 + s)^-a; hinge: the slope after the hinge."
+    )
+    staleness_hinge: int = Field(
+        2, ge=0, le=1_000_000, description="hinge: the staleness up to which an update keeps its full weight."
+    )
+    outer_step: Literal["delayed_nesterov", "per_update"] = Field(
+        "delayed_nesterov",
+        description="delayed_nesterov (Liu et al. 2024): each update is applied with plain SGD at the outer lr "
+        "(divided by N), and the Nesterov momentum, fed the mean of the last N updates, only once every N "
+        "applied updates; needs outer.algorithm diloco (or fedavgm with nesterov). per_update: the configured "
+        "outer optimizer steps on every update.",
+    )
+    momentum_every: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="delayed_nesterov: N, the applied updates per momentum step. Default: the number of active "
+        "participants when the update is applied (at least 1), as in Liu et al.",
+    )
+
+
 class RunConfig(_Strict):
     """Everything that defines a run; shared with every participant at join."""
 
@@ -268,6 +307,7 @@ class RunConfig(_Strict):
     outer: OuterConfig = Field(default_factory=OuterConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
     min_participants: int = Field(1, ge=1, description="Submissions needed to close at the deadline.")
     round_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Deadline of a round after it opens.")
     deadline: Literal["fixed", "adaptive"] = Field(
@@ -346,7 +386,27 @@ class RunConfig(_Strict):
             raise ValueError(f"train.seq_len ({self.train.seq_len}) exceeds model.block_size ({self.model.block_size})")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
+        if self.schedule.mode == "async":
+            _check_async(self)
         return self
+
+
+def _check_async(cfg: RunConfig) -> None:
+    """What asynchronous mode cannot do: it applies one update at a time, so nothing that needs a
+    round's updates together, and the delayed Nesterov step needs Nesterov momentum to delay."""
+    outer = cfg.outer
+    if outer.aggregator != "mean":
+        raise ValueError(f"schedule.mode async applies one update at a time: outer.aggregator {outer.aggregator} "
+                         "needs a round's updates together; use mean")
+    if outer.outlier_factor is not None:
+        raise ValueError("schedule.mode async applies one update at a time: outer.outlier_factor compares a "
+                         "round's updates; unset it")
+    if cfg.asynchronous.outer_step == "delayed_nesterov":
+        d = outer_defaults(outer)
+        if outer.algorithm not in ("diloco", "fedavgm") or not d["nesterov"] or d["momentum"] == 0:
+            raise ValueError(f"asynchronous.outer_step delayed_nesterov needs Nesterov momentum (outer.algorithm "
+                             f"diloco, or fedavgm with nesterov: true), not {outer.algorithm}; or set "
+                             "asynchronous.outer_step: per_update")
 
 
 def check_upload_limit(config: RunConfig, update_bytes: int, *, source: str = "config") -> None:
@@ -433,3 +493,14 @@ def outer_defaults(cfg: OuterConfig) -> dict[str, Any]:
         d["nesterov"] = cfg.nesterov
     d.update(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps)
     return d
+
+
+def outer_choice(cfg: RunConfig) -> tuple[str, dict[str, Any]]:
+    """The coordinator's outer optimizer for `cfg`: its algorithm and hyperparameters. In
+    asynchronous mode with `asynchronous.outer_step` delayed_nesterov that is the delayed
+    Nesterov variant (`merge/delayed.py`) with the configured algorithm's lr and momentum;
+    otherwise `outer.algorithm` with `outer_defaults`."""
+    hp = outer_defaults(cfg.outer)
+    if cfg.schedule.mode == "async" and cfg.asynchronous.outer_step == "delayed_nesterov":
+        return "delayed_nesterov", hp
+    return cfg.outer.algorithm, hp

@@ -76,16 +76,35 @@ def _with_algorithm_defaults(old: dict[str, Any], patch: dict[str, Any]) -> dict
 
 def change_notes(old: RunConfig, new: RunConfig) -> list[str]:
     """What a change implies beyond its diff, in words (shown by the validation answer)."""
+    notes = _mode_notes(old.schedule.mode, new.schedule.mode, new)
     if old.outer.algorithm == new.outer.algorithm:
-        return []
+        return notes
     d = outer_defaults(new.outer)
     chosen = ", ".join(
         f"{k} {d[k]}" + ("" if getattr(new.outer, k) is None else " (given)") for k in ALGORITHM_HYPERPARAMETERS
     )
     return [
+        *notes,
         f"outer.algorithm {old.outer.algorithm} -> {new.outer.algorithm}: the new outer optimizer starts with fresh "
-        f"state and runs with {chosen}; unset values are {new.outer.algorithm}'s defaults"
+        f"state and runs with {chosen}; unset values are {new.outer.algorithm}'s defaults",
     ]
+
+
+def _mode_notes(old: str, new: str, cfg: RunConfig) -> list[str]:
+    """What a switch of schedule.mode into or out of asynchronous mode means (docs/schedule.md)."""
+    if old == new or "async" not in (old, new):
+        return []
+    if new == "async":
+        step = ("the outer step becomes the delayed Nesterov one, the momentum kept"
+                if cfg.asynchronous.outer_step == "delayed_nesterov" else "the outer optimizer steps on every update")
+        return [f"schedule.mode {old} -> async: the open round closes as rounds do, with the updates it has; from "
+                f"the next one every update is applied as it arrives, one version each ({step}); `rounds` then "
+                "counts applied updates"]
+    late = (f"folded into the open round at a discount if at most max_staleness {cfg.max_staleness} rounds late"
+            if cfg.late_uploads == "fold" else "refused (409): their participants train on from the current model")
+    return [f"schedule.mode async -> {new}: from the next version on, rounds wait for their participants again; "
+            f"updates still being trained from older versions arrive late and are {late}; the delayed Nesterov "
+            "step's momentum is kept, its updates not yet in the momentum are not"]
 
 
 def apply_change(

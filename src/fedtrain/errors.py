@@ -9,7 +9,8 @@
     ├── Refused                the coordinator turns a request down, with the HTTP status and code to answer
     └── CoordinatorError       the coordinator answered with an error (status, code, message)
         ├── AuthError          401/403: missing, wrong or insufficient token
-        ├── RoundClosedError   409: the round is over; move on to the current global model
+        ├── RoundClosedError   409: the round is over (or, asynchronous, the update too stale); move on to
+        │                      the current global model
         ├── CoordinatorUnavailable  no answer after bounded retries (refused, timeouts, 5xx)
         ├── NotACoordinatorError    something answers at the address, but not a fedtrain coordinator
         └── TLSError           https against plain HTTP or the reverse, or a certificate not trusted

@@ -67,7 +67,8 @@ def format_status(s: dict[str, Any]) -> str:
         finished = " (finished)" if configured == s["rounds"] else f" (finished past the config's {configured} rounds)"
     head = (
         f"run {s['run']!r}: round {rounds}{finished}, "
-        f"{s['algorithm']}, {s['parameters']:,} parameters ({human_bytes(s['model_bytes'])}), "
+        f"{s['algorithm']}, {s.get('mode', 'rounds')} mode, {s['parameters']:,} parameters "
+        f"({human_bytes(s['model_bytes'])}), "
         f"config v{s['config_version']}\n"
         f"round state: {s['reason']}\n"
         f"bytes in {human_bytes(s['bytes_in'])}, out {human_bytes(s['bytes_out'])}\n"
@@ -77,7 +78,7 @@ def format_status(s: dict[str, Any]) -> str:
         head,
         table(
             ["participant", "state", "ranks", "round", "step", "H", "tokens", "tok/s", "loss", "last seen", "up",
-             "down"] + (["pieces (this round)"] if in_pieces else []),
+             "down", "stale", "share"] + (["pieces (this round)"] if in_pieces else []),
             [
                 [
                     p["id"],
@@ -92,6 +93,8 @@ def format_status(s: dict[str, Any]) -> str:
                     f"{now - p['last_seen']:.0f}s ago",
                     human_bytes(p["bytes_up"]),
                     human_bytes(p["bytes_down"]),
+                    "-" if p.get("staleness") is None else p["staleness"],
+                    "-" if p.get("share") is None else f"{p['share']:.0%} ({p.get('applied', 0)})",
                 ]
                 + ([pieces_label(p)] if in_pieces else [])
                 for p in s["participants"]

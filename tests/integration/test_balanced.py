@@ -93,7 +93,7 @@ def test_what_a_participant_was_told_survives_a_coordinator_restart(tmp_path: Pa
         assert status["slow"]["sync_every"] == 3 and status["slow"]["sync_every_reason"] == before["slow"]["reason"]
         shown = format_status(raw)  # `fedtrain status`: an H column, and each participant's reason
         assert "balanced rounds, H for round 1:" in shown and before["slow"]["reason"] in shown
-        assert shown.splitlines()[4].split()[:5] == ["participant", "state", "round", "step", "H"]
+        assert shown.splitlines()[4].split()[:6] == ["participant", "state", "ranks", "round", "step", "H"]
         # and the next round is planned from the smoothed rates kept with the last ones
         close_round(client, list(joined), 1, joined["fast"]["model"])
         nxt = {n: client.get_config(round_=2, participant_id=n)["assignment"]["sync_every"] for n in joined}

@@ -24,6 +24,8 @@ from fedtrain.merge import (
 
 
 def hp_for(algorithm: str, **overrides: object) -> dict:
+    if algorithm == "delayed_nesterov":  # asynchronous mode's step, with DiLoCo's lr and momentum
+        algorithm = "diloco"
     return outer_defaults(OuterConfig.model_validate({"algorithm": algorithm, **overrides}))
 
 
@@ -264,6 +266,8 @@ HAND_COMPUTED = {
     #          step = g₂ + 0.9·buf = [0.25 + 0.63, 0.01 + 0.414] = [0.88, 0.424]
     #          θ₂ = θ₁ − 0.7·step = [0.335 − 0.616, 1.335 − 0.2968]
     "diloco": ([0.335, 1.335], [-0.281, 1.0382]),
+    # the delayed Nesterov step with its default N = 1 is DiLoCo's (test_delayed_nesterov.py: N > 1)
+    "delayed_nesterov": ([0.335, 1.335], [-0.281, 1.0382]),
     # round 1: buf = 0.5, θ₁ = θ₀ − 0.5;  round 2: buf = 0.45 + g₂ = [0.70, 0.46], θ₂ = θ₁ − buf
     "fedavgm": ([0.5, 1.5], [-0.2, 1.04]),
     # torch Adam: m = 0.9m + 0.1g, v = 0.99v + 0.01g², θ −= lr/(1−0.9ᵗ) · m / (√(v/(1−0.99ᵗ)) + eps)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fedtrain import faults
-from fedtrain.config import RunConfig, outer_defaults
+from fedtrain.config import RunConfig, outer_choice
 from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.events import Events
 from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
@@ -66,7 +66,7 @@ class Committer:
 
     def create(self, params: dict[str, torch.Tensor], cfg: RunConfig) -> str:
         """A new run: version 0 is `params`, written durably; returns its digest."""
-        self.outer = OuterOptimizer(params, cfg.outer.algorithm, outer_defaults(cfg.outer))
+        self.outer = OuterOptimizer(params, *outer_choice(cfg))
         body = EncodedBody(self.outer.params, model_meta(cfg, self.outer.algorithm, 0), digest_algorithm=cfg.digest)
         return self.write_checkpoint(0, self.outer, body)
 
@@ -99,19 +99,22 @@ class Committer:
         return version + 1
 
     def reconfigure(self, cfg: RunConfig, locked: bool = False) -> None:
-        """Make the outer optimizer match `cfg`: a new algorithm starts with fresh state; new
-        hyperparameters keep the state where it still fits. Takes the fold lock unless `locked`."""
+        """Make the outer optimizer match `cfg` (`outer_choice`): a new algorithm starts with fresh
+        state, but for the momentum carried between DiLoCo's step and asynchronous mode's delayed
+        one (`OuterOptimizer.switched`); new hyperparameters keep the state where it still fits.
+        Takes the fold lock unless `locked`."""
         if not locked:
             with self._fold_lock:
                 self.reconfigure(cfg, locked=True)
             return
         outer = self.model
-        want_alg, want_hp = cfg.outer.algorithm, outer_defaults(cfg.outer)
+        want_alg, want_hp = outer_choice(cfg)
         if outer.algorithm == want_alg and outer.hp == want_hp:
             return
         if outer.algorithm != want_alg:
-            self.outer = OuterOptimizer(outer.params, want_alg, want_hp)
-            self._events.record("config", f"outer optimizer switched to {want_alg} with fresh state")
+            self.outer = outer.switched(want_alg, want_hp)
+            kept = "its momentum kept" if self.outer.steps else "fresh state"
+            self._events.record("config", f"outer optimizer switched to {want_alg} with {kept}")
             return
         meta = {**outer.state_metadata(), "hp": json.dumps(want_hp)}
         try:
@@ -122,12 +125,19 @@ class Committer:
 
     # -- a round (worker threads) -----------------------------------------------------------------
 
-    def step(self, acc: RunningSum) -> None:
-        """The outer step with the round's mean (the caller holds the fold lock). The sum is
-        finite by construction (`RunningSum`): only the result is checked (NonFiniteStep)."""
+    def step(self, acc: RunningSum, scale: float = 1.0, every: int | None = None) -> None:
+        """The outer step with the round's mean (the caller holds the fold lock), times `scale`
+        (asynchronous mode's staleness weight, in (0, 1]); `every`: the delayed Nesterov step's
+        N. The sum is finite by construction (`RunningSum`): only the result is checked
+        (NonFiniteStep)."""
+        total, divisor = acc.scaled()
+        if scale != 1.0:
+            if not (0.0 < scale <= 1.0):
+                raise MergeError(f"the staleness scale must be in (0, 1], got {scale!r}")
+            divisor = divisor / scale
         with self.weights.lock:
             self.weights.epoch += 1
-            self.model.step(*acc.scaled(), finite=True)
+            self.model.step(total, divisor, finite=True, every=every)
 
     def publish(self, version: int, cfg: RunConfig, hold: bool) -> Published:
         """A body over the new weights, to serve from memory once the caller puts it in force

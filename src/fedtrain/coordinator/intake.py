@@ -84,6 +84,10 @@ class Ticket:
 class Seats(Protocol):
     """The open round's places for updates (`rounds.Rounds`)."""
 
+    async def wait_seat(self, up: Upload) -> None:
+        """Before `reserve`: wait until the open round may take `up` (asynchronous mode: it
+        holds no other update and is not closing; bounded), at once otherwise."""
+
     def reserve(self, up: Upload) -> Ticket | None:
         """After `up`'s body is verified: its place in the open round, None for a duplicate;
         raises Refused when the round no longer takes it (closed meanwhile)."""
@@ -318,6 +322,7 @@ class Intake:
             norm = await asyncio.to_thread(self.round.norm, path, cfg)
             if place.action != "fold_after":
                 await self._direct_finished()  # (none is in progress then: a safeguard)
+                await seats.wait_seat(up)
             ticket = seats.reserve(up)  # the round may have closed while the body streamed in
             if ticket is None:
                 return None

@@ -3,9 +3,10 @@
 `OpenRound` owns the state of the round in progress: its number (the version its merge
 will commit is one more), when it opened, whether it is closing and why (the last
 decision's reason), the updates reserved into it (`submitted`, by participant; `late`, the
-late folds, by `pid@lateR`), the times of its submissions, and those of recent rounds (for
-the adaptive deadline). Plain state and the pure rules of `policy.py` over it; the event
-loop only.
+late folds, by `pid@lateR`), each one's staleness (asynchronous mode: versions behind its
+base), the times of its submissions, and those of recent rounds (for the adaptive
+deadline). Plain state and the pure rules of `policy.py` (and `async_policy.py`) over it;
+the event loop only.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator import policy
+from fedtrain.coordinator import async_policy, policy
 
 
 class OpenRound:
@@ -26,6 +27,7 @@ class OpenRound:
         self.reason = "round opened"
         self.submitted: dict[str, int] = {}  # participant -> tokens counted, reserved as its body was verified
         self.late: dict[str, int] = {}  # "pid@lateR" -> tokens, folded into the open round
+        self.staleness: dict[str, int] = {}  # asynchronous mode: participant -> versions its update is behind
         self._times: list[float] = []  # seconds after the round opened of each submission
         self.submit_times: deque[list[float]] = deque(recent_submit_times, maxlen=100)
 
@@ -37,7 +39,14 @@ class OpenRound:
         return policy.adaptive_deadline(self.submit_times, cfg)
 
     def admission(self, round_: int, finished: bool, cfg: RunConfig) -> policy.Admission:
+        if cfg.schedule.mode == "async":
+            return async_policy.admit(round_, self.version, self.closing, finished, cfg)
         return policy.admit_upload(round_, self.version, self.closing, finished, cfg)
+
+    @property
+    def occupied(self) -> bool:
+        """Whether the round holds an update or is closing (asynchronous mode: no seat is free)."""
+        return self.closing or bool(self.submitted) or bool(self.late)
 
     @staticmethod
     def key(pid: str, round_: int, admission: policy.Admission) -> str:
@@ -47,12 +56,15 @@ class OpenRound:
     def taken(self, key: str) -> bool:
         return key in self.submitted or key in self.late
 
-    def reserve(self, key: str, tokens: int, late: bool) -> None:
+    def reserve(self, key: str, tokens: int, late: bool, staleness: int | None = None) -> None:
         (self.late if late else self.submitted)[key] = tokens
+        if staleness is not None:
+            self.staleness[key] = staleness
 
     def release(self, key: str) -> None:
         self.submitted.pop(key, None)
         self.late.pop(key, None)
+        self.staleness.pop(key, None)
 
     def note_submission(self, now: float) -> None:
         self._times.append(max(0.0, now - self.opened_at))
@@ -72,5 +84,6 @@ class OpenRound:
         self._times = []
         self.submitted = {}
         self.late = {}
+        self.staleness = {}
         if now is not None:
             self.opened_at = now

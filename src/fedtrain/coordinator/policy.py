@@ -355,6 +355,9 @@ def receive_path(*, fast_io: bool, action: str, sum_empty: bool, active: int, pl
     outer = cfg.outer
     if not fast_io:
         return ReceivePath("spool", "the fast IO paths are off (FEDTRAIN_FAST_IO)")
+    if cfg.schedule.mode == "async":
+        return ReceivePath("spool", "asynchronous mode: an update waits in its spool file for the version it is "
+                                    "applied to")
     if action != "accept":
         return ReceivePath("spool", "a late update is folded from its spool file")
     if not sum_empty:

@@ -11,6 +11,10 @@ default (commit first) no download completes before it is done; with `publish_fi
 downloads are not held back. A failed merge or commit goes back to the last committed
 round, and the uploads since must be sent again.
 
+In asynchronous mode (`async_policy.py`) a round is one update, closed as soon as it is in;
+its merge scales the update by its staleness weight and takes the delayed Nesterov step,
+and the rest is the same: every applied update is a committed version.
+
 A merge that is not finite (`NonFiniteStep`) is not committed: the update that moves it
 the most (`policy.largest_influence`) is refused for that round, an event names its
 participant, and the round goes back for the others to send theirs again.
@@ -33,7 +37,7 @@ from typing import Any
 
 from fedtrain import faults
 from fedtrain.config import OuterConfig, RunConfig
-from fedtrain.coordinator import policy, storage
+from fedtrain.coordinator import async_policy, policy, storage
 from fedtrain.coordinator.committer import Committer
 from fedtrain.coordinator.config_versions import ConfigVersions
 from fedtrain.coordinator.events import Events
@@ -52,6 +56,8 @@ log = logging.getLogger("fedtrain.coordinator")
 
 #: How long an admin's roll back waits for a round that is closing when it comes.
 ROLL_BACK_WAIT_S = 30.0
+#: The newest committed rounds over which each participant's share of the applied weight is shown.
+SHARE_WINDOW = 100
 
 
 class PoisonedMerge(MergeError):
@@ -69,6 +75,17 @@ class Merged:
     record: dict[str, Any]
     published: Published
     inputs: MergeInputs
+
+
+@dataclass(frozen=True)
+class Step:
+    """How a round's outer step is taken: on the mean times `scale`, with the delayed Nesterov
+    step's N `every`, and the `weights` recorded (None: `round_weights`). Asynchronous mode
+    sets them from the update's staleness (`async_policy`); the defaults are a round's."""
+
+    scale: float = 1.0
+    every: int | None = None
+    weights: dict[str, float] | None = None
 
 
 def round_weights(tokens: dict[str, int], rejected: dict[str, str], outer: OuterConfig) -> dict[str, float]:
@@ -101,6 +118,7 @@ class Rounds:
         self._close_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None  # the commit of the open round's predecessor
         self._tick_task: asyncio.Task[None] | None = None
+        self.staleness_of: dict[str, int] = {}  # asynchronous mode: each participant's last applied staleness
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -117,6 +135,9 @@ class Rounds:
         return self.open.deadline(self._configs.config)
 
     def decide(self) -> policy.Decision:
+        cfg = self._configs.config
+        if cfg.schedule.mode == "async":
+            return async_policy.decide(self.open.version, self.open.staleness, cfg)
         return policy.decide_round(self.open.view(self.deadline()[0]), self._roster.views(), self.clock(),
                                    self._configs.config)
 
@@ -165,6 +186,18 @@ class Rounds:
             if not await self._events.wait_changed(deadline - time.monotonic()):
                 break
         return self.round_info(round_, pid, piece_in)
+
+    def schedule_view(self) -> dict[str, dict[str, Any]]:
+        """Per participant: the staleness of its last applied update (asynchronous mode; None
+        when not known since the start), and its updates and share of the applied weight over
+        the last SHARE_WINDOW committed rounds (of the recorded weights: a round's shares, or in
+        asynchronous mode each update's staleness weight)."""
+        applied = self._store.applied(SHARE_WINDOW)
+        total = sum(w for _, w in applied.values())
+        return {pid: {"staleness": self.staleness_of.get(pid),
+                      "applied": applied.get(pid, (0, 0.0))[0],
+                      "share": applied[pid][1] / total if pid in applied and total > 0 else None}
+                for pid in self._roster.rows}
 
     def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
         """A download of global version `version` (default: the newest)."""
@@ -236,8 +269,14 @@ class Rounds:
             return
         r = self.version
         cfg = self._configs.config
+        tokens, staleness = dict(self.open.submitted), dict(self.open.staleness)
+        step = Step()
+        if cfg.schedule.mode == "async":
+            step = Step(async_policy.scale(tokens, staleness, cfg),
+                        async_policy.momentum_period(len(self._roster.active()), cfg)[0],
+                        {k: async_policy.weight(staleness.get(k, 0), cfg)[0] for k in tokens})
         try:
-            merged = await asyncio.to_thread(self._merge, r, reason, dict(self.open.submitted), cfg)
+            merged = await asyncio.to_thread(self._merge, r, reason, tokens, cfg, step)
         except PoisonedMerge as e:
             pid = e.key.split("@")[0]
             why = (f"the update of {pid} for round {e.round} was refused: the merge it took part in was not finite "
@@ -251,6 +290,7 @@ class Rounds:
             await self._roll_back(f"merge of round {r} failed ({e})", "merge_failed")
             return
         record = merged.record
+        self.staleness_of.update(staleness)
         self._committer.serve(merged.published)
         for key, why in merged.inputs.rejected.items():
             self._events.record("reject", f"the update of {key} for round {r} was left out: {why}", key.split("@")[0])
@@ -271,17 +311,18 @@ class Rounds:
             self._events.record("finished", f"run finished after {self.version} rounds")
         self._events.notify()
 
-    def _merge(self, r: int, reason: str, tokens: dict[str, int], cfg: RunConfig) -> Merged:
-        """Worker thread: aggregate the round, take the outer step and make a body over the new
-        weights (held back until committed unless `publish_first`)."""
+    def _merge(self, r: int, reason: str, tokens: dict[str, int], cfg: RunConfig, step: Step) -> Merged:
+        """Worker thread: aggregate the round, take the outer step (as `step` says: asynchronous
+        mode scales it) and make a body over the new weights (held back until committed unless
+        `publish_first`)."""
         t0 = time.perf_counter()
         intake = self._intake
         with intake.fold_lock:
             faults.hit("merge.before_step", round=r)
             inputs = intake.merge_inputs(cfg)
-            weights = round_weights(tokens, inputs.rejected, cfg.outer)
+            weights = round_weights(tokens, inputs.rejected, cfg.outer) if step.weights is None else step.weights
             try:
-                self._committer.step(intake.sum)
+                self._committer.step(intake.sum, step.scale, step.every)
             except NonFiniteStep as e:
                 key, why = policy.largest_influence(inputs.shares, inputs.largest)
                 round_ = int(key.split("@late")[1]) if "@late" in key else r
@@ -306,7 +347,8 @@ class Rounds:
         """Round `version` is the open one now: the one before was merged (`committed`) or gone
         back; its late folds and retained updates go."""
         self.open.next(version, now, committed)
-        self._intake.clear(committed, oldest_round=version - self._configs.config.max_staleness)
+        cfg = self._configs.config
+        self._intake.clear(committed, oldest_round=version - max(cfg.max_staleness, cfg.asynchronous.max_staleness))
 
     async def _commit_in_background(self, r: int, record: dict[str, Any], published: Published,
                                     outer: OuterOptimizer) -> None:

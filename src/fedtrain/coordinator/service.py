@@ -423,8 +423,10 @@ class Coordinator:
         live = self.roster.live
         pieces = self.intake.pieces_in(self.version)
         told = self.schedule.status(self.version, self.config, list(rows))
+        schedule = self.rounds.schedule_view()  # staleness, applied updates, share of the applied weight
         return {
             "run": self.config.name,
+            "mode": self.config.schedule.mode,
             "current_round": self.version,
             "rounds": self.rounds_total(),
             "rounds_configured": self.config.rounds,
@@ -444,8 +446,9 @@ class Coordinator:
             "bytes_in": sum(p.bytes_up for p in rows.values()),
             "bytes_out": sum(p.bytes_down for p in rows.values()),
             "submitted": sorted(self.submitted),
-            "participants": [_participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
-                                               told[p.id]) for p in sorted(rows.values(), key=lambda p: p.id)],
+            "participants": [{**_participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
+                                                  told[p.id]), **schedule.get(p.id, {})}
+                             for p in sorted(rows.values(), key=lambda p: p.id)],
             "recent_rounds": recent,
         }
 

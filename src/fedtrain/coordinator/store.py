@@ -273,6 +273,21 @@ class Store:
             r["submissions"] = [dict(s) for s in subs]
         return out
 
+    def newest_submission(self, participant_id: str) -> int | None:
+        """The newest round holding an update of `participant_id`, or None."""
+        rows = self._query("SELECT MAX(round) AS r FROM submissions WHERE participant_id = ?", (participant_id,))
+        return None if rows[0]["r"] is None else int(rows[0]["r"])
+
+    def applied(self, rounds: int) -> dict[str, tuple[int, float]]:
+        """Per participant, over the newest `rounds` committed rounds: its updates and the sum of
+        their recorded weights."""
+        rows = self._query(
+            "SELECT participant_id, COUNT(*) AS n, TOTAL(weight) AS w FROM submissions WHERE weight IS NOT NULL "
+            "AND round > (SELECT COALESCE(MAX(round), -1) FROM rounds) - ? GROUP BY participant_id",
+            (rounds,),
+        )
+        return {r["participant_id"]: (int(r["n"]), float(r["w"])) for r in rows}
+
     def submissions(self, round_: int) -> list[dict[str, Any]]:
         rows = self._query("SELECT * FROM submissions WHERE round = ? ORDER BY received_at", (round_,))
         return [dict(r) for r in rows]

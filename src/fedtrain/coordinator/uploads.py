@@ -6,16 +6,21 @@ bounds the weight its token claim gives (`policy.count_tokens`), lets the intake
 verify and fold it (`intake.py`), and once it is in counts it: the participant's counters,
 the submission's row, the round's clock. Its `reserve` gives an upload its place in the
 open round once its body is verified (the round may have closed while it streamed in).
+In asynchronous mode (`async_policy.py`) an update is admitted by its staleness, and a
+verified one waits for a free seat (`wait_seat`: the open round holds no update and is not
+closing), since each version is exactly one update; it is recorded in the round it is
+applied in, and its answer names that round (`applied_in`), which its participant waits for.
 It owns no state of its own: the round's is `OpenRound`'s, the participants' the roster's.
 Event loop only.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fedtrain import faults
-from fedtrain.coordinator import policy, storage
+from fedtrain.coordinator import async_policy, policy, storage
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.config_versions import ConfigVersions
 from fedtrain.coordinator.events import Events
@@ -28,6 +33,10 @@ from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.coordinator.values import POISON_CODES
 from fedtrain.errors import Refused
 from fedtrain.transport import Body
+
+#: Asynchronous mode: how long a verified update waits for the open round to take it (below
+#: the participant's read timeout of 90 s: its request is answered within it).
+SEAT_WAIT_S = 60.0
 
 
 class Uploads:
@@ -53,6 +62,9 @@ class Uploads:
             return admission
         if admission.code == "run_finished":
             raise Refused(409, "run_finished", admission.reason, {"current_round": rounds.version, "finished": True})
+        if admission.code == "too_stale":
+            raise Refused(409, "too_stale", f"{admission.reason}: download the current global model and train from it",
+                          {"current_round": rounds.version, "staleness": admission.staleness})
         raise Refused(409, "round_closed", f"{admission.reason}: download the current global model and continue",
                       {"current_round": rounds.version})
 
@@ -60,11 +72,19 @@ class Uploads:
         """Sent before: into the open round, as a late fold, or (late) already part of round_ when it closed."""
         if self._rounds.open.taken(self._rounds.open.key(pid, round_, admission)):
             return True
+        if self._async and round_ < self._rounds.version:
+            return async_policy.submitted_before(self._store.newest_submission(pid), round_)
         return admission.action == "late" and any(s["participant_id"] == pid for s in self._store.submissions(round_))
+
+    @property
+    def _async(self) -> bool:
+        return self._configs.config.schedule.mode == "async"
 
     def _weight(self, tokens: int, admission: policy.Admission) -> float:
         cfg = self._configs.config
         weight = float(tokens) if cfg.outer.weighting == "tokens" else 1.0
+        if self._async:  # its staleness scales the step instead (`async_policy.scale`): a round is one update
+            return weight
         return weight * cfg.staleness_discount**admission.staleness
 
     # -- the open round's places (`intake.Seats`) ---------------------------------------------------
@@ -76,9 +96,31 @@ class Uploads:
         if self._is_duplicate(up.pid, up.round, admission):
             return None
         open_ = self._rounds.open
+        staleness = None
+        if self._async:
+            if open_.occupied:
+                raise Refused(409, "round_closed", f"the global model is still applying other updates after "
+                              f"{SEAT_WAIT_S:g}s: download the current global model and continue",
+                              {"current_round": open_.version})
+            staleness = admission.staleness
         key = open_.key(up.pid, up.round, admission)
-        open_.reserve(key, up.tokens, late=admission.action == "late")  # now, so that the close waits for it
-        return Ticket(key, admission, self._weight(up.tokens, admission), open_.version, lambda: open_.release(key))
+        open_.reserve(key, up.tokens, late=admission.action == "late", staleness=staleness)  # the close waits for it
+        return Ticket(key, admission, self._weight(up.tokens, admission), open_.version, lambda: self._release(key))
+
+    def _release(self, key: str) -> None:
+        """An upload given its place failed after all: the place is free again (updates waiting
+        for a seat are told)."""
+        self._rounds.open.release(key)
+        self._events.notify()
+
+    async def wait_seat(self, up: Upload) -> None:
+        """Asynchronous mode: wait (up to SEAT_WAIT_S) until the open round may take `up`: it
+        holds no update and is not closing. At once in the other modes, or once the run is over."""
+        rounds = self._rounds
+        deadline = time.monotonic() + SEAT_WAIT_S
+        while self._async and rounds.open.occupied and not rounds.finished:
+            if not await self._events.wait_changed(deadline - time.monotonic()):
+                return  # (then `reserve` refuses it)
 
     def refusal(self, up: Upload) -> Refused:
         try:
@@ -140,6 +182,8 @@ class Uploads:
         self._count(p, up, ticket, clamped, nbytes, whole_digest, counted_bytes=piece is None)
         late = ({"folded_into": self._rounds.version, "staleness": ticket.admission.staleness}
                 if ticket.admission.action == "late" else {})
+        if self._async:
+            late = {"applied_in": ticket.open_round, "staleness": ticket.admission.staleness}
         counted = {"tokens_counted": up.tokens, "tokens_reason": clamped} if clamped is not None else {}
         return {"accepted": True, "duplicate": False, "round": round_, **late, **counted, **answer}
 
@@ -166,6 +210,9 @@ class Uploads:
         if piece is not None and admission.action != "accept":
             raise Refused(409, "round_closed", f"round {round_} is closed: the pieces of an update are taken for "
                           "the open round only", {"current_round": self._rounds.version})
+        if piece is not None and self._async:
+            raise Refused(409, "pieces_not_async", "schedule.mode async takes whole updates only: a round closes "
+                          "with each update, so the pieces of one would be dropped with it; upload it whole")
         return admission, Upload(pid, round_, tokens, digest, length, limit), clamped
 
     def _count(self, p: ParticipantRow, up: Upload, ticket: Ticket, clamped: str | None, nbytes: int, digest: str,
@@ -181,8 +228,8 @@ class Uploads:
             self._events.record("late", f"{pid}'s update for round {round_}: {ticket.admission.reason}", pid)
         else:
             self._rounds.open.note_submission(self._rounds.clock())
-            try:
-                self._store.add_submission(round_, pid, up.tokens, nbytes, digest)
+            try:  # (asynchronous mode: in the round it is applied in; else that is `round_`)
+                self._store.add_submission(ticket.open_round, pid, up.tokens, nbytes, digest)
             except Exception as e:
                 if storage_full(e):  # folded but not recorded: the round must not commit as it is
                     # the merge fails on it and the run goes back, once there is room (rounds.py)

@@ -4,7 +4,9 @@ Every merge algorithm is θ_{r+1} = OuterOpt(θ_r, grad=Δ) with Δ = Σᵢ wᵢ
 `OuterOptimizer` owns the float32 master weights θ and one torch optimizer, writes Δ into
 `.grad` and calls `.step()`: the SGD, Nesterov and Adam arithmetic is torch's own.
 Its state flattens to safetensors-ready tensors plus str→str metadata, and `restore`
-rebuilds it so that training continues bitwise as if it had never stopped.
+rebuilds it so that training continues bitwise as if it had never stopped. Asynchronous
+mode's outer step, `delayed_nesterov` (`delayed.py`), is one more torch optimizer here, its
+momentum and buffer of pending updates part of the same state.
 
 A step is checked on both sides: a Δ with NaN or Inf is refused before anything moves,
 and the weights it produced (with Adam's and Yogi's moments, which the weights do not
@@ -25,12 +27,14 @@ import torch
 
 from fedtrain.errors import MergeError
 from fedtrain.merge.aggregate import TensorDict, _listed, all_finite, check_compatible
+from fedtrain.merge.delayed import STATE_KEYS as DELAYED_STATE
+from fedtrain.merge.delayed import DelayedNesterov
 from fedtrain.merge.yogi import Yogi
 
 Move = Callable[[torch.Tensor], "torch.Tensor | None"]
 """A copy of a tensor in other memory, or None (`OuterOptimizer.move_storage`)."""
 
-ALGORITHMS = ("fedavg", "diloco", "fedavgm", "fedadam", "fedyogi")
+ALGORITHMS = ("fedavg", "diloco", "fedavgm", "fedadam", "fedyogi", "delayed_nesterov")
 
 _SGD_FAMILY = ("fedavg", "diloco", "fedavgm")
 _REQUIRED_HP = {
@@ -39,8 +43,11 @@ _REQUIRED_HP = {
     "fedavgm": ("lr", "momentum", "nesterov"),
     "fedadam": ("lr", "beta1", "beta2", "eps"),
     "fedyogi": ("lr", "beta1", "beta2", "eps"),
+    "delayed_nesterov": ("lr", "momentum"),
 }
 _ADAPTIVE_STATE = ("exp_avg", "exp_avg_sq", "step")
+_SCALAR_STATE = ("step", "delay_count")  # per-parameter state that is a scalar, not the parameter's shape
+_MOMENTUM = ("diloco", "fedavgm", "delayed_nesterov")  # algorithms whose state is (or holds) SGD's momentum_buffer
 _FORMAT = "fedtrain.outer/1"
 _METADATA_KEYS = ("format", "algorithm", "hp", "steps", "param_names")
 
@@ -76,6 +83,8 @@ def build_torch_optimizer(params: list[torch.Tensor], algorithm: str, hp: Mappin
         if algorithm in ("diloco", "fedavgm"):
             return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], nesterov=bool(hp["nesterov"]),
                                    **_impl(fused))
+        if algorithm == "delayed_nesterov":
+            return DelayedNesterov(params, lr=hp["lr"], momentum=hp["momentum"], fused=fused)
         betas = (hp["beta1"], hp["beta2"])
         if algorithm == "fedadam":
             # Fused Adam: one pass over the memory and no temporaries, where the per-tensor
@@ -113,6 +122,8 @@ def _expected_state_keys(algorithm: str, hp: Mapping[str, Any]) -> tuple[str, ..
     """The per-parameter state keys the torch optimizer holds once it has stepped."""
     if algorithm in _SGD_FAMILY:
         return ("momentum_buffer",) if algorithm != "fedavg" and hp["momentum"] != 0 else ()
+    if algorithm == "delayed_nesterov":
+        return DELAYED_STATE
     return _ADAPTIVE_STATE
 
 
@@ -138,7 +149,8 @@ class OuterOptimizer:
         }
         self.optimizer = build_torch_optimizer(list(self.params.values()), algorithm, self.hp)
 
-    def step(self, mean_delta: Mapping[str, torch.Tensor], divisor: float = 1.0, *, finite: bool = False) -> None:
+    def step(self, mean_delta: Mapping[str, torch.Tensor], divisor: float = 1.0, *, finite: bool = False,
+             every: int | None = None) -> None:
         """θ ← OuterOpt(θ, grad=Δ / divisor); Δ is consumed.
 
         Δ's tensors become `.grad` as they are (no copy when dtype and device match), and
@@ -150,7 +162,8 @@ class OuterOptimizer:
         Raises `NonFiniteStep` when the new weights or moments are not finite (see the module).
         `finite`: the caller vouches that Δ / divisor is finite (a `RunningSum` mean of updates
         checked finite: see its docstring), which saves the pass of the check before the step;
-        the check after it is made all the same.
+        the check after it is made all the same. `every`: the delayed Nesterov step's N from
+        this step on (`merge/delayed.py`); other algorithms ignore it.
         """
         check_compatible(self.params, mean_delta, what="mean pseudo-gradient", check_dtype=False)
         d = float(divisor)
@@ -167,6 +180,8 @@ class OuterOptimizer:
         if d != 1.0 and not fused:
             for g in grads.values():
                 g.div_(d)
+        if every is not None and isinstance(self.optimizer, DelayedNesterov):
+            self.optimizer.set_every(every)
         try:
             for name, p in self.params.items():
                 p.grad = grads[name]
@@ -190,7 +205,7 @@ class OuterOptimizer:
             if not all_finite(p):
                 raise NonFiniteStep(f"the outer step made {name} NaN or infinite; it was not applied",
                                     details={"tensor": name})
-        if self.algorithm in _SGD_FAMILY:
+        if self.algorithm in _SGD_FAMILY:  # (the delayed step's momentum and buffer do not show yet: checked)
             return
         for name, p in self.params.items():
             for key, value in self.optimizer.state.get(p, {}).items():
@@ -284,6 +299,27 @@ class OuterOptimizer:
         outer.steps = steps
         return outer
 
+    def switched(self, algorithm: str, hp: Mapping[str, Any]) -> OuterOptimizer:
+        """The same weights under `algorithm`: with SGD's momentum carried over where both this
+        optimizer and the new one hold one (diloco and fedavgm to the delayed Nesterov step of
+        asynchronous mode and back: the momentum means the same in both), else fresh state.
+        The delayed step's buffer of updates not yet in the momentum is dropped on the way out
+        (those updates are already in the weights; only their share of the momentum is lost)."""
+        _check_hp(algorithm, hp)
+        keys = _expected_state_keys(algorithm, hp)
+        state = self.state_tensors()
+        carried = self.algorithm in _MOMENTUM and algorithm in _MOMENTUM and "momentum_buffer" in keys
+        if not carried or self.steps == 0 or not any(k.startswith("momentum_buffer/") for k in state):
+            return OuterOptimizer(self.params, algorithm, hp)
+        tensors: TensorDict = {}
+        for name, p in self.params.items():
+            tensors[f"momentum_buffer/{name}"] = state[f"momentum_buffer/{name}"].detach().clone()
+            if algorithm == "delayed_nesterov":
+                tensors[f"delay_buffer/{name}"] = torch.zeros_like(p)
+                tensors[f"delay_count/{name}"] = torch.tensor(0.0, dtype=torch.float32)
+        meta = {**self.state_metadata(), "algorithm": algorithm, "hp": json.dumps(dict(hp), sort_keys=True)}
+        return OuterOptimizer.restore(self.params, tensors, meta)
+
 
 def _parse_metadata(metadata: Mapping[str, str]) -> tuple[str, dict[str, Any], int, list[str]]:
     missing = [k for k in _METADATA_KEYS if k not in metadata]
@@ -315,7 +351,7 @@ def _unflatten_state(
         key, _, name = flat.partition("/")
         if key not in keys or name not in index:
             raise MergeError(f"outer optimizer state has an unexpected tensor {flat!r}")
-        if key != "step" and tuple(value.shape) != tuple(params[name].shape):
+        if key not in _SCALAR_STATE and tuple(value.shape) != tuple(params[name].shape):
             raise MergeError(
                 f"outer optimizer state {flat} has shape {tuple(value.shape)}, expected {tuple(params[name].shape)}"
             )

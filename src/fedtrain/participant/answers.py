@@ -160,7 +160,7 @@ def refusal(
             code=code,
             details=details,
         )
-    if status == 409 and code in ("round_closed", "run_finished"):
+    if status == 409 and code in ("round_closed", "run_finished", "too_stale"):  # (too_stale: asynchronous mode)
         return RoundClosedError(message, status=status, code=code, details=details)
     return CoordinatorError(message, status=status, code=code, details=details)
 

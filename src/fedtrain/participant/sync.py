@@ -6,6 +6,10 @@ The engine owns the sync set's reference copy (the snapshot, on the CPU) and the
     Δ = θ_round − θ  ── upload ── wait for the round to close ── (upload again if the
     coordinator has lost ours: it restarted) ── download θ_{r+1} into the snapshot
 
+In asynchronous mode the upload's answer names the round the update was applied in
+(`applied_in`, round_ or later: the model moved on while we trained), and that is the round
+waited for; the download then brings the version it made.
+
 The snapshot is always in one of four states: it holds θ_round (the reference of the next
 Δ), it holds Δ (between `take_delta` and the download), a download into it was cut short
 (the round is over; only a fresh download mends it), or it holds new global weights not yet
@@ -92,6 +96,7 @@ class SyncEngine:
         self.wait_s = 25.0  # one long-poll of the round's state
         self.cancel = threading.Event()  # set (by another thread) to stop waiting for the round
         self._piece_in: int | None = None  # the round our piece is in (a conflict told us it is)
+        self._applied: int | None = None  # asynchronous mode: the round our last upload was applied in
         self._snapshot: dict[str, torch.Tensor] = {}  # set aside by `prepare`, at join
         self._holds: Holds = "reference"
         self._feedback = ErrorFeedback()
@@ -194,7 +199,7 @@ class SyncEngine:
         uploaded = self._piece_in == r or self._upload(r, pid, body, tokens, retry)
         give_up_at = time.monotonic() + config.round_timeout_s + self.patience_s
         while uploaded:
-            info = self._wait_round(r, pid, retry)
+            info = self._wait_round(self._applied_in(r), pid, retry)
             if info["state"] not in ("open", "closing"):
                 break
             if self.cancel.is_set():  # e.g. another rank of our participant failed: its piece is not coming
@@ -211,6 +216,10 @@ class SyncEngine:
                     code="unavailable",
                 )
         return uploaded
+
+    def _applied_in(self, r: int) -> int:
+        """The round our update for round r went into: r, or the one asynchronous mode applied it in."""
+        return r if self._applied is None else self._applied
 
     def _wait_closed(self, r: int, config: RunConfig, retry: RetryPolicy | None) -> bool:
         """A rank of a sharded participant that sends nothing: wait for round r to be merged."""
@@ -292,6 +301,7 @@ class SyncEngine:
     # -- one call each -------------------------------------------------------------------------
 
     def _upload(self, r: int, pid: str, body: EncodedBody, tokens: int, retry: RetryPolicy | None) -> bool:
+        self._applied = None  # (an answer of an earlier upload must not name this one's round)
         if faults.hit("participant.upload", who=self.who or pid, round=r) == "drop":
             log.warning("fault injected: the upload of round %d is lost on the way", r)
             return True
@@ -299,6 +309,8 @@ class SyncEngine:
         which = {"piece": label} if label is not None else {}
         try:
             self.last_answer = self.client.upload(r, pid, body, tokens=tokens, retry=retry, **which)
+            applied = self.last_answer.get("applied_in") if isinstance(self.last_answer, dict) else None
+            self._applied = applied if isinstance(applied, int) and applied >= r else None
         except RoundClosedError as e:
             log.warning("round %d closed before our upload (%s); moving on to the current model", r, e.message)
             return False

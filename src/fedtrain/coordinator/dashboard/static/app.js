@@ -197,7 +197,7 @@ function renderCards(st) {
     el("span", { class: "nowrap", text: `↓ ${fmt.bytes(st.bytes_out)}` }));
   $("c-bytes-sub").textContent = `model ${fmt.bytes(st.model_bytes)} · ${fmt.si(st.parameters)} parameters`;
   $("c-alg").textContent = st.algorithm;
-  $("c-alg-sub").textContent = `config v${st.config_version}` +
+  $("c-alg-sub").textContent = `${st.mode || "rounds"} mode · config v${st.config_version}` +
     (st.latest_config_version > st.config_version ? ` · v${st.latest_config_version} from next round` : "");
   $("c-reason").textContent = st.reason;
 }
@@ -229,6 +229,10 @@ function renderParticipants(st) {
       el("td", { class: "num cfg" + (behind ? " behind" : ""), text: p.config_version == null ? "–" : "v" + p.config_version,
         title: behind ? `runs v${p.config_version}; v${st.config_version} is in force (it switches at its next round boundary)` : null }),
       el("td", { class: "num", text: fmt.percent(p.weight) }),
+      el("td", { class: "num", text: p.staleness == null ? "–" : fmt.int(p.staleness),
+        title: "versions committed since the one its last applied update was trained from" }),
+      el("td", { class: "num", text: p.share == null ? "–" : `${fmt.percent(p.share)} (${fmt.int(p.applied)})`,
+        title: "its share of the weight applied over the last 100 versions (its updates in brackets)" }),
       el("td", { class: "num", text: `${fmt.bytes(p.bytes_up)} / ${fmt.bytes(p.bytes_down)}` }),
       el("td", { class: "admin-only" }, action));
   }));
