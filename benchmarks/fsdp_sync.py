@@ -26,11 +26,13 @@ whole model), DDP's gradient buckets, and the sync's own temporaries. Each figur
 largest over the measured syncs; `shard` is the bytes the rank syncs (its rows under FSDP,
 the whole model under DDP and for the single process).
 
-Sync seconds: each participant's own `sync_s` (from the H-th step's start to the new weights
-in its model: upload, wait for the round to close, download), and the seconds its client spent
-in `upload` and `download` (per rank for FSDP, whose ranks run theirs in parallel). Side by
-side, a round closes once both have uploaded, so each one's sync_s holds the other's upload
-too. Medians over `--rounds` rounds after `--warmup`.
+Sync seconds: each participant's own (from the start of its H-th step to the new weights in
+its model: upload, wait for the round to close, download); the seconds its client spent in
+`upload` (for FSDP, whose ranks upload in parallel, that of the piece the coordinator answered
+as completing the update, and that of the other) and in `download` (per rank); and from the
+round's last upload, of any rank, to the new weights in its model. Side by side, a round closes
+once both have uploaded, so the first to upload waits for the other. Medians over `--rounds`
+rounds after `--warmup`.
 """
 
 from __future__ import annotations
@@ -96,21 +98,21 @@ class TimedClient(CoordinatorClient):
 
     def __init__(self, url: str, token: str) -> None:
         super().__init__(url, token)
-        self.calls: dict[str, list[tuple[float, float]]] = {"upload": [], "download": []}
+        # (start, end, whether the answer says this piece completed the update: None for a whole one)
+        self.calls: dict[str, list[tuple[float, float, bool | None]]] = {"upload": [], "download": []}
 
     def upload(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.time()
-        try:
-            return super().upload(*args, **kwargs)
-        finally:
-            self.calls["upload"].append((t0, time.time()))
+        answer = super().upload(*args, **kwargs)
+        complete = answer.get("complete") if isinstance(answer, dict) and "piece" in answer else None
+        self.calls["upload"].append((t0, time.time(), complete))
+        return answer
 
     def download(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.time()
-        try:
-            return super().download(*args, **kwargs)
-        finally:
-            self.calls["download"].append((t0, time.time()))
+        got = super().download(*args, **kwargs)
+        self.calls["download"].append((t0, time.time(), None))
+        return got
 
 
 def train(fed: Any, model: nn.Module, opt: torch.optim.Optimizer, width: int) -> list[dict[str, float]]:
@@ -236,8 +238,9 @@ def median(xs: list[float]) -> float:
 
 
 def time_row(params: float, reps: list[dict], warmup: int) -> str:
-    """Per participant: its sync's seconds, its ranks' upload calls, from the round's last upload
-    (of any rank of any participant) to the new weights in its model, its ranks' download calls."""
+    """Per participant: its sync's seconds, its upload calls (FSDP: of the piece that completed
+    the update, and of the other), from the round's last upload (of any rank of any participant)
+    to the new weights in its model, its ranks' download calls."""
     rounds = range(warmup, len(reps[0]["syncs"]))
     last_upload = {r: max(rep["calls"]["upload"][r][1] for rep in reps if rep["calls"]["upload"]) for r in rounds}
     cells = []
@@ -246,9 +249,13 @@ def time_row(params: float, reps: list[dict], warmup: int) -> str:
         lead = ranks[0]["syncs"]
         sync = median([lead[r]["end"] - lead[r]["start"] for r in rounds])
         after = median([lead[r]["end"] - last_upload[r] for r in rounds])
-        up = "/".join(f"{median([b - a for a, b in rep['calls']['upload'][warmup:]]):.2f}" for rep in ranks)
+        calls = [rep["calls"]["upload"][r] for r in rounds for rep in ranks]
+        if role == "fsdp":  # the completing piece's upload, then the other's
+            up = "/".join(f"{median([b - a for a, b, done in calls if done == want]):.2f}" for want in (True, False))
+        else:
+            up = f"{median([b - a for a, b, _ in calls]):.2f}"
         # the first download is the join's
-        down = "/".join(f"{median([b - a for a, b in rep['calls']['download'][1 + warmup:]]):.2f}" for rep in ranks)
+        down = "/".join(f"{median([b - a for a, b, _ in rep['calls']['download'][1 + warmup:]]):.2f}" for rep in ranks)
         cells.append(f"{sync:.2f} | {up} | {after:.2f} | {down}")
     return f"| {params / 1e6:.0f}M | " + " | ".join(cells) + " |"
 
@@ -283,8 +290,9 @@ def driver(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(memory))
     print("\nSeconds per sync, side by side in the same rounds (median; upload and download per rank)")
-    print("| params | FSDP sync s | FSDP upload s (rank 0/1) | FSDP last upload → weights s | FSDP download s "
-          "(rank 0/1) | single sync s | single upload s | single last upload → weights s | single download s |")
+    print("| params | FSDP sync s | FSDP upload s (completing/other piece) | FSDP last upload → weights s "
+          "| FSDP download s (rank 0/1) | single sync s | single upload s | single last upload → weights s "
+          "| single download s |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(times))
 
