@@ -72,7 +72,10 @@ def build_torch_optimizer(params: list[torch.Tensor], algorithm: str, hp: Mappin
     """The torch optimizer of one algorithm, configured from `outer_defaults`' dict."""
     _check_hp(algorithm, hp)
     # SGD runs fused where torch has the kernels for the weights' device (one pass over the
-    # memory instead of several, and bitwise the same as foreach), else foreach.
+    # memory instead of several), else foreach. Not bitwise the same as foreach on the CPU:
+    # the fused kernel rounds the last (n mod 8) elements of a tensor differently (measured up
+    # to ~2e-6 after a few Nesterov steps, docs/streaming.md), so a comparison with torchft,
+    # whose users pass torch's default SGD, holds to that, not bit for bit, on such tensors.
     # Both update the momentum, the gradient (Nesterov) and the parameters in place; the
     # per-tensor implementation allocates a model-sized temporary per tensor for Nesterov,
     # which would add the largest tensor to the coordinator's peak memory.
