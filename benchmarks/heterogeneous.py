@@ -278,6 +278,7 @@ def run_mode(setup: Setup, mode: Mode, workdir: Path) -> dict[str, Any]:
         "mode": mode.name, "schedule": mode.schedule, "speeds": list(mode.speeds), "curve": curve,
         "to_budget_s": t_end - t_all, "final_loss": curve[-1][3], "tokens": curve[-1][1], "budget": setup.budget,
         "versions": end_round + 1, "joined_by_s": max(seen["joined"].values()) - t0,
+        "joined_s": {names.get(pid, pid): at - t0 for pid, at in sorted(seen["joined"].items())},
         "bytes": sum(p["bytes_up"] + p["bytes_down"] for p in status["participants"]),
         "utilization": {names.get(pid, pid): u for pid, u in sorted(util.items())},
         "share": {names.get(p["id"], p["id"]): p["tokens"] for p in status["participants"]},
@@ -300,6 +301,12 @@ def at_budget(r: dict[str, Any]) -> float:
     """The held-out loss at exactly the budget's tokens: the final version's, or (balanced rounds,
     whose last round passes the budget) linear between the two versions around the budget."""
     return loss_at_tokens(r["curve"], r["budget"])
+
+
+def joins(r: dict[str, Any]) -> str:
+    if "joined_s" not in r:  # a --json file written before the joins were recorded one by one
+        return f"all by {r['joined_by_s']:.1f}"
+    return " / ".join(f"{t:.1f}" for t in r["joined_s"].values())
 
 
 def report(setup: Setup, results: list[dict[str, Any]]) -> str:
@@ -330,7 +337,7 @@ def report(setup: Setup, results: list[dict[str, Any]]) -> str:
     for r in results:
         total = sum(r["share"].values()) or 1
         lines.append(f"  {r['mode']}: " + ", ".join(f"{k} {v / total:.0%}" for k, v in r["share"].items())
-                     + f"; all joined {r['joined_by_s']:.1f}s after launch")
+                     + f"; joined {joins(r)} s after launch")
     return "\n".join(lines)
 
 
