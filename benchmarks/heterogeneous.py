@@ -360,12 +360,18 @@ def main(argv: list[str] | None = None) -> int:
     setup = QUICK if args.quick else FULL
     todo = [m for m in MODES if not args.only or m.name in args.only]
     # Ctrl+C and SIGTERM end the same way: every process of the run in flight is stopped.
+    # (SIGINT too when started in the background, where the shell hands it down ignored.)
     signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="fedtrain-hetero-") as tmp:
-        base = args.keep or Path(tmp)
-        results = [run_mode(setup, m, base / m.name) for m in todo]
+    try:
+        with tempfile.TemporaryDirectory(prefix="fedtrain-hetero-") as tmp:
+            base = args.keep or Path(tmp)
+            results = [run_mode(setup, m, base / m.name) for m in todo]
+    except KeyboardInterrupt as e:
+        print(f"interrupted ({str(e) or 'Ctrl+C'}): every process of the run was stopped", file=sys.stderr)
+        return 130
     text = report(setup, results)
     print("\n" + text)
     print(f"\n{len(results)} runs in {time.perf_counter() - t0:.0f}s")
