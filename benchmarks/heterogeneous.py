@@ -26,8 +26,8 @@ Measured, per run:
 - **bytes**: sent through the coordinator, uploads plus downloads of all participants, counted
   at the first status after the budget's commit.
 
-    python benchmarks/heterogeneous.py --quick     # a few minutes on 2 cores
-    python benchmarks/heterogeneous.py             # larger model and budget (~10 minutes)
+    python benchmarks/heterogeneous.py --quick     # ~3 minutes on 2 cores
+    python benchmarks/heterogeneous.py             # larger batches and budget (~8 minutes on 2 cores)
     python benchmarks/heterogeneous.py --quick --json hetero.json --only reference rounds
 """
 
