@@ -22,8 +22,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from fedtrain.config_sections import (
+    AsyncConfig,
+    ScheduleConfig,
+    StreamingConfig,
+    check_async,
+    check_streaming,
+)
+from fedtrain.config_sections import Strict as _Strict
 from fedtrain.errors import ConfigError
 
 Algorithm = Literal["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"]
@@ -44,11 +52,6 @@ MAX_LR = 10.0
 """The largest learning rate, inner or outer: above it every step diverges."""
 SEED_RANGE = (-(2**63), 2**63 - 2)
 """Seeds `torch.manual_seed` takes, with the `seed + 1` a recipe derives from it."""
-
-
-class _Strict(BaseModel):
-    # allow_inf_nan=False: every float field refuses inf and NaN (YAML .inf, JSON Infinity).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class HFModelConfig(_Strict):
@@ -221,81 +224,6 @@ class OuterConfig(_Strict):
     )
 
 
-class ScheduleConfig(_Strict):
-    """How participants' work is paced against each other (issue #22)."""
-
-    mode: Literal["rounds", "balanced", "async"] = Field(
-        "rounds",
-        description="rounds: every participant runs train.sync_every inner steps and a round waits for them "
-        "(today's lockstep). balanced: rounds, but each participant gets its own number of inner steps, from its "
-        "measured throughput, so that all finish together (docs/schedule.md). async: no round barrier; each "
-        "update is applied to the global model as it arrives, scaled by its staleness. Live: rounds <-> balanced "
-        "switches safely at the next round boundary (each participant learns its inner steps for a round when it "
-        "starts it, and the merge is token-weighted either way).",
-    )
-    min_steps_factor: float = Field(
-        0.25,
-        gt=0,
-        le=1,
-        description="balanced: the fewest inner steps a participant is told, as a multiple of train.sync_every "
-        "(at least 1 step). Live.",
-    )
-    max_steps_factor: float = Field(
-        4.0,
-        ge=1,
-        le=16,
-        description="balanced: the most inner steps a participant is told, as a multiple of train.sync_every; "
-        "token claims are bounded by this many times a round's schedule (outer.token_slack). Live.",
-    )
-    smoothing: float = Field(
-        0.5,
-        ge=0,
-        lt=1,
-        description="balanced: weight of a participant's previous smoothed throughput in the moving average "
-        "its inner steps are set from, once a round (0: only the latest measurement counts), so that one slow "
-        "stretch does not swing its H. Live.",
-    )
-
-
-class AsyncConfig(_Strict):
-    """schedule.mode async: how each update is applied as it arrives (docs/schedule.md)."""
-
-    max_staleness: int = Field(
-        16,
-        ge=0,
-        le=1_000_000,
-        description="Most global versions an update may be behind when it is applied (its staleness: versions "
-        "committed since the one it was trained from); an older one is refused with 409 too_stale, and its "
-        "participant trains on from the current global model.",
-    )
-    staleness_fn: Literal["constant", "polynomial", "hinge"] = Field(
-        "polynomial",
-        description="How an update's weight falls with its staleness s (Xie et al., FedAsync): constant 1; "
-        "polynomial (1 + s)^-staleness_exponent; hinge 1 up to staleness_hinge, then "
-        "1 / (1 + staleness_exponent x (s - staleness_hinge)).",
-    )
-    staleness_exponent: float = Field(
-        0.5, ge=0, le=100, description="polynomial: the exponent a of (1 + s)^-a; hinge: the slope after the hinge."
-    )
-    staleness_hinge: int = Field(
-        2, ge=0, le=1_000_000, description="hinge: the staleness up to which an update keeps its full weight."
-    )
-    outer_step: Literal["delayed_nesterov", "per_update"] = Field(
-        "delayed_nesterov",
-        description="delayed_nesterov (Liu et al. 2024): each update is applied with plain SGD at the outer lr "
-        "(divided by N), and the Nesterov momentum, fed the mean of the last N updates, only once every N "
-        "applied updates; needs outer.algorithm diloco (or fedavgm with nesterov). per_update: the configured "
-        "outer optimizer steps on every update.",
-    )
-    momentum_every: int | None = Field(
-        None,
-        ge=1,
-        le=1_000_000,
-        description="delayed_nesterov: N, the applied updates per momentum step. Default: the number of active "
-        "participants when the update is applied (at least 1), as in Liu et al.",
-    )
-
-
 class RunConfig(_Strict):
     """Everything that defines a run; shared with every participant at join."""
 
@@ -308,6 +236,9 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
+    streaming: StreamingConfig | None = Field(
+        None, description="Streaming DiLoCo: sync the model in K fragments, one per round (null: off)."
+    )
     min_participants: int = Field(1, ge=1, description="Submissions needed to close at the deadline.")
     round_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Deadline of a round after it opens.")
     deadline: Literal["fixed", "adaptive"] = Field(
@@ -387,26 +318,10 @@ class RunConfig(_Strict):
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
         if self.schedule.mode == "async":
-            _check_async(self)
+            check_async(self)
+        if self.streaming is not None:
+            check_streaming(self)
         return self
-
-
-def _check_async(cfg: RunConfig) -> None:
-    """What asynchronous mode cannot do: it applies one update at a time, so nothing that needs a
-    round's updates together, and the delayed Nesterov step needs Nesterov momentum to delay."""
-    outer = cfg.outer
-    if outer.aggregator != "mean":
-        raise ValueError(f"schedule.mode async applies one update at a time: outer.aggregator {outer.aggregator} "
-                         "needs a round's updates together; use mean")
-    if outer.outlier_factor is not None:
-        raise ValueError("schedule.mode async applies one update at a time: outer.outlier_factor compares a "
-                         "round's updates; unset it")
-    if cfg.asynchronous.outer_step == "delayed_nesterov":
-        d = outer_defaults(outer)
-        if outer.algorithm not in ("diloco", "fedavgm") or not d["nesterov"] or d["momentum"] == 0:
-            raise ValueError(f"asynchronous.outer_step delayed_nesterov needs Nesterov momentum (outer.algorithm "
-                             f"diloco, or fedavgm with nesterov: true), not {outer.algorithm}; or set "
-                             "asynchronous.outer_step: per_update")
 
 
 def check_upload_limit(config: RunConfig, update_bytes: int, *, source: str = "config") -> None:

@@ -19,7 +19,20 @@ FIXED_FIELDS: dict[str, str] = {
     "name": "the run's name identifies its state",
     "seed": "the seed made the initial weights",
     "model": "the model architecture (and so the sync set) is fixed for the life of a run",
+    "streaming.fragments": "each fragment keeps its own outer optimizer state and reference weights, and the "
+    "committed rounds are mapped to fragments by K",
+    "streaming.assign": "each fragment keeps its own outer optimizer state and reference weights for the "
+    "parameters assigned to it",
 }
+
+
+def fixed_reason(path: str) -> str | None:
+    """Why the dotted field `path` cannot change during a run, or None when it can. A change of a
+    whole section (`streaming`: on or off) touches the fixed fields inside it."""
+    for field, why in FIXED_FIELDS.items():
+        if path == field or path.startswith(field + ".") or field.startswith(path + "."):
+            return why
+    return None
 
 
 def _deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -125,9 +138,9 @@ def apply_change(
     old = current.model_dump(mode="json")
     new_cfg = parse_config(_deep_merge(old, _with_algorithm_defaults(old, patch)), source=source)
     diff = config_diff(old, new_cfg.model_dump(mode="json"))
-    fixed = [p for p in diff if p.split(".")[0] in FIXED_FIELDS]
+    fixed = [p for p in diff if fixed_reason(p) is not None]
     if fixed:
-        why = FIXED_FIELDS[fixed[0].split(".")[0]]
+        why = fixed_reason(fixed[0])
         raise ConfigError(f"{source}: {', '.join(fixed)} cannot change during a run ({why})")
     if update_bytes is not None:
         check_upload_limit(new_cfg, update_bytes(new_cfg), source=source)

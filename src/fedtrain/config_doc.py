@@ -11,13 +11,14 @@ import annotated_types
 from pydantic import BaseModel
 
 from fedtrain.config import RunConfig
-from fedtrain.config_changes import FIXED_FIELDS
+from fedtrain.config_changes import fixed_reason
 
 HEADER = """# Run config reference
 
 Generated from `fedtrain.config.RunConfig` by `python -m fedtrain.config_doc > docs/config.md`
 (a test checks it is current). A run config is YAML or JSON; unknown fields are refused.
-Fields under `name`, `seed` and `model` are fixed for the life of a run; every other field
+Fields under `name`, `seed` and `model`, and `streaming.fragments` and `streaming.assign`
+(with `streaming` itself: on or off), are fixed for the life of a run; every other field
 can change live (admin API, dashboard, or SIGHUP) and takes effect at the next round boundary.
 Every number must be finite (no `.inf`, `Infinity` or NaN) and within the range shown.
 """
@@ -69,7 +70,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
             if field.default_factory is None:  # an optional section (null by default)
                 rows.append(f"| `{path}` | section | `null` | {(field.description or '').strip()} |")
             continue
-        fixed = " (fixed for the run)" if path.split(".")[0] in FIXED_FIELDS else ""
+        fixed = " (fixed for the run)" if fixed_reason(path) is not None else ""
         meaning = (field.description or "").strip() + _range(field) + fixed
         rows.append(f"| `{path}` | {_type(annotation)} | {_default(field)} | {meaning} |")
     for path, sub in nested:

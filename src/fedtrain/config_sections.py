@@ -1,0 +1,176 @@
+"""Sections of the run config about how participants' work is paced and synced: the
+schedule (issue #22), asynchronous mode, and Streaming DiLoCo (issue #21); with the checks
+that need the whole config (`check_async`, `check_streaming`, called by `RunConfig`'s
+validator). `fedtrain.config` re-exports them; import them from there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from fedtrain.config import RunConfig
+
+
+class Strict(BaseModel):
+    # allow_inf_nan=False: every float field refuses inf and NaN (YAML .inf, JSON Infinity).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+class ScheduleConfig(Strict):
+    """How participants' work is paced against each other (issue #22)."""
+
+    mode: Literal["rounds", "balanced", "async"] = Field(
+        "rounds",
+        description="rounds: every participant runs train.sync_every inner steps and a round waits for them "
+        "(today's lockstep). balanced: rounds, but each participant gets its own number of inner steps, from its "
+        "measured throughput, so that all finish together (docs/schedule.md). async: no round barrier; each "
+        "update is applied to the global model as it arrives, scaled by its staleness. Live: rounds <-> balanced "
+        "switches safely at the next round boundary (each participant learns its inner steps for a round when it "
+        "starts it, and the merge is token-weighted either way).",
+    )
+    min_steps_factor: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="balanced: the fewest inner steps a participant is told, as a multiple of train.sync_every "
+        "(at least 1 step). Live.",
+    )
+    max_steps_factor: float = Field(
+        4.0,
+        ge=1,
+        le=16,
+        description="balanced: the most inner steps a participant is told, as a multiple of train.sync_every; "
+        "token claims are bounded by this many times a round's schedule (outer.token_slack). Live.",
+    )
+    smoothing: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="balanced: weight of a participant's previous smoothed throughput in the moving average "
+        "its inner steps are set from, once a round (0: only the latest measurement counts), so that one slow "
+        "stretch does not swing its H. Live.",
+    )
+
+
+class AsyncConfig(Strict):
+    """schedule.mode async: how each update is applied as it arrives (docs/schedule.md)."""
+
+    max_staleness: int = Field(
+        16,
+        ge=0,
+        le=1_000_000,
+        description="Most global versions an update may be behind when it is applied (its staleness: versions "
+        "committed since the one it was trained from); an older one is refused with 409 too_stale, and its "
+        "participant trains on from the current global model.",
+    )
+    staleness_fn: Literal["constant", "polynomial", "hinge"] = Field(
+        "polynomial",
+        description="How an update's weight falls with its staleness s (Xie et al., FedAsync): constant 1; "
+        "polynomial (1 + s)^-staleness_exponent; hinge 1 up to staleness_hinge, then "
+        "1 / (1 + staleness_exponent x (s - staleness_hinge)).",
+    )
+    staleness_exponent: float = Field(
+        0.5, ge=0, le=100, description="polynomial: the exponent a of (1 + s)^-a; hinge: the slope after the hinge."
+    )
+    staleness_hinge: int = Field(
+        2, ge=0, le=1_000_000, description="hinge: the staleness up to which an update keeps its full weight."
+    )
+    outer_step: Literal["delayed_nesterov", "per_update"] = Field(
+        "delayed_nesterov",
+        description="delayed_nesterov (Liu et al. 2024): each update is applied with plain SGD at the outer lr "
+        "(divided by N), and the Nesterov momentum, fed the mean of the last N updates, only once every N "
+        "applied updates; needs outer.algorithm diloco (or fedavgm with nesterov). per_update: the configured "
+        "outer optimizer steps on every update.",
+    )
+    momentum_every: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="delayed_nesterov: N, the applied updates per momentum step. Default: the number of active "
+        "participants when the update is applied (at least 1), as in Liu et al.",
+    )
+
+
+class StreamingConfig(Strict):
+    """Streaming DiLoCo (docs/streaming.md): K fragments, one synced per round, every H/K steps.
+
+    Douillard et al. 2025. A round is one fragment's sync, so `rounds` counts fragment syncs."""
+
+    fragments: int = Field(
+        2,
+        ge=1,
+        le=4096,
+        description="K: the fragments the sync set is split into; round r syncs fragment r mod K, so each "
+        "fragment syncs every train.sync_every inner steps and the rounds come H/K steps apart. "
+        "train.sync_every must be a multiple of it. Fixed for the run: each fragment keeps its own outer "
+        "optimizer state and reference weights, and committed rounds are mapped to fragments by it.",
+    )
+    assign: Literal["strided", "sequential"] | list[list[str]] = Field(
+        "strided",
+        description="Which parameter goes in which fragment: strided (fragment p holds blocks p, p+K, ...: the "
+        "paper's choice), sequential (contiguous runs of blocks), or one list of name patterns (fnmatch, "
+        "whole names) per fragment. Parameters outside every block go with the block before them (embeddings "
+        "with the first). Fixed for the run, for the same reason as fragments.",
+    )
+    overlap: int = Field(
+        1,
+        ge=0,
+        le=1_000_000,
+        description="tau: inner steps trained while a fragment's sync is in flight; the fragment is sent tau "
+        "steps before its round ends and its merged result applied at the end. 0 <= tau < H/K. Live.",
+    )
+    alpha: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Mixing factor when a fragment's result arrives: theta <- (1 - alpha) * theta_global + "
+        "alpha * theta_local (alpha weights the local side, as in torchft; 0 takes the global fragment as it "
+        "comes). Live.",
+    )
+
+
+def check_async(cfg: RunConfig) -> None:
+    """What asynchronous mode cannot do: it applies one update at a time, so nothing that needs a
+    round's updates together, and the delayed Nesterov step needs Nesterov momentum to delay."""
+    outer = cfg.outer
+    if outer.aggregator != "mean":
+        raise ValueError(f"schedule.mode async applies one update at a time: outer.aggregator {outer.aggregator} "
+                         "needs a round's updates together; use mean")
+    if outer.outlier_factor is not None:
+        raise ValueError("schedule.mode async applies one update at a time: outer.outlier_factor compares a "
+                         "round's updates; unset it")
+    if cfg.asynchronous.outer_step == "delayed_nesterov":
+        from fedtrain.config import outer_defaults
+
+        d = outer_defaults(outer)
+        if outer.algorithm not in ("diloco", "fedavgm") or not d["nesterov"] or d["momentum"] == 0:
+            raise ValueError(f"asynchronous.outer_step delayed_nesterov needs Nesterov momentum (outer.algorithm "
+                             f"diloco, or fedavgm with nesterov: true), not {outer.algorithm}; or set "
+                             "asynchronous.outer_step: per_update")
+
+
+def check_streaming(cfg: RunConfig) -> None:
+    """What Streaming DiLoCo needs of the rest of the config: rounds of H/K steps that every
+    participant runs (so not balanced or asynchronous mode), H a multiple of K, tau < H/K, and no
+    late update folded into a later round (that round syncs another fragment)."""
+    st = cfg.streaming
+    assert st is not None
+    if cfg.schedule.mode != "rounds":
+        raise ValueError(f"streaming needs schedule.mode rounds, not {cfg.schedule.mode}: each round syncs one "
+                         "fragment, and every participant must sync it after the same H/K inner steps")
+    h, k = cfg.train.sync_every, st.fragments
+    if h % k:
+        raise ValueError(f"train.sync_every (H={h}) must be a multiple of streaming.fragments (K={k}): one "
+                         "fragment syncs every H/K inner steps")
+    if st.overlap >= h // k:
+        raise ValueError(f"streaming.overlap (tau={st.overlap}) must be less than H/K = {h // k}: a fragment "
+                         "must be applied before the next one is sent")
+    if cfg.late_uploads == "fold":
+        raise ValueError("streaming needs late_uploads refuse: a late update would be folded into a round "
+                         "that syncs another fragment")
+    if not isinstance(st.assign, str) and len(st.assign) != k:
+        raise ValueError(f"streaming.assign gives {len(st.assign)} pattern lists for {k} fragments; give one "
+                         "list per fragment")
