@@ -268,12 +268,9 @@ class FsdpParticipant:
         version = self._settle(outcomes)
         self._engine.adopt()
         self._enter_round(version)
-        if self._outage.active:
-            seconds = time.monotonic() - (self._outage.since or time.monotonic())
-            self.outages.append({"round": r, "seconds": round(seconds, 2), "attempts": self._outage.attempts + 1})
-            if self.rank == 0:
-                log.warning("the coordinator is back after %.0fs; synced round %d", seconds, r)
-        self._outage = OutageState()
+        ended, self._outage = self._outage.ended(r, quiet=self.rank != 0), OutageState()
+        if ended is not None:
+            self.outages.append(ended)
         self.tokens += self._round_tokens
         self._close_record(record, r, time.perf_counter() - t0)
         return True

@@ -55,14 +55,15 @@ class OutageState:
             self.next_at = now + decision.delay_s
         return decision
 
-    def ended(self, r: int) -> dict[str, Any] | None:
+    def ended(self, r: int, *, quiet: bool = False) -> dict[str, Any] | None:
         """Round r synced: the record of the outage being ridden out, if any ({"round", "seconds",
-        "attempts"}, logged); the caller starts a fresh state."""
+        "attempts"}, logged unless `quiet`); the caller starts a fresh state."""
         if self.since is None:
             return None
         seconds = time.monotonic() - self.since
-        logging.getLogger("fedtrain.participant").warning("the coordinator is back after %.0fs; synced round %d",
-                                                          seconds, r)
+        if not quiet:
+            logging.getLogger("fedtrain.participant").warning("the coordinator is back after %.0fs; synced round %d",
+                                                              seconds, r)
         return {"round": r, "seconds": round(seconds, 2), "attempts": self.attempts + 1}
 
 
