@@ -15,6 +15,10 @@ In asynchronous mode (`async_policy.py`) a round is one update, closed as soon a
 its merge scales the update by its staleness weight and takes the delayed Nesterov step,
 and the rest is the same: every applied update is a committed version.
 
+With Streaming DiLoCo (`fragments.py`) round r syncs fragment r mod K: whenever a round
+opens (after a merge, a roll back, at the start) the intake takes that fragment's tensors
+only, and the merge steps that fragment's parameters only; the record names it.
+
 A merge that is not finite (`NonFiniteStep`) is not committed: the update that moves it
 the most (`policy.largest_influence`) is refused for that round, an event names its
 participant, and the round goes back for the others to send theirs again.
