@@ -18,8 +18,10 @@ handed to torchft as modules holding those parameters.
 `simulate` runs the same replicas, data, inner and outer optimizers in this process. Compared,
 as the largest absolute difference: every replica's final local weights, and every
 fragment's global weights (torchft's `original_parameters` on each replica against the
-simulator's θ_g). For K = 1, τ = 0, α = 0 the last column also compares plain DiLoCo as
+simulator's θ_g). For K = 1, τ = 0, α = 0 a column also compares plain DiLoCo as
 fedtrain's merge computes it (`RunningSum` of the Δs, `OuterOptimizer` "diloco") with torchft.
+The last column runs every row through fedtrain itself (`fedtrain_run`: a coordinator and M
+participants over loopback) and compares its global weights with torchft's.
 One torch intra-op thread on both sides, so that reductions add up in one order.
 """
 
@@ -252,6 +254,68 @@ def fedtrain_plain_diloco(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     return outer.params
 
 
+def fedtrain_run(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The row run by fedtrain itself: a coordinator (streaming config: the row's fragments as
+    name lists, τ, α; rounds waiting for all M) and M `Participant`s in threads over loopback,
+    each training the replica's model on the replica's batches. Returns the global weights
+    once the run has finished: every sync applied in the row's steps (the fragment the last
+    step sends, if any, never arrives, as in torchft)."""
+    import threading
+
+    from fedtrain.config import RunConfig
+    from fedtrain.coordinator import BackgroundCoordinator
+    from fedtrain.participant import CoordinatorClient, Participant
+    from fedtrain.wire import write_file
+
+    s = cfg["h"] // cfg["k"]
+    run = RunConfig.model_validate({
+        "name": "streaming-compare", "rounds": cfg["steps"] // s, "min_participants": cfg["replicas"],
+        "train": {"sync_every": cfg["h"]},
+        "streaming": {"fragments": cfg["k"], "assign": cfg["fragments"], "overlap": cfg["tau"], "alpha": cfg["alpha"]},
+    })
+    token = "streaming-compare"
+    errors: list[BaseException] = []
+
+    def replica(url: str, r: int) -> None:
+        try:
+            model = build()
+            inner = inner_optimizer(cfg["inner"], list(model.parameters()))
+            with Participant(url, token=token, model=model, inner_optimizer=inner, name=f"replica{r}") as fed:
+                for t in range(cfg["steps"]):
+                    if fed.finished:
+                        break
+                    inner.zero_grad()
+                    mse(model, batch(r, t)).backward()
+                    inner.step()
+                    fed.step(tokens=8)
+        except BaseException as e:  # re-raised on the main thread
+            errors.append(e)
+
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        write_file(tmp / "init.safetensors", {n: p.detach() for n, p in build().named_parameters()})
+        with BackgroundCoordinator(tmp / "state", run, tokens=_tokens(token),
+                                   init_weights=tmp / "init.safetensors") as c:
+            threads = [threading.Thread(target=replica, args=(c.url, r)) for r in range(cfg["replicas"])]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            if errors or any(t.is_alive() for t in threads):
+                raise RuntimeError(f"a fedtrain participant failed: {errors[0] if errors else 'timed out'}")
+            with CoordinatorClient(c.url, token) as client:
+                version, weights = client.download()
+    if version != run.rounds:
+        raise RuntimeError(f"the fedtrain run ended at version {version}, not {run.rounds}")
+    return weights
+
+
+def _tokens(token: str) -> Any:
+    from fedtrain.coordinator.auth import Tokens
+
+    return Tokens(participant=[token], admin=token + "-admin")
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, list]) -> float:
     return max((a[k] - torch.tensor(v, dtype=a[k].dtype)).abs().max().item() for k, v in b.items())
 
@@ -266,7 +330,8 @@ def compare(cfg: dict[str, Any], ft: dict[str, Any]) -> dict[str, Any]:
     row = {"local": max(max_diff(sim.local[r], reps[r]["local"]) for r in range(len(reps))),
            "global": max(max_diff(sim.global_weights, rep["global"]) for rep in reps),
            "applies": sum(1 for e in sim.events if e[1] == "apply"), "commits": [r["commits"] for r in reps],
-           "seconds": ft["seconds"], "fedtrain": None}
+           "seconds": ft["seconds"], "fedtrain": None,
+           "run": max(max_diff(fedtrain_run(cfg), rep["global"]) for rep in reps)}
     if cfg["k"] == 1 and cfg["tau"] == 0 and cfg["alpha"] == 0.0:
         row["fedtrain"] = max(max_diff(fedtrain_plain_diloco(cfg), rep["global"]) for rep in reps)
     return row
@@ -278,20 +343,21 @@ def report(version: str, cfgs: list[dict[str, Any]], rows: list[dict[str, Any]])
           f"outer SGD(0.7, momentum 0.9, Nesterov) per fragment; max |difference| against torchft, "
           f"tolerance {TOLERANCE:g}")
     head = (f"{'K':>2} {'τ':>2} {'α':>4} {'inner':>6} {'M':>2} {'fragments':>10} {'applied':>7} "
-            f"{'local weights':>13} {'global weights':>14} {'fedtrain merge':>14} {'ok':>3}")
+            f"{'local weights':>13} {'global weights':>14} {'fedtrain merge':>14} {'fedtrain run':>12} {'ok':>3}")
     print(head)
     print("-" * len(head))
     ok_all = True
     for cfg, row in zip(cfgs, rows, strict=True):
         fed = "-" if row["fedtrain"] is None else f"{row['fedtrain']:.1e}"
-        worst = max(row["local"], row["global"], row["fedtrain"] or 0.0)
+        worst = max(row["local"], row["global"], row["fedtrain"] or 0.0, row["run"])
         ok = worst <= TOLERANCE and all(c == row["applies"] for c in row["commits"])
         ok_all &= ok
         print(f"{cfg['k']:>2} {cfg['tau']:>2} {cfg['alpha']:>4} {cfg['inner']:>6} {cfg['replicas']:>2} "
               f"{cfg['strategy']:>10} {row['applies']:>7} {row['local']:>13.1e} {row['global']:>14.1e} {fed:>14} "
-              f"{'yes' if ok else 'NO':>3}")
+              f"{row['run']:>12.1e} {'yes' if ok else 'NO':>3}")
     print("\napplied: syncs applied (torchft committed as many on every replica). local weights: largest difference "
-          "of any replica's final weights; global weights: of every fragment's θ_g (torchft's original_parameters).")
+          "of any replica's final weights; global weights: of every fragment's θ_g (torchft's original_parameters);\n"
+          "fedtrain run: the global weights of a real fedtrain coordinator and M participants over loopback.")
     return ok_all
 
 

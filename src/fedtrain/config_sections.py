@@ -1,17 +1,14 @@
 """Sections of the run config about how participants' work is paced and synced: the
-schedule (issue #22), asynchronous mode, and Streaming DiLoCo (issue #21); with the checks
-that need the whole config (`check_async`, `check_streaming`, called by `RunConfig`'s
-validator). `fedtrain.config` re-exports them; import them from there.
+schedule (issue #22), asynchronous mode, and Streaming DiLoCo (issue #21). What they need
+of the rest of the config is checked by `RunConfig`'s validator. `fedtrain.config`
+re-exports them; import them from there.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from fedtrain.config import RunConfig
 
 
 class Strict(BaseModel):
@@ -130,47 +127,3 @@ class StreamingConfig(Strict):
         "alpha * theta_local (alpha weights the local side, as in torchft; 0 takes the global fragment as it "
         "comes). Live.",
     )
-
-
-def check_async(cfg: RunConfig) -> None:
-    """What asynchronous mode cannot do: it applies one update at a time, so nothing that needs a
-    round's updates together, and the delayed Nesterov step needs Nesterov momentum to delay."""
-    outer = cfg.outer
-    if outer.aggregator != "mean":
-        raise ValueError(f"schedule.mode async applies one update at a time: outer.aggregator {outer.aggregator} "
-                         "needs a round's updates together; use mean")
-    if outer.outlier_factor is not None:
-        raise ValueError("schedule.mode async applies one update at a time: outer.outlier_factor compares a "
-                         "round's updates; unset it")
-    if cfg.asynchronous.outer_step == "delayed_nesterov":
-        from fedtrain.config import outer_defaults
-
-        d = outer_defaults(outer)
-        if outer.algorithm not in ("diloco", "fedavgm") or not d["nesterov"] or d["momentum"] == 0:
-            raise ValueError(f"asynchronous.outer_step delayed_nesterov needs Nesterov momentum (outer.algorithm "
-                             f"diloco, or fedavgm with nesterov: true), not {outer.algorithm}; or set "
-                             "asynchronous.outer_step: per_update")
-
-
-def check_streaming(cfg: RunConfig) -> None:
-    """What Streaming DiLoCo needs of the rest of the config: rounds of H/K steps that every
-    participant runs (so not balanced or asynchronous mode), H a multiple of K, tau < H/K, and no
-    late update folded into a later round (that round syncs another fragment)."""
-    st = cfg.streaming
-    assert st is not None
-    if cfg.schedule.mode != "rounds":
-        raise ValueError(f"streaming needs schedule.mode rounds, not {cfg.schedule.mode}: each round syncs one "
-                         "fragment, and every participant must sync it after the same H/K inner steps")
-    h, k = cfg.train.sync_every, st.fragments
-    if h % k:
-        raise ValueError(f"train.sync_every (H={h}) must be a multiple of streaming.fragments (K={k}): one "
-                         "fragment syncs every H/K inner steps")
-    if st.overlap >= h // k:
-        raise ValueError(f"streaming.overlap (tau={st.overlap}) must be less than H/K = {h // k}: a fragment "
-                         "must be applied before the next one is sent")
-    if cfg.late_uploads == "fold":
-        raise ValueError("streaming needs late_uploads refuse: a late update would be folded into a round "
-                         "that syncs another fragment")
-    if not isinstance(st.assign, str) and len(st.assign) != k:
-        raise ValueError(f"streaming.assign gives {len(st.assign)} pattern lists for {k} fragments; give one "
-                         "list per fragment")

@@ -70,6 +70,8 @@ from torch.distributed.tensor import DTensor
 from fedtrain import faults
 from fedtrain.errors import FedtrainError, StateError
 from fedtrain.participant.checkpoint import write_json_atomically
+from fedtrain.participant.group import RankGroup
+from fedtrain.wire.files import fsync_dir
 
 __all__ = ["DcpCheckpoint"]
 
@@ -206,7 +208,7 @@ class DcpCheckpoint:
             stale = self.dir / f"{_PARTIAL}stale-{final.name}"
             os.replace(final, stale)
         os.replace(partial, final)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         if stale is not None:
             shutil.rmtree(stale, ignore_errors=True)
         for old in self.dir.glob(f"{_ROUND}*"):
@@ -224,7 +226,7 @@ class DcpCheckpoint:
         if self.rank == 0:
             error = self._try(lambda: chosen.update(self._choose()))
             chosen = {"error": error} if error else chosen
-        chosen = self._broadcast_json(chosen)
+        chosen = RankGroup(self.group).broadcast_json(chosen)
         if "error" in chosen:
             raise StateError(f"the participant checkpoint in {self.dir} cannot be read: {chosen['error']}")
         if not chosen:
@@ -304,22 +306,3 @@ class DcpCheckpoint:
         why = error if error is not None else f"rank {', '.join(map(str, ranks))} failed"
         raise StateError(f"{what or f'the participant checkpoint in {self.dir} cannot be written'} "
                          f"({step}): {why}")
-
-    def _broadcast_json(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0's `payload` on every rank, as JSON bytes (no pickle)."""
-        data = json.dumps(payload).encode() if self.rank == 0 else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, group_src=0, group=self.group)
-        body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
-            torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(body, group_src=0, group=self.group)
-        return dict(json.loads(body.numpy().tobytes().decode()))
-
-def _fsync_dir(directory: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -54,14 +54,15 @@ from torch import nn
 from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.config_changes import config_diff
-from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, FedtrainError
-from fedtrain.participant.client import CoordinatorClient
+from fedtrain.errors import ConfigError, CoordinatorError, CoordinatorUnavailable, FedtrainError
+from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.participant.distributed import DistributedSyncError
 from fedtrain.participant.group import Outcome, RankGroup
+from fedtrain.participant.keys import join_as
 from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
 from fedtrain.participant.pace import told_steps
 from fedtrain.participant.presence import Presence, TokenRate
-from fedtrain.participant.runner import EvalFn, join_as, sync_set
+from fedtrain.participant.runner import EvalFn, sync_set
 from fedtrain.participant.shards import Shard, local_tensor, reshard, shard_layout
 from fedtrain.participant.sync import PieceOf, SyncEngine
 
@@ -98,6 +99,21 @@ def piece_of(rank: int, params: Mapping[str, nn.Parameter], layout: Mapping[str,
         rows={n: (s.start, s.stop) for n, s in held.items() if not s.whole},
         shapes={n: (p.dtype, tuple(p.shape)) for n, p in params.items()},  # a DTensor's shape is global
     )
+
+
+def fsdp_participant(coordinator: str | CoordinatorClient, model: nn.Module, kwargs: dict[str, Any]) -> FsdpParticipant:
+    """`Participant(coordinator, model=<a fully_shard model>, **kwargs)`: the same arguments, for
+    an FSDP participant (`Participant.__new__` hands them here)."""
+    if isinstance(coordinator, CoordinatorClient):
+        client = coordinator
+    else:
+        if kwargs.get("token") is None:
+            raise ValueError("Participant needs token= when given a coordinator URL")
+        client = CoordinatorClient(coordinator, kwargs["token"], timeouts=kwargs.get("timeouts", Timeouts()),
+                                   retry=kwargs.get("retry", RetryPolicy()), verify=kwargs.get("verify", True))
+    given = {k: kwargs[k] for k in ("name", "info", "eval_fn", "inner_optimizer", "key_file", "outage")
+             if k in kwargs}
+    return FsdpParticipant(model, client=client, **given)
 
 
 class FsdpParticipant:
@@ -252,12 +268,9 @@ class FsdpParticipant:
         version = self._settle(outcomes)
         self._engine.adopt()
         self._enter_round(version)
-        if self._outage.active:
-            seconds = time.monotonic() - (self._outage.since or time.monotonic())
-            self.outages.append({"round": r, "seconds": round(seconds, 2), "attempts": self._outage.attempts + 1})
-            if self.rank == 0:
-                log.warning("the coordinator is back after %.0fs; synced round %d", seconds, r)
-        self._outage = OutageState()
+        ended, self._outage = self._outage.ended(r, quiet=self.rank != 0), OutageState()
+        if ended is not None:
+            self.outages.append(ended)
         self.tokens += self._round_tokens
         self._close_record(record, r, time.perf_counter() - t0)
         return True
@@ -353,8 +366,12 @@ class FsdpParticipant:
     def _join(self) -> dict[str, Any]:
         """Rank 0: join (as the participant of the key file, if any) and check the run's model."""
         joined = join_as(self.client, self.name, self.info, self.key_file)
-        self._engine.check_model(joined["model"])
         pid = joined["participant_id"]
+        if joined["config"].get("streaming") is not None:
+            self.client.leave(pid, retry=self.client.retry.within(2.0))
+            raise ConfigError("this run streams (config streaming is set), and FSDP participants do not run "
+                              "Streaming DiLoCo yet: train with DDP (--parallel ddp) or one process per site")
+        self._engine.check_model(joined["model"])
         return {"participant_id": pid, "participant_key": self.client.participant_key(pid) or "",
                 "config": joined["config"], "config_version": int(joined["config_version"]),
                 "round": int(joined["current_round"]), "model": joined["model"],

@@ -96,10 +96,11 @@ class RankGroup:
         """`payload` (JSON) from rank 0 to every rank; other ranks pass anything (ignored)."""
         data = json.dumps(payload).encode() if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)  # the group's rank 0
+        dist.broadcast(size, src=src, group=self.group)
         body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data else \
             torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(body, src=0, group=self.group)
+        dist.broadcast(body, src=src, group=self.group)
         return json.loads(body.numpy().tobytes().decode())
 
     def gather_json(self, payload: Any) -> list[Any]:

@@ -13,8 +13,10 @@ outage has lasted `budget_s` does `CoordinatorUnavailable` reach the user's loop
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from fedtrain.errors import AuthError, CoordinatorError, CoordinatorUnavailable, NotACoordinatorError, TLSError
 
@@ -39,6 +41,30 @@ class OutageState:
     @property
     def active(self) -> bool:
         return self.since is not None
+
+    def fail(self, message: str, policy: OutagePolicy, budget_s: float) -> Attempt:
+        """A sync attempt failed with `message`: the decision (`next_attempt`); to retry later,
+        the outage is counted and the time of the next attempt set."""
+        now = time.monotonic()
+        self.last_error = message
+        decision = next_attempt(self, now, policy, budget_s)
+        if decision.action == "retry_later":
+            if self.since is None:
+                self.since = now
+            self.attempts += 1
+            self.next_at = now + decision.delay_s
+        return decision
+
+    def ended(self, r: int, *, quiet: bool = False) -> dict[str, Any] | None:
+        """Round r synced: the record of the outage being ridden out, if any ({"round", "seconds",
+        "attempts"}, logged unless `quiet`); the caller starts a fresh state."""
+        if self.since is None:
+            return None
+        seconds = time.monotonic() - self.since
+        if not quiet:
+            logging.getLogger("fedtrain.participant").warning("the coordinator is back after %.0fs; synced round %d",
+                                                              seconds, r)
+        return {"round": r, "seconds": round(seconds, 2), "attempts": self.attempts + 1}
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,12 @@ blocking sync runs it on the training thread, the overlapped sync (`overlap.py`)
 thread while training goes on. Every call a sync attempt makes is bounded by the outage
 policy's `attempt_s`, passed with the call (`retry=`), never set on the shared client.
 Heartbeats and the coordinator's event stream run on two threads of their own (`presence.py`).
-
-A participant acts only as itself: the client keeps the participant key of its join
-answer and presents it on every call. With `key_file` the key is also kept on disk (mode
-600), so that a participant restarted with the same file rejoins as itself at once; without
-it, a restarted participant takes its name back once the old process has failed by
-heartbeat timeout (the client waits for that).
+A participant acts only as itself, with the participant key of its join answer (`keys.py`).
+Streaming DiLoCo (config `streaming`) syncs one fragment per round (`fragments.py`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -40,7 +35,9 @@ from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
-from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
+from fedtrain.participant.fragments import FragmentSync, plan_of
+from fedtrain.participant.keys import join_as
+from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient
 from fedtrain.participant.overlap import OverlappedSync
 from fedtrain.participant.pace import Pace, told_steps
 from fedtrain.participant.presence import Presence, TokenRate
@@ -69,19 +66,10 @@ class Participant:
 
         if cls is not Participant or not is_sharded(sync_set(model)):
             return super().__new__(cls)
-        from fedtrain.participant.fsdp import FsdpParticipant
+        from fedtrain.participant.fsdp import fsdp_participant
 
-        if isinstance(coordinator, CoordinatorClient):
-            client = coordinator
-        else:
-            if kwargs.get("token") is None:
-                raise ValueError("Participant needs token= when given a coordinator URL")
-            client = CoordinatorClient(coordinator, kwargs["token"], timeouts=kwargs.get("timeouts", Timeouts()),
-                                       retry=kwargs.get("retry", RetryPolicy()), verify=kwargs.get("verify", True))
-        given = {k: kwargs[k] for k in ("name", "info", "eval_fn", "inner_optimizer", "key_file", "outage")
-                 if k in kwargs}
         # Not a Participant, so Python does not call __init__ on it: it has the same loop surface.
-        return FsdpParticipant(model, client=client, **given)  # type: ignore[return-value]
+        return fsdp_participant(coordinator, model, kwargs)  # type: ignore[return-value]
 
     def __init__(
         self,
@@ -138,6 +126,8 @@ class Participant:
                                   stats=self._heartbeat_stats)
         self._engine = SyncEngine(self.client, sync_set(model), who=name, patience_s=self._outage_budget_s)
         self._overlap = OverlappedSync(self._engine)
+        self._fragments: FragmentSync | None = None  # Streaming DiLoCo (`fragments.py`), from the join
+        self._unsent_tokens = 0  # streaming: tokens since the last fragment's Δ was taken
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -150,6 +140,9 @@ class Participant:
         self._presence.note_config_version(self.config_version)
         self._engine.prepare(joined["model"])
         self.round = self._engine.load_global(self.participant_id)
+        plan = plan_of(joined)
+        if plan is not None:
+            self._fragments = FragmentSync(self._engine, plan)
         self.finished = bool(joined["finished"])
         self._presence.start(self.participant_id)
         log.info("joined as %s at round %d (H=%d)", self.participant_id, self.round, self.sync_every)
@@ -160,8 +153,12 @@ class Participant:
         try:
             if exc[0] is None and self._overlap.pending:
                 self._land()  # the last overlapped round lands before we leave
+            if exc[0] is None and self._fragments is not None and self._fragments.pending is not None:
+                self._stream_land()  # and so does the last fragment in flight
         finally:
             self._overlap.close()
+            if self._fragments is not None:
+                self._fragments.close()
             self._presence.stop()
             self._leave(crashed=isinstance(exc[1], faults.InjectedCrash))
 
@@ -176,12 +173,12 @@ class Participant:
     @property
     def bytes_up(self) -> int:
         """Bytes of updates this participant has uploaded."""
-        return self._engine.bytes_up
+        return self._engine.bytes_up + (self._fragments.bytes_up if self._fragments is not None else 0)
 
     @property
     def bytes_down(self) -> int:
         """Bytes of global models this participant has downloaded."""
-        return self._engine.bytes_down
+        return self._engine.bytes_down + (self._fragments.bytes_down if self._fragments is not None else 0)
 
     @property
     def latest_config_version(self) -> int:
@@ -195,8 +192,8 @@ class Participant:
 
     @property
     def sync_in_flight(self) -> bool:
-        """Whether an overlapped sync has been sent and has not landed yet."""
-        return self._overlap.pending
+        """Whether an overlapped sync (or a streaming fragment's) has been sent and has not landed yet."""
+        return self._overlap.pending or (self._fragments is not None and self._fragments.pending is not None)
 
     def wait_sync_in_flight(self, timeout_s: float | None = None) -> bool:
         """Block until an overlapped sync in flight has its answer (it lands at the next `step`),
@@ -205,9 +202,10 @@ class Participant:
 
     @property
     def sync_every(self) -> int:
-        """H: the inner steps of this round, as the coordinator told them (balanced rounds give each
-        participant its own), else train.sync_every."""
-        return self._told[0] if self._told is not None else self.config.train.sync_every
+        """The inner steps of this round: H as the coordinator told it (balanced rounds give each
+        participant its own), else train.sync_every; streaming, H/K (a round syncs one fragment)."""
+        h = self._told[0] if self._told is not None else self.config.train.sync_every
+        return h // self._fragments.k if self._fragments is not None else h
 
     def on_config_change(self, callback: ConfigCallback) -> ConfigCallback:
         """Call `callback(old, new, diff)` at the round boundary where a new config takes effect
@@ -237,6 +235,9 @@ class Participant:
         if loss is not None:
             self._last_loss = float(loss)
             self._round_losses.append(float(loss))
+        if self._fragments is not None:
+            self._unsent_tokens += tokens
+            return self._stream_step()
         if self._overlap.ready:
             self._land()
             if self.finished:
@@ -336,6 +337,73 @@ class Participant:
         self.round = version
         self.finished = self.config.rounds > 0 and version >= self.config.rounds
 
+    # -- Streaming DiLoCo (`fragments.py`) ---------------------------------------------------------
+
+    def _stream_step(self) -> bool:
+        """After a step of a streaming run: send this round's fragment τ steps before the round's
+        end, land it at the end (in the overlapped mode: at the first step after it is there)."""
+        fs = self._fragments
+        assert fs is not None
+        s = self.sync_every
+        if fs.pending is not None:
+            if self._round_steps < s or (self.config.train.overlap and not fs.ready):
+                return False
+            return self._stream_land()
+        if self._round_steps >= s:  # τ = 0, or a send that failed: the whole exchange now
+            return time.monotonic() >= self._outage.next_at and self._stream_land()
+        tau = self.config.streaming.overlap if self.config.streaming is not None else 0
+        if tau > 0 and self._round_steps >= s - tau and time.monotonic() >= self._outage.next_at:
+            r = self.round
+            faults.hit("participant.sync", who=self.name or self.participant_id, round=r)
+            fs.send(r, self.participant_id, self.config, tokens=max(1, self._unsent_tokens),
+                    retry=self._attempt_retry)
+            self._unsent_tokens = 0
+        return False
+
+    def _stream_land(self) -> bool:
+        """Land the fragment in flight (waiting for it), or, with none in flight (τ = 0, or an
+        attempt after a failure), run round r's fragment exchange on the training thread."""
+        fs = self._fragments
+        assert fs is not None
+        t0, r = time.perf_counter(), self.round
+        try:
+            if fs.pending is not None:
+                r, version = fs.pending.round, fs.wait()[1]
+            else:
+                faults.hit("participant.sync", who=self.name or self.participant_id, round=r)
+                if self._outage.active and not self._coordinator_back():
+                    return False
+                version = fs.fetch(r, self.participant_id, self.config, tokens=max(1, self._unsent_tokens),
+                                   retry=self._attempt_retry)
+                self._unsent_tokens = 0
+        except CoordinatorError as e:
+            if not is_transient(e):
+                raise
+            self._outage_failed(r, e)  # the round's exchange is tried again, whole, after a backoff
+            return False
+        return self._stream_landed(r, fs.of(r), version, time.perf_counter() - t0)
+
+    def _stream_landed(self, r: int, fragment: int, version: int, blocked_s: float) -> bool:
+        """Round r's result (`version`) is in fragment `fragment`'s snapshot: evaluate before,
+        mix it in, evaluate after, report, take the next round's config. A result from further
+        on than r + 1 (rounds went on without us), or the last round's, takes the whole global model."""
+        fs = self._fragments
+        assert fs is not None
+        record = self._open_record(r)
+        record["fragment"] = fragment
+        alpha = self.config.streaming.alpha if self.config.streaming is not None else 0.0
+        fs.mix(fragment, alpha)
+        last = self.config.rounds > 0 and version >= self.config.rounds
+        if last or version not in (r, r + 1):  # the run is over: end on the global model, every fragment
+            if not last:
+                log.warning("round %d ended at version %d: rounds went on without us; taking the global model", r,
+                            version)
+            version = self._engine.load_global(self.participant_id, retry=self._attempt_retry)
+        self._enter_round(version)
+        self._outage_over(r)
+        self._close_record(record, r, blocked_s)
+        return True
+
     # -- riding out an outage ----------------------------------------------------------------------
 
     def _attempt_sync(self, r: int) -> bool:
@@ -351,12 +419,14 @@ class Participant:
             self._outage_failed(r, e)
             return False
         self._enter_round(version)
-        if self._outage.active:
-            seconds = time.monotonic() - (self._outage.since or time.monotonic())
-            self.outages.append({"round": r, "seconds": round(seconds, 2), "attempts": self._outage.attempts + 1})
-            log.warning("the coordinator is back after %.0fs; synced round %d", seconds, r)
-        self._outage = OutageState()
+        self._outage_over(r)
         return True
+
+    def _outage_over(self, r: int) -> None:
+        """Round r synced: an outage being ridden out is over (and recorded)."""
+        ended, self._outage = self._outage.ended(r), OutageState()
+        if ended is not None:
+            self.outages.append(ended)
 
     def _coordinator_back(self) -> bool:
         """During an outage: a cheap probe before spending an eval and an upload on an attempt."""
@@ -368,15 +438,9 @@ class Participant:
         return True
 
     def _outage_failed(self, r: int, error: CoordinatorError) -> None:
-        now = time.monotonic()
-        self._outage.last_error = error.message
-        decision = next_attempt(self._outage, now, self.outage_policy, self._outage_budget_s)
+        decision = self._outage.fail(error.message, self.outage_policy, self._outage_budget_s)
         if decision.action == "give_up":
             raise CoordinatorUnavailable(decision.reason, status=0, code="unavailable")
-        if self._outage.since is None:
-            self._outage.since = now
-        self._outage.attempts += 1
-        self._outage.next_at = now + decision.delay_s
         log.warning("round %d: %s", r, decision.reason)
 
     def _apply_config(self) -> None:
@@ -434,40 +498,3 @@ class Participant:
         return {"step": self.steps, "round": self.round, "loss": self._last_loss,
                 "tokens_per_s": self._rate.per_second(), "steps_per_s": self._pace.steps_per_s,
                 "config_version": self.config_version}
-
-
-def join_as(client: CoordinatorClient, name: str | None, info: dict[str, Any],
-            key_file: Path | None) -> dict[str, Any]:
-    """Join the run; with `key_file`, as the participant whose key it keeps (and keep the
-    key of this join there). Returns the join answer."""
-    saved = _read_key_file(key_file) if key_file is not None else None
-    if saved is not None and name in (None, saved[0]):  # rejoin as itself, under the name it had
-        name = saved[0]
-        client.remember_key(*saved)
-    joined = client.join(name, info)
-    pid = joined["participant_id"]
-    key = client.participant_key(pid)
-    if key_file is not None and key is not None and saved != (pid, key):
-        _write_key_file(key_file, pid, key)
-    return joined
-
-
-def _read_key_file(path: Path) -> tuple[str, str] | None:
-    """(participant id, participant key) kept in `path`, or None when there is none to use."""
-    try:
-        data = json.loads(path.read_text())
-        pid, key = data["participant_id"], data["participant_key"]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("ignoring the participant key file %s: %s", path, e)
-        return None
-    return (pid, key) if isinstance(pid, str) and isinstance(key, str) else None
-
-
-def _write_key_file(path: Path, pid: str, key: str) -> None:
-    """Keep `key` in `path`, readable by its owner only (mkstemp's mode 600), replaced whole."""
-    from fedtrain.participant.checkpoint import write_json_atomically
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomically(path, {"participant_id": pid, "participant_key": key})

@@ -100,6 +100,23 @@ class SyncEngine:
         self._snapshot: dict[str, torch.Tensor] = {}  # set aside by `prepare`, at join
         self._holds: Holds = "reference"
         self._feedback = ErrorFeedback()
+        self._only = False  # a fragment's engine: downloads name its tensors (`fragment`)
+
+    def fragment(self, names: list[str]) -> SyncEngine:
+        """An engine over the tensors `names` of this one's sync set (a Streaming DiLoCo
+        fragment), sharing this engine's snapshot tensors: the fragment's reference weights
+        are this engine's, so a download of the whole model (`load_global`) sets every
+        fragment's. It uploads those tensors only, downloads only them, and keeps its own
+        error feedback and byte counts. Call after `prepare`."""
+        unknown = [n for n in names if n not in self._snapshot]
+        if unknown or not names:
+            raise ModelMismatchError(f"the coordinator's fragment names tensors this model does not sync: "
+                                     f"{', '.join(unknown[:5]) or '(none)'}")
+        engine = SyncEngine(self.client, {n: self.params[n] for n in names}, who=self.who,
+                            patience_s=self.patience_s)
+        engine._snapshot = {n: self._snapshot[n] for n in names}
+        engine._only = True
+        return engine
 
     @property
     def snapshot_bytes(self) -> int:
@@ -245,7 +262,10 @@ class SyncEngine:
             self._holds = "reference"
             return -1
         which: dict[str, Any] = {"version": version} if version is not None else {}
-        if self.piece is None:
+        if self._only:
+            got, _ = self.client.download(pid=pid, rows=dict.fromkeys(self._snapshot), allocate=self._allocate_rows,
+                                          retry=retry, **which)
+        elif self.piece is None:
             got, _ = self.client.download(pid=pid, allocate=self._allocate, on_header=self._check_header,
                                           retry=retry, **which)
         else:
@@ -265,6 +285,30 @@ class SyncEngine:
                     p.copy_(self._snapshot[n])
                 else:
                     p.add_((self._snapshot[n] - sent[n]).to(p.device, p.dtype))
+        self._holds = "reference"
+
+    def mix(self, alpha: float) -> None:
+        """Streaming DiLoCo's apply: θ ← (1 − α)·θ_global + α·θ_local, with θ_global the
+        downloaded weights (which stay the reference of the next Δ) and θ_local the model's
+        now; as torchft computes it (`θ_global.lerp(θ_local, α)`). α = 0 is `adopt`."""
+        if alpha == 0.0:
+            self.adopt()
+            return
+        with torch.no_grad():
+            for n, p in self.params.items():
+                local = p.detach().to("cpu", self._snapshot[n].dtype)
+                p.copy_(self._snapshot[n].lerp(local, alpha).to(p.device, p.dtype))
+        self._holds = "reference"
+
+    def undo_delta(self, sent: dict[str, torch.Tensor]) -> None:
+        """After a failed exchange whose Δ was taken against `sent` (`take_delta(sent)`): the
+        reference back into the snapshot (Δ + θ_sent = θ_round, to rounding). A download cut
+        short is left as it is: only a fresh download (`fetch`) mends it."""
+        if self._holds != "delta":
+            return
+        with torch.no_grad():
+            for n, t in sent.items():
+                self._snapshot[n].add_(t)
         self._holds = "reference"
 
     def restore(self, sent: dict[str, torch.Tensor] | None = None) -> None:

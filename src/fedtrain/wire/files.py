@@ -70,7 +70,7 @@ class PendingFile:
         except BaseException:
             self.discard()
             raise
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def discard(self) -> None:
         if os.path.exists(self.tmp):
@@ -185,7 +185,8 @@ def _open_spare(path: str | os.PathLike[str]) -> tuple[int, str] | None:
         return None
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """fsync a directory, so that a rename or a new file in it is durable (a no-op off POSIX)."""
     # The rename is durable only once the directory entry is; Windows cannot open dirs.
     if os.name != "posix":
         return

@@ -1,0 +1,128 @@
+"""A streaming participant's fragments (`participant/fragments.py`, `SyncEngine.fragment`),
+over a scripted coordinator: each round sends its fragment's Δ only and downloads only its
+tensors, the arriving weights are mixed with α, and a failed exchange puts the reference back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+from fedtrain.config import RunConfig
+from fedtrain.errors import CoordinatorUnavailable, ModelMismatchError
+from fedtrain.participant.fragments import FragmentSync, plan_of
+from fedtrain.participant.sync import SyncEngine
+from fedtrain.wire import TensorSpec
+
+
+class Scripted:
+    """A CoordinatorClient's surface: `model` is the global model of `version`; `rows`
+    downloads send only the tensors named; every upload is kept, decoded."""
+
+    def __init__(self, model: dict[str, torch.Tensor], version: int = 0) -> None:
+        self.model, self.version = model, version
+        self.uploads: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.downloads: list[list[str]] = []
+        self.fail_upload = False
+
+    def upload(self, r: int, pid: str, body: Any, tokens: int, **_: Any) -> dict:
+        if self.fail_upload:
+            raise CoordinatorUnavailable("gone", status=0, code="unavailable")
+        self.uploads.append((r, safetensors.torch.load(b"".join(bytes(c) for c in body))))
+        return {}
+
+    def wait_round(self, r: int, pid: str | None, wait_s: float = 25.0, **_: Any) -> dict:
+        return {"round": r, "state": "closed"}
+
+    def download(self, *, pid: str, allocate: Any, on_header: Any = None, rows: Any = None, **_: Any) -> tuple:
+        names = list(self.model) if rows is None else list(rows)
+        self.downloads.append(names)
+        specs = {n: TensorSpec(n, self.model[n].dtype, tuple(self.model[n].shape)) for n in names}
+        if on_header is not None:
+            on_header(specs, {})
+        for n in names:
+            allocate(specs[n]).copy_(self.model[n])
+        return self.version, {}
+
+
+def setup(a: float = 1.0, b: float = 2.0) -> tuple[Scripted, SyncEngine, dict[str, torch.nn.Parameter]]:
+    params = {"a": torch.nn.Parameter(torch.zeros(3)), "b": torch.nn.Parameter(torch.zeros(2))}
+    client = Scripted({"a": torch.full((3,), a), "b": torch.full((2,), b)})
+    engine = SyncEngine(client, params, who="site")  # type: ignore[arg-type]
+    engine.prepare({"a": {"dtype": "F32", "shape": [3]}, "b": {"dtype": "F32", "shape": [2]}})
+    engine.load_global("p")
+    return client, engine, params
+
+
+def test_a_round_sends_and_fetches_its_fragment_only() -> None:
+    client, engine, params = setup()
+    fs = FragmentSync(engine, [["a"], ["b"]])
+    with torch.no_grad():
+        params["a"].sub_(0.5)
+        params["b"].sub_(0.25)
+    client.model = {"a": torch.full((3,), 3.0), "b": torch.full((2,), 9.0)}
+    client.version = 1
+    assert fs.of(0) == 0 and fs.of(1) == 1 and fs.of(2) == 0
+    assert fs.fetch(0, "p", RunConfig(), tokens=4, retry=None) == 1
+    fs.mix(0, 0.0)
+    (r, up), = client.uploads
+    assert r == 0 and set(up) == {"a"} and torch.equal(up["a"], torch.full((3,), 0.5))  # Δ = θ_g − θ
+    assert client.downloads[-1] == ["a"]
+    assert torch.equal(params["a"].detach(), torch.full((3,), 3.0))  # α = 0: the global fragment as it comes
+    assert torch.equal(params["b"].detach(), torch.full((2,), 1.75))  # the other fragment keeps training
+    assert fs.bytes_up > 0 and fs.bytes_down == 3 * 4
+
+
+def test_the_arriving_fragment_is_mixed_with_alpha_and_stays_the_reference() -> None:
+    client, engine, params = setup(a=1.0)
+    fs = FragmentSync(engine, [["a"], ["b"]])
+    with torch.no_grad():
+        params["a"].copy_(torch.full((3,), 2.0))  # θ_sent = 2: Δ = -1
+    client.model["a"] = torch.full((3,), 4.0)
+    client.version = 1
+    fs.send(0, "p", RunConfig(), tokens=4, retry=None)
+    with torch.no_grad():
+        params["a"].add_(1.0)  # τ more steps: θ_local = 3 at the apply
+    sent, version = fs.wait()
+    assert (sent.round, sent.fragment, version) == (0, 0, 1)
+    fs.mix(0, 0.25)
+    assert torch.allclose(params["a"].detach(), torch.full((3,), 0.75 * 4.0 + 0.25 * 3.0))
+    assert torch.equal(client.uploads[0][1]["a"], torch.full((3,), -1.0))  # measured at the send
+    with torch.no_grad():
+        params["a"].copy_(torch.full((3,), 5.0))
+    client.version = 2
+    fs.fetch(2, "p", RunConfig(), tokens=4, retry=None)  # fragment 0 again: Δ against θ_g = 4, not the mix
+    assert torch.equal(client.uploads[-1][1]["a"], torch.full((3,), -1.0))
+
+
+def test_a_failed_send_puts_the_reference_back() -> None:
+    client, engine, params = setup(a=1.0)
+    fs = FragmentSync(engine, [["a"], ["b"]])
+    with torch.no_grad():
+        params["a"].copy_(torch.full((3,), 1.5))
+    client.fail_upload = True
+    fs.send(0, "p", RunConfig(), tokens=4, retry=None)
+    with pytest.raises(CoordinatorUnavailable):
+        fs.wait()
+    assert fs.pending is None and fs.engines[0].holds == "reference"
+    client.fail_upload = False
+    fs.fetch(0, "p", RunConfig(), tokens=4, retry=None)  # the next attempt: Δ against θ_g = 1 again
+    assert torch.equal(client.uploads[-1][1]["a"], torch.full((3,), -0.5))
+
+
+def test_a_fragment_naming_tensors_the_model_does_not_sync_is_refused() -> None:
+    _, engine, _ = setup()
+    with pytest.raises(ModelMismatchError, match="fragment"):
+        FragmentSync(engine, [["a"], ["c"]])
+
+
+def test_the_plan_comes_from_the_join_answer() -> None:
+    assert plan_of({"config": {}}) is None
+    assert plan_of({"config": {"streaming": {"fragments": 2}}, "streaming": {"fragments": [["a"], ["b"]], "k": 2}}) \
+        == [["a"], ["b"]]
+    with pytest.raises(ModelMismatchError, match="no fragment plan"):
+        plan_of({"config": {"streaming": {"fragments": 2}}})
+    with pytest.raises(ModelMismatchError, match="not a list"):
+        plan_of({"config": {}, "streaming": {"fragments": [["a"], []]}})
