@@ -19,6 +19,7 @@ from fedtrain import faults
 from fedtrain.config import RunConfig, outer_defaults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.merge import build_torch_optimizer
+from fedtrain.merge.robust import aggregate_tensor
 from fedtrain.report import format_status
 from fedtrain.streaming import fragments
 from fedtrain.wire import DIGEST_HEADER, read_tensors
@@ -226,6 +227,31 @@ def test_a_failed_commit_and_an_admin_roll_back_reopen_the_right_fragment(tmp_pa
     ref.round(3, deltas)
     for n in final:
         assert torch.equal(final[n], ref.weights[n]), n
+
+
+def test_a_robust_aggregator_takes_the_rounds_fragment_only(tmp_path: Path) -> None:
+    """The median keeps every update on disk until the close and aggregates them tensor by
+    tensor: over the round's fragment, and only it moves."""
+    cfg = tiny_config(rounds=2, train={"sync_every": 4}, model={"n_layer": 2}, outer={"aggregator": "median"},
+                      streaming={"fragments": 2, "overlap": 0})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c:
+        http, frags, shapes = joined(c)
+        start = download(http)[1]
+        for r in (0, 1):
+            deltas = sync(c, http, r, frags, shapes)
+            after = download(http)[1]
+            moved = {n for n in after if not torch.equal(after[n], start[n])}
+            assert moved == set(frags[r]), r
+            median = {n: aggregate_tensor([deltas[w][n] for w in TOKENS], "median", cfg.outer.trim_fraction)
+                      for n in frags[r]}  # (fedtrain's median, checked against its references in test_robust)
+            hp = outer_defaults(cfg.outer)
+            want = {n: start[n].clone() for n in frags[r]}
+            opt = build_torch_optimizer(list(want.values()), "diloco", hp)
+            for n, t in want.items():
+                t.grad = median[n]
+            opt.step()
+            assert all(torch.equal(after[n], want[n]) for n in frags[r]), r
+            start = after
 
 
 @pytest.mark.parametrize(("streaming", "words"), [
