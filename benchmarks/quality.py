@@ -1,126 +1,65 @@
-"""Learning quality: DiLoCo, FedAvg and FedOpt against synchronous data parallelism, same tokens.
+"""Learning quality: DiLoCo, Streaming DiLoCo, FedAvg and FedOpt against synchronous data parallelism, same tokens.
 
-An in-process simulation of a run of M participants: each has its own copy of the built-in
-byte-level GPT and its own AdamW inner optimizer (kept across rounds), trains H inner steps
-on its own data, and its Δ = θ_r − θᵢ is merged exactly as the coordinator merges it
-(`fedtrain.merge`: token-weighted `RunningSum`, then `OuterOptimizer.step`). Uploads are
-encoded as the participant encodes them (`fedtrain.wire.compress`, optional error feedback)
-and counted in bytes with `EncodedBody.content_length`. The baseline is synchronous data
-parallelism with M workers, simulated by accumulating the gradients of M micro-batches (one
-from each participant's stream, so every method sees the very same tokens) into one AdamW
-step. Every method gets the same inner learning-rate schedule, seeds and token budget, and
-the global model is evaluated on the fixed held-out stdlib modules (`heldout_paths()`).
+An in-process simulation of a run of M participants (`quality_sim.py`: each its own model and
+AdamW inner optimizer, Δs merged as the coordinator merges them, bytes counted as sent). The
+baseline is synchronous data parallelism with M workers, simulated by accumulating the
+gradients of M micro-batches (one from each participant's stream, so every method sees the
+very same tokens) into one AdamW step. Every method gets the same inner learning-rate
+schedule shape, seeds and token budget, and the global model is evaluated on the fixed
+held-out stdlib modules (`heldout_paths()`). Two studies:
 
-    python benchmarks/quality.py                  # the full study (about an hour on 2 cores)
-    python benchmarks/quality.py --quick          # a few minutes: smaller model, fewer steps
-    python benchmarks/quality.py --jobs 2 --cache /tmp/quality-cache
+- `tokens5` (the default): M = 4, 2.05 M tokens (about 5 per parameter), H ∈ {10, 50, 100},
+  FedAvg, FedAdam, IID, int8, warm-up (issue #3).
+- `tokens20`: about 20 tokens per parameter (8.97 M tokens) at M = 2 and 4: DP, DiLoCo and
+  Streaming DiLoCo at H = 30, FedAvg, an outer-lr sweep; and at 2.05 M tokens an outer-lr
+  sweep over H (issue #21). One run of 8.97 M tokens takes about 13 min of one core.
+
+    python benchmarks/quality.py                  # tokens5 (about an hour on 2 cores)
+    python benchmarks/quality.py --quick          # a minute or two: smaller model, fewer steps
+    python benchmarks/quality.py --study tokens20 --jobs 1 --cache DIR   # about 5 CPU-hours
+    python benchmarks/quality.py --study tokens20 --quick
     python benchmarks/quality.py --only dp diloco-h100 --cache /tmp/quality-cache
+    python benchmarks/quality.py --study tokens20 --cache DIR --cached-only   # report what is done
 
-Writes `quality.md` (settings, table, goals; hand-written text outside the generated block is
-kept on a rerun) and `quality.png` (held-out loss against tokens) into --out-dir (default
-docs/, or a temporary directory with --quick). `--cache DIR` keeps one JSON per finished run,
-keyed by its settings, so an interrupted or extended study only runs what is missing.
+Writes `quality.md` (tokens5 and tokens20 each fill their own generated block; hand-written
+text outside it is kept on a rerun) and a plot (`quality.png`, `quality-tokens20.png`) into
+--out-dir (default docs/, or a temporary directory with --quick). `--cache DIR` keeps one JSON
+per finished run, keyed by its settings and written as soon as the run ends, so an
+interrupted or extended study only runs what is missing: rerun the same command to resume.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import copy
 import dataclasses
 import hashlib
 import json
-import math
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from quality_report import goals, plot, table, write_markdown
-
-from fedtrain.config import ModelConfig, OuterConfig, outer_defaults
-from fedtrain.merge import OuterOptimizer, RunningSum, contribution_weights, pseudo_gradient
-from fedtrain.recipes import (
-    TokenStream,
-    build_model,
-    count_parameters,
-    evaluate,
-    heldout_paths,
-    load_tokens,
-    stdlib_shards,
-)
-from fedtrain.wire import EncodedBody
-from fedtrain.wire.compress import ErrorFeedback, compress, decompress
-
-IID_CHUNK = 4096  # bytes per piece when the pooled corpus is dealt out at random (IID split)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What every method of one study shares: model, data, inner optimizer, budget, evaluation."""
-
-    n_layer: int = 2
-    n_embd: int = 128
-    n_head: int = 4
-    seq_len: int = 64
-    batch_size: int = 8  # sequences per inner step of one participant (one DP micro-batch)
-    workers: int = 4  # M
-    steps: int = 1000  # inner steps per participant (= DP steps); tokens = steps·M·batch·seq_len
-    lr: float = 3e-3  # peak inner AdamW learning rate
-    warmup_frac: float = 0.05  # linear warm-up of the inner lr, then cosine decay ...
-    final_lr_frac: float = 0.1  # ... down to this fraction of the peak
-    grad_clip: float = 1.0
-    eval_every: int = 50  # inner steps between held-out evaluations (DiLoCo: at the next round end)
-    eval_batches: int = 16
-    eval_batch_size: int = 32
-    seed: int = 0
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.workers * self.batch_size * self.seq_len
-
+from quality_report import goals, plot, plot_tokens20, table, tokens20_text, write_markdown
+from quality_sim import RUNS, Log, Method, Setup, check_stream_is_diloco
 
 FULL = Setup()
 QUICK = Setup(n_layer=1, n_embd=64, n_head=2, seq_len=32, steps=200, eval_every=20, eval_batches=8)
-
-
-@dataclass(frozen=True)
-class Method:
-    """One row of the table: the baseline, or a federated run with its outer optimizer and options."""
-
-    name: str
-    group: str  # main | tuning | investigation
-    kind: str = "fed"  # dp | fed | solo (participant 0 alone, a quarter of the tokens)
-    algorithm: str = "diloco"
-    sync_every: int = 0  # H
-    outer_lr: float | None = None  # None: outer_defaults
-    split: str = "noniid"  # noniid (stdlib_shards) | iid (pooled and dealt out at random)
-    compression: str = "none"  # none | int8
-    error_feedback: bool = False
-    sync_warmup: int = 0  # first inner steps trained as synchronous DP, then federated from there
-
-    def describe(self) -> str:
-        if self.kind == "dp":
-            return "synchronous data-parallel (AdamW, grad accumulation over M micro-batches)"
-        if self.kind == "solo":
-            return "one participant alone on its shard (¼ of the tokens), no communication"
-        hp = outer_defaults(OuterConfig(algorithm=self.algorithm, lr=self.outer_lr))  # type: ignore[arg-type]
-        parts = [f"{self.algorithm} H={self.sync_every}", f"outer lr {hp['lr']:g}"]
-        if self.split == "iid":
-            parts.append("IID split")
-        if self.compression != "none":
-            parts.append(f"{self.compression} Δ" + (" + error feedback" if self.error_feedback else ""))
-        if self.sync_warmup:
-            parts.append(f"first {self.sync_warmup} steps synchronous")
-        return ", ".join(parts)
+# 20 tokens per parameter for the built-in 437,760-parameter model: 8760 steps at M = 2 (4380 at
+# M = 4) of 8×64 tokens per participant is 8.97 M tokens, a multiple of H = 30 at both M (K = 4
+# at H = 32 ends on a flush); the short budget is tokens5's 2.05 M (2000 steps at M = 2, 1000 at M = 4).
+TOKENS20 = Setup(workers=2, steps=8760, short_steps=2000, eval_every=150)
+QUICK20 = Setup(n_layer=2, n_embd=64, n_head=2, seq_len=32, workers=2, steps=240, short_steps=120, eval_every=40,
+                eval_batches=8)
 
 
 def methods() -> list[Method]:
-    """Every run of the study, most important first."""
+    """Every run of the tokens5 study, most important first."""
     out = [Method("dp", "main", kind="dp")]
     for h in (10, 50, 100):
         out.append(Method(f"diloco-h{h}", "main", sync_every=h))
@@ -142,227 +81,109 @@ def methods() -> list[Method]:
     return out
 
 
-# ---- data, schedule, evaluation ----------------------------------------------------------------
+# The outer lr grid of the 2.05 M-token sweep, by H. At H = 10 tokens5 measured lr 0.7 far worse
+# than 0.1 (2.513 vs 1.913, M = 4), so its grid reaches down to 0.1 and leaves out 1.0.
+SHORT_GRID = {10: (0.1, 0.4, 0.7), 30: (0.4, 0.7, 1.0), 100: (0.4, 0.7, 1.0)}
 
 
-def worker_tokens(setup: Setup, split: str) -> list[torch.Tensor]:
-    """The training tokens of each participant: its stdlib shard, or a random quarter of all."""
-    shards = [load_tokens(paths) for paths in stdlib_shards(setup.workers)]
-    if split == "noniid":
-        return shards
-    pool = torch.cat(shards)
-    pieces = pool[: pool.numel() // IID_CHUNK * IID_CHUNK].view(-1, IID_CHUNK)
-    order = torch.randperm(pieces.size(0), generator=torch.Generator().manual_seed(setup.seed + 7))
-    return [pieces[order[k :: setup.workers]].reshape(-1) for k in range(setup.workers)]
+def methods_tokens20() -> list[Method]:
+    """Every run of the tokens20 study, most important first. Outer lrs are pinned (not the
+    defaults), so that a later change of `outer_defaults` cannot reuse a cached run under a new
+    meaning. K = 4 needs H divisible by 4: H = 32 (S = 8), the nearest multiple above 30, so
+    that K = 4 never syncs more often than DiLoCo at H = 30."""
+    ms = (2, 4)
+
+    def stream(m: int, h: int, k: int, tau: int) -> Method:
+        return Method(f"m{m}-stream-h{h}-k{k}-t{tau}", "main", kind="stream", sync_every=h, outer_lr=0.7,
+                      workers=m, fragments=k, fragment_split="strided" if k == 2 else "sublayer", overlap=tau,
+                      alpha=0.5)
+
+    out = [Method(f"m{m}-dp", "main", kind="dp", workers=m) for m in ms]
+    out += [Method(f"m{m}-diloco-h30", "main", sync_every=30, outer_lr=0.7, workers=m) for m in ms]
+    out += [stream(m, 30, 2, tau) for m in ms for tau in (1, 5)]
+    out += [stream(m, 32, 4, tau) for m in ms for tau in (1, 5)]
+    out += [Method(f"m{m}-fedavg-h30", "main", algorithm="fedavg", sync_every=30, outer_lr=1.0, workers=m) for m in ms]
+    out += [Method(f"m{m}-diloco-h30-lr{lr:g}", "tuning", sync_every=30, outer_lr=lr, workers=m)
+            for m in ms for lr in (0.4, 1.0)]
+    out += [Method(f"m{m}-short-dp", "short", kind="dp", workers=m, budget="short") for m in ms]
+    out += [Method(f"m{m}-short-diloco-h{h}-lr{lr:g}", "short", sync_every=h, outer_lr=lr, workers=m, budget="short")
+            for h in (10, 100, 30) for m in ms for lr in SHORT_GRID[h]]
+    return out
 
 
-def worker_streams(setup: Setup, split: str) -> list[TokenStream]:
-    return [
-        TokenStream(t, batch_size=setup.batch_size, seq_len=setup.seq_len, seed=setup.seed + 1000 + k,
-                    heldout_fraction=0.0)
-        for k, t in enumerate(worker_tokens(setup, split))
-    ]
-
-
-def heldout_batches(setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed windows spread evenly over the held-out stdlib modules (the same for every method)."""
-    stream = TokenStream(load_tokens(heldout_paths()), batch_size=setup.eval_batch_size, seq_len=setup.seq_len,
-                         seed=0, heldout_fraction=0.99)
-    return list(stream.eval_batches(setup.eval_batches))
-
-
-def lr_at(setup: Setup, step: int) -> float:
-    """Linear warm-up, then cosine decay to final_lr_frac of the peak at the last step."""
-    warm = max(1, round(setup.warmup_frac * setup.steps))
-    if step < warm:
-        return setup.lr * (step + 1) / warm
-    progress = (step - warm) / max(1, setup.steps - warm)
-    floor = setup.final_lr_frac
-    return setup.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def new_model(setup: Setup) -> tuple[torch.nn.Module, torch.optim.AdamW]:
-    cfg = ModelConfig(n_layer=setup.n_layer, n_embd=setup.n_embd, n_head=setup.n_head, block_size=setup.seq_len)
-    model = build_model(cfg, seed=setup.seed)
-    return model, torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
-
-
-def inner_step(setup: Setup, model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, step: int) -> None:
-    """One AdamW step on the mean loss over `batches` (one batch: a participant; M: DP)."""
-    for group in opt.param_groups:
-        group["lr"] = lr_at(setup, step)
-    for x, y in batches:
-        _, loss = model(x, y)
-        assert loss is not None
-        (loss / len(batches)).backward()
-    if setup.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), setup.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def dp_bytes(setup: Setup, n_params: int, steps: int) -> int:
-    """Ring all-reduce of the fp32 gradient: 2(M−1)/M × gradient bytes per worker per step."""
-    m = setup.workers
-    return round(steps * m * 2 * (m - 1) / m * 4 * n_params)
-
-
-class Curve:
-    """Held-out loss against tokens, evaluated every `eval_every` inner steps (or the round after)."""
-
-    def __init__(self, setup: Setup, tokens_per_step: int | None = None) -> None:
-        self.setup = setup
-        self.tokens_per_step = tokens_per_step or setup.tokens_per_step
-        self.batches = heldout_batches(setup)
-        self.points: list[tuple[int, float]] = []
-        self.next_at = 0
-
-    def maybe(self, model: torch.nn.Module, step: int, force: bool = False) -> None:
-        if step >= self.next_at or force:
-            self.points.append((step * self.tokens_per_step, evaluate(model, self.batches)))
-            while self.next_at <= step:
-                self.next_at += self.setup.eval_every
-
-
-# ---- the two kinds of run ----------------------------------------------------------------------
-
-
-def run_dp(setup: Setup, method: Method, log: Any) -> dict[str, Any]:
-    model, opt = new_model(setup)
-    streams = worker_streams(setup, method.split)
-    if method.kind == "solo":
-        streams = streams[:1]
-    curve = Curve(setup, len(streams) * setup.batch_size * setup.seq_len)
-    curve.maybe(model, 0)
-    for step in range(setup.steps):
-        inner_step(setup, model, opt, [s.next_batch() for s in streams], step)
-        curve.maybe(model, step + 1, force=step + 1 == setup.steps)
-        if (step + 1) % 100 == 0:
-            log(f"step {step + 1}/{setup.steps} eval {curve.points[-1][1]:.4f}")
-    n = count_parameters(model)
-    sent = dp_bytes(setup, n, setup.steps) if method.kind == "dp" else 0
-    return {"curve": curve.points, "bytes": sent, "bytes_up": 0, "bytes_down": 0,
-            "rounds": setup.steps, "params": n}
-
-
-def encode(method: Method, delta: dict[str, torch.Tensor], feedback: ErrorFeedback | None) -> tuple[
-        int, dict[str, torch.Tensor]]:
-    """(bytes on the wire, Δ as the coordinator decodes it) for one upload."""
-    if method.compression == "none":
-        return EncodedBody(delta).content_length, delta
-    if feedback is not None:
-        tensors, meta = feedback.compress(delta, method.compression)
-    else:
-        tensors, meta = compress(delta, method.compression)
-    return EncodedBody(tensors, meta).content_length, dict(decompress(tensors.items(), meta))
-
-
-def run_fed(setup: Setup, method: Method, log: Any) -> dict[str, Any]:
-    streams = worker_streams(setup, method.split)
-    glob, glob_opt = new_model(setup)  # the coordinator's model, used for evaluation (and sync warm-up)
-    curve = Curve(setup)
-    curve.maybe(glob, 0)
-    step, warm_bytes, n_params = 0, 0, count_parameters(glob)
-    while step < method.sync_warmup:  # optional synchronous start (DiLoCo starts from a trained model)
-        inner_step(setup, glob, glob_opt, [s.next_batch() for s in streams], step)
-        step += 1
-        curve.maybe(glob, step)
-    warm_bytes = dp_bytes(setup, n_params, step)
-    workers = [new_model(setup) for _ in streams]
-    for _, opt in workers:
-        opt.load_state_dict(copy.deepcopy(glob_opt.state_dict()))
-    hp = outer_defaults(OuterConfig(algorithm=method.algorithm, lr=method.outer_lr))  # type: ignore[arg-type]
-    outer = OuterOptimizer(dict(glob.named_parameters()), method.algorithm, hp)
-    acc = RunningSum(outer.params)
-    feedback = [ErrorFeedback() if method.error_feedback else None for _ in streams]
-    up = down = rounds = 0
-    while step < setup.steps:
-        h = min(method.sync_every, setup.steps - step)
-        tokens = {}
-        deltas = []
-        for k, ((model, opt), stream) in enumerate(zip(workers, streams, strict=True)):
-            load_params(model, outer.params)
-            for t in range(step, step + h):
-                inner_step(setup, model, opt, [stream.next_batch()], t)
-            nbytes, delta = encode(method, pseudo_gradient(outer.params, dict(model.named_parameters())), feedback[k])
-            up += nbytes
-            tokens[str(k)] = h * setup.batch_size * setup.seq_len
-            deltas.append(delta)
-        weights = contribution_weights(tokens)
-        for k, delta in enumerate(deltas):
-            acc.add(delta, weights[str(k)])
-        outer.step(acc.mean())
-        acc.reset()
-        rounds += 1
-        step += h
-        # Every participant then downloads the new global model (fp32 safetensors, as served).
-        down += setup.workers * EncodedBody(outer.params, {"version": str(rounds)}).content_length
-        load_params(glob, outer.params)
-        curve.maybe(glob, step, force=step == setup.steps)
-        if rounds % max(1, 100 // method.sync_every) == 0:
-            log(f"round {rounds} step {step}/{setup.steps} eval {curve.points[-1][1]:.4f}")
-    return {"curve": curve.points, "bytes": warm_bytes + up + down, "bytes_up": up, "bytes_down": down,
-            "rounds": rounds, "params": n_params}
-
-
-def load_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
-    """Copy weights in place, so the inner optimizer keeps pointing at the same tensors."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name])
+STUDIES: dict[str, tuple[Setup, Setup, Callable[[], list[Method]]]] = {
+    "tokens5": (FULL, QUICK, methods),
+    "tokens20": (TOKENS20, QUICK20, methods_tokens20),
+}
 
 
 def run_one(setup: Setup, method: Method, threads: int) -> dict[str, Any]:
     """One method from scratch, in this process; deterministic for given (setup, method)."""
     torch.set_num_threads(threads)
     torch.manual_seed(setup.seed)
-    t0 = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[{method.name} {time.perf_counter() - t0:6.0f}s] {msg}", file=sys.stderr, flush=True)
-
-    result = (run_fed if method.kind == "fed" else run_dp)(setup, method, log)
-    result.update(name=method.name, wall_s=time.perf_counter() - t0, final=result["curve"][-1][1],
-                  tokens=result["curve"][-1][0])
+    log = Log(method.name)
+    log(f"start: M={setup.workers}, {setup.steps} inner steps, {setup.steps * setup.tokens_per_step / 1e6:.2f} M "
+        f"tokens; {method.describe()}")
+    result = RUNS[method.kind](setup, method, log)
+    result = {k: v for k, v in result.items() if not k.startswith("_")}  # tensors kept for checks only
+    result.update(name=method.name, wall_s=time.perf_counter() - log.t0, final=result["curve"][-1][1],
+                  tokens=result["curve"][-1][0], workers=setup.workers, steps=setup.steps)
     log(f"done: eval {result['final']:.4f}, {result['bytes'] / 1e6:.1f} MB, {result['wall_s']:.0f}s")
     return result
 
 
 # ---- orchestration and cache ------------------------------------------------------------------
 
+# Fields added after the tokens5 study was cached: left out of the key at their defaults, so its
+# cached runs keep their keys.
+NEW_FIELDS = {Setup: {"short_steps"}, Method: {"workers", "budget", "fragments", "fragment_split", "overlap", "alpha"}}
+
+
+def _key_fields(obj: Any) -> dict[str, Any]:
+    new = NEW_FIELDS[type(obj)]
+    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+    return {k: v for k, v in dataclasses.asdict(obj).items() if k not in new or v != defaults[k]}
+
 
 def cache_key(setup: Setup, method: Method) -> str:
-    blob = json.dumps([dataclasses.asdict(setup), dataclasses.asdict(method), torch.__version__], sort_keys=True)
+    blob = json.dumps([_key_fields(setup), _key_fields(method), torch.__version__], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def run_all(setup: Setup, todo: list[Method], jobs: int, threads: int, cache: Path | None) -> dict[str, dict]:
+def run_all(setup: Setup, todo: list[Method], jobs: int, threads: int, cache: Path | None,
+            cached_only: bool = False) -> dict[str, dict]:
+    """Every run of `todo` from the cache or run now (each cached as soon as it ends)."""
     results: dict[str, dict] = {}
     pending = []
     for m in todo:
-        path = cache / f"{m.name}-{cache_key(setup, m)}.json" if cache else None
+        s = setup.for_run(m)
+        path = cache / f"{m.name}-{cache_key(s, m)}.json" if cache else None
         if path is not None and path.is_file():
             results[m.name] = json.loads(path.read_text())
             print(f"[{m.name}] from cache {path}", file=sys.stderr)
-        else:
-            pending.append((m, path))
+        elif not cached_only:
+            pending.append((s, m, path))
+    print(f"{len(results)} runs from the cache, {len(pending)} to run: {', '.join(m.name for _, m, _ in pending)}",
+          file=sys.stderr, flush=True)
 
     def keep(m: Method, path: Path | None, res: dict) -> None:
         results[m.name] = res
-        if path is not None:
+        if path is not None:  # written whole, then renamed: a kill mid-write leaves no broken entry
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(res))
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(res))
+            os.replace(tmp, path)
 
     if jobs <= 1:
-        for m, path in pending:
-            keep(m, path, run_one(setup, m, threads))
+        for s, m, path in pending:
+            keep(m, path, run_one(s, m, threads))
     else:  # spawn: fresh interpreters, no forked torch thread pools
         ctx = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(run_one, setup, m, threads): (m, path) for m, path in pending}
+            futures = {pool.submit(run_one, s, m, threads): (m, path) for s, m, path in pending}
             for fut in cf.as_completed(futures):
                 keep(*futures[fut], fut.result())
-    return {m.name: results[m.name] for m in todo}
+    return {m.name: results[m.name] for m in todo if m.name in results}
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -370,18 +191,21 @@ def run_all(setup: Setup, todo: list[Method], jobs: int, threads: int, cache: Pa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller model and fewer steps (a few minutes)")
-    ap.add_argument("--out-dir", type=Path, help="where quality.md and quality.png go (default docs/)")
+    ap.add_argument("--study", choices=sorted(STUDIES), default="tokens5", help="which study (default tokens5)")
+    ap.add_argument("--quick", action="store_true", help="smaller model and fewer steps (a minute or two)")
+    ap.add_argument("--out-dir", type=Path, help="where quality.md and the plot go (default docs/)")
     ap.add_argument("--only", nargs="+", metavar="RUN", help="run only these (names from the table)")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (default 1)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     ap.add_argument("--cache", type=Path, help="directory of finished runs to reuse and extend")
-    ap.add_argument("--steps", type=int, help="override the inner steps per participant")
+    ap.add_argument("--cached-only", action="store_true", help="run nothing: report the runs found in --cache")
+    ap.add_argument("--steps", type=int, help="override the inner steps per participant (at the setup's M)")
     args = ap.parse_args(argv)
-    setup = QUICK if args.quick else FULL
+    full, quick, study_methods = STUDIES[args.study]
+    setup = quick if args.quick else full
     if args.steps:
         setup = dataclasses.replace(setup, steps=args.steps)
-    todo = methods()
+    todo = study_methods()
     if args.only:
         unknown = sorted(set(args.only) - {m.name for m in todo})
         if unknown:
@@ -391,14 +215,30 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out_dir or default_out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = run_all(setup, todo, args.jobs, args.threads, args.cache)
+    torch.set_num_threads(args.threads)
+    if args.study == "tokens20" and not args.cached_only:  # a few seconds, before hours of streaming runs
+        print(check_stream_is_diloco(setup.for_run(Method("check", "check", workers=2))), file=sys.stderr, flush=True)
+    results = run_all(setup, todo, args.jobs, args.threads, args.cache, args.cached_only)
+    todo = [m for m in todo if m.name in results]
+    if not todo:
+        print("no runs to report", file=sys.stderr)
+        return 1
     total = time.perf_counter() - t0
-    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_markdown(out / "quality.md", setup, todo, results, command.strip(), total)
-    plot(out / "quality.png", todo, results)
-    print("\n".join(table(todo, results)))
-    print("\n".join(goals(results)))
-    print(f"\nwrote {out / 'quality.md'} and {out / 'quality.png'} in {total / 60:.1f} min")
+    command = ("python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    runs = {m.name: setup.for_run(m) for m in todo}
+    if args.study == "tokens20":
+        md, png = out / "quality.md", out / "quality-tokens20.png"
+        tokens20_text(md, setup, runs, todo, results, command, total)
+        drawn = plot_tokens20(png, todo, results)
+        print("\n".join(table(todo, results, runs)))
+    else:
+        md, png = out / "quality.md", out / "quality.png"
+        write_markdown(md, setup, runs, todo, results, command, total)
+        drawn = plot(png, todo, results)
+        print("\n".join(table(todo, results, runs)))
+        print("\n".join(goals(results)))
+    print(f"\nwrote {md}" + (f" and {png}" if drawn else " (no plot: matplotlib is missing)")
+          + f" in {total / 60:.1f} min")
     return 0
 
 

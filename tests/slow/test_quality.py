@@ -49,3 +49,129 @@ def test_quality_quick(tmp_path: Path) -> None:
     assert rows["diloco-h10"]["bytes"] > rows["diloco-h50"]["bytes"] > rows["diloco-h100"]["bytes"]
     assert rows["dp"]["bytes"] / rows["diloco-h100"]["bytes"] >= 50
     assert rows["diloco-h50-int8"]["bytes"] < 0.7 * rows["diloco-h50"]["bytes"]
+
+
+# ---- the tokens20 study: Streaming DiLoCo in the simulation ------------------------------------
+
+sys.path.insert(0, str(SCRIPT.parent))
+TINY = dict(n_layer=2, n_embd=32, n_head=2, seq_len=16, batch_size=4, workers=2, steps=20, eval_every=10,
+            eval_batches=2, eval_batch_size=4)
+
+
+def test_streaming_k1_is_diloco() -> None:
+    """Fast (default tier): K = 1, τ = 0, α = 0 is DiLoCo bit for bit, the end's flush against
+    DiLoCo's last partial round included (the check raises AssertionError naming what differs)."""
+    from quality_sim import Setup, check_stream_is_diloco
+
+    assert "bit for bit" in check_stream_is_diloco(Setup(**TINY), h=6)
+    assert "bit for bit" in check_stream_is_diloco(Setup(**{**TINY, "workers": 4}), h=4)
+
+
+@pytest.mark.parametrize(("k", "split", "h", "tau", "alpha"), [(2, "strided", 6, 1, 0.5), (4, "sublayer", 8, 1, 0.5),
+                                                              (2, "strided", 6, 2, 0.0), (4, "sublayer", 8, 0, 1.0)])
+def test_streaming_matches_reference(k: int, split: str, h: int, tau: int, alpha: float) -> None:
+    """Fast: the benchmark's streaming run (fedtrain's merge: token-weighted `RunningSum`, one
+    `OuterOptimizer` per fragment), ended as torchft ends, equals `fedtrain.streaming.simulate`
+    (checked against torchft itself) bit for bit in every participant's and every global weight."""
+    import torch
+    from quality_sim import Log, Method, Setup, lr_at, new_model, run_stream, worker_streams
+
+    from fedtrain.merge import build_torch_optimizer
+    from fedtrain.streaming import simulate
+
+    setup = Setup(**{**TINY, "steps": 21})
+    method = Method("s", "main", kind="stream", sync_every=h, fragments=k, fragment_split=split, overlap=tau,
+                    alpha=alpha, outer_lr=0.7)
+    ours = run_stream(setup, method, Log("s", quiet=True), flush=False)
+
+    class Inner(torch.optim.AdamW):  # inner_step's AdamW: the study's lr schedule, then clipping
+        def __init__(self, params: list) -> None:
+            super().__init__(params, lr=setup.lr, weight_decay=0.0)
+            self.clipped, self.t = params, 0
+
+        def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+            for group in self.param_groups:
+                group["lr"] = lr_at(setup, self.t)
+            torch.nn.utils.clip_grad_norm_(self.clipped, setup.grad_clip)
+            self.t += 1
+            return super().step(closure)
+
+    streams = worker_streams(setup, "noniid")
+    batches = [[s.next_batch() for _ in range(setup.steps)] for s in streams]
+    ref = simulate(lambda: new_model(setup)[0], lambda r, t: batches[r][t], lambda m, b: m(*b)[1], Inner,
+                   replicas=setup.workers, steps=setup.steps, h=h, fragment_names=_fragments(method, setup),
+                   tau=tau, alpha=alpha, outer=lambda ps: build_torch_optimizer(ps, "diloco", method.outer_hp()))
+    assert ours["rounds"] == sum(1 for _, what, _ in ref.events if what == "apply") > k
+    for name, value in ref.global_weights.items():
+        assert torch.equal(value, ours["_params"][name]), name
+    for r, local in enumerate(ref.local):
+        for name, value in local.items():
+            assert torch.equal(value, ours["_local"][r][name]), (r, name)
+
+
+def _fragments(method, setup):  # type: ignore[no-untyped-def]
+    from quality_sim import new_model, study_fragments
+
+    return study_fragments([n for n, _ in new_model(setup)[0].named_parameters()], method)
+
+
+def test_sublayer_fragments() -> None:
+    """K = 4 over the built-in GPT's 2 blocks: attention and MLP halves, embeddings first, ln_f last."""
+    from quality_sim import Method, Setup, new_model, study_fragments
+
+    names = [n for n, _ in new_model(Setup(**TINY))[0].named_parameters()]
+    frags = study_fragments(names, Method("s", "main", kind="stream", fragments=4, fragment_split="sublayer"))
+    assert frags[0][:2] == ["wte.weight", "wpe.weight"] and frags[3][-2:] == ["ln_f.weight", "ln_f.bias"]
+    assert all(n.startswith(("blocks.0.ln_1", "blocks.0.attn")) for n in frags[0][2:])
+    assert all(n.startswith(("blocks.0.ln_2", "blocks.0.mlp")) for n in frags[1])
+    assert all(n.startswith(("blocks.1.ln_1", "blocks.1.attn")) for n in frags[2])
+    assert sorted(n for f in frags for n in f) == sorted(names)
+
+
+TOKENS20_QUICK = ["m2-dp", "m2-diloco-h30", "m2-stream-h30-k2-t1", "m2-stream-h32-k4-t5", "m4-dp", "m4-diloco-h30",
+                  "m4-stream-h30-k2-t5", "m2-short-dp", "m2-short-diloco-h10-lr0.1", "m2-short-diloco-h10-lr0.4"]
+
+
+def _rows20(markdown: str) -> dict[str, list[str]]:
+    """The tokens20 tables' rows by run name: the cells after the name."""
+    rows = {}
+    for line in markdown.splitlines():
+        m = re.match(r"\| `([\w.-]+)` \| (.*) \|$", line)
+        if m:
+            rows[m.group(1)] = m.group(2).split(" | ")
+    return rows
+
+
+def _size(cell: str) -> float:
+    size, unit = cell.split()
+    return float(size) * UNITS[unit]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quality_tokens20_quick(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--study", "tokens20", "--quick", "--out-dir", str(tmp_path),
+         "--cache", str(tmp_path / "cache"), "--only", *TOKENS20_QUICK],
+        capture_output=True, text=True, timeout=540,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "streaming K=1 τ=0 α=0 equals DiLoCo bit for bit" in r.stderr
+    assert (tmp_path / "quality-tokens20.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(list((tmp_path / "cache").glob("*.json"))) == len(TOKENS20_QUICK)
+    rows = _rows20((tmp_path / "quality.md").read_text())
+    assert set(TOKENS20_QUICK) <= set(rows)
+    # cells: M, method, loss, vs DP, tokens, bytes, fewer than DP, peak per sync, peak vs DiLoCo, syncs, wall
+    assert {rows[n][0] for n in TOKENS20_QUICK} == {"2", "4"}
+    main = [n for n in TOKENS20_QUICK if "short" not in n]
+    assert len({rows[n][4] for n in main}) == 1  # one token budget at both M
+    for name in TOKENS20_QUICK:
+        assert math.isfinite(float(rows[name][2])) and 1.0 < float(rows[name][2]) < 4.5, (name, rows[name])
+    for m in (2, 4):
+        assert rows[f"m{m}-dp"][3] == "+0.00%" and rows[f"m{m}-diloco-h30"][8] == "1.00×"
+    # Streaming sends one fragment per sync: a smaller peak than DiLoCo's, smaller still at K = 4.
+    k2, k4 = (float(rows[n][8].rstrip("×")) for n in ("m2-stream-h30-k2-t1", "m2-stream-h32-k4-t5"))
+    assert 0.4 < k2 < 0.75 and 0.2 < k4 < k2
+    assert _size(rows["m2-stream-h30-k2-t1"][7]) < _size(rows["m2-diloco-h30"][7])
+    assert int(rows["m2-stream-h30-k2-t1"][9]) > 1.9 * int(rows["m2-diloco-h30"][9])
