@@ -65,9 +65,14 @@ def format_status(s: dict[str, Any]) -> str:
     if s["finished"]:
         configured = s.get("rounds_configured", s["rounds"])
         finished = " (finished)" if configured == s["rounds"] else f" (finished past the config's {configured} rounds)"
+    streaming = s.get("streaming")  # Streaming DiLoCo: the open round syncs one fragment of K
+    if streaming and s.get("fragment") is not None and not s["finished"]:
+        rounds += f" (fragment {s['fragment']} of {streaming['k']})"
     head = (
         f"run {s['run']!r}: round {rounds}{finished}, "
-        f"{s['algorithm']}, {s.get('mode', 'rounds')} mode, {s['parameters']:,} parameters "
+        f"{s['algorithm']}, {s.get('mode', 'rounds')} mode"
+        + (f" (streaming: K={streaming['k']}, τ={streaming['overlap']}, α={streaming['alpha']:g})" if streaming else "")
+        + f", {s['parameters']:,} parameters "
         f"({human_bytes(s['model_bytes'])}), "
         f"config v{s['config_version']}\n"
         f"round state: {s['reason']}\n"
@@ -105,13 +110,14 @@ def format_status(s: dict[str, Any]) -> str:
         told = [f"  {p.get('sync_every_reason') or p['id']}" for p in s["participants"] if p["state"] == "active"]
         parts.append(f"\nbalanced rounds, H for round {s['current_round']}:\n" + "\n".join(told or ["  (none active)"]))
     if s.get("recent_rounds"):
+        fragments = any(r.get("fragment") is not None for r in s["recent_rounds"])  # the column only when streaming
         parts.append(
             "\n"
             + table(
-                ["round", "updates", "tokens", "bytes in", "duration", "merge", "closed because"],
+                ["round"] + (["fragment"] if fragments else [])
+                + ["updates", "tokens", "bytes in", "duration", "merge", "closed because"],
                 [
-                    [
-                        r["round"],
+                    [r["round"]] + ([_fmt(r.get("fragment"), "d")] if fragments else []) + [
                         r["n_submissions"],
                         f"{r['tokens']:,}",
                         human_bytes(r.get("bytes_in", 0)),

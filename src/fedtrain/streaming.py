@@ -143,13 +143,15 @@ def _check_k(k: int) -> None:
 def _by_block(names: Sequence[str], k: int, strategy: str, block_pattern: str) -> list[list[str]]:
     regex = re.compile(block_pattern)
     block_of: list[str | None] = []
-    blocks: dict[str, None] = {}  # the block prefixes, in the order they first appear
+    blocks: dict[str, tuple[int, int]] = {}  # block prefix -> where it sorts (`_block_rank`)
+    stacks: dict[str, int] = {}  # what comes before a block's number ("blocks.", "model.layers."), by first sight
     for name in names:
         m = regex.search(name)
         key = name[: m.end()] if m else None
-        if key is not None:
-            blocks.setdefault(key)
+        if m is not None and key is not None and key not in blocks:
+            blocks[key] = _block_rank(m, stacks, len(blocks))
         block_of.append(key)
+    blocks = dict(sorted(blocks.items(), key=lambda item: item[1]))
     if not blocks:
         raise ConfigError(f"no parameter name matches the block pattern {block_pattern!r}, so the model cannot be "
                           f"split by block (names: {_listed(list(names))}); give a list of name patterns per fragment")
@@ -165,6 +167,18 @@ def _by_block(names: Sequence[str], k: int, strategy: str, block_pattern: str) -
             current = index[key]
         out[current].append(name)
     return out
+
+
+def _block_rank(m: re.Match[str], stacks: dict[str, int], seen: int) -> tuple[int, int]:
+    """Where a block sorts: by its stack of blocks (in the order the stacks first appear), then by
+    its number, so that blocks.10 comes after blocks.2 even where the names come sorted as
+    strings (a safetensors file written by `safetensors.torch` lists them so). A pattern
+    without a numbered group keeps the order the blocks first appear in."""
+    number = m.group(1) if m.re.groups else None
+    if number is None or not number.isdigit():
+        return 0, seen
+    stack = stacks.setdefault(m.string[: m.start(1)], len(stacks))
+    return stack, int(number)
 
 
 def _by_patterns(names: Sequence[str], k: int, patterns: list[list[str]]) -> list[list[str]]:

@@ -19,7 +19,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -125,11 +125,12 @@ class Committer:
 
     # -- a round (worker threads) -----------------------------------------------------------------
 
-    def step(self, acc: RunningSum, scale: float = 1.0, every: int | None = None) -> None:
+    def step(self, acc: RunningSum, scale: float = 1.0, every: int | None = None,
+             names: Collection[str] | None = None) -> None:
         """The outer step with the round's mean (the caller holds the fold lock), times `scale`
         (asynchronous mode's staleness weight, in (0, 1]); `every`: the delayed Nesterov step's
-        N. The sum is finite by construction (`RunningSum`): only the result is checked
-        (NonFiniteStep)."""
+        N; `names`: the parameters it moves (a Streaming DiLoCo fragment; None: all). The sum is
+        finite by construction (`RunningSum`): only the result is checked (NonFiniteStep)."""
         total, divisor = acc.scaled()
         if scale != 1.0:
             if not (0.0 < scale <= 1.0):
@@ -137,7 +138,7 @@ class Committer:
             divisor = divisor / scale
         with self.weights.lock:
             self.weights.epoch += 1
-            self.model.step(total, divisor, finite=True, every=every)
+            self.model.step(total, divisor, finite=True, every=every, names=names)
 
     def publish(self, version: int, cfg: RunConfig, hold: bool) -> Published:
         """A body over the new weights, to serve from memory once the caller puts it in force

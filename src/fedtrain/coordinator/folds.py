@@ -20,7 +20,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -72,9 +72,10 @@ class RoundSum:
     def __init__(self, spool_dir: Path, spec: Spec, params: Mapping[str, torch.Tensor],
                  fold_lock: threading.Lock) -> None:
         self.lock = fold_lock  # held by every fold, by the merge, and by the committer's realign/reconfigure
-        self._dtypes = {n: d for n, (d, _) in spec.items()}
+        self._dtypes = {n: d for n, (d, _) in spec.items()}  # the model's: to decode any body
         self.storage = {n: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for n, t in params.items()}
         self.acc = RunningSum(params, storage=self.storage)
+        self.names: tuple[str, ...] = tuple(self.storage)  # the tensors the open round sums (`select`)
         self.staging = Staging()
         self.kept = RoundSpool(spool_dir)
         self._entries: dict[str, policy.Contribution] = {}
@@ -87,11 +88,25 @@ class RoundSum:
     def is_empty(self) -> bool:
         return self.acc.count == 0 and not self._entries
 
+    def select(self, names: Sequence[str] | None) -> None:
+        """The open round sums `names` only (a Streaming DiLoCo fragment; None: every tensor): a
+        sum over their part of `storage`, no memory allocated. At a round boundary, the sum
+        empty and no fold in flight; nothing is rebuilt when the tensors are the same."""
+        wanted = tuple(self.storage) if names is None else tuple(names)
+        if wanted == self.names:
+            return
+        with self.lock:
+            if not self.acc.is_empty or self._entries:
+                raise MergeError("the sum still holds updates: the tensors it sums change only at a round boundary")
+            part = {n: self.storage[n] for n in wanted}
+            self.acc = RunningSum(part, storage=part)
+            self.names = wanted
+
     def fits(self, specs: Mapping[str, TensorSpec]) -> bool:
         """Whether a body of `specs` can be received into the sum's memory as it is."""
-        return set(specs) == set(self.storage) and all(
-            t.device.type == "cpu" and specs[n].dtype == t.dtype and specs[n].shape == tuple(t.shape)
-            for n, t in self.storage.items())
+        return set(specs) == set(self.names) and all(
+            self.storage[n].device.type == "cpu" and specs[n].dtype == self.storage[n].dtype
+            and specs[n].shape == tuple(self.storage[n].shape) for n in self.names)
 
     def barred(self, round_: int, pid: str) -> str | None:
         return self._barred.get((round_, pid))
@@ -253,7 +268,7 @@ class RoundSum:
                 shares, capped = policy.cap_shares(kept, outer.max_share)
                 for k, share in shares.items():
                     entries[k] = replace(entries[k], weight=share)
-            rejected = self.kept.aggregate_into(self.acc, outer, self._dtypes)
+            rejected = self.kept.aggregate_into(self.acc, outer, {n: self._dtypes[n] for n in self.names})
         else:
             rejected = {}
             shares, fold, capped = policy.closing_weights(self._entries, outer.max_share)

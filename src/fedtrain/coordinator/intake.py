@@ -30,9 +30,8 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -41,10 +40,12 @@ from fedtrain.config import RunConfig
 from fedtrain.coordinator import pieces, policy
 from fedtrain.coordinator.direct import DirectUpload, read_into
 from fedtrain.coordinator.folds import MergeInputs, Pending, RoundSum
+from fedtrain.coordinator.fragments import Fragment, check_fragment
 from fedtrain.coordinator.pieces import ROWS_META, Coverage, Partial, Piece, PiecesIn, assemble, check_label, piece_rows
 from fedtrain.coordinator.receive import Head, SpoolFiles, Staging, receive_to_spool
+from fedtrain.coordinator.tickets import InFlight, PieceAnswer, Seats, Ticket, Upload
 from fedtrain.coordinator.values import non_finite
-from fedtrain.errors import Refused, WireError
+from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import RunningSum, check_compatible
 from fedtrain.merge.robust import clip_scale
 from fedtrain.transport import Body, fast_io_enabled
@@ -56,94 +57,19 @@ log = logging.getLogger("fedtrain.coordinator")
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
-@dataclass(frozen=True)
-class Upload:
-    """One participant's update on its way in: who, for which round, and what its body claims."""
-
-    pid: str
-    round: int
-    tokens: int
-    digest: str
-    length: int
-    limit: int
-
-
-@dataclass
-class Ticket:
-    """An upload's place in the open round, reserved once its body is verified: its key (the
-    participant, or `pid@lateR` for a late fold), admission and fold weight. `release` gives
-    the place back when the upload fails after all."""
-
-    key: str
-    admission: policy.Admission
-    weight: float
-    open_round: int  # the round it goes into
-    release: Callable[[], None]
-
-
-class Seats(Protocol):
-    """The open round's places for updates (`rounds.Rounds`)."""
-
-    async def wait_seat(self, up: Upload) -> None:
-        """Before `reserve`: wait until the open round may take `up` (asynchronous mode: it
-        holds no other update and is not closing; bounded), at once otherwise."""
-
-    def reserve(self, up: Upload) -> Ticket | None:
-        """After `up`'s body is verified: its place in the open round, None for a duplicate;
-        raises Refused when the round no longer takes it (closed meanwhile)."""
-
-    def refusal(self, up: Upload) -> Refused:
-        """Why the round stopped taking `up` while its body streamed in."""
-
-
-@dataclass(frozen=True)
-class PieceAnswer:
-    """What became of one piece: the update's ticket once complete (None before, or for a
-    duplicate), whether this piece completed it or came before, the pieces in, the tensors
-    still missing, and the update's bytes and digest so far."""
-
-    ticket: Ticket | None
-    complete: bool
-    duplicate: bool
-    pieces: int
-    missing: list[str]
-    length: int
-    digest: str
-
-
-class _InFlight:
-    """A count of folds in flight (event loop only), with a wait for none."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._none = asyncio.Event()
-        self._none.set()
-
-    def enter(self) -> None:
-        self.count += 1
-        self._none.clear()
-
-    def leave(self) -> None:
-        self.count -= 1
-        if self.count == 0:
-            self._none.set()
-
-    async def wait_none(self) -> None:
-        while self.count:
-            await self._none.wait()
-
-
 class Intake:
     """The open round's updates: received, verified, then folded or kept (`RoundSum`)."""
 
     def __init__(self, spool_dir: Path, spec: Spec, params: Mapping[str, torch.Tensor],
                  fold_lock: threading.Lock | None = None, fast_io: bool | None = None) -> None:
-        self._spec = spec
+        self._model = spec  # every tensor of the sync set
+        self._spec = spec  # those the open round takes: the model's, or its fragment's (`select`)
+        self._fragment: Fragment | None = None
         self._fast_io = fast_io_enabled(fast_io)  # off: no upload is received straight into the sum
         self.round = RoundSum(spool_dir, spec, params, fold_lock or threading.Lock())
         self._spool_files = SpoolFiles(spool_dir)
         self._direct: DirectUpload | None = None
-        self._in_flight = _InFlight()
+        self._in_flight = InFlight()
         self._deferred: set[asyncio.Task[None]] = set()
         self._failure: str | None = None  # a fold failed: the open round cannot be merged
         self._partials: dict[tuple[str, int], Partial] = {}  # (participant, round) -> its pieces so far
@@ -198,6 +124,17 @@ class Intake:
         """Read spool files back in pieces of at most `nbytes` (tests use small pieces)."""
         self.round.staging = Staging(nbytes)
 
+    def select(self, fragment: Fragment | None) -> None:
+        """From now on the open round takes the tensors of `fragment` only (Streaming DiLoCo;
+        None: the whole sync set). At a round boundary: the sum empty, no fold in flight. (A
+        body of the round before may still be streaming into the sum's memory: it is refused
+        when it asks for its place, and never counted.)"""
+        if self._in_flight.count:
+            raise MergeError("the tensors a round takes change only at a round boundary, with no fold in flight")
+        self._fragment = fragment
+        self._spec = self._model if fragment is None else {n: self._model[n] for n in fragment.names}
+        self.round.select(None if fragment is None else fragment.names)
+
     async def idle(self) -> None:
         """Wait until no fold is in flight (the folds beside a direct receive included)."""
         await self._in_flight.wait_none()
@@ -231,6 +168,8 @@ class Intake:
             raise WireError(f"a body with {ROWS_META} in its metadata is a piece of an update: send it with "
                             "?piece=<label>")
         scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header
+        if self._fragment is not None:
+            check_fragment(self._fragment, self._model, specs, whole=True)
         check_compatible(expected_specs(dict(self._spec), scheme, block),
                          {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
 
@@ -374,6 +313,8 @@ class Intake:
         rows: dict[str, tuple[int, int]] = {}
 
         def on_header(specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
+            if self._fragment is not None:
+                check_fragment(self._fragment, self._model, specs, whole=False)
             rows.update(piece_rows(specs, metadata, self._spec))
 
         path, new = await self._spool(up, body, on_header)

@@ -6,7 +6,9 @@ or the recipe's seed) and its first config version; a stored run resumes at its 
 committed round, never from a partial one: uncommitted submissions are dropped (their
 senders send them again), spool files and temp files go, and a damaged newest checkpoint
 is refused with the newest intact kept version named (or, with `recover`, that version
-committed again). Runs before the event loop starts, on the caller's thread.
+committed again). With streaming on, the fragment plan is made here, once (`fragments.py`):
+an assignment that does not fit the model stops the start with a ConfigError. Runs before
+the event loop starts, on the caller's thread.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.committer import Committer
 from fedtrain.coordinator.config_versions import ConfigVersions
 from fedtrain.coordinator.events import Events
+from fedtrain.coordinator.fragments import plan_for
 from fedtrain.coordinator.intake import Intake
 from fedtrain.coordinator.open_round import OpenRound
 from fedtrain.coordinator.roster import Roster
@@ -112,11 +115,13 @@ def open_run(state_dir: Path, given: Given, config_path: Path | None, events: Ev
         version = _resume(store, configs, committer, given, committed, state_dir)
     spec = committer.spec()
     configs.spec = spec
+    plan = plan_for(configs.config, list(spec))  # in the model's order, which every checkpoint keeps
     intake = Intake(spool, spec, committer.params(), fold_lock, fast_io=fast_io)
     roster = Roster(store, events, tokens, clock)
     recent = [[max(0.0, s["received_at"] - row["opened_at"]) for s in store.submissions(row["round"])]
               for row in reversed(store.rounds(limit=configs.config.deadline_window))]
-    rounds = Rounds(OpenRound(version, clock(), recent), roster, configs, intake, committer, store, events, clock)
+    rounds = Rounds(OpenRound(version, clock(), recent), roster, configs, intake, committer, store, events, clock,
+                    plan)
     uploads = Uploads(rounds, roster, configs, intake, store, events)
     tokens.revoked.update(json.loads(store.get_meta("revoked_tokens") or "[]"))
     return Parts(store, spool, spec, configs, committer, intake, roster, rounds, uploads, Schedule(store, events))
@@ -125,6 +130,7 @@ def open_run(state_dir: Path, given: Given, config_path: Path | None, events: Ev
 def _create(store: Store, configs: ConfigVersions, committer: Committer, given: Given) -> int:
     cfg = given.config or RunConfig()
     params = initial_weights(cfg, given.init_weights)
+    plan_for(cfg, list(params))  # a streaming assignment that does not fit the model stops here, before any write
     configs.create(cfg, {n: (t.dtype, tuple(t.shape)) for n, t in params.items()})
     digest = committer.create(params, cfg)
     with store.write() as db:

@@ -15,6 +15,10 @@ In asynchronous mode (`async_policy.py`) a round is one update, closed as soon a
 its merge scales the update by its staleness weight and takes the delayed Nesterov step,
 and the rest is the same: every applied update is a committed version.
 
+With Streaming DiLoCo (`fragments.py`) round r syncs fragment r mod K: whenever a round
+opens (after a merge, a roll back, at the start) the intake takes that fragment's tensors
+only, and the merge steps that fragment's parameters only; the record names it.
+
 A merge that is not finite (`NonFiniteStep`) is not committed: the update that moves it
 the most (`policy.largest_influence`) is refused for that round, an event names its
 participant, and the round goes back for the others to send theirs again.
@@ -41,6 +45,7 @@ from fedtrain.coordinator import async_policy, policy, storage
 from fedtrain.coordinator.committer import Committer
 from fedtrain.coordinator.config_versions import ConfigVersions
 from fedtrain.coordinator.events import Events
+from fedtrain.coordinator.fragments import Fragment, FragmentPlan
 from fedtrain.coordinator.intake import Intake, MergeInputs
 from fedtrain.coordinator.open_round import OpenRound
 from fedtrain.coordinator.publish import ModelStream, Published
@@ -104,8 +109,10 @@ class Rounds:
     """The open round and the moves from one round to the next."""
 
     def __init__(self, open_round: OpenRound, roster: Roster, configs: ConfigVersions, intake: Intake,
-                 committer: Committer, store: Store, events: Events, clock: Callable[[], float]) -> None:
+                 committer: Committer, store: Store, events: Events, clock: Callable[[], float],
+                 plan: FragmentPlan | None = None) -> None:
         self.open = open_round
+        self.plan = plan  # Streaming DiLoCo: round r syncs fragment r mod K (None: every round the whole set)
         self._roster = roster
         self._configs = configs
         self._intake = intake
@@ -119,6 +126,7 @@ class Rounds:
         self._commit_task: asyncio.Task[None] | None = None  # the commit of the open round's predecessor
         self._tick_task: asyncio.Task[None] | None = None
         self.staleness_of: dict[str, int] = {}  # asynchronous mode: each participant's last applied staleness
+        intake.select(self.fragment(open_round.version))
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -133,6 +141,10 @@ class Rounds:
 
     def deadline(self) -> tuple[float, str]:
         return self.open.deadline(self._configs.config)
+
+    def fragment(self, round_: int) -> Fragment | None:
+        """The Streaming DiLoCo fragment round `round_` syncs (None: streaming is off)."""
+        return self.plan.fragment(round_) if self.plan is not None else None
 
     def decide(self) -> policy.Decision:
         cfg = self._configs.config
@@ -158,6 +170,7 @@ class Rounds:
             "n_active": len(self._roster.active()),
             "reason": open_.reason,
             "config_version": self._configs.version,
+            "fragment": self.plan.of(round_) if self.plan is not None else None,
         }
 
     def _submitted(self, round_: int, pid: str, piece_in: Callable[[], bool] | None) -> bool | None:
@@ -316,13 +329,13 @@ class Rounds:
         mode scales it) and make a body over the new weights (held back until committed unless
         `publish_first`)."""
         t0 = time.perf_counter()
-        intake = self._intake
+        intake, fragment = self._intake, self.fragment(r)
         with intake.fold_lock:
             faults.hit("merge.before_step", round=r)
             inputs = intake.merge_inputs(cfg)
             weights = round_weights(tokens, inputs.rejected, cfg.outer) if step.weights is None else step.weights
-            try:
-                self._committer.step(intake.sum, step.scale, step.every)
+            try:  # streaming: the fragment's parameters only, each fragment with its own optimizer state
+                self._committer.step(intake.sum, step.scale, step.every, fragment.names if fragment else None)
             except NonFiniteStep as e:
                 key, why = policy.largest_influence(inputs.shares, inputs.largest)
                 round_ = int(key.split("@late")[1]) if "@late" in key else r
@@ -338,6 +351,7 @@ class Rounds:
             "tokens": sum(tokens.values()),
             "bytes_in": sum(s["bytes"] for s in self._store.submissions(r)),
             "weights": weights,
+            **({"fragment": fragment.index} if fragment is not None else {}),
         }
         published = self._committer.publish(r + 1, cfg, hold=not cfg.publish_first)
         record["merge_s"] = time.perf_counter() - t0
@@ -345,10 +359,11 @@ class Rounds:
 
     def _end_round(self, version: int, now: float | None, committed: bool) -> None:
         """Round `version` is the open one now: the one before was merged (`committed`) or gone
-        back; its late folds and retained updates go."""
+        back; its late folds and retained updates go, and the intake takes its fragment's tensors."""
         self.open.next(version, now, committed)
         cfg = self._configs.config
         self._intake.clear(committed, oldest_round=version - max(cfg.max_staleness, cfg.asynchronous.max_staleness))
+        self._intake.select(self.fragment(version))
 
     async def _commit_in_background(self, r: int, record: dict[str, Any], published: Published,
                                     outer: OuterOptimizer) -> None:

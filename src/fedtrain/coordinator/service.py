@@ -44,14 +44,14 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator import lifecycle, ranks
+from fedtrain.coordinator import lifecycle
 from fedtrain.coordinator.auth import Identity, Tokens, require_admin
 from fedtrain.coordinator.committer import Committer
 from fedtrain.coordinator.config_versions import ConfigVersions
 from fedtrain.coordinator.events import Events
 from fedtrain.coordinator.global_eval import GlobalEvaluator
 from fedtrain.coordinator.intake import Intake
-from fedtrain.coordinator.pieces import PiecesIn, check_label
+from fedtrain.coordinator.pieces import check_label
 from fedtrain.coordinator.publish import ModelStream
 from fedtrain.coordinator.roster import Live, Roster
 from fedtrain.coordinator.rounds import Rounds
@@ -60,6 +60,7 @@ from fedtrain.coordinator.slices import SliceStream
 from fedtrain.coordinator.statelock import StateLock
 from fedtrain.coordinator.store import ParticipantRow, Store
 from fedtrain.coordinator.uploads import Uploads
+from fedtrain.coordinator.views import participant_view
 from fedtrain.errors import Refused
 from fedtrain.merge import OuterOptimizer, RunningSum, all_finite
 from fedtrain.transport import Body
@@ -280,6 +281,8 @@ class Coordinator:
             "finished": self.finished,
             "model": self.model_spec(),
             "assignment": self.schedule.tell(name, self.version, self.version, self.config, self.roster.reported(name)),
+            # Streaming DiLoCo: the tensors of each fragment (round r syncs fragment r mod k); None: off
+            "streaming": self.rounds.plan.view() if self.rounds.plan is not None else None,
         }
 
     def act_as(self, ident: Identity, pid: str, key: str | None) -> ParticipantRow:
@@ -424,10 +427,13 @@ class Coordinator:
         pieces = self.intake.pieces_in(self.version)
         told = self.schedule.status(self.version, self.config, list(rows))
         schedule = self.rounds.schedule_view()  # staleness, applied updates, share of the applied weight
+        fragment = self.rounds.fragment(self.version)  # Streaming DiLoCo (None: off)
         return {
             "run": self.config.name,
             "mode": self.config.schedule.mode,
             "current_round": self.version,
+            "fragment": fragment.index if fragment is not None else None,  # the one the open round syncs
+            "streaming": self._streaming_view(),
             "rounds": self.rounds_total(),
             "rounds_configured": self.config.rounds,
             "finished": self.finished,
@@ -446,11 +452,18 @@ class Coordinator:
             "bytes_in": sum(p.bytes_up for p in rows.values()),
             "bytes_out": sum(p.bytes_down for p in rows.values()),
             "submitted": sorted(self.submitted),
-            "participants": [{**_participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
-                                                  told[p.id]), **schedule.get(p.id, {})}
+            "participants": [{**participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
+                                                 told[p.id]), **schedule.get(p.id, {})}
                              for p in sorted(rows.values(), key=lambda p: p.id)],
             "recent_rounds": recent,
         }
+
+    def _streaming_view(self) -> dict[str, Any] | None:
+        """Streaming DiLoCo's K, τ and α for the status (None: off)."""
+        st, plan = self.config.streaming, self.rounds.plan
+        if st is None or plan is None:
+            return None
+        return {"k": plan.k, "overlap": st.overlap, "alpha": st.alpha}
 
     # -- reads for the routes --------------------------------------------------------------------
     # What the HTTP routes read (`coordinator/routes/`): they reach the run through these
@@ -471,30 +484,3 @@ class Coordinator:
     def round_timings(self) -> list[tuple[float, float]]:
         """(duration_s, merge_s) of every committed round, oldest first."""
         return self.store.round_timings()
-
-
-def _participant_view(p: ParticipantRow, live: Live, weight: float | None, pieces: PiecesIn | None,
-                      told: dict[str, Any]) -> dict[str, Any]:
-    """One participant in the status: its counters, what it last reported, its weight in the
-    last round, its processes (`ranks.describe`), its open round's update in pieces, if any,
-    and its H for the open round with the reason (`told`: `Schedule.status`)."""
-    parallel, world_size = ranks.describe(p.info)
-    return {
-        "id": p.id,
-        "state": p.state,
-        "round": p.round,
-        "tokens": p.tokens,
-        "bytes_up": p.bytes_up,
-        "bytes_down": p.bytes_down,
-        "last_seen": p.last_seen,
-        "step": live.step,
-        "loss": live.loss,
-        "tokens_per_s": live.tokens_per_s,
-        "config_version": p.config_version,
-        "weight": weight,
-        "parallel": parallel,
-        "world_size": world_size,
-        "pieces": pieces.view() if pieces is not None else None,
-        "sync_every": told["sync_every"],
-        "sync_every_reason": told["reason"],
-    }

@@ -69,6 +69,11 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (round, participant_id));
     CREATE INDEX assignments_participant ON assignments (participant_id, round);
     """,
+    # 5: Streaming DiLoCo: the fragment a committed round synced (NULL: no streaming, or a round
+    # a roll back closed with no updates)
+    """
+    ALTER TABLE rounds ADD COLUMN fragment INTEGER;
+    """,
 ]
 
 
@@ -245,14 +250,15 @@ class Store:
             return cur.rowcount
 
     def commit_round(self, record: dict[str, Any], weights: dict[str, float]) -> None:
-        """Make round `record['round']` committed: its row, its weights, the new global version."""
+        """Make round `record['round']` committed: its row, its weights, the new global version.
+        `record["fragment"]`: the Streaming DiLoCo fragment it synced, if any."""
         with self.write() as db:
             db.execute(
                 """INSERT INTO rounds (round, opened_at, closed_at, close_reason, algorithm, n_submissions,
-                       tokens, bytes_in, merge_s, digest)
+                       tokens, bytes_in, merge_s, digest, fragment)
                    VALUES (:round, :opened_at, :closed_at, :close_reason, :algorithm, :n_submissions,
-                       :tokens, :bytes_in, :merge_s, :digest)""",
-                record,
+                       :tokens, :bytes_in, :merge_s, :digest, :fragment)""",
+                {"fragment": None, **record},
             )
             for pid, w in weights.items():
                 db.execute(

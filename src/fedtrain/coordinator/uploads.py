@@ -24,12 +24,13 @@ from fedtrain.coordinator import async_policy, policy, storage
 from fedtrain.coordinator.auth import Identity
 from fedtrain.coordinator.config_versions import ConfigVersions
 from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.intake import Intake, Ticket, Upload
+from fedtrain.coordinator.intake import Intake
 from fedtrain.coordinator.receive import peek_header
 from fedtrain.coordinator.roster import Roster
 from fedtrain.coordinator.rounds import Rounds
 from fedtrain.coordinator.storage import storage_full
 from fedtrain.coordinator.store import ParticipantRow, Store
+from fedtrain.coordinator.tickets import Ticket, Upload
 from fedtrain.coordinator.values import POISON_CODES
 from fedtrain.errors import Refused
 from fedtrain.transport import Body
@@ -87,7 +88,7 @@ class Uploads:
             return weight
         return weight * cfg.staleness_discount**admission.staleness
 
-    # -- the open round's places (`intake.Seats`) ---------------------------------------------------
+    # -- the open round's places (`tickets.Seats`) ---------------------------------------------------
 
     def reserve(self, up: Upload) -> Ticket | None:
         """`up`'s place in the open round, now that its body is verified; None for a duplicate

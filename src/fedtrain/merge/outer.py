@@ -8,6 +8,13 @@ rebuilds it so that training continues bitwise as if it had never stopped. Async
 mode's outer step, `delayed_nesterov` (`delayed.py`), is one more torch optimizer here, its
 momentum and buffer of pending updates part of the same state.
 
+Streaming DiLoCo steps one fragment of the parameters a round (`step(..., names=...)`): only
+those get a `.grad`, and torch's optimizers (and Yogi and the delayed Nesterov step) pass
+over a parameter whose `.grad` is None, its state untouched. Their state is per parameter,
+so one optimizer stepped fragment by fragment is one optimizer per fragment, each with its
+own momentum (and Adam's own step count). Its saved state then covers the parameters
+stepped so far (`PARTIAL_KEY` in the metadata says that some may hold none yet).
+
 A step is checked on both sides: a Δ with NaN or Inf is refused before anything moves,
 and the weights it produced (with Adam's and Yogi's moments, which the weights do not
 show) are checked after, since a finite Δ can still overflow in the optimizer (Nesterov
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -50,6 +57,10 @@ _SCALAR_STATE = ("step", "delay_count")  # per-parameter state that is a scalar,
 _MOMENTUM = ("diloco", "fedavgm", "delayed_nesterov")  # algorithms whose state is (or holds) SGD's momentum_buffer
 _FORMAT = "fedtrain.outer/1"
 _METADATA_KEYS = ("format", "algorithm", "hp", "steps", "param_names")
+PARTIAL_KEY = "partial"
+"""Metadata key, "1" once the optimizer has stepped a subset of its parameters: then a parameter
+may hold no state yet (its fragment has not synced). Absent otherwise, so the files of a run that
+never steps a subset are what they were before streaming."""
 
 
 class NonFiniteStep(MergeError):
@@ -151,10 +162,15 @@ class OuterOptimizer:
             k: v.detach().to(dtype=torch.float32, copy=True).contiguous() for k, v in params.items()
         }
         self.optimizer = build_torch_optimizer(list(self.params.values()), algorithm, self.hp)
+        self.partial = False  # stepped a subset of the parameters (`PARTIAL_KEY`)
 
     def step(self, mean_delta: Mapping[str, torch.Tensor], divisor: float = 1.0, *, finite: bool = False,
-             every: int | None = None) -> None:
+             every: int | None = None, names: Collection[str] | None = None) -> None:
         """θ ← OuterOpt(θ, grad=Δ / divisor); Δ is consumed.
+
+        `names`: step only these parameters (a Streaming DiLoCo fragment): Δ must hold exactly
+        them, and every other parameter and its optimizer state stay as they are. None: Δ must
+        hold every parameter.
 
         Δ's tensors become `.grad` as they are (no copy when dtype and device match), and
         torch may write into them: foreach SGD with Nesterov, torch's default on GPU, adds
@@ -168,11 +184,12 @@ class OuterOptimizer:
         the check after it is made all the same. `every`: the delayed Nesterov step's N from
         this step on (`merge/delayed.py`); other algorithms ignore it.
         """
-        check_compatible(self.params, mean_delta, what="mean pseudo-gradient", check_dtype=False)
+        stepped = self._stepped(names)
+        check_compatible(stepped, mean_delta, what="mean pseudo-gradient", check_dtype=False)
         d = float(divisor)
         if not (math.isfinite(d) and d > 0):
             raise MergeError(f"the mean pseudo-gradient's divisor must be finite and positive, got {divisor!r}")
-        grads = {k: self._as_grad(k, mean_delta[k], check=d >= 1.0 and not finite) for k in self.params}
+        grads = {k: self._as_grad(k, mean_delta[k], check=d >= 1.0 and not finite) for k in stepped}
         if d < 1.0:  # a division that could overflow: done first (in place: Δ is consumed), then checked
             for name, g in grads.items():
                 g.div_(d)
@@ -186,8 +203,8 @@ class OuterOptimizer:
         if every is not None and isinstance(self.optimizer, DelayedNesterov):
             self.optimizer.set_every(every)
         try:
-            for name, p in self.params.items():
-                p.grad = grads[name]
+            for name, g in grads.items():
+                self.params[name].grad = g
             if fused:
                 first = next(iter(self.params.values()))
                 self.optimizer.grad_scale = torch.tensor(d, dtype=torch.float32, device=first.device)  # type: ignore[attr-defined]
@@ -198,19 +215,33 @@ class OuterOptimizer:
             for p in self.params.values():
                 p.grad = None
         self.steps += 1
-        self._check_result()
+        self.partial = self.partial or len(stepped) < len(self.params)
+        self._check_result(stepped)
 
-    def _check_result(self) -> None:
-        """Raise NonFiniteStep unless every weight is finite, and Adam's and Yogi's moments too:
-        a moment the weights do not show (an Inf second moment makes the step 0, not Inf)
-        would hold the run still from then on. SGD's momentum shows in the weights."""
-        for name, p in self.params.items():
+    def _stepped(self, names: Collection[str] | None) -> TensorDict:
+        """The parameters a step moves: all, or those of `names` (in the parameters' order)."""
+        if names is None:
+            return self.params
+        unknown = [n for n in names if n not in self.params]
+        if unknown:
+            raise MergeError(f"a step of some parameters names ones the model does not have: {_listed(unknown)}")
+        if not names:
+            raise MergeError("a step of some parameters needs at least one of them")
+        wanted = set(names)
+        return {n: p for n, p in self.params.items() if n in wanted}
+
+    def _check_result(self, stepped: Mapping[str, torch.Tensor]) -> None:
+        """Raise NonFiniteStep unless every weight the step moved is finite, and Adam's and
+        Yogi's moments too: a moment the weights do not show (an Inf second moment makes the
+        step 0, not Inf) would hold the run still from then on. SGD's momentum shows in the
+        weights."""
+        for name, p in stepped.items():
             if not all_finite(p):
                 raise NonFiniteStep(f"the outer step made {name} NaN or infinite; it was not applied",
                                     details={"tensor": name})
         if self.algorithm in _SGD_FAMILY:  # (the delayed step's momentum and buffer do not show yet: checked)
             return
-        for name, p in self.params.items():
+        for name, p in stepped.items():
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and not all_finite(value):
                     raise NonFiniteStep(f"the outer step made {key} of {name} NaN or infinite; it was not applied",
@@ -269,13 +300,16 @@ class OuterOptimizer:
             hp = json.dumps(self.hp, sort_keys=True)
         except TypeError as e:
             raise MergeError(f"outer hyperparameters cannot be saved as JSON: {e}") from None
-        return {
+        meta = {
             "format": _FORMAT,
             "algorithm": self.algorithm,
             "hp": hp,
             "steps": str(self.steps),
             "param_names": json.dumps(list(self.params)),
         }
+        if self.partial:
+            meta[PARTIAL_KEY] = "1"
+        return meta
 
     @classmethod
     def restore(
@@ -296,7 +330,8 @@ class OuterOptimizer:
             )
         # safetensors hands tensors back sorted by name; keep the order of the saved run.
         outer = cls({n: params[n] for n in names}, algorithm, hp)
-        state = _unflatten_state(outer.params, tensors, _expected_state_keys(algorithm, hp), steps)
+        outer.partial = metadata.get(PARTIAL_KEY) == "1"
+        state = _unflatten_state(outer.params, tensors, _expected_state_keys(algorithm, hp), steps, outer.partial)
         param_groups = outer.optimizer.state_dict()["param_groups"]
         outer.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
         outer.steps = steps
@@ -316,6 +351,8 @@ class OuterOptimizer:
             return OuterOptimizer(self.params, algorithm, hp)
         tensors: TensorDict = {}
         for name, p in self.params.items():
+            if f"momentum_buffer/{name}" not in state:  # stepped in fragments: this one's has not synced yet
+                continue
             tensors[f"momentum_buffer/{name}"] = state[f"momentum_buffer/{name}"].detach().clone()
             if algorithm == "delayed_nesterov":
                 tensors[f"delay_buffer/{name}"] = torch.zeros_like(p)
@@ -345,9 +382,11 @@ def _parse_metadata(metadata: Mapping[str, str]) -> tuple[str, dict[str, Any], i
 
 
 def _unflatten_state(
-    params: TensorDict, tensors: Mapping[str, torch.Tensor], keys: tuple[str, ...], steps: int
+    params: TensorDict, tensors: Mapping[str, torch.Tensor], keys: tuple[str, ...], steps: int, partial: bool = False
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """`{"key/name": t}` back to torch's `{param_index: {key: t}}`, checked for completeness."""
+    """`{"key/name": t}` back to torch's `{param_index: {key: t}}`, checked for completeness:
+    every parameter holds all of `keys` once stepped, or (`partial`: stepped in fragments) all
+    or none of them."""
     index = {name: i for i, name in enumerate(params)}
     state: dict[int, dict[str, torch.Tensor]] = {}
     for flat, value in tensors.items():
@@ -359,6 +398,12 @@ def _unflatten_state(
                 f"outer optimizer state {flat} has shape {tuple(value.shape)}, expected {tuple(params[name].shape)}"
             )
         state.setdefault(index[name], {})[key] = value
+    if partial:
+        holding = {flat.partition("/")[2] for flat in tensors}  # (each tensor's key and name checked above)
+        absent = [f"{k}/{n}" for n in params if n in holding for k in keys if f"{k}/{n}" not in tensors]
+        if absent:
+            raise MergeError(f"outer optimizer state is incomplete: missing {_listed(absent)}")
+        return state
     want = len(keys) * len(params) if steps > 0 else 0
     if len(tensors) != want:
         absent = [f"{k}/{n}" for n in params for k in keys if f"{k}/{n}" not in tensors]

@@ -179,7 +179,8 @@ function setStatus(st) {
 }
 
 function renderCards(st) {
-  $("run-name").textContent = st.run;
+  // Streaming DiLoCo: each round syncs one of K fragments (round r: fragment r mod K)
+  $("run-name").textContent = st.streaming ? `${st.run} · streaming, K = ${st.streaming.k} fragments` : st.run;
   document.title = "fedtrain · " + st.run;
   const by = (state) => st.participants.filter((p) => p.state === state);
   const active = by("active");
@@ -187,7 +188,8 @@ function renderCards(st) {
   const past = st.rounds_configured != null && st.rounds_configured !== st.rounds;
   $("c-round-sub").textContent = st.finished ? (past ? `run finished past the config's ${st.rounds_configured} rounds`
     : "run finished") : st.closing ? "closing: merging the updates"
-    : `open · ${st.submitted.length} of ${active.length} active submitted`;
+    : `open · ${st.submitted.length} of ${active.length} active submitted` +
+      (st.fragment != null ? ` · fragment ${st.fragment} of ${st.streaming.k}` : "");
   $("c-parts").textContent = `${active.length} active`;
   $("c-parts-sub").textContent = ["failed", "left", "evicted"].map((s) => `${by(s).length} ${s}`).join(" · ");
   $("c-tokens").textContent = fmt.si(st.participants.reduce((a, p) => a + p.tokens, 0));
@@ -287,12 +289,17 @@ async function evictClicked(pid) {
   }
 }
 
+// The fragment a round synced (Streaming DiLoCo); the column shows only when the run streams.
+const fragmentCell = (f) => el("td", { class: "num fragment-col", text: f == null ? "–" : String(f) });
+
 function renderRounds(st) {
   const body = $("rounds").querySelector("tbody");
+  $("rounds").classList.toggle("streaming", st.streaming != null);
   const rows = [];
   if (!st.finished) {
     rows.push(el("tr", { class: "open-round" },
       el("td", { class: "num", text: String(st.current_round) }),
+      fragmentCell(st.fragment),
       el("td", { text: st.closing ? "closing…" : "open" }),
       el("td", {}),
       el("td", { class: "reason", text: st.reason }),
@@ -307,6 +314,7 @@ function renderRounds(st) {
     const back = r.close_reason.startsWith("rolled back to version"); // a break in the timeline: mark it
     rows.push(el("tr", { class: back ? "rolled-back" : null, dataset: { round: r.round } },
       el("td", { class: "num", text: String(r.round) }),
+      fragmentCell(r.fragment),
       el("td", { text: fmt.clock(r.closed_at) }),
       el("td", { class: "duration" }, el("span", { class: "bar-track" }, bar), el("span", { text: fmt.seconds(dur) })),
       el("td", { class: "reason", text: r.close_reason }),
