@@ -2,7 +2,7 @@
 
 - Two participants streaming K = 2 fragments with τ = 1 and α = 0.5 end on the global and
   local weights of `fedtrain.streaming.simulate` (torchft's semantics, checked against
-  torchft itself in tests/slow/test_streaming_torchft.py), to 1e-5; each participant
+  torchft itself in tests/slow/test_streaming_torchft.py), to 1e-5 (α = 0.3); each participant
   synced the fragments round robin, and ends on the global model.
 - K = 1, τ = 0, α = 0 runs the streaming code paths and is plain DiLoCo, bit for bit.
 - int8 deltas with error feedback per fragment: the run trains, every upload is one fragment.
@@ -55,7 +55,7 @@ def reference(tasks: list[Regression], *, steps: int, h: int, tau: int, alpha: f
 
 
 def test_two_participants_streaming_match_torchfts_semantics(tmp_path: Path) -> None:
-    rounds, h, tau, alpha = 8, 4, 1, 0.5  # K = 2: S = 2 steps a round, 16 steps each
+    rounds, h, tau, alpha = 8, 4, 1, 0.3  # K = 2: S = 2 steps a round, 16 steps each; α ≠ 0.5 tells the sides apart
     cfg = streaming_config(rounds, h, {"fragments": 2, "assign": FRAGMENTS, "overlap": tau, "alpha": alpha})
     tasks = [Regression(rows=16, seed=10 + i) for i in range(2)]
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, initial_model())) as c:
@@ -77,6 +77,7 @@ def test_two_participants_streaming_match_torchfts_semantics(tmp_path: Path) -> 
 
 
 def run_and_collect(tmp_path: Path, cfg: Any, tasks: list[Regression]) -> tuple[dict, list[dict], list[int]]:
+    tmp_path.mkdir()
     with BackgroundCoordinator(tmp_path, cfg, init_weights=init_file(tmp_path, initial_model())) as c:
         runners = run_all([TinyParticipant(c.url, f"p{i}", task) for i, task in enumerate(tasks)])
         with CoordinatorClient(c.url, PTOKEN) as cl:

@@ -128,6 +128,7 @@ class Participant:
         self._overlap = OverlappedSync(self._engine)
         self._fragments: FragmentSync | None = None  # Streaming DiLoCo (`fragments.py`), from the join
         self._unsent_tokens = 0  # streaming: tokens since the last fragment's Δ was taken
+        self._sent_at: tuple[int, int] | None = None  # streaming: the byte counts when the fragment in flight was sent
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -355,6 +356,7 @@ class Participant:
         if tau > 0 and self._round_steps >= s - tau and time.monotonic() >= self._outage.next_at:
             r = self.round
             faults.hit("participant.sync", who=self.name or self.participant_id, round=r)
+            self._sent_at = (self.bytes_up, self.bytes_down)
             fs.send(r, self.participant_id, self.config, tokens=max(1, self._unsent_tokens),
                     retry=self._attempt_retry)
             self._unsent_tokens = 0
@@ -373,6 +375,7 @@ class Participant:
                 faults.hit("participant.sync", who=self.name or self.participant_id, round=r)
                 if self._outage.active and not self._coordinator_back():
                     return False
+                self._sent_at = (self.bytes_up, self.bytes_down)
                 version = fs.fetch(r, self.participant_id, self.config, tokens=max(1, self._unsent_tokens),
                                    retry=self._attempt_retry)
                 self._unsent_tokens = 0
@@ -384,20 +387,17 @@ class Participant:
         return self._stream_landed(r, fs.of(r), version, time.perf_counter() - t0)
 
     def _stream_landed(self, r: int, fragment: int, version: int, blocked_s: float) -> bool:
-        """Round r's result (`version`) is in fragment `fragment`'s snapshot: evaluate before,
-        mix it in, evaluate after, report, take the next round's config. A result from further
-        on than r + 1 (rounds went on without us), or the last round's, takes the whole global model."""
+        """Round r's result (`version`) is in fragment `fragment`'s snapshot: evaluate before, mix,
+        evaluate after, report. Past r + 1 (rounds went on without us), or the end: the whole global model."""
         fs = self._fragments
         assert fs is not None
-        record = self._open_record(r)
-        record["fragment"] = fragment
-        alpha = self.config.streaming.alpha if self.config.streaming is not None else 0.0
-        fs.mix(fragment, alpha)
-        last = self.config.rounds > 0 and version >= self.config.rounds
-        if last or version not in (r, r + 1):  # the run is over: end on the global model, every fragment
-            if not last:
-                log.warning("round %d ended at version %d: rounds went on without us; taking the global model", r,
-                            version)
+        record = {**self._open_record(r), "fragment": fragment}
+        record["_up0"], record["_down0"] = self._sent_at or (record["_up0"], record["_down0"])  # bytes since the send
+        self._sent_at = None
+        fs.mix(fragment, self.config.streaming.alpha if self.config.streaming is not None else 0.0)
+        if version not in (r, r + 1):
+            log.warning("round %d ended at version %d: rounds went on without us; taking the global model", r, version)
+        if version not in (r, r + 1) or (self.config.rounds > 0 and version >= self.config.rounds):  # or it ended
             version = self._engine.load_global(self.participant_id, retry=self._attempt_retry)
         self._enter_round(version)
         self._outage_over(r)
