@@ -29,7 +29,8 @@ def test_streaming_diloco_matches_torchft() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--venv", str(VENV)], capture_output=True,
                           text=True, timeout=540, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    rows = re.findall(r"^\s*(\d) +(\d) +([\d.]+) +\w+ +(\d) +\w+ +(\d+) +(\S+) +(\S+) +(\S+) +(yes|NO)$",
+    rows = re.findall(r"^\s*(\d) +(\d) +([\d.]+) +\w+ +(\d) +\w+ +(\d+) +(\S+) +(\S+) +(\S+) +(\S+) +(yes|NO)$",
                       done.stdout, re.M)
     assert len(rows) == 3 and all(r[-1] == "yes" for r in rows), done.stdout
     assert {(k, tau) for k, tau, *_ in rows} == {("1", "0"), ("2", "1"), ("4", "2")}, done.stdout
+    assert all(float(r[-2]) <= 1e-5 for r in rows), done.stdout  # the real coordinator and participants too
