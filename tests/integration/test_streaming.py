@@ -192,3 +192,20 @@ def test_lora_streams_its_adapters_a_fragment_at_a_time(tmp_path: Path) -> None:
     assert all(len(names) > 0 and all(".layers." in n for n in names) for names in plan)
     for r in rounds:  # every upload is the round's fragment of the adapters, no more
         assert [s["bytes"] for s in r["submissions"]] == [body[r["round"] % 2]] * 2, r["submissions"]
+
+
+def test_in_the_overlapped_mode_a_fast_site_trains_on_until_its_fragment_arrives(tmp_path: Path) -> None:
+    cfg = streaming_config(6, 4, {"fragments": 2, "assign": FRAGMENTS, "overlap": 1, "alpha": 0.5},
+                           train={"overlap": True})
+    tasks = [Regression(rows=16, seed=50 + i) for i in range(2)]
+    with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, initial_model())) as c:
+        fast, slow = run_all([TinyParticipant(c.url, "fast", tasks[0]),
+                              TinyParticipant(c.url, "slow", tasks[1], step_sleep_s=0.05)])
+        with CoordinatorClient(c.url, PTOKEN) as cl:
+            version, final = cl.download()
+    assert version == 6
+    for r in (fast, slow):
+        assert r.fed is not None and [rec["fragment"] for rec in r.fed.history] == [0, 1, 0, 1, 0, 1]
+        assert all(rec["steps"] >= 2 for rec in r.fed.history)  # never applied before the round's H/K steps
+        assert all(torch.equal(r.weights[n], t) for n, t in final.items())
+    assert fast.fed is not None and max(rec["steps"] for rec in fast.fed.history) > 2  # it did not wait at H/K
