@@ -210,8 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--heterogeneous", action="store_true",
                    help="sites of different speed: participants at 1x, 0.5x, 0.25x (cycled) of their natural pace, "
                    "in balanced rounds unless --schedule says otherwise")
-    d.add_argument("--schedule", default=None, choices=["rounds", "balanced"],
+    d.add_argument("--schedule", default=None, choices=["rounds", "balanced", "async"],
                    help="schedule.mode of the demo's run (default: the config's; balanced with --heterogeneous)")
+    d.add_argument("--streaming", type=int, default=None, metavar="K",
+                   help="Streaming DiLoCo with K fragments (overlap 1, alpha 0.5; docs/streaming.md): a round syncs "
+                   "one fragment every H/K steps, and the demo runs K times as many rounds unless --rounds says")
     d.add_argument("--rounds", type=int, default=None, help="rounds to run")
     d.add_argument("--sync-every", type=int, default=None, help="H: inner steps between syncs")
     d.add_argument("--algorithm", default="diloco", choices=["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"])

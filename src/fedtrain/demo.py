@@ -8,6 +8,7 @@ text, and prints (and optionally writes as JSON) a summary. Ctrl+C stops every p
 `--heterogeneous` makes the sites differ on purpose: participant i runs at HETEROGENEOUS[i % 3]
 of its natural speed (`fedtrain participant --speed`), in balanced rounds unless `--schedule`
 says otherwise (docs/schedule.md), so the demo shows each participant told its own H.
+`--streaming K` runs Streaming DiLoCo with K fragments (docs/streaming.md).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fedtrain.config import RunConfig, load_config
+from fedtrain.config import RunConfig, load_config, parse_config
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.errors import FedtrainError
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy
@@ -59,10 +60,15 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
         data["rounds"] = args.rounds
     if args.sync_every is not None:
         data["train"]["sync_every"] = args.sync_every
+    k = getattr(args, "streaming", None)
+    if k is not None:
+        data["streaming"] = {"fragments": k, "overlap": 1, "alpha": 0.5}
+        if args.rounds is None:
+            data["rounds"] *= k  # as many inner steps as without it: a round syncs one fragment
     schedule = getattr(args, "schedule", None)
-    if schedule is not None or getattr(args, "heterogeneous", False):
+    if schedule is not None or (getattr(args, "heterogeneous", False) and k is None):
         data["schedule"]["mode"] = schedule or "balanced"
-    return RunConfig.model_validate(data)
+    return parse_config(data, source="the demo's run config")
 
 
 def global_eval(client: CoordinatorClient, cfg: RunConfig, version: int | None = None) -> float:
@@ -249,6 +255,7 @@ def summarize(
         "rounds": cfg.rounds,
         "sync_every": cfg.train.sync_every,
         "schedule": cfg.schedule.mode,
+        "streaming": cfg.streaming.model_dump() if cfg.streaming is not None else None,
         "parameters": status["parameters"],
         "model_bytes": model_bytes,
         "wall_s": round(wall, 1),
@@ -294,9 +301,12 @@ def _bytes_per_round(status: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_summary(s: dict[str, Any]) -> None:
+    st = s.get("streaming")
+    rounds = f"H={s['sync_every']}" if st is None else \
+        f"H/K={s['sync_every'] // st['fragments']} (Streaming DiLoCo, K={st['fragments']} fragments)"
     print(
         f"\nfedtrain demo: {s['algorithm']}, {s['participants']} participants, {s['rounds']} rounds of "
-        f"H={s['sync_every']}, {s['parameters']:,} parameters, {s['wall_s']:.0f}s"
+        f"{rounds}, {s['parameters']:,} parameters, {s['wall_s']:.0f}s"
     )
     print(f"global eval loss (held-out): {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f}\n")
     if s.get("evals"):
@@ -352,6 +362,11 @@ def run_demo(args: argparse.Namespace) -> int:
             if any(speed < 1 for speed in demo.speeds):
                 sites = ", ".join(f"p{i} {speed:g}x" for i, speed in enumerate(demo.speeds))
                 print(f"heterogeneous sites: {sites} speed; schedule.mode {demo.cfg.schedule.mode}", flush=True)
+            st = demo.cfg.streaming
+            if st is not None:
+                print(f"Streaming DiLoCo: {st.fragments} fragments, one synced every "
+                      f"{demo.cfg.train.sync_every // st.fragments} inner steps (overlap {st.overlap}, alpha "
+                      f"{st.alpha:g})", flush=True)
             print(f"initial global eval loss: {initial:.3f}; starting {demo.n} participants", flush=True)
             demo.start_participants()
             status = monitor(demo, client, t0)

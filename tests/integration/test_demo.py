@@ -99,3 +99,23 @@ def test_demo_removes_its_temp_dir_unless_kept(tmp_path: Path) -> None:
     kept = list(tmp_path.glob("fedtrain-demo-*"))
     assert len(kept) == 1 and (kept[0] / "state" / "run.db").is_file()
     assert f"state and logs: {kept[0] / 'state'}" in r.stdout
+
+
+def test_a_streaming_demo_syncs_a_fragment_per_round(tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    argv = [sys.executable, "-m", "fedtrain", "demo", "--participants", "2", "--streaming", "2", "--rounds", "4",
+            "--sync-every", "10", "--summary", str(summary), "--state-dir", str(tmp_path / "demo")]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = json.loads(summary.read_text())
+    assert s["streaming"]["fragments"] == 2 and s["rounds"] == 4
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.3, s
+    per_round = s["bytes_per_round"]
+    assert per_round["upload_per_participant"] < 0.75 * per_round["sync_set_bytes"]  # one fragment, not the model
+    assert "Streaming DiLoCo: 2 fragments, one synced every 5 inner steps" in r.stdout
+    assert "rounds of H/K=5 (Streaming DiLoCo, K=2 fragments)" in r.stdout
+
+    bad = subprocess.run([*argv[:7], "3", "--rounds", "2", "--sync-every", "10"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "must be a multiple of streaming.fragments (K=3)" in bad.stderr
+    assert "Traceback" not in bad.stderr
