@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,29 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, OutagePolicy
 from fedtrain.streaming import simulate
 from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
-from tests.tiny import Regression, Small, TinyParticipant, init_file, join_all, run_all
+from tests.tiny import Regression, Setup, Small, TinyParticipant, init_file, join_all, run_all
 
 FRAGMENTS = [["lin.*"], ["head.*"]]  # `Small`: its two layers
 
 
+@dataclass(frozen=True)
+class Fixed(Regression):
+    """`Regression`, its batch drawn from a generator of its own: participants build their tasks
+    on threads of their own at once, and torch's global RNG is shared between those threads."""
+
+    def build(self, run: Any = None) -> Setup:
+        assert self.seed is not None
+        x = torch.randn(self.rows, 3, generator=torch.Generator().manual_seed(self.seed))
+        y = x.sum(dim=1, keepdim=True)
+        model = Small()  # (its weights are the coordinator's from the join on)
+        return Setup(model, torch.optim.SGD(model.parameters(), lr=self.lr), lambda: (x, y),
+                     lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), lambda b: self.rows)
+
+
 def streaming_config(rounds: int, sync_every: int, streaming: dict[str, Any], **over: Any) -> Any:
+    """Rounds wait for both participants (min_participants 2): one that joins late would miss round 0."""
     return tiny_config(rounds=rounds, train={"sync_every": sync_every, **over.pop("train", {})},
-                       streaming=streaming, **over)
+                       streaming=streaming, min_participants=2, **over)
 
 
 def initial_model() -> Small:
@@ -38,7 +54,7 @@ def initial_model() -> Small:
     return Small()
 
 
-def reference(tasks: list[Regression], *, steps: int, h: int, tau: int, alpha: float) -> Any:
+def reference(tasks: list[Fixed], *, steps: int, h: int, tau: int, alpha: float) -> Any:
     """What torchft's streaming DiLoCo makes of the same start, batches and inner optimizer."""
     batches = [t.build().batch() for t in tasks]
     start = initial_model().state_dict()
@@ -57,7 +73,7 @@ def reference(tasks: list[Regression], *, steps: int, h: int, tau: int, alpha: f
 def test_two_participants_streaming_match_torchfts_semantics(tmp_path: Path) -> None:
     rounds, h, tau, alpha = 8, 4, 1, 0.3  # K = 2: S = 2 steps a round, 16 steps each; α ≠ 0.5 tells the sides apart
     cfg = streaming_config(rounds, h, {"fragments": 2, "assign": FRAGMENTS, "overlap": tau, "alpha": alpha})
-    tasks = [Regression(rows=16, seed=10 + i) for i in range(2)]
+    tasks = [Fixed(rows=16, seed=10 + i) for i in range(2)]
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, initial_model())) as c:
         runners = run_all([TinyParticipant(c.url, f"p{i}", task) for i, task in enumerate(tasks)])
         with CoordinatorClient(c.url, PTOKEN) as cl:
@@ -76,7 +92,7 @@ def test_two_participants_streaming_match_torchfts_semantics(tmp_path: Path) -> 
     assert sorted(r["fragment"] for r in status["recent_rounds"]) == sorted(r % 2 for r in range(rounds))
 
 
-def run_and_collect(tmp_path: Path, cfg: Any, tasks: list[Regression]) -> tuple[dict, list[dict], list[int]]:
+def run_and_collect(tmp_path: Path, cfg: Any, tasks: list[Fixed]) -> tuple[dict, list[dict], list[int]]:
     tmp_path.mkdir()
     with BackgroundCoordinator(tmp_path, cfg, init_weights=init_file(tmp_path, initial_model())) as c:
         runners = run_all([TinyParticipant(c.url, f"p{i}", task) for i, task in enumerate(tasks)])
@@ -86,9 +102,9 @@ def run_and_collect(tmp_path: Path, cfg: Any, tasks: list[Regression]) -> tuple[
 
 
 def test_one_fragment_without_overlap_or_mixing_is_plain_diloco_bit_for_bit(tmp_path: Path) -> None:
-    tasks = [Regression(rows=16, seed=20 + i) for i in range(2)]
-    plain, plain_local, plain_up = run_and_collect(tmp_path / "plain", tiny_config(rounds=4, train={"sync_every": 3}),
-                                                   tasks)
+    tasks = [Fixed(rows=16, seed=20 + i) for i in range(2)]
+    plain_cfg = tiny_config(rounds=4, train={"sync_every": 3}, min_participants=2)
+    plain, plain_local, plain_up = run_and_collect(tmp_path / "plain", plain_cfg, tasks)
     one = streaming_config(4, 3, {"fragments": 1, "assign": [["*"]], "overlap": 0, "alpha": 0.0})
     streamed, streamed_local, streamed_up = run_and_collect(tmp_path / "streamed", one, tasks)
     for name, t in plain.items():
@@ -101,7 +117,7 @@ def test_one_fragment_without_overlap_or_mixing_is_plain_diloco_bit_for_bit(tmp_
 def test_int8_deltas_with_error_feedback_per_fragment(tmp_path: Path) -> None:
     cfg = streaming_config(6, 4, {"fragments": 2, "assign": FRAGMENTS, "overlap": 1, "alpha": 0.5},
                            train={"compression": "int8", "error_feedback": True, "compression_block": 8})
-    tasks = [Regression(rows=16, seed=30 + i) for i in range(2)]
+    tasks = [Fixed(rows=16, seed=30 + i) for i in range(2)]
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, initial_model())) as c:
         start_loss = [t.build().loss(initial_model(), t.build().batch()).item() for t in tasks]
         runners = run_all([TinyParticipant(c.url, f"p{i}", task) for i, task in enumerate(tasks)])
@@ -124,7 +140,7 @@ def test_a_coordinator_killed_mid_cycle_resumes_with_every_committed_round(tmp_p
     # killed right after the database commit of round 2 (fragment 0), before round 3 (fragment 1) opens
     proc = start_coordinator(cfg_path, state, port, log, "--init-weights", str(init),
                              env={"FEDTRAIN_FAULTS": "commit.after_db:kill:round=2"})
-    runners = [TinyParticipant(url, f"p{i}", Regression(rows=16, seed=40 + i), step_sleep_s=0.01,
+    runners = [TinyParticipant(url, f"p{i}", Fixed(rows=16, seed=40 + i), step_sleep_s=0.01,
                                outage=OutagePolicy(budget_s=120.0, attempt_s=5.0, backoff_max_s=1.0))
                for i in range(2)]
     try:
@@ -197,7 +213,7 @@ def test_lora_streams_its_adapters_a_fragment_at_a_time(tmp_path: Path) -> None:
 def test_in_the_overlapped_mode_a_fast_site_trains_on_until_its_fragment_arrives(tmp_path: Path) -> None:
     cfg = streaming_config(6, 4, {"fragments": 2, "assign": FRAGMENTS, "overlap": 1, "alpha": 0.5},
                            train={"overlap": True})
-    tasks = [Regression(rows=16, seed=50 + i) for i in range(2)]
+    tasks = [Fixed(rows=16, seed=50 + i) for i in range(2)]
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, initial_model())) as c:
         fast, slow = run_all([TinyParticipant(c.url, "fast", tasks[0]),
                               TinyParticipant(c.url, "slow", tasks[1], step_sleep_s=0.05)])
