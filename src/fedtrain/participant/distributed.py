@@ -24,7 +24,8 @@ While rank 0 waits on a slow coordinator it broadcasts a WAIT every `keepalive_s
 the other ranks never sit in one collective long enough to hit the process group's
 timeout. A failure on rank 0 (coordinator gone for longer than its budget, model
 refused) is broadcast as ERROR with its message, and every rank raises
-`DistributedSyncError`. θ is the sync set only (the trainable parameters): frozen
+`DistributedSyncError`. θ is the sync set only (the trainable parameters; after a Streaming
+DiLoCo round, only the fragment it mixed in, named in DONE's payload): frozen
 weights are the same on every rank by construction. Messages are a fixed int64 tensor
 plus an optional JSON byte tensor: nothing is pickled (`broadcast_object_list` would).
 
@@ -272,10 +273,13 @@ class DistributedParticipant:
         fed = self.fed
         assert fed is not None
         self._adopt(fed.round, fed.finished, fed.sync_every, fed.config)
-        payload = {"config": fed.config.model_dump(mode="json")} if with_params else {}
+        payload: dict[str, Any] = {"config": fed.config.model_dump(mode="json")} if with_params else {}
+        changed = self._changed(fed.changed) if with_params and kind == DONE else None
+        if changed is not None:  # Streaming DiLoCo: only the fragment just mixed in moved
+            payload["changed"] = changed
         self._send(kind, with_params, payload)
         if with_params:
-            self._broadcast_params()
+            self._broadcast_params(changed)
 
     def _send(self, kind: int, with_params: bool, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode() if payload else b""
@@ -312,7 +316,7 @@ class DistributedParticipant:
             config = RunConfig.model_validate(msg.payload["config"]) if "config" in msg.payload else self.config
             self._adopt(msg.round, msg.finished, msg.sync_every, config)
             if msg.with_params:
-                self._broadcast_params()
+                self._broadcast_params(msg.payload.get("changed"))
             return msg.with_params
 
     # -- both ----------------------------------------------------------------------------------
@@ -320,8 +324,18 @@ class DistributedParticipant:
     def _adopt(self, round_: int, finished: bool, sync_every: int, config: RunConfig) -> None:
         self.round, self.finished, self.sync_every, self.config = round_, finished, sync_every, config
 
-    def _broadcast_params(self) -> None:
-        """θ from rank 0 to every rank, tensor by tensor in name order, in place."""
+    def _changed(self, names: list[str] | None) -> list[int] | None:
+        """The positions (in name order) of the tensors a sync changed; None: all of them."""
+        if names is None:
+            return None
+        where = {n: i for i, n in enumerate(self._names)}
+        return sorted(where[n] for n in names)
+
+    def _broadcast_params(self, only: list[int] | None = None) -> None:
+        """θ from rank 0 to every rank, tensor by tensor in name order, in place: all of it, or
+        the tensors at positions `only` (a streaming fragment's)."""
+        keep = None if only is None else set(only)
         with torch.no_grad():
-            for name in self._names:
-                dist.broadcast(self._params[name].data, src=0, group=self.group)
+            for i, name in enumerate(self._names):
+                if keep is None or i in keep:
+                    dist.broadcast(self._params[name].data, src=0, group=self.group)

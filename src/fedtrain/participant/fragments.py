@@ -127,9 +127,11 @@ class FragmentSync:
         reference is back, as `SyncEngine.fetch` leaves it, and the error is raised."""
         return self.engines[self.of(r)].fetch(r, pid, config, tokens=tokens, retry=retry)
 
-    def mix(self, fragment: int, alpha: float) -> None:
-        """Fragment `fragment`'s downloaded weights into the model: θ ← (1 − α)·θ_g + α·θ."""
+    def mix(self, fragment: int, alpha: float) -> list[str]:
+        """Fragment `fragment`'s downloaded weights into the model: θ ← (1 − α)·θ_g + α·θ. Returns
+        the names of the tensors it changed."""
         self.engines[fragment].mix(alpha)
+        return list(self.engines[fragment].params)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

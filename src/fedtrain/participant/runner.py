@@ -129,6 +129,7 @@ class Participant:
         self._fragments: FragmentSync | None = None  # Streaming DiLoCo (`fragments.py`), from the join
         self._unsent_tokens = 0  # streaming: tokens since the last fragment's Δ was taken
         self._sent_at: tuple[int, int] | None = None  # streaming: the byte counts when the fragment in flight was sent
+        self.changed: list[str] | None = None  # the tensors the last sync changed (a fragment's), None: all
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -281,9 +282,7 @@ class Participant:
         return record
 
     def _reset_round(self) -> None:
-        self._round_steps = 0
-        self._round_tokens = 0
-        self._round_losses = []
+        self._round_steps, self._round_tokens, self._round_losses = 0, 0, []
 
     def _close_record(self, record: dict[str, Any], r: int, blocked_s: float, reset: bool = True) -> None:
         """After the new global weights are in: eval after, report, take the new config."""
@@ -394,11 +393,11 @@ class Participant:
         record = {**self._open_record(r), "fragment": fragment}
         record["_up0"], record["_down0"] = self._sent_at or (record["_up0"], record["_down0"])  # bytes since the send
         self._sent_at = None
-        fs.mix(fragment, self.config.streaming.alpha if self.config.streaming is not None else 0.0)
+        self.changed = fs.mix(fragment, self.config.streaming.alpha if self.config.streaming is not None else 0.0)
         if version not in (r, r + 1):
             log.warning("round %d ended at version %d: rounds went on without us; taking the global model", r, version)
         if version not in (r, r + 1) or (self.config.rounds > 0 and version >= self.config.rounds):  # or it ended
-            version = self._engine.load_global(self.participant_id, retry=self._attempt_retry)
+            version, self.changed = self._engine.load_global(self.participant_id, retry=self._attempt_retry), None
         self._enter_round(version)
         self._outage_over(r)
         self._close_record(record, r, blocked_s)
