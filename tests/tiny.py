@@ -39,6 +39,11 @@ JOIN_TIMEOUT_S = 240.0  # how long `join` waits for a training thread by default
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
+_GLOBAL_RNG = threading.Lock()
+"""Held while a `Regression` seeds torch's global RNG and draws from it: that RNG is shared by
+every thread, and without the lock two participants' tasks built at once would interleave
+their draws, so that their weights and batches depended on the threads' timing."""
+
 
 class Small(nn.Module):
     """Any nn.Module: two linear layers and a frozen parameter (which never travels)."""
@@ -114,7 +119,8 @@ class Regression:
 
     target "sum" fits y = x.sum(1) (MSE); "zero" minimises model(x)² (no labels). `seed`
     seeds torch's global RNG before the model and the batch are drawn (None: the caller's
-    RNG state, in that order: model, then batch)."""
+    RNG state, in that order: model, then batch), under a lock that other `Regression`s
+    building at once on other threads wait for."""
 
     rows: int = 16
     seed: int | None = None
@@ -123,11 +129,12 @@ class Regression:
     model: Callable[[], nn.Module] = Small
 
     def build(self, run: Callable[[], RunConfig] | None = None) -> Setup:
-        if self.seed is not None:
-            torch.manual_seed(self.seed)
-        model = self.model()
-        opt = torch.optim.SGD(model.parameters(), lr=self.lr)
-        return self.on(model, opt)
+        with _GLOBAL_RNG:  # participants build their tasks on threads of their own, at once
+            if self.seed is not None:
+                torch.manual_seed(self.seed)
+            model = self.model()
+            opt = torch.optim.SGD(model.parameters(), lr=self.lr)
+            return self.on(model, opt)
 
     def on(self, model: nn.Module, opt: torch.optim.Optimizer | None = None) -> Setup:
         """This task for a model the caller made (draws the batch now)."""
