@@ -126,3 +126,21 @@ def test_the_plan_comes_from_the_join_answer() -> None:
         plan_of({"config": {"streaming": {"fragments": 2}}})
     with pytest.raises(ModelMismatchError, match="not a list"):
         plan_of({"config": {}, "streaming": {"fragments": [["a"], []]}})
+
+
+def test_at_the_end_every_fragment_becomes_the_global_one_and_only_the_others_are_fetched() -> None:
+    client, engine, params = setup(a=1.0, b=2.0)
+    fs = FragmentSync(engine, [["a"], ["b"]])
+    with torch.no_grad():
+        params["a"].add_(1.0)
+        params["b"].add_(1.0)
+    client.model = {"a": torch.full((3,), 4.0), "b": torch.full((2,), 7.0)}
+    client.version = 3
+    fs.fetch(2, "p", RunConfig(), tokens=1, retry=None)
+    fs.mix(0, 0.5)  # fragment 0 mixed: not the global weights yet
+    assert not torch.equal(params["a"].detach(), torch.full((3,), 4.0))
+    client.downloads.clear()
+    assert fs.take_global("p", 3, 0, retry=None) is None
+    assert client.downloads == [["b"]]  # fragment 0's global weights were in its snapshot already
+    assert torch.equal(params["a"].detach(), torch.full((3,), 4.0))
+    assert torch.equal(params["b"].detach(), torch.full((2,), 7.0))

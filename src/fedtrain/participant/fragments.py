@@ -133,5 +133,15 @@ class FragmentSync:
         self.engines[fragment].mix(alpha)
         return list(self.engines[fragment].params)
 
+    def take_global(self, pid: str, version: int, have: int, *, retry: RetryPolicy | None) -> list[str] | None:
+        """At the end of the run: the model takes global version `version` whole. Fragment `have`
+        (just mixed in) is already in its snapshot; every other fragment is downloaded. Returns
+        which tensors changed, as `mix` does: None, all of them."""
+        for p, engine in enumerate(self.engines):
+            if p != have:
+                engine.download(pid, version=version, retry=retry)
+            engine.adopt()
+        return None
+
     def close(self) -> None:
         self._pool.shutdown(wait=False)

@@ -396,8 +396,9 @@ class Participant:
         self.changed = fs.mix(fragment, self.config.streaming.alpha if self.config.streaming is not None else 0.0)
         if version not in (r, r + 1):
             log.warning("round %d ended at version %d: rounds went on without us; taking the global model", r, version)
-        if version not in (r, r + 1) or (self.config.rounds > 0 and version >= self.config.rounds):  # or it ended
             version, self.changed = self._engine.load_global(self.participant_id, retry=self._attempt_retry), None
+        elif self.config.rounds > 0 and version >= self.config.rounds:  # the end: every fragment the global one
+            self.changed = fs.take_global(self.participant_id, version, fragment, retry=self._attempt_retry)
         self._enter_round(version)
         self._outage_over(r)
         self._close_record(record, r, blocked_s)
