@@ -84,7 +84,10 @@ class SyncEngine:
     injection). `patience_s`: how long past a round's deadline we wait for it to close."""
 
     def __init__(self, client: CoordinatorClient, params: Mapping[str, torch.Tensor], *, who: str | None = None,
-                 patience_s: float = 0.0, piece: PieceOf | None = None) -> None:
+                 patience_s: float = 0.0, piece: PieceOf | None = None,
+                 shares: Mapping[str, torch.Tensor] | None = None) -> None:
+        """`shares`: snapshot tensors of another engine that this one (a fragment's, `fragment`)
+        uses as its own; such an engine's downloads name its tensors."""
         self.client = client
         self.params = params
         self.who = who
@@ -97,10 +100,10 @@ class SyncEngine:
         self.cancel = threading.Event()  # set (by another thread) to stop waiting for the round
         self._piece_in: int | None = None  # the round our piece is in (a conflict told us it is)
         self._applied: int | None = None  # asynchronous mode: the round our last upload was applied in
-        self._snapshot: dict[str, torch.Tensor] = {}  # set aside by `prepare`, at join
+        self._snapshot: dict[str, torch.Tensor] = dict(shares or {})  # else set aside by `prepare`, at join
         self._holds: Holds = "reference"
         self._feedback = ErrorFeedback()
-        self._only = False  # a fragment's engine: downloads name its tensors (`fragment`)
+        self._only = shares is not None
 
     def fragment(self, names: list[str]) -> SyncEngine:
         """An engine over the tensors `names` of this one's sync set (a Streaming DiLoCo
@@ -112,11 +115,8 @@ class SyncEngine:
         if unknown or not names:
             raise ModelMismatchError(f"the coordinator's fragment names tensors this model does not sync: "
                                      f"{', '.join(unknown[:5]) or '(none)'}")
-        engine = SyncEngine(self.client, {n: self.params[n] for n in names}, who=self.who,
-                            patience_s=self.patience_s)
-        engine._snapshot = {n: self._snapshot[n] for n in names}
-        engine._only = True
-        return engine
+        return SyncEngine(self.client, {n: self.params[n] for n in names}, who=self.who,
+                          patience_s=self.patience_s, shares={n: self._snapshot[n] for n in names})
 
     @property
     def snapshot_bytes(self) -> int:
