@@ -104,7 +104,7 @@ def methods_tokens20() -> list[Method]:
     out += [stream(m, 32, 4, tau) for m in ms for tau in (1, 5)]
     out += [Method(f"m{m}-fedavg-h30", "main", algorithm="fedavg", sync_every=30, outer_lr=1.0, workers=m) for m in ms]
     out += [Method(f"m{m}-diloco-h30-lr{lr:g}", "tuning", sync_every=30, outer_lr=lr, workers=m)
-            for m in ms for lr in (0.4, 1.0)]
+            for m in ms for lr in (0.4, 1.0, 0.55, 0.85)]
     out += [Method(f"m{m}-short-dp", "short", kind="dp", workers=m, budget="short") for m in ms]
     out += [Method(f"m{m}-short-diloco-h{h}-lr{lr:g}", "short", sync_every=h, outer_lr=lr, workers=m, budget="short")
             for h in (10, 100, 30) for m in ms for lr in SHORT_GRID[h]]
