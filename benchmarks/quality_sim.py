@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fedtrain.config import ModelConfig, OuterConfig, outer_defaults
+from fedtrain.config import ModelConfig, OuterConfig, RunConfig, outer_defaults
 from fedtrain.merge import OuterOptimizer, RunningSum, contribution_weights, pseudo_gradient
 from fedtrain.recipes import (
     TokenStream,
@@ -113,7 +113,10 @@ class Method:
     alpha: float = 0.0  # α, the local side's weight when the global fragment is mixed in
 
     def outer_hp(self) -> dict[str, Any]:
-        return outer_defaults(OuterConfig(algorithm=self.algorithm, lr=self.outer_lr))  # type: ignore[arg-type]
+        lr = self.outer_lr
+        if lr is None and self.algorithm == "diloco":
+            lr = 0.7  # DiLoCo's default when the tokens5 study ran: pinned, so that its cached runs keep their meaning
+        return outer_defaults(RunConfig(outer=OuterConfig(algorithm=self.algorithm, lr=lr)))  # type: ignore[arg-type]
 
     def describe(self) -> str:
         if self.kind == "dp":

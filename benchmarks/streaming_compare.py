@@ -231,12 +231,13 @@ def run_torchft(venv: Path, cfgs: list[dict[str, Any]], timeout: float) -> list[
 def fedtrain_plain_diloco(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Plain DiLoCo through fedtrain's merge: Δᵢ = θ_r − θᵢ into a RunningSum (equal tokens),
     the coordinator's `OuterOptimizer` "diloco" step; the global weights after the last round."""
-    from fedtrain.config import OuterConfig, outer_defaults
+    from fedtrain.config import OuterConfig, RunConfig, outer_defaults
     from fedtrain.merge import OuterOptimizer, RunningSum, pseudo_gradient
 
     models = [build() for _ in range(cfg["replicas"])]
     inners = [inner_optimizer(cfg["inner"], list(m.parameters())) for m in models]
-    outer = OuterOptimizer(dict(models[0].named_parameters()), "diloco", outer_defaults(OuterConfig()))
+    hp = outer_defaults(RunConfig(outer=OuterConfig(lr=0.7)))  # torchft's lr, pinned
+    outer = OuterOptimizer(dict(models[0].named_parameters()), "diloco", hp)
     for t in range(cfg["steps"]):
         for r, m in enumerate(models):
             inners[r].zero_grad()
@@ -270,7 +271,7 @@ def fedtrain_run(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     s = cfg["h"] // cfg["k"]
     run = RunConfig.model_validate({
         "name": "streaming-compare", "rounds": cfg["steps"] // s, "min_participants": cfg["replicas"],
-        "train": {"sync_every": cfg["h"]},
+        "train": {"sync_every": cfg["h"]}, "outer": {"lr": 0.7},
         "streaming": {"fragments": cfg["k"], "assign": cfg["fragments"], "overlap": cfg["tau"], "alpha": cfg["alpha"]},
     })
     token = "streaming-compare"

@@ -27,6 +27,8 @@ from pydantic import Field, ValidationError, model_validator
 from fedtrain.config_sections import AsyncConfig, ScheduleConfig, StreamingConfig
 from fedtrain.config_sections import Strict as _Strict
 from fedtrain.errors import ConfigError
+from fedtrain.merge.outer_lr import describe as describe_outer_lr
+from fedtrain.merge.outer_lr import recommended_outer_lr
 
 Algorithm = Literal["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"]
 
@@ -173,7 +175,11 @@ class OuterConfig(_Strict):
     """The coordinator's outer optimizer, applied to the weighted mean pseudo-gradient."""
 
     algorithm: Algorithm = Field("diloco", description="fedavg | diloco | fedavgm | fedadam | fedyogi.")
-    lr: float | None = Field(None, gt=0, le=MAX_LR, description="Outer learning rate (default per algorithm).")
+    lr: float | None = Field(
+        None, gt=0, le=MAX_LR, description="Outer learning rate (default per algorithm: fedavg and fedavgm 1, "
+        "fedadam and fedyogi 0.01, diloco the recommended table by min_participants and train.sync_every, "
+        f"docs/quality.md: {describe_outer_lr()}).",
+    )
     momentum: float | None = Field(None, ge=0, lt=1, description="SGD momentum (diloco 0.9, fedavgm 0.9).")
     nesterov: bool | None = Field(None, description="Nesterov momentum (default: on for diloco).")
     beta1: float = Field(0.9, ge=0, lt=1, description="FedAdam/FedYogi first-moment decay.")
@@ -329,7 +335,7 @@ def _check_async(cfg: RunConfig) -> None:
         raise ValueError("schedule.mode async applies one update at a time: outer.outlier_factor compares a "
                          "round's updates; unset it")
     if cfg.asynchronous.outer_step == "delayed_nesterov":
-        d = outer_defaults(outer)
+        d = outer_defaults(cfg)
         if outer.algorithm not in ("diloco", "fedavgm") or not d["nesterov"] or d["momentum"] == 0:
             raise ValueError(f"asynchronous.outer_step delayed_nesterov needs Nesterov momentum (outer.algorithm "
                              f"diloco, or fedavgm with nesterov: true), not {outer.algorithm}; or set "
@@ -426,11 +432,16 @@ def load_config(path: str | Path) -> RunConfig:
     return parse_config(data, source=f"config file {p}")
 
 
-def outer_defaults(cfg: OuterConfig) -> dict[str, Any]:
-    """Resolve per-algorithm defaults: lr, momentum, nesterov (paper and torchft values)."""
+def outer_defaults(run: RunConfig) -> dict[str, Any]:
+    """The run's outer hyperparameters: `outer`'s, with the per-algorithm defaults (paper and
+    torchft values) for lr, momentum and nesterov where unset. DiLoCo's unset lr follows the
+    recommended table by M = `min_participants` and H = `train.sync_every`
+    (`fedtrain.merge.outer_lr`, docs/quality.md)."""
+    cfg = run.outer
     table: dict[str, dict[str, Any]] = {
         "fedavg": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
-        "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+        "diloco": {"lr": recommended_outer_lr(run.min_participants, run.train.sync_every), "momentum": 0.9,
+                   "nesterov": True},
         "fedavgm": {"lr": 1.0, "momentum": 0.9, "nesterov": False},
         "fedadam": {"lr": 1e-2, "momentum": 0.0, "nesterov": False},
         "fedyogi": {"lr": 1e-2, "momentum": 0.0, "nesterov": False},
@@ -451,7 +462,7 @@ def outer_choice(cfg: RunConfig) -> tuple[str, dict[str, Any]]:
     asynchronous mode with `asynchronous.outer_step` delayed_nesterov that is the delayed
     Nesterov variant (`merge/delayed.py`) with the configured algorithm's lr and momentum;
     otherwise `outer.algorithm` with `outer_defaults`."""
-    hp = outer_defaults(cfg.outer)
+    hp = outer_defaults(cfg)
     if cfg.schedule.mode == "async" and cfg.asynchronous.outer_step == "delayed_nesterov":
         return "delayed_nesterov", hp
     return cfg.outer.algorithm, hp

@@ -91,8 +91,8 @@ def change_notes(old: RunConfig, new: RunConfig) -> list[str]:
     """What a change implies beyond its diff, in words (shown by the validation answer)."""
     notes = _mode_notes(old.schedule.mode, new.schedule.mode, new)
     if old.outer.algorithm == new.outer.algorithm:
-        return notes
-    d = outer_defaults(new.outer)
+        return notes + _lr_notes(old, new)
+    d = outer_defaults(new)
     chosen = ", ".join(
         f"{k} {d[k]}" + ("" if getattr(new.outer, k) is None else " (given)") for k in ALGORITHM_HYPERPARAMETERS
     )
@@ -101,6 +101,18 @@ def change_notes(old: RunConfig, new: RunConfig) -> list[str]:
         f"outer.algorithm {old.outer.algorithm} -> {new.outer.algorithm}: the new outer optimizer starts with fresh "
         f"state and runs with {chosen}; unset values are {new.outer.algorithm}'s defaults",
     ]
+
+
+def _lr_notes(old: RunConfig, new: RunConfig) -> list[str]:
+    """An unset DiLoCo outer lr follows min_participants and train.sync_every (`outer_defaults`):
+    say so when a change of those moves it."""
+    if new.outer.algorithm != "diloco" or old.outer.lr is not None or new.outer.lr is not None:
+        return []
+    was, now = outer_defaults(old)["lr"], outer_defaults(new)["lr"]
+    if was == now:
+        return []
+    return [f"outer.lr is unset, so it follows the recommended table by min_participants and train.sync_every "
+            f"(docs/quality.md): {was} -> {now} from the next round; set outer.lr to pin it"]
 
 
 def _mode_notes(old: str, new: str, cfg: RunConfig) -> list[str]:

@@ -30,6 +30,7 @@ import torch
 from fedtrain.config import RunConfig, load_config, parse_config
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.errors import FedtrainError
+from fedtrain.merge.outer_lr import recommended_outer_lr
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy
 from fedtrain.report import eval_rows, format_evals, human_bytes, table
 
@@ -47,12 +48,22 @@ HETEROGENEOUS = (1.0, 0.5, 0.25)
 """The speeds of `--heterogeneous`, participant by participant (cycled)."""
 
 
+def default_participants(args: argparse.Namespace) -> int:
+    """--participants, else 3 with --heterogeneous (one per speed), else 4."""
+    if args.participants is not None:
+        return int(args.participants)
+    return len(HETEROGENEOUS) if getattr(args, "heterogeneous", False) else 4
+
+
 def speeds(args: argparse.Namespace, n: int) -> list[float]:
     """Each participant's speed: all 1 unless --heterogeneous."""
     return [HETEROGENEOUS[i % 3] if getattr(args, "heterogeneous", False) else 1.0 for i in range(n)]
 
 
 def demo_config(args: argparse.Namespace) -> RunConfig:
+    """The demo's run config: DiLoCo's outer lr, unless the config gives one, is the recommended
+    table's for the demo's participants and H (`recommended_outer_lr`): every round of the demo
+    waits for all of them, whatever `min_participants` says."""
     cfg = load_config(args.config) if args.config else RunConfig.model_validate(DEMO_CONFIG)
     data = cfg.model_dump()
     data["outer"]["algorithm"] = args.algorithm
@@ -60,6 +71,8 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
         data["rounds"] = args.rounds
     if args.sync_every is not None:
         data["train"]["sync_every"] = args.sync_every
+    if args.algorithm == "diloco" and data["outer"]["lr"] is None:
+        data["outer"]["lr"] = recommended_outer_lr(max(default_participants(args), 1), data["train"]["sync_every"])
     k = getattr(args, "streaming", None)
     if k is not None:
         data["streaming"] = {"fragments": k, "overlap": 1, "alpha": 0.5}
@@ -104,8 +117,7 @@ class Demo:
     """The processes of one demo run and their clean-up."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        default = len(HETEROGENEOUS) if getattr(args, "heterogeneous", False) else 4
-        self.n = default if args.participants is None else args.participants
+        self.n = default_participants(args)
         if self.n < 1:
             raise FedtrainError("--participants must be at least 1")
         self.speeds = speeds(args, self.n)
@@ -367,6 +379,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 print(f"Streaming DiLoCo: {st.fragments} fragments, one synced every "
                       f"{demo.cfg.train.sync_every // st.fragments} inner steps (overlap {st.overlap}, alpha "
                       f"{st.alpha:g})", flush=True)
+            if demo.cfg.outer.algorithm == "diloco":
+                print(f"outer lr {demo.cfg.outer.lr:g} (Nesterov, momentum 0.9), recommended for M={demo.n}, "
+                      f"H={demo.cfg.train.sync_every} (docs/quality.md; --config sets your own)", flush=True)
             print(f"initial global eval loss: {initial:.3f}; starting {demo.n} participants", flush=True)
             demo.start_participants()
             status = monitor(demo, client, t0)

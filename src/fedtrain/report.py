@@ -70,7 +70,8 @@ def format_status(s: dict[str, Any]) -> str:
         rounds += f" (fragment {s['fragment']} of {streaming['k']})"
     head = (
         f"run {s['run']!r}: round {rounds}{finished}, "
-        f"{s['algorithm']}, {s.get('mode', 'rounds')} mode"
+        f"{s['algorithm']}" + (f" (outer lr {s['outer_lr']:g})" if s.get("outer_lr") is not None else "")
+        + f", {s.get('mode', 'rounds')} mode"
         + (f" (streaming: K={streaming['k']}, τ={streaming['overlap']}, α={streaming['alpha']:g})" if streaming else "")
         + f", {s['parameters']:,} parameters "
         f"({human_bytes(s['model_bytes'])}), "

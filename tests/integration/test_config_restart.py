@@ -104,11 +104,11 @@ def test_sighup_applies_the_files_edits_and_keeps_other_live_changes(tmp_path: P
 def test_switching_the_algorithm_takes_its_defaults_and_says_which() -> None:
     diloco = RunConfig.model_validate({"outer": {"algorithm": "diloco", "lr": 0.7, "momentum": 0.9}})
     new, diff = apply_change(diloco, {"outer": {"algorithm": "fedadam"}})
-    assert outer_defaults(new.outer)["lr"] == 1e-2 and outer_defaults(new.outer)["momentum"] == 0.0
+    assert outer_defaults(new)["lr"] == 1e-2 and outer_defaults(new)["momentum"] == 0.0
     assert diff == {"outer.algorithm": ["diloco", "fedadam"], "outer.lr": [0.7, None], "outer.momentum": [0.9, None]}
     assert "lr 0.01" in change_notes(diloco, new)[0]
     given, _ = apply_change(diloco, {"outer": {"algorithm": "fedadam", "lr": 0.05}})  # its own lr is kept
-    assert outer_defaults(given.outer)["lr"] == 0.05 and "lr 0.05 (given)" in change_notes(diloco, given)[0]
+    assert outer_defaults(given)["lr"] == 0.05 and "lr 0.05 (given)" in change_notes(diloco, given)[0]
     same, _ = apply_change(diloco, {"outer": {"lr": 0.5}})  # no switch: nothing else moves
     assert same.outer.momentum == 0.9 and change_notes(diloco, same) == []
 

@@ -177,7 +177,7 @@ def test_a_merge_that_overflows_in_the_outer_step_is_not_committed(tmp_path: Pat
             assert put(http, 0, pid, ds[pid]).status_code == 200
         wait_closed(http, 0)
         assert last_weights(http) == pytest.approx({"a": 0.5, "b": 0.5})
-        reference = OuterOptimizer(theta0, "fedadam", outer_defaults(cfg.outer))  # fresh moments: none were kept
+        reference = OuterOptimizer(theta0, "fedadam", outer_defaults(cfg))  # fresh moments: none were kept
         reference.step({n: (ds["a"][n] + ds["b"][n]) / 2 for n in theta0})
         for n, t in c.service.outer.params.items():
             torch.testing.assert_close(t, reference.params[n])

@@ -44,9 +44,10 @@ class Fixed(Regression):
 
 
 def streaming_config(rounds: int, sync_every: int, streaming: dict[str, Any], **over: Any) -> Any:
-    """Rounds wait for both participants (min_participants 2): one that joins late would miss round 0."""
+    """Rounds wait for both participants (min_participants 2): one that joins late would miss round 0.
+    The outer lr is torchft's 0.7, which `simulate` runs with."""
     return tiny_config(rounds=rounds, train={"sync_every": sync_every, **over.pop("train", {})},
-                       streaming=streaming, min_participants=2, **over)
+                       streaming=streaming, min_participants=2, outer={"lr": 0.7}, **over)
 
 
 def initial_model() -> Small:
@@ -103,7 +104,7 @@ def run_and_collect(tmp_path: Path, cfg: Any, tasks: list[Fixed]) -> tuple[dict,
 
 def test_one_fragment_without_overlap_or_mixing_is_plain_diloco_bit_for_bit(tmp_path: Path) -> None:
     tasks = [Fixed(rows=16, seed=20 + i) for i in range(2)]
-    plain_cfg = tiny_config(rounds=4, train={"sync_every": 3}, min_participants=2)
+    plain_cfg = tiny_config(rounds=4, train={"sync_every": 3}, min_participants=2, outer={"lr": 0.7})
     plain, plain_local, plain_up = run_and_collect(tmp_path / "plain", plain_cfg, tasks)
     one = streaming_config(4, 3, {"fragments": 1, "assign": [["*"]], "overlap": 0, "alpha": 0.0})
     streamed, streamed_local, streamed_up = run_and_collect(tmp_path / "streamed", one, tasks)

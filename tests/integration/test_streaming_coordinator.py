@@ -47,7 +47,7 @@ class Reference:
 
     def __init__(self, start: dict[str, torch.Tensor], frags: list[list[str]], cfg: RunConfig) -> None:
         self.weights = {n: t.clone() for n, t in start.items()}
-        hp = outer_defaults(cfg.outer)
+        hp = outer_defaults(cfg)
         assert (cfg.outer.algorithm, hp["momentum"], hp["nesterov"]) == ("diloco", 0.9, True)
         self.frags = frags
         self.opts = [build_torch_optimizer([self.weights[n] for n in f], "diloco", hp) for f in frags]
@@ -244,7 +244,7 @@ def test_a_robust_aggregator_takes_the_rounds_fragment_only(tmp_path: Path) -> N
             assert moved == set(frags[r]), r
             median = {n: aggregate_tensor([deltas[w][n] for w in TOKENS], "median", cfg.outer.trim_fraction)
                       for n in frags[r]}  # (fedtrain's median, checked against its references in test_robust)
-            hp = outer_defaults(cfg.outer)
+            hp = outer_defaults(cfg)
             want = {n: start[n].clone() for n in frags[r]}
             opt = build_torch_optimizer(list(want.values()), "diloco", hp)
             for n, t in want.items():

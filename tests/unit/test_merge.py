@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedtrain.config import OuterConfig, outer_defaults
+from fedtrain.config import RunConfig, outer_defaults
 from fedtrain.errors import MergeError
 from fedtrain.merge import (
     ALGORITHMS,
@@ -26,7 +26,8 @@ from fedtrain.merge import (
 def hp_for(algorithm: str, **overrides: object) -> dict:
     if algorithm == "delayed_nesterov":  # asynchronous mode's step, with DiLoCo's lr and momentum
         algorithm = "diloco"
-    return outer_defaults(OuterConfig.model_validate({"algorithm": algorithm, **overrides}))
+    pinned = {"lr": 0.7} if algorithm == "diloco" else {}  # the paper's lr, which the hand-computed steps use
+    return outer_defaults(RunConfig.model_validate({"outer": {"algorithm": algorithm, **pinned, **overrides}}))
 
 
 def random_model(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> TensorDict:
@@ -249,7 +250,7 @@ def test_weighted_mean_refuses_bad_input() -> None:
 # w_A = 3/4, w_B = 1/4. Each round A and B send back θ_r − Δᵢ:
 #   round 1: Δ_A = [0.4, 0.4], Δ_B = [0.8, 0.8] → g₁ = 3/4·0.4 + 1/4·0.8 = 0.3 + 0.2 = [0.5, 0.5]
 #   round 2: Δ_A = [0.2, 0.0], Δ_B = [0.4, 0.04] → g₂ = [0.15 + 0.1, 0 + 0.01] = [0.25, 0.01]
-# Hyperparameters are outer_defaults: fedavg lr 1; diloco lr 0.7 μ 0.9 Nesterov; fedavgm
+# Hyperparameters are outer_defaults (hp_for): fedavg lr 1; diloco lr 0.7 (pinned) μ 0.9 Nesterov; fedavgm
 # lr 1 μ 0.9; fedadam and fedyogi lr 0.01, β1 0.9, β2 0.99, eps 1e-3.
 
 ROUND_DELTAS = [

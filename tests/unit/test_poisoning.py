@@ -77,7 +77,7 @@ def test_max_abs_sees_nan_and_inf() -> None:
 
 
 def outer(algorithm: str, **hp: float) -> OuterOptimizer:
-    cfg = parse_config({"outer": {"algorithm": algorithm, **hp}}).outer
+    cfg = parse_config({"outer": {"algorithm": algorithm, **hp}})
     return OuterOptimizer({"x": torch.ones(3)}, algorithm, outer_defaults(cfg))
 
 

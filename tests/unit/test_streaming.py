@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedtrain.config import ModelConfig, OuterConfig, outer_defaults
+from fedtrain.config import ModelConfig, RunConfig, outer_defaults
 from fedtrain.errors import ConfigError
 from fedtrain.merge import OuterOptimizer, RunningSum, build_torch_optimizer, pseudo_gradient
 from fedtrain.recipes.gpt import build_model
@@ -187,7 +187,7 @@ def fedtrain_plain_diloco(replicas: int, rounds: int, h: int) -> tuple[list[dict
     every replica loads θ_{r+1}."""
     models = [build() for _ in range(replicas)]
     inners = [adamw(list(m.parameters())) for m in models]
-    outer = OuterOptimizer(dict(models[0].named_parameters()), "diloco", outer_defaults(OuterConfig()))
+    outer = OuterOptimizer(dict(models[0].named_parameters()), "diloco", outer_defaults(RunConfig()))
     for rnd in range(rounds):
         for t in range(h):
             for r, m in enumerate(models):
@@ -211,7 +211,7 @@ def test_one_fragment_no_overlap_no_mixing_is_fedtrains_plain_diloco() -> None:
     vector, differently from torch's default SGD): the simulator is given that one, so what is
     compared is the rest, schedule, pseudo-gradients, mean and apply, bit for bit."""
     ours, outer = fedtrain_plain_diloco(replicas=2, rounds=3, h=4)
-    hp = outer_defaults(OuterConfig())
+    hp = outer_defaults(RunConfig())
     sim = simulate(build, batch, mse, adamw, replicas=2, steps=12, h=4, fragment_names=[NAMES],
                    outer=lambda ps: build_torch_optimizer(ps, "diloco", hp))
     assert [e for e in sim.events if e[1] == "apply"] == [(4, "apply", 0), (8, "apply", 0), (12, "apply", 0)]

@@ -442,6 +442,7 @@ class Coordinator:
             "deadline_s": self.deadline()[0],
             "deadline_reason": self.deadline()[1],
             "algorithm": self.outer.algorithm,
+            "outer_lr": self.outer.hp["lr"],  # as resolved: an unset DiLoCo lr follows M and H (outer_defaults)
             "schedule_mode": self.config.schedule.mode,
             "config_version": self.config_version,
             "latest_config_version": self.latest_config_version,

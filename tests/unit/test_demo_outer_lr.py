@@ -1,0 +1,35 @@
+"""The demo's DiLoCo outer lr follows the recommended table for its participants and H."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedtrain.cli import build_parser
+from fedtrain.config import outer_defaults
+from fedtrain.demo import demo_config
+
+
+@pytest.mark.parametrize(
+    "argv,lr",
+    [([], 0.85),  # 4 participants, H = 40
+     (["--participants", "2"], 0.4),
+     (["--participants", "8", "--sync-every", "10"], 0.4),
+     (["--participants", "2", "--sync-every", "100"], 0.7),
+     (["--participants", "4", "--sync-every", "100"], 1.0),
+     (["--heterogeneous", "--sync-every", "60"], 0.7)],  # 3 participants
+)
+def test_the_demo_runs_the_recommended_outer_lr_for_its_participants(argv: list[str], lr: float) -> None:
+    """The coordinator's table reads min_participants (1 in the demo's config); the demo knows
+    that every round waits for all its participants, so it pins the lr for them."""
+    cfg = demo_config(build_parser().parse_args(["demo", *argv]))
+    assert cfg.outer.lr == lr and outer_defaults(cfg)["lr"] == lr
+
+
+def test_the_demo_keeps_a_given_lr_and_other_algorithms_defaults(tmp_path: Path) -> None:
+    own = tmp_path / "run.yaml"
+    own.write_text("outer: {lr: 0.25}\n")
+    assert demo_config(build_parser().parse_args(["demo", "--config", str(own)])).outer.lr == 0.25
+    fedavg = demo_config(build_parser().parse_args(["demo", "--algorithm", "fedavg"]))
+    assert fedavg.outer.lr is None and outer_defaults(fedavg)["lr"] == 1.0
