@@ -105,6 +105,9 @@ def methods_tokens20() -> list[Method]:
     out += [Method(f"m{m}-fedavg-h30", "main", algorithm="fedavg", sync_every=30, outer_lr=1.0, workers=m) for m in ms]
     out += [Method(f"m{m}-diloco-h30-lr{lr:g}", "tuning", sync_every=30, outer_lr=lr, workers=m)
             for m in ms for lr in (0.4, 1.0, 0.55, 0.85)]
+    # The H trend at the full budget: at 2.05 M tokens the best lr at H = 30 (0.4) did not carry over.
+    out += [Method(f"m{m}-diloco-h{h}-lr{lr:g}", "tuning", sync_every=h, outer_lr=lr, workers=m)
+            for h, lrs in ((10, (0.4, 0.7)), (100, (0.7, 1.0))) for m in ms for lr in lrs]
     out += [Method(f"m{m}-short-dp", "short", kind="dp", workers=m, budget="short") for m in ms]
     out += [Method(f"m{m}-short-diloco-h{h}-lr{lr:g}", "short", sync_every=h, outer_lr=lr, workers=m, budget="short")
             for h in (10, 100, 30) for m in ms for lr in SHORT_GRID[h]]
