@@ -38,7 +38,8 @@ def recommended_outer_lr(participants: int, sync_every: int) -> float:
 def describe() -> str:
     """The table in words, for the config reference (`outer.lr`)."""
     (h1, h2), low, high = H_EDGES, RECOMMENDED[2], RECOMMENDED[4]
-    mid = f"{low[30]} (M <= 3) or {high[30]} (M >= 4)" if low[30] != high[30] else f"{low[30]}"
-    small = f"{low[10]}" if low[10] == high[10] else f"{low[10]} (M <= 3) or {high[10]} (M >= 4)"
-    large = f"{low[100]}" if low[100] == high[100] else f"{low[100]} (M <= 3) or {high[100]} (M >= 4)"
-    return f"{small} at H < {h1}, {mid} at H {h1}-{h2 - 1}, {large} at H >= {h2}"
+
+    def cell(h: int) -> str:
+        return f"{low[h]}" if low[h] == high[h] else f"{low[h]} (M <= 3) or {high[h]} (M >= 4)"
+
+    return f"{cell(10)} at H < {h1}, {cell(30)} at H {h1}-{h2 - 1}, {cell(100)} at H >= {h2}"
