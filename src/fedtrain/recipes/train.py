@@ -65,6 +65,18 @@ def run_participant(
     torch.set_num_threads(threads)
     paths = parse_data_spec(data)  # bad data fails here, before any network call
     rank, world, dev = init_fsdp(device) if fsdp else init_from_env(device)
+    try:
+        return _train(url, token, paths, data, name=name, verify=verify, max_steps=max_steps,
+                      retry=retry, run_dir=run_dir, parallel=parallel, speed=speed, rank=rank, world=world, dev=dev)
+    finally:  # on every way out (a SIGTERM too): with the interpreter still whole, not in its teardown
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _train(url: str, token: str, paths: list[Path], data: str, *, name: str | None, verify: bool | str,
+           max_steps: int | None, retry: RetryPolicy, run_dir: Path | None, parallel: str,
+           speed: float, rank: int, world: int, dev: torch.device) -> dict[str, Any]:
+    fsdp = parallel == "fsdp"
     client = CoordinatorClient(url, token, verify=verify, retry=retry)
     cfg = RunConfig.model_validate(client.get_config()["config"])
     tokenizer = tokenizer_of(cfg.model)
@@ -139,6 +151,4 @@ def run_participant(
     if local is not None:
         summary["final_weights"] = str(local.finish(model))
         local.close()
-    if world > 1 or fsdp:
-        torch.distributed.destroy_process_group()
     return summary
