@@ -32,11 +32,20 @@ others; a rank blocked in a collective with a dead peer fails): the coordinator 
 merges an update whose pieces are not all in, and drops them when the round closes. The
 participant key travels inside the job's process group (same site), never pickled.
 
+Streaming DiLoCo (config `streaming`, τ = 0): every rank builds the fragments' engines from
+the join answer's plan (`fragments.py`, `SyncEngine.fragment`), each over the rank's rows of
+that fragment's tensors. Round r syncs fragment r mod K after H/K steps: each rank uploads its
+rows of the fragment's Δ as its piece (the coordinator counts the update once the pieces cover
+the fragment), downloads its rows of that fragment, and mixes them into its shard,
+θ^p ← (1 − α)·θ_g^p + α·θ^p. At the run's end (or when rounds went on without us) every rank
+takes its rows of the whole global model.
+
 `fedtrain participant --parallel fsdp` (recipes/sharding.py) runs the recipe this way, with
 its checkpoints through torch.distributed.checkpoint (`dcp_checkpoint.py`).
 
-Not built: the overlapped sync (`train.overlap` is ignored: FSDP ranks sync blocking) and
-`on_config_change` callbacks.
+Not built: the overlapped sync (`train.overlap` is ignored: FSDP ranks sync blocking), and so
+Streaming DiLoCo's τ > 0 (refused at join; a live change to it runs as τ = 0, with a warning),
+and `on_config_change` callbacks.
 """
 
 from __future__ import annotations

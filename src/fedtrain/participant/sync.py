@@ -30,7 +30,8 @@ with a `PieceOf`: it uploads its rows as its piece of the participant's update (
 with the rows in the body's metadata), waits for the round asking after its own piece, and
 downloads only its rows. It calls `fetch` and `adopt` separately, since every rank of the
 group must hold the same global version before any of them adopts it (`fsdp.py`); between
-the two the snapshot holds that version, not yet in the model ("fetched").
+the two the snapshot holds that version, not yet in the model ("fetched"). Streaming, each of
+its fragments' engines (`fragment`) is a piece engine too, over its rows of that fragment.
 """
 
 from __future__ import annotations
