@@ -4,7 +4,8 @@ Each round every rank uploads its rows of the round's fragment only, as its piec
 its rows of that fragment only, and mixes them into its shard; the run ends on the global
 weights of a single-process participant that streams the same config on the same global
 batches (its own coordinator). The inner optimizer is SGD, linear in the gradients, so the
-two sides differ only by float rounding (see test_fsdp_numerics.py): 1e-5.
+two sides differ only by float rounding (see test_fsdp_numerics.py): 1e-5. A coordinator that
+fails some of a fragment round's pieces is ridden out by the group as a whole.
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import torch
+
+from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.streaming import fragments
 from tests.conftest import PTOKEN, tiny_config
+from tests.integration.test_fsdp import fsdp_group
+from tests.integration.test_fsdp_faults import shards_match
 from tests.integration.test_fsdp_numerics import MODEL, WORKER, max_diff, one_thread, params, run_single
 
 ROUNDS, H, K, SEED = 4, 4, 2, 21  # S = H/K = 2 steps a round, each fragment synced twice
@@ -67,3 +74,32 @@ def test_an_fsdp_group_streams_each_fragment_by_rows_and_ends_on_the_single_proc
     diff, where = max_diff(final_g, final_s)
     print(f"max |θ_fsdp − θ_single| = {diff:.3g} in {where}; moved up to {max_diff(final_s, theta0)[0]:.3g}")
     assert diff <= 1e-5, f"max |θ_fsdp − θ_single| = {diff:.3g} in {where}"
+
+
+def test_a_streaming_fsdp_group_rides_out_a_coordinator_that_fails_one_of_its_fragment_pieces(tmp_path: Path) -> None:
+    """int8 deltas with error feedback, per fragment and per rank; round 1's first piece gets in
+    and the group's other uploads fail for a while: every rank puts its fragment's reference back
+    and the group sends round 1's fragment again, whole, once the coordinator takes it."""
+    cfg = tiny_config(rounds=ROUNDS, model={"n_layer": 2}, train={"sync_every": H, "compression": "int8",
+                                                                "error_feedback": True},
+                      streaming={"fragments": K, "overlap": 0, "alpha": 0.5})
+    out = tmp_path / "fsdp"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        service = c.service
+        with faults.inject("upload.streaming", "raise", who="group", round=1, after=1, times=0):
+            group = fsdp_group(c.url, "group", out, "--attempt-s", "1", "--budget-s", "120")
+            deadline = time.monotonic() + 120
+            while not any(service.intake.has_piece("group", 1, f"rank{k}") for k in (0, 1)):
+                assert group.poll() is None and time.monotonic() < deadline, "round 1's first piece never came"
+                time.sleep(0.05)
+            time.sleep(3)  # a few failed attempts of the group (each gives up after 1 s)
+        text, _ = group.communicate(timeout=180)
+        assert group.returncode == 0, text[-3000:]
+        final = {k: v.clone() for k, v in service.outer.params.items()}
+        assert service.finished and service.version == ROUNDS
+    reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert reports[0]["outages"] and reports[0]["outages"][0]["round"] == 1, reports[0]["outages"]
+    assert [h["fragment"] for h in reports[0]["history"]] == [r % K for r in range(ROUNDS)]
+    shards_match(out, final)  # the run's end: every rank's rows are the global model's
+    assert all(torch.isfinite(t).all() for t in final.values())
