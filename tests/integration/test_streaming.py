@@ -228,15 +228,18 @@ def test_in_the_overlapped_mode_a_fast_site_trains_on_until_its_fragment_arrives
     assert fast.fed is not None and max(rec["steps"] for rec in fast.fed.history) > 2  # it did not wait at H/K
 
 
-def test_an_fsdp_group_refuses_a_streaming_run_with_one_line(tmp_path: Path) -> None:
+def test_an_fsdp_group_refuses_a_streaming_run_with_overlap_with_one_line(tmp_path: Path) -> None:
+    """FSDP groups stream with τ = 0 only (test_fsdp_streaming.py): τ = 1 is refused at join."""
     from tests.integration.test_fsdp_cli import fsdp_group
 
-    cfg = tiny_config(rounds=4, model={"n_layer": 2}, train={"sync_every": 4}, streaming={"fragments": 2})
+    cfg = tiny_config(rounds=4, model={"n_layer": 2}, train={"sync_every": 4},
+                      streaming={"fragments": 2, "overlap": 1})
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         group = fsdp_group(c.url, "group", tmp_path / "group", launcher="fedtrain")
         out, _ = group.communicate(timeout=180)
         roster = c.service.status()["participants"]
     assert group.returncode != 0, out[-3000:]
-    assert "FSDP participants do not run Streaming DiLoCo yet" in out, out[-3000:]
+    assert "this run streams with overlap tau = 1, and FSDP participants sync each fragment blocking" in out, \
+        out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert all(p["state"] != "active" for p in roster), roster  # it said goodbye

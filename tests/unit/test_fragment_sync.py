@@ -4,6 +4,7 @@ tensors, the arriving weights are mixed with α, and a failed exchange puts the 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -13,8 +14,9 @@ import torch
 from fedtrain.config import RunConfig
 from fedtrain.errors import CoordinatorUnavailable, ModelMismatchError
 from fedtrain.participant.fragments import FragmentSync, plan_of
-from fedtrain.participant.sync import SyncEngine
+from fedtrain.participant.sync import PieceOf, SyncEngine
 from fedtrain.wire import TensorSpec
+from fedtrain.wire.format import ROWS_META
 
 
 class Scripted:
@@ -144,3 +146,58 @@ def test_at_the_end_every_fragment_becomes_the_global_one_and_only_the_others_ar
     assert client.downloads == [["b"]]  # fragment 0's global weights were in its snapshot already
     assert torch.equal(params["a"].detach(), torch.full((3,), 4.0))
     assert torch.equal(params["b"].detach(), torch.full((2,), 7.0))
+
+
+class ScriptedRows(Scripted):
+    """`Scripted`, whose `rows` downloads send each tensor's rows [start, stop) (None: whole), and
+    whose uploads keep the body's metadata too."""
+
+    def upload(self, r: int, pid: str, body: Any, tokens: int, **kw: Any) -> dict:
+        raw = b"".join(bytes(c) for c in body)
+        header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+        self.uploads.append((r, {**safetensors.torch.load(raw), "_meta": header.get("__metadata__", {}),
+                                 "_piece": kw.get("piece")}))
+        return {}
+
+    def download(self, *, pid: str, allocate: Any, on_header: Any = None, rows: Any = None, **_: Any) -> tuple:
+        self.downloads.append(list(rows))
+        for n, span in rows.items():
+            t = self.model[n] if span is None else self.model[n][span[0]:span[1]]
+            allocate(TensorSpec(n, t.dtype, tuple(t.shape))).copy_(t)
+        return self.version, {}
+
+
+def test_a_ranks_fragments_send_and_fetch_only_its_rows_of_each_fragment() -> None:
+    """An FSDP rank (rank 1 of 2): rows [2, 4) of `a`, no row of the 1-row `b`, and `c` replicated,
+    which rank 0 alone sends. Fragment 0 = `a`: its rows go up as its piece and come down; fragment
+    1 = `b`, `c`: nothing of it goes up, `c` comes down whole."""
+    shapes = {"a": (torch.float32, (4, 3)), "b": (torch.float32, (1, 3)), "c": (torch.float32, (2,))}
+    params = {"a": torch.nn.Parameter(torch.zeros(2, 3)), "c": torch.nn.Parameter(torch.zeros(2))}
+    client = ScriptedRows({"a": torch.arange(12.0).reshape(4, 3), "b": torch.ones(1, 3), "c": torch.full((2,), 5.0)})
+    piece = PieceOf("rank1", frozenset({"a"}), {"a": (2, 4)}, shapes)
+    engine = SyncEngine(client, params, who="site.rank1", piece=piece)  # type: ignore[arg-type]
+    engine.prepare({n: {"dtype": "F32", "shape": list(s)} for n, (_, s) in shapes.items()})
+    engine.load_global("p")
+    fs = FragmentSync(engine, [["a"], ["b", "c"]])
+    with torch.no_grad():
+        params["a"].sub_(1.0)
+    client.model = {**client.model, "a": torch.full((4, 3), 7.0), "c": torch.full((2,), 8.0)}
+    client.version = 1
+    assert fs.fetch(0, "p", RunConfig(), tokens=4, retry=None) == 1
+    fs.mix(0, 0.5)
+    (r, up), = client.uploads
+    assert r == 0 and up["_piece"] == "rank1" and json.loads(up["_meta"][ROWS_META]) == {"a": [2, 4]}
+    assert set(up) == {"a", "_meta", "_piece"} and torch.equal(up["a"], torch.ones(2, 3))  # Δ of our rows
+    assert client.downloads[-1] == ["a"]
+    want = 0.5 * torch.full((2, 3), 7.0) + 0.5 * (torch.arange(6.0, 12.0).reshape(2, 3) - 1.0)
+    assert torch.equal(params["a"].detach(), want)
+    assert torch.equal(params["c"].detach(), torch.full((2,), 5.0))  # not this round's fragment
+    client.version = 2
+    assert fs.fetch(1, "p", RunConfig(), tokens=4, retry=None) == 2
+    fs.mix(1, 0.0)
+    assert len(client.uploads) == 1 and client.downloads[-1] == ["c"]  # rank 0 sends `c`; we take it whole
+    assert torch.equal(params["c"].detach(), torch.full((2,), 8.0))
+    nothing = engine.fragment(["b"])  # a fragment this rank holds no row of: it waits, and fetches nothing
+    assert nothing.fetch(2, "p", RunConfig(), tokens=4, retry=None) == -1 and client.downloads[-1] == ["c"]
+    with pytest.raises(ModelMismatchError):
+        engine.fragment(["z"])

@@ -16,7 +16,8 @@ the next round's count starts then. K = 1, τ = 0, α = 0 is plain DiLoCo, bit f
 
 `FragmentSync` owns the worker thread and the exchange in flight, nothing of the
 participant's; the participant (`runner.py`) decides when to send and land. Everything
-that touches the model runs on the training thread.
+that touches the model runs on the training thread. An FSDP rank (`fsdp.py`, τ = 0 only)
+uses it over its own rows: its fragments' engines are piece engines (`SyncEngine.fragment`).
 """
 
 from __future__ import annotations

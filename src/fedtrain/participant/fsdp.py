@@ -32,11 +32,20 @@ others; a rank blocked in a collective with a dead peer fails): the coordinator 
 merges an update whose pieces are not all in, and drops them when the round closes. The
 participant key travels inside the job's process group (same site), never pickled.
 
+Streaming DiLoCo (config `streaming`, τ = 0): every rank builds the fragments' engines from
+the join answer's plan (`fragments.py`, `SyncEngine.fragment`), each over the rank's rows of
+that fragment's tensors. Round r syncs fragment r mod K after H/K steps: each rank uploads its
+rows of the fragment's Δ as its piece (the coordinator counts the update once the pieces cover
+the fragment), downloads its rows of that fragment, and mixes them into its shard,
+θ^p ← (1 − α)·θ_g^p + α·θ^p. At the run's end (or when rounds went on without us) every rank
+takes its rows of the whole global model.
+
 `fedtrain participant --parallel fsdp` (recipes/sharding.py) runs the recipe this way, with
 its checkpoints through torch.distributed.checkpoint (`dcp_checkpoint.py`).
 
-Not built: the overlapped sync (`train.overlap` is ignored: FSDP ranks sync blocking) and
-`on_config_change` callbacks.
+Not built: the overlapped sync (`train.overlap` is ignored: FSDP ranks sync blocking), and so
+Streaming DiLoCo's τ > 0 (refused at join; a live change to it runs as τ = 0, with a warning),
+and `on_config_change` callbacks.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from fedtrain.config_changes import config_diff
 from fedtrain.errors import ConfigError, CoordinatorError, CoordinatorUnavailable, FedtrainError
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.participant.distributed import DistributedSyncError
+from fedtrain.participant.fragments import FragmentSync, plan_of
 from fedtrain.participant.group import Outcome, RankGroup
 from fedtrain.participant.keys import join_as
 from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
@@ -153,6 +163,7 @@ class FsdpParticipant:
         self._engine = SyncEngine(client, _LocalShards(params, held), who=f"{name or 'fsdp'}.rank{self.rank}",
                                   patience_s=patience_s, piece=piece_of(self.rank, params, layout))
         self._engine.wait_s = max(1.0, min(25.0, 2 * keepalive_s))  # a rank's failure cuts our wait this soon
+        self._fragments: FragmentSync | None = None  # Streaming DiLoCo: the fragments' engines, from the join
         self.participant_id = ""
         self.config = RunConfig()
         self.config_version = 0
@@ -179,7 +190,9 @@ class FsdpParticipant:
 
     @property
     def sync_every(self) -> int:
-        return self._told[0] if self._told is not None else self.config.train.sync_every
+        """The inner steps of this round: H, or streaming H/K (a round syncs one fragment)."""
+        h = self._told[0] if self._told is not None else self.config.train.sync_every
+        return h // self._fragments.k if self._fragments is not None else h
 
     @property
     def shard_bytes(self) -> int:
@@ -203,6 +216,9 @@ class FsdpParticipant:
         outcomes, error = self.ranks.together(lambda: self._engine.download(self.participant_id, version=version))
         self._raise_failed(outcomes, error)
         self._engine.adopt()
+        plan = plan_of(answer)
+        if plan is not None:  # every fragment's reference is the global model just adopted
+            self._fragments = FragmentSync(self._engine, plan)
         self._enter_round(self._agreed(outcomes))
         if self._presence is not None:
             self._presence.note_config_version(self.config_version)
@@ -221,6 +237,8 @@ class FsdpParticipant:
                     self.client.leave(self.participant_id, retry=self.client.retry.within(2.0))
                 except FedtrainError as e:
                     log.info("could not say goodbye to the coordinator: %s", e)
+        if self._fragments is not None:
+            self._fragments.close()
         self.client.close()
 
     # -- the user's loop -------------------------------------------------------------------
@@ -259,14 +277,19 @@ class FsdpParticipant:
         # Every attempt at round r sends the tokens of the first: a piece of it may be in already,
         # and the pieces of one update carry one count.
         tokens = record.setdefault("tokens", max(1, self._round_tokens))
+        engine = self._engine if self._fragments is None else self._fragments.engines[self._fragments.of(r)]
         outcomes, error = self.ranks.together(
-            lambda: self._engine.fetch(r, self.participant_id, self.config, tokens=tokens, retry=self._attempt_retry),
-            cancel=self._engine.cancel)
+            lambda: engine.fetch(r, self.participant_id, self.config, tokens=tokens, retry=self._attempt_retry),
+            cancel=engine.cancel)
         if not all(o.ok for o in outcomes):
             self._failed(r, outcomes, error)
             return False
-        version = self._settle(outcomes)
-        self._engine.adopt()
+        version = self._settle(outcomes, engine)
+        record["piece"] = engine.last_answer
+        if self._fragments is None:
+            engine.adopt()
+        else:
+            version = self._mix(r, version)
         self._enter_round(version)
         ended, self._outage = self._outage.ended(r, quiet=self.rank != 0), OutageState()
         if ended is not None:
@@ -278,8 +301,11 @@ class FsdpParticipant:
     # -- one round's record ---------------------------------------------------------------------
 
     def _open_record(self, r: int) -> dict[str, Any]:
+        up, down = self._moved()
         record: dict[str, Any] = {"round": r, "config_version": self.config_version, "sync_every": self.sync_every,
-                                  "_up0": self._engine.bytes_up, "_down0": self._engine.bytes_down}
+                                  "_up0": up, "_down0": down}
+        if self._fragments is not None:
+            record["fragment"] = self._fragments.of(r)
         if self.eval_due(r):
             record.update(self._evaluate("eval_before"))
         return record
@@ -288,12 +314,11 @@ class FsdpParticipant:
         """After the new global weights are in: eval after, the group's bytes, report, the new config."""
         if self.eval_due(r):
             record.update(self._evaluate("eval_after"))
-        up, down = self.ranks.sum([self._engine.bytes_up - record.pop("_up0"),
-                                   self._engine.bytes_down - record.pop("_down0")])
+        moved = self._moved()
+        up, down = self.ranks.sum([moved[0] - record.pop("_up0"), moved[1] - record.pop("_down0")])
         self.bytes_up += int(up)
         self.bytes_down += int(down)
-        record.update(steps=self._round_steps, bytes_up=int(up), bytes_down=int(down), sync_s=blocked_s,
-                      piece=self._engine.last_answer)
+        record.update(steps=self._round_steps, bytes_up=int(up), bytes_down=int(down), sync_s=blocked_s)
         if self._round_loss[1] > 0:
             record["train_loss"] = self._round_loss[0] / self._round_loss[1]
         self.sync_seconds += blocked_s
@@ -312,7 +337,7 @@ class FsdpParticipant:
         """Rank 0: report the round's metrics; the config view of the round we are now in (None:
         unchanged, or unreachable for now, which keeps the current one)."""
         values = {k: float(v) for k, v in record.items()
-                  if k not in ("round", "steps", "config_version", "sync_every", "piece")}
+                  if k not in ("round", "steps", "config_version", "sync_every", "piece", "fragment")}
         try:
             self.client.report(self.participant_id, values, round_=record["round"], step=self.steps,
                                retry=self._attempt_retry)
@@ -336,6 +361,10 @@ class FsdpParticipant:
         old, new = self.config, RunConfig.model_validate(view["config"])
         diff = config_diff(old.model_dump(mode="json"), new.model_dump(mode="json"))
         self.config, self.config_version = new, int(view["version"])
+        if self._fragments is not None and new.streaming is not None and new.streaming.overlap > 0 and \
+                self._presence is not None:
+            log.warning("streaming.overlap is %d, but FSDP participants sync each fragment blocking, at step H/K "
+                        "(as with overlap 0)", new.streaming.overlap)
         if "train.lr" in diff and self.inner_optimizer is not None:
             for group in self.inner_optimizer.param_groups:
                 group["lr"] = new.train.lr
@@ -367,15 +396,18 @@ class FsdpParticipant:
         """Rank 0: join (as the participant of the key file, if any) and check the run's model."""
         joined = join_as(self.client, self.name, self.info, self.key_file)
         pid = joined["participant_id"]
-        if joined["config"].get("streaming") is not None:
+        streaming = RunConfig.model_validate(joined["config"]).streaming
+        tau = streaming.overlap if streaming is not None else 0
+        if tau > 0:
             self.client.leave(pid, retry=self.client.retry.within(2.0))
-            raise ConfigError("this run streams (config streaming is set), and FSDP participants do not run "
-                              "Streaming DiLoCo yet: train with DDP (--parallel ddp) or one process per site")
+            raise ConfigError(f"this run streams with overlap tau = {tau}, and FSDP participants sync each fragment "
+                              "blocking (tau = 0 only): set streaming.overlap to 0, or train with DDP "
+                              "(--parallel ddp) or one process per site")
         self._engine.check_model(joined["model"])
         return {"participant_id": pid, "participant_key": self.client.participant_key(pid) or "",
                 "config": joined["config"], "config_version": int(joined["config_version"]),
                 "round": int(joined["current_round"]), "model": joined["model"],
-                "assignment": joined.get("assignment")}
+                "assignment": joined.get("assignment"), "streaming": joined.get("streaming")}
 
     def _failed(self, r: int, outcomes: list[Outcome], error: BaseException | None) -> None:
         """A sync attempt failed on some rank: ride it out as a group (every rank's engine has put
@@ -417,7 +449,7 @@ class FsdpParticipant:
                                        f"({sorted(versions)})")
         return versions.pop()
 
-    def _settle(self, outcomes: list[Outcome]) -> int:
+    def _settle(self, outcomes: list[Outcome], engine: SyncEngine) -> int:
         """The version the ranks' downloads agree on. The coordinator may commit a round between
         two ranks' downloads (the others went on without us): then every rank fetches the
         newest of the versions they got, by number, so that the shards are of one model."""
@@ -425,9 +457,31 @@ class FsdpParticipant:
         if len(versions) > 1:
             newest = max(versions)
             log.info("rank %d: the ranks got versions %s; all take %d", self.rank, sorted(versions), newest)
-            outcomes, error = self.ranks.together(lambda: self._engine.download(self.participant_id, version=newest))
+            outcomes, error = self.ranks.together(lambda: engine.download(self.participant_id, version=newest))
             self._raise_failed(outcomes, error)
         return self._agreed(outcomes)
+
+    def _mix(self, r: int, version: int) -> int:
+        """Streaming, on every rank: round r's fragment into our shard, θ ← (1 − α)·θ_g + α·θ
+        (`SyncEngine.mix`). Past round r + 1 (rounds went on without us) or at the run's end,
+        every fragment takes global version `version` whole, as a single process's does."""
+        assert self._fragments is not None
+        alpha = self.config.streaming.alpha if self.config.streaming is not None else 0.0
+        self._fragments.mix(self._fragments.of(r), alpha)
+        if version in (r, r + 1) and not (self.config.rounds > 0 and version >= self.config.rounds):
+            return version
+        if version not in (r, r + 1):
+            log.warning("round %d ended at version %d: rounds went on without us; taking the global model", r, version)
+        outcomes, error = self.ranks.together(lambda: self._engine.download(self.participant_id, version=version))
+        self._raise_failed(outcomes, error)
+        self._engine.adopt()
+        return self._agreed(outcomes)
+
+    def _moved(self) -> tuple[int, int]:
+        """This rank's bytes up and down so far, its fragments' engines' included."""
+        fs = self._fragments
+        return (self._engine.bytes_up + (fs.bytes_up if fs is not None else 0),
+                self._engine.bytes_down + (fs.bytes_down if fs is not None else 0))
 
     def _enter_round(self, version: int) -> None:
         self.round = version

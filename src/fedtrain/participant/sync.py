@@ -30,7 +30,8 @@ with a `PieceOf`: it uploads its rows as its piece of the participant's update (
 with the rows in the body's metadata), waits for the round asking after its own piece, and
 downloads only its rows. It calls `fetch` and `adopt` separately, since every rank of the
 group must hold the same global version before any of them adopts it (`fsdp.py`); between
-the two the snapshot holds that version, not yet in the model ("fetched").
+the two the snapshot holds that version, not yet in the model ("fetched"). Streaming, each of
+its fragments' engines (`fragment`) is a piece engine too, over its rows of that fragment.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -79,6 +80,26 @@ class PieceOf:
         return {n: list(self.rows[n]) if n in self.rows else None for n in names}
 
 
+class _Only(Mapping[str, torch.Tensor]):
+    """`params` restricted to `names`, each looked up on use (an FSDP rank's local shards are)."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        self._params = params
+        self._names = list(names)
+        self._known = frozenset(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._params[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 class SyncEngine:
     """Δ up, θ down, for the sync set `params` of one participant (named `who` in fault
     injection). `patience_s`: how long past a round's deadline we wait for it to close."""
@@ -110,13 +131,25 @@ class SyncEngine:
         fragment), sharing this engine's snapshot tensors: the fragment's reference weights
         are this engine's, so a download of the whole model (`load_global`) sets every
         fragment's. It uploads those tensors only, downloads only them, and keeps its own
-        error feedback and byte counts. Call after `prepare`."""
-        unknown = [n for n in names if n not in self._snapshot]
+        error feedback and byte counts. Call after `prepare`.
+
+        A piece's engine (a rank of a sharded participant) makes a piece's engine: the
+        fragment's tensors this rank holds rows of, which may be none (it then waits for the
+        round and downloads nothing, as a rank holding no row of the sync set does)."""
+        known = self.piece.shapes if self.piece is not None else self._snapshot
+        unknown = [n for n in names if n not in known]
         if unknown or not names:
             raise ModelMismatchError(f"the coordinator's fragment names tensors this model does not sync: "
                                      f"{', '.join(unknown[:5]) or '(none)'}")
-        return SyncEngine(self.client, {n: self.params[n] for n in names}, who=self.who,
-                          patience_s=self.patience_s, shares={n: self._snapshot[n] for n in names})
+        piece = None
+        if self.piece is not None:
+            names = [n for n in names if n in self._snapshot]
+            piece = PieceOf(self.piece.label, self.piece.sends & frozenset(names),
+                            {n: r for n, r in self.piece.rows.items() if n in names}, self.piece.shapes)
+        engine = SyncEngine(self.client, _Only(self.params, names), who=self.who, patience_s=self.patience_s,
+                            piece=piece, shares={n: self._snapshot[n] for n in names})
+        engine.wait_s = self.wait_s
+        return engine
 
     @property
     def snapshot_bytes(self) -> int:
@@ -262,15 +295,15 @@ class SyncEngine:
             self._holds = "reference"
             return -1
         which: dict[str, Any] = {"version": version} if version is not None else {}
-        if self._only:
-            got, _ = self.client.download(pid=pid, rows=dict.fromkeys(self._snapshot), allocate=self._allocate_rows,
-                                          retry=retry, **which)
-        elif self.piece is None:
-            got, _ = self.client.download(pid=pid, allocate=self._allocate, on_header=self._check_header,
-                                          retry=retry, **which)
-        else:
+        if self.piece is not None:  # a piece's rows (of a fragment's tensors, for a fragment's engine)
             got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
                                           allocate=self._allocate_rows, retry=retry, **which)
+        elif self._only:
+            got, _ = self.client.download(pid=pid, rows=dict.fromkeys(self._snapshot), allocate=self._allocate_rows,
+                                          retry=retry, **which)
+        else:
+            got, _ = self.client.download(pid=pid, allocate=self._allocate, on_header=self._check_header,
+                                          retry=retry, **which)
         version = int(got)
         self._holds = "reference"
         self.bytes_down += self.snapshot_bytes
