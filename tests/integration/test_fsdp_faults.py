@@ -28,6 +28,21 @@ def shards_match(out: Path, final: dict[str, torch.Tensor]) -> None:
                 assert torch.equal(f.get_tensor(n), final[n][start:stop]), (k, n)
 
 
+def fail_round_one_pieces(c: BackgroundCoordinator, out: Path, hold_s: float) -> None:
+    """Run an FSDP group "group" into `c` whose round 1 gets its first piece in, then has every
+    other upload fail (500) for `hold_s` (a few failed attempts: each gives up after 1 s); the
+    group must ride it out and finish."""
+    with faults.inject("upload.streaming", "raise", who="group", round=1, after=1, times=0):
+        group = fsdp_group(c.url, "group", out, "--attempt-s", "1", "--budget-s", "120")
+        deadline = time.monotonic() + 120
+        while not any(c.service.intake.has_piece("group", 1, f"rank{k}") for k in (0, 1)):
+            assert group.poll() is None and time.monotonic() < deadline, "round 1's first piece never came"
+            time.sleep(0.05)
+        time.sleep(hold_s)
+    text, _ = group.communicate(timeout=240)
+    assert group.returncode == 0, text[-3000:]
+
+
 def test_a_rank_killed_mid_sync_leaves_no_half_update_and_the_group_comes_back_whole(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=3, min_participants=2)  # round 1 waits for the group's whole update
     key = tmp_path / "group-key.json"
@@ -68,16 +83,7 @@ def test_the_group_rides_out_a_coordinator_that_fails_one_of_its_pieces(tmp_path
     out.mkdir()
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         service = c.service
-        # round 1: the first piece gets in, every other upload of the group fails (500) for a while
-        with faults.inject("upload.streaming", "raise", who="group", round=1, after=1, times=0):
-            group = fsdp_group(c.url, "group", out, "--attempt-s", "1", "--budget-s", "120")
-            deadline = time.monotonic() + 120
-            while not any(service.intake.has_piece("group", 1, f"rank{k}") for k in (0, 1)):
-                assert group.poll() is None and time.monotonic() < deadline, "round 1's first piece never came"
-                time.sleep(0.05)
-            time.sleep(4)  # a few failed attempts of the group (each gives up after 1 s)
-        text, _ = group.communicate(timeout=240)
-        assert group.returncode == 0, text[-3000:]
+        fail_round_one_pieces(c, out, hold_s=4)
         final = {k: v.clone() for k, v in service.outer.params.items()}
         rounds = service.store.rounds()
         assert service.finished and service.version == 3

@@ -14,18 +14,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.streaming import fragments
 from tests.conftest import PTOKEN, tiny_config
-from tests.integration.test_fsdp import fsdp_group
-from tests.integration.test_fsdp_faults import shards_match
+from tests.integration.test_fsdp_faults import fail_round_one_pieces, shards_match
 from tests.integration.test_fsdp_numerics import MODEL, WORKER, max_diff, one_thread, params, run_single
 
 ROUNDS, H, K, SEED = 4, 4, 2, 21  # S = H/K = 2 steps a round, each fragment synced twice
@@ -87,15 +84,7 @@ def test_a_streaming_fsdp_group_rides_out_a_coordinator_that_fails_one_of_its_fr
     out.mkdir()
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         service = c.service
-        with faults.inject("upload.streaming", "raise", who="group", round=1, after=1, times=0):
-            group = fsdp_group(c.url, "group", out, "--attempt-s", "1", "--budget-s", "120")
-            deadline = time.monotonic() + 120
-            while not any(service.intake.has_piece("group", 1, f"rank{k}") for k in (0, 1)):
-                assert group.poll() is None and time.monotonic() < deadline, "round 1's first piece never came"
-                time.sleep(0.05)
-            time.sleep(3)  # a few failed attempts of the group (each gives up after 1 s)
-        text, _ = group.communicate(timeout=180)
-        assert group.returncode == 0, text[-3000:]
+        fail_round_one_pieces(c, out, hold_s=3)
         final = {k: v.clone() for k, v in service.outer.params.items()}
         assert service.finished and service.version == ROUNDS
     reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
