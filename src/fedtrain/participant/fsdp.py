@@ -468,10 +468,10 @@ class FsdpParticipant:
         assert self._fragments is not None
         alpha = self.config.streaming.alpha if self.config.streaming is not None else 0.0
         self._fragments.mix(self._fragments.of(r), alpha)
-        if version in (r, r + 1) and not (self.config.rounds > 0 and version >= self.config.rounds):
-            return version
         if version not in (r, r + 1):
             log.warning("round %d ended at version %d: rounds went on without us; taking the global model", r, version)
+        elif not (self.config.rounds > 0 and version >= self.config.rounds):
+            return version
         outcomes, error = self.ranks.together(lambda: self._engine.download(self.participant_id, version=version))
         self._raise_failed(outcomes, error)
         self._engine.adopt()
