@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -97,11 +98,38 @@ def stop_coordinator(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
+def _fuzz_cases() -> dict[str, int]:
+    """The API fuzzers' case counts in this process, by token (empty if test_fuzz did not run here)."""
+    fuzz = sys.modules.get("tests.integration.test_fuzz")
+    return dict(getattr(fuzz, "CASES", None) or {})
+
+
+FUZZ_CASES = pytest.StashKey[dict[str, int]]()
+"""The fuzzers' case counts the xdist workers reported to the controller, by token."""
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its fuzz case counts to the controller, which prints the summary."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and any(_fuzz_cases().values()):
+        workeroutput["fuzz_cases"] = _fuzz_cases()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist's controller: add up what each worker's fuzzers ran."""
+    counts = getattr(node, "workeroutput", {}).get("fuzz_cases") or {}
+    total = node.config.stash.setdefault(FUZZ_CASES, {})
+    for token, n in counts.items():
+        total[token] = total.get(token, 0) + n
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Say how many cases the API fuzzers ran (a fuzz run of 0 cases must not read as a pass;
-    `test_fuzz.py` also fails then), in the summary of every run that included them."""
-    fuzz = sys.modules.get("tests.integration.test_fuzz")
-    counts = getattr(fuzz, "CASES", None)
+    `test_fuzz.py` also fails then), in the summary of every run that included them, in one
+    process or under xdist (whose workers report their counts to the controller)."""
+    counts = _fuzz_cases() or terminalreporter.config.stash.get(FUZZ_CASES, {})
     if counts and any(counts.values()):
-        ran = ", ".join(f"{n} with the {who} token" for who, n in zip(("participant", "admin"), counts.values()))
+        ran = ", ".join(f"{counts.get(token, 0)} with the {who} token"
+                        for who, token in (("participant", PTOKEN), ("admin", ATOKEN)))
         terminalreporter.write_line(f"schemathesis ran {ran} (each case: no 5xx, or the test failed)")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 import torch
 from playwright.sync_api import Dialog, Route, expect
 
@@ -21,6 +22,9 @@ from fedtrain.coordinator.auth import KEY_HEADER
 from tests.browser.conftest import ARTIFACTS, SITES, LiveRun, Page
 from tests.conftest import ATOKEN, PTOKEN
 from tests.integration.test_pieces import halves, send_piece
+
+# xdist: one Chromium at a time on two cores (its waits are bounded), one live run per module
+pytestmark = pytest.mark.xdist_group("browser")
 
 
 def open_dashboard(p: Page, run: LiveRun, token: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from playwright.sync_api import expect
 
 from fedtrain.coordinator import BackgroundCoordinator
@@ -13,6 +14,9 @@ from tests.browser.conftest import ARTIFACTS, Page
 from tests.conftest import PTOKEN, tiny_config
 from tests.integration.test_balanced import close_round
 from tests.tiny import Small, init_file
+
+# xdist: one Chromium at a time on two cores (its waits are bounded)
+pytestmark = pytest.mark.xdist_group("browser")
 
 
 def test_the_table_shows_each_participants_h_and_why(page: Page, tmp_path: Path) -> None:

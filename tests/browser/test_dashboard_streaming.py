@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from playwright.sync_api import expect
 
 from fedtrain.coordinator import BackgroundCoordinator
@@ -12,6 +13,9 @@ from tests.browser.conftest import ARTIFACTS, Page
 from tests.conftest import PTOKEN, tiny_config
 from tests.integration.test_streaming import FRAGMENTS, initial_model
 from tests.tiny import Regression, TinyParticipant, init_file, run_all
+
+# xdist: one Chromium at a time on two cores (its waits are bounded)
+pytestmark = pytest.mark.xdist_group("browser")
 
 
 def test_the_rounds_table_shows_the_fragment_each_round_synced(page: Page, tmp_path: Path) -> None:

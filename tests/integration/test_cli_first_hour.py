@@ -25,6 +25,9 @@ from tests.conftest import ATOKEN, PTOKEN, free_port, stop_coordinator, tiny_con
 from tests.integration.test_cli import assert_clean_error
 from tests.integration.test_cli import fedtrain as run_cli
 
+# xdist: one live coordinator process (module fixture) for the module
+pytestmark = pytest.mark.xdist_group("cli_first_hour")
+
 HEAVY = ("torch", "uvicorn", "fastapi", "starlette")
 NO_TOKENS = {"FEDTRAIN_TOKEN": "", "FEDTRAIN_ADMIN_TOKEN": ""}
 

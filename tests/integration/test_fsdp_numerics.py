@@ -40,6 +40,9 @@ from fedtrain.recipes.build import build_model
 from tests.conftest import PTOKEN, tiny_config
 from tests.integration.fsdp_numerics_worker import global_batch, inner_optimizer
 
+# xdist: one torchrun group (module fixture) serves every check
+pytestmark = pytest.mark.xdist_group("fsdp_numerics")
+
 WORKER = Path(__file__).with_name("fsdp_numerics_worker.py")
 H = 4  # inner steps per round
 ROUNDS = 3  # rounds of the run of (b)

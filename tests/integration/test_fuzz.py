@@ -23,6 +23,9 @@ from hypothesis import HealthCheck, settings
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
 
+# xdist: one fuzz server (module fixture) for every case, and test_the_fuzzers_ran_cases counts what ran in this process
+pytestmark = pytest.mark.xdist_group("fuzz")
+
 EXAMPLES = int(os.environ.get("FEDTRAIN_FUZZ_EXAMPLES", "40"))
 DERANDOMIZE = os.environ.get("FEDTRAIN_FUZZ_DERANDOMIZE", "1") != "0"
 CASES: dict[str, int] = {PTOKEN: 0, ATOKEN: 0}  # cases run, per token

@@ -27,6 +27,9 @@ from fedtrain.transport.protocols import READINTO, SEND, Abandoned
 from fedtrain.transport.readinto import ReadIntoProtocol
 from fedtrain.transport.server_limits import ServerLimits
 
+# xdist: one server (module fixture) for the module
+pytestmark = pytest.mark.xdist_group("httpbody")
+
 events: list[str] = []
 
 
