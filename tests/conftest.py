@@ -1,49 +1,46 @@
-"""Shared fixtures: tiny run configs, a coordinator on a free loopback port (in-process), a
-coordinator as a `python -m fedtrain coordinator` process for tests that kill or signal it,
-and `transport`, which runs a test once with the fast IO paths on and once with them off."""
+"""Shared fixtures: a coordinator on a free loopback port (in-process), one with two participants
+joined (`coord`), and `transport`, which runs a test once with the fast IO paths on and once with
+them off; the xdist plumbing of the fuzzers' summary line. Shared helpers (tiny configs, a
+coordinator process, torchrun groups, ...) live in `tests/helpers/`."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.transport import FAST_IO_ENV
+from tests.helpers import torchrun
+from tests.helpers.api import client
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
-PTOKEN = "participant-token"
-ATOKEN = "admin-token"
 
-
-def tiny_config(**overrides: object) -> RunConfig:
-    data: dict = {
-        "name": "test",
-        "rounds": 3,
-        "train": {"sync_every": 5, "seq_len": 32, "batch_size": 8, "eval_batches": 2, "lr": 3e-3},
-        "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
-        "heartbeat_interval_s": 0.5,
-        "heartbeat_timeout_s": 20.0,
-    }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
-        else:
-            data[key] = value
-    return RunConfig.model_validate(data)
+@pytest.fixture(autouse=True)
+def _no_group_left_running() -> Iterator[None]:
+    """What a test started through `tests.helpers.torchrun` and left running (it failed half-way)
+    is killed after it, torchrun's ranks included."""
+    mark = torchrun.started()
+    yield
+    torchrun.reap(mark)
 
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[BackgroundCoordinator]:
     with BackgroundCoordinator(tmp_path / "state", tiny_config()) as c:
+        yield c
+
+
+@pytest.fixture
+def coord(tmp_path: Path) -> Iterator[BackgroundCoordinator]:
+    """A coordinator (uploads up to 1 MB) with participants "a" and "b" joined (the bad-input tests')."""
+    with BackgroundCoordinator(tmp_path / "state", tiny_config(max_upload_mb=1.0)) as c:
+        with client(c) as http:
+            http.post("/v1/join", json={"name": "a"})
+            http.post("/v1/join", json={"name": "b"})
         yield c
 
 
@@ -54,48 +51,6 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     made in the test read, and `start_coordinator`'s processes inherit."""
     monkeypatch.setenv(FAST_IO_ENV, "1" if request.param == "fast" else "0")
     return str(request.param)
-
-
-BOTH_TRANSPORTS = pytest.mark.usefixtures("transport")
-"""`pytestmark = BOTH_TRANSPORTS`: every test of a module runs once per transport (`transport`)."""
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_coordinator(
-    cfg_path: Path, state: Path, port: int, log: Path, *args: str, env: Mapping[str, str] | None = None
-) -> subprocess.Popen:
-    """`python -m fedtrain coordinator` on 127.0.0.1:`port` over `state`, returned once it answers
-    /v1/healthz (60 s at most); its output is appended to `log`, shown if it fails to start.
-
-    `args` are more command-line arguments, `env` more environment variables; the tokens are
-    PTOKEN and "admin". Stop it with `stop_coordinator`, or kill it to test a crash.
-    """
-    env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin", **(env or {})}
-    argv = [sys.executable, "-m", "fedtrain", "coordinator", "--config", str(cfg_path), "--state-dir", str(state)]
-    with open(log, "ab") as out:  # the child holds its own copy of the file descriptor
-        proc = subprocess.Popen([*argv, "--port", str(port), *args], env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise AssertionError("coordinator did not start: " + log.read_text()[-3000:])
-
-
-def stop_coordinator(proc: subprocess.Popen) -> None:
-    """Terminate a coordinator process if it still runs, and reap it."""
-    if proc.poll() is None:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def _fuzz_cases() -> dict[str, int]:

@@ -8,25 +8,20 @@ Chromium or Playwright is not installed; in CI (.ci/run installs both) that is a
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.participant import Participant
-from tests.conftest import tiny_config
-from tests.tiny import TinyGPT, TinyParticipant, join_all
+from tests.helpers.browser import SITES, LiveRun, Page
+from tests.helpers.config import tiny_config
+from tests.helpers.tiny import TinyGPT, TinyParticipant, join_all
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
-SITES = ("site-a", "site-b", "site-c")
 
 
 # Module scope, not session: while Playwright's sync API is open, an asyncio loop runs on this thread
@@ -52,14 +47,6 @@ def browser() -> Iterator[Any]:
             b.close()
 
 
-@dataclass
-class Page:
-    """A fresh browser context (its own localStorage) and the script errors it raised."""
-
-    page: Any
-    errors: list[str] = field(default_factory=list)
-
-
 @pytest.fixture
 def page(browser: Any) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": 1440, "height": 900})
@@ -71,32 +58,6 @@ def page(browser: Any) -> Iterator[Page]:
         yield p
     finally:
         context.close()
-
-
-@dataclass
-class LiveRun:
-    """The run's coordinator and its participants (by site name), training until `stop` is set."""
-
-    coordinator: BackgroundCoordinator
-    participants: dict[str, TinyParticipant] = field(default_factory=dict)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def url(self) -> str:
-        return self.coordinator.url
-
-    @property
-    def feds(self) -> dict[str, Participant]:
-        """The participants that have joined, by site name."""
-        return {name: p.fed for name, p in self.participants.items() if p.fed is not None}
-
-    @property
-    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {name: p.optimizer for name, p in self.participants.items() if p.fed is not None}
-
-    @property
-    def errors(self) -> list[BaseException]:
-        return [p.error for p in self.participants.values() if p.error is not None]
 
 
 def _site(run: LiveRun, i: int, name: str) -> TinyParticipant:

@@ -19,9 +19,9 @@ import torch
 from playwright.sync_api import Dialog, Route, expect
 
 from fedtrain.coordinator.auth import KEY_HEADER
-from tests.browser.conftest import ARTIFACTS, SITES, LiveRun, Page
-from tests.conftest import ATOKEN, PTOKEN
-from tests.integration.test_pieces import halves, send_piece
+from tests.helpers.api import halves, send_piece
+from tests.helpers.browser import ARTIFACTS, SITES, LiveRun, Page
+from tests.helpers.config import ATOKEN, PTOKEN
 
 # xdist: one Chromium at a time on two cores (its waits are bounded), one live run per module
 pytestmark = pytest.mark.xdist_group("browser")

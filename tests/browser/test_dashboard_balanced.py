@@ -10,10 +10,10 @@ from playwright.sync_api import expect
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient
-from tests.browser.conftest import ARTIFACTS, Page
-from tests.conftest import PTOKEN, tiny_config
-from tests.integration.test_balanced import close_round
-from tests.tiny import Small, init_file
+from tests.helpers.api import close_round
+from tests.helpers.browser import ARTIFACTS, Page
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.tiny import Small, init_file
 
 # xdist: one Chromium at a time on two cores (its waits are bounded)
 pytestmark = pytest.mark.xdist_group("browser")

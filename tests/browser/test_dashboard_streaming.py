@@ -9,10 +9,10 @@ import pytest
 from playwright.sync_api import expect
 
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.browser.conftest import ARTIFACTS, Page
-from tests.conftest import PTOKEN, tiny_config
-from tests.integration.test_streaming import FRAGMENTS, initial_model
-from tests.tiny import Regression, TinyParticipant, init_file, run_all
+from tests.helpers.browser import ARTIFACTS, Page
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.runs import FRAGMENTS, initial_model
+from tests.helpers.tiny import Regression, TinyParticipant, init_file, run_all
 
 # xdist: one Chromium at a time on two cores (its waits are bounded)
 pytestmark = pytest.mark.xdist_group("browser")

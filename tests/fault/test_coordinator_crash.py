@@ -25,8 +25,9 @@ from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
 from fedtrain.coordinator.checkpoints import SPARES, CheckpointDir
 from fedtrain.coordinator.store import Store
-from fedtrain.wire import DIGEST_HEADER, EncodedBody, read_tensors
-from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
+from tests.helpers.api import delta, download, upload
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.processes import free_port, start_coordinator, stop_coordinator
 
 # (point, does the round commit before the process dies?)
 CHAIN = [
@@ -90,29 +91,6 @@ class InProcess:
             self.bg.stop()
             self.bg.service.store.close()
             self.bg = None
-
-
-def delta(params: dict[str, torch.Tensor], who: int, round_: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * round_ + who)
-    return {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in params.items()}
-
-
-def upload(http: httpx.Client, round_: int, pid: str, tensors: dict[str, torch.Tensor]) -> httpx.Response:
-    body = EncodedBody(tensors)
-    return http.put(
-        f"/v1/rounds/{round_}/updates/{pid}",
-        params={"tokens": 10},
-        content=b"".join(bytes(c) for c in body),
-        headers={DIGEST_HEADER: body.digest()},
-    )
-
-
-def download(http: httpx.Client) -> tuple[int, dict[str, torch.Tensor]]:
-    r = http.get("/v1/model")
-    assert r.status_code == 200, r.text
-    return int(r.headers["X-Fedtrain-Version"]), dict(
-        read_tensors([r.content], expected_digest=r.headers[DIGEST_HEADER])
-    )
 
 
 def check_disk(state: Path, committed: int) -> None:

@@ -16,8 +16,9 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorUnavailable
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant.outage import OutagePolicy
-from tests.conftest import PTOKEN, free_port, start_coordinator, tiny_config
-from tests.tiny import Regression, Small, TinyParticipant, init_file, run_all
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.processes import free_port, start_coordinator
+from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, run_all
 
 FAST_OUTAGE = OutagePolicy(budget_s=90.0, attempt_s=1.0, backoff_initial_s=0.2, backoff_max_s=1.0)
 

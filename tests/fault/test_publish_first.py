@@ -17,9 +17,9 @@ import torch
 from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
-from tests.conftest import PTOKEN, tiny_config
-from tests.fault.test_coordinator_crash import delta, download, upload
-from tests.integration.test_e2e import assert_all_on, train_all
+from tests.helpers.api import delta, download, upload
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.runs import assert_all_on, train_all
 
 
 def wait_for(predicate, what: str, timeout: float = 30.0) -> None:

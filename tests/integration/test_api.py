@@ -2,68 +2,15 @@
 
 from __future__ import annotations
 
-import time
-from http.cookiejar import CookieJar
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, read_tensors
-from tests.conftest import ATOKEN, PTOKEN
-
-# One cookie jar per coordinator and token: the clients of a test that share a token are one
-# participant process, which holds the participant keys its joins answered with (cookies:
-# `auth.py`); another coordinator (another test) starts with an empty jar.
-JARS: dict[tuple[str, str | None], CookieJar] = {}
-
-
-def client(c: BackgroundCoordinator, token: str | None = PTOKEN) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    jar = JARS.setdefault((c.url, token), CookieJar())
-    return httpx.Client(base_url=c.url, headers=headers, timeout=30, cookies=jar)
-
-
-def zeros_like_model(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros_like(t) for n, t in c.service.outer.params.items()}
-
-
-def put(
-    http: httpx.Client,
-    round_: int,
-    pid: str,
-    tensors: dict[str, torch.Tensor],
-    tokens: int = 100,
-    digest: str | None = None,
-    body: bytes | None = None,
-) -> httpx.Response:
-    enc = EncodedBody(tensors)
-    data = body if body is not None else b"".join(bytes(c) for c in enc)
-    headers = {DIGEST_HEADER: digest or enc.digest()}
-    return http.put(f"/v1/rounds/{round_}/updates/{pid}", params={"tokens": tokens}, content=data, headers=headers)
-
-
-def commit_round_0(c: BackgroundCoordinator, http: httpx.Client, name: str = "a") -> None:
-    """`name` uploads a small update for round 0 (admin's client: it acts for anyone); returns
-    once version 1 is committed."""
-    delta = {n: torch.full_like(t, 0.01) for n, t in c.service.outer.params.items()}
-    assert put(http, 0, name, delta).status_code == 200
-    http.get("/v1/rounds/0", params={"wait": 10})
-    deadline = time.monotonic() + 10
-    while c.service.committed_version < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert c.service.committed_version == 1
-
-
-def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["status"] == status and err["message"]
-    if code:
-        assert err["code"] == code, err
-    return err
+from tests.helpers.api import assert_error, client, put, zeros_like_model
+from tests.helpers.config import ATOKEN
 
 
 def test_health_openapi_and_error_shape(coordinator: BackgroundCoordinator) -> None:
@@ -183,7 +130,7 @@ def test_bad_upload_refused_and_state_unchanged(coordinator: BackgroundCoordinat
 
 def test_participant_bound_to_its_token(tmp_path) -> None:
     from fedtrain.coordinator import Tokens
-    from tests.conftest import tiny_config
+    from tests.helpers.config import tiny_config
 
     tokens = Tokens(["tok-a", "tok-b"], ATOKEN)
     with BackgroundCoordinator(tmp_path, tiny_config(), tokens=tokens) as c:
@@ -226,7 +173,7 @@ def test_compressed_upload_must_match_its_declared_scheme(coordinator: Backgroun
 def test_a_lone_participants_upload_goes_straight_into_the_sum_with_the_same_result(tmp_path: Path) -> None:
     """One participant: its upload is copied from the socket into the running sum (no spool
     file); the new global model is bit for bit what the spooled path gives."""
-    from tests.conftest import tiny_config
+    from tests.helpers.config import tiny_config
 
     g = torch.Generator().manual_seed(3)
     delta = None

@@ -19,10 +19,11 @@ from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient
 from fedtrain.wire import DIGEST_HEADER
-from tests.conftest import ATOKEN, PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
-from tests.integration.test_api import assert_error, client, put
-from tests.integration.test_e2e import heldout_loss, recipe_gpt
-from tests.tiny import Regression, Small, TinyGPT, TinyParticipant, init_file, join_all, run_all
+from tests.helpers.api import assert_error, client, put
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.processes import free_port, start_coordinator, stop_coordinator
+from tests.helpers.runs import heldout_loss, recipe_gpt
+from tests.helpers.tiny import Regression, Small, TinyGPT, TinyParticipant, init_file, join_all, run_all
 
 ASYNC = {"mode": "async"}
 

@@ -7,71 +7,27 @@ unknown participants on every route that names one.
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.wire import DIGEST_HEADER, EncodedBody, digest_bytes
-from tests.conftest import BOTH_TRANSPORTS, tiny_config
-from tests.integration.test_api import assert_error, client, put, zeros_like_model
+from fedtrain.wire import DIGEST_HEADER, EncodedBody
+from tests.helpers.api import (
+    assert_error,
+    assert_unchanged,
+    client,
+    put,
+    raw_body,
+    snapshot,
+    upload_raw,
+    zeros_like_model,
+)
+from tests.helpers.config import BOTH_TRANSPORTS
 
 pytestmark = BOTH_TRANSPORTS
-
-
-@pytest.fixture
-def coord(tmp_path: Path) -> Iterator[BackgroundCoordinator]:
-    with BackgroundCoordinator(tmp_path / "state", tiny_config(max_upload_mb=1.0)) as c:
-        with client(c) as http:
-            http.post("/v1/join", json={"name": "a"})
-            http.post("/v1/join", json={"name": "b"})
-        yield c
-
-
-def snapshot(c: BackgroundCoordinator) -> dict:
-    s = c.service
-    return {
-        "version": s.version,
-        "submitted": dict(s.submitted),
-        "late": dict(s.late),
-        "acc_count": s.acc.count,
-        # What the sum holds: nothing (its memory is written over by the next upload), or values.
-        "acc_sum": 0.0 if s.acc.is_empty else sum(float(t.abs().sum()) for t in s.acc.peek().values()),
-        "acc_empty": s.acc.is_empty,
-        "params": {n: t.clone() for n, t in s.outer.params.items()},
-        "participants": {p.id: (p.state, p.tokens, p.bytes_up) for p in s.participants.values()},
-        "submissions": len(s.store.submissions(s.version)),
-        "spool": sorted(p.name for p in s.spool.rglob("*") if p.is_file()),
-    }
-
-
-def assert_unchanged(c: BackgroundCoordinator, before: dict) -> None:
-    after = snapshot(c)
-    for key in before:
-        if key == "params":
-            for n, t in before["params"].items():
-                assert torch.equal(after["params"][n], t), n
-        else:
-            assert after[key] == before[key], key
-
-
-def raw_body(header: bytes | dict, data: bytes = b"") -> bytes:
-    h = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return struct.pack("<Q", len(h)) + h + data
-
-
-def upload_raw(http: httpx.Client, body: bytes, pid: str = "a", round_: int = 0) -> httpx.Response:
-    return http.put(
-        f"/v1/rounds/{round_}/updates/{pid}",
-        params={"tokens": 10},
-        content=body,
-        headers={DIGEST_HEADER: digest_bytes(body)},
-    )
 
 
 def _first(c: BackgroundCoordinator) -> tuple[str, torch.Tensor]:

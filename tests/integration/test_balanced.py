@@ -5,19 +5,17 @@ round stays what it was through a coordinator restart; and the mode switches liv
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.report import format_status
-from fedtrain.wire import EncodedBody
-from tests.conftest import ATOKEN, PTOKEN, tiny_config
-from tests.tiny import Regression, Small, TinyParticipant, init_file, run_all
+from tests.helpers.api import close_round
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, run_all
 
 BALANCED = {"mode": "balanced"}
 
@@ -48,16 +46,6 @@ def test_slow_sites_get_fewer_steps_all_contribute_and_the_loss_falls(tmp_path: 
 
 
 # -- what a participant was told, through the API -----------------------------------------------------
-
-
-def zero_update(model: dict[str, Any]) -> EncodedBody:
-    return EncodedBody({n: torch.zeros(s["shape"]) for n, s in model.items()})
-
-
-def close_round(client: CoordinatorClient, pids: list[str], round_: int, model: dict[str, Any]) -> None:
-    for pid in pids:
-        client.upload(round_, pid, zero_update(model), tokens=10)
-    assert client.wait_round(round_, wait_s=10)["state"] in ("closed", "committing")
 
 
 def test_what_a_participant_was_told_survives_a_coordinator_restart(tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import ModelMismatchError
 from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.wire import write_file
-from tests.conftest import PTOKEN, tiny_config
-from tests.tiny import Regression, Small, init_file, train
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.tiny import Regression, Small, init_file, train
 
 __all__ = ["Small", "init_file"]  # imported from here by other tests
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,24 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.conftest import PTOKEN
-
-
-def fedtrain(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fedtrain", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    for needle in needles:
-        assert needle in r.stderr, r.stderr
+from tests.helpers.config import PTOKEN
+from tests.helpers.processes import assert_clean_error, fedtrain
 
 
 def test_coordinator_refuses_bad_config(tmp_path: Path) -> None:

@@ -21,9 +21,9 @@ import yaml
 
 import fedtrain
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.conftest import ATOKEN, PTOKEN, free_port, stop_coordinator, tiny_config
-from tests.integration.test_cli import assert_clean_error
-from tests.integration.test_cli import fedtrain as run_cli
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.processes import assert_clean_error, free_port, stop_coordinator
+from tests.helpers.processes import fedtrain as run_cli
 
 # xdist: one live coordinator process (module fixture) for the module
 pytestmark = pytest.mark.xdist_group("cli_first_hour")

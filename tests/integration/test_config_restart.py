@@ -20,8 +20,8 @@ import yaml
 from fedtrain.config import RunConfig, outer_defaults
 from fedtrain.config_changes import apply_change, change_notes, config_diff
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.conftest import ATOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
-from tests.integration.test_sighup import wait_for
+from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.processes import free_port, start_coordinator, stop_coordinator, wait_for
 
 ADMIN = {"Authorization": "Bearer admin"}
 

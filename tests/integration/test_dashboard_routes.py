@@ -6,9 +6,8 @@ from __future__ import annotations
 import httpx
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.prometheus import CONTENT_TYPE
-from tests.conftest import ATOKEN, PTOKEN
-from tests.integration.test_api import put, zeros_like_model
+from tests.helpers.api import metrics, put, zeros_like_model
+from tests.helpers.config import ATOKEN, PTOKEN
 
 
 def client(c: BackgroundCoordinator, token: str | None) -> httpx.Client:
@@ -36,12 +35,6 @@ def test_page_assets_and_index(coordinator: BackgroundCoordinator) -> None:
     with client(coordinator, ATOKEN) as http:
         who = http.get("/v1/whoami").json()
         assert who["role"] == "admin" and who["server_time"] > 0
-
-
-def metrics(http: httpx.Client) -> dict[str, float]:
-    r = http.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE
-    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in r.text.splitlines() if not line.startswith("#"))}
 
 
 def test_prometheus_metrics_follow_the_run(coordinator: BackgroundCoordinator) -> None:

@@ -5,9 +5,6 @@ together from both ranks' files), with every optimizer tensor equal to the one s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -15,10 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from fedtrain.participant.dcp_checkpoint import DcpCheckpoint
 from fedtrain.participant.shards import chunk_rows
-from tests.unit.test_dcp_checkpoint import gloo_of_one, optimizer_tensors, sharded, train
-
-WORKER = Path(__file__).with_name("dcp_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.dcp import gloo_of_one, optimizer_tensors, sharded, train
+from tests.helpers.torchrun import finished, worker_group
 
 
 def test_a_checkpoint_reshards_from_one_rank_to_two_and_back(tmp_path: Path) -> None:
@@ -29,12 +24,7 @@ def test_a_checkpoint_reshards_from_one_rank_to_two_and_back(tmp_path: Path) -> 
         DcpCheckpoint(one, model).save(round_=3, optimizer=opt, steps=3, user_state={"rank": 0})
         save_file({n: t.contiguous() for n, t in optimizer_tensors(model, opt).items()}, f"{one}-ref.safetensors")
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    done = subprocess.run([*launch, str(WORKER), str(one), str(two)], env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    finished(worker_group("dcp_worker.py", str(one), str(two)), timeout=180)
     reports = [json.loads((tmp_path / f"loaded-rank{k}.json").read_text()) for k in (0, 1)]
     for report in reports:  # 1 -> 2: each rank's rows of every saved tensor
         assert report["wrong"] == [] and report["checked"] > 0, report

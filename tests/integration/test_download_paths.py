@@ -18,8 +18,8 @@ from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant import client as client_module
 from fedtrain.transport import direct_http as fetch
 from fedtrain.wire import EncodedBody, read_tensors, write_file
-from tests.conftest import PTOKEN, tiny_config
-from tests.tls import make_tls
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.tls import make_tls
 
 URL = "http://127.0.0.1:8000"
 

@@ -10,41 +10,10 @@ import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, Participant
-from fedtrain.recipes import build_model
-from fedtrain.recipes.data import TokenStream, evaluate, heldout_paths, load_tokens
-from tests.conftest import BOTH_TRANSPORTS, PTOKEN, tiny_config
-from tests.tiny import TinyGPT, TinyParticipant, run_all
+from tests.helpers.config import BOTH_TRANSPORTS, PTOKEN, tiny_config
+from tests.helpers.runs import assert_all_on, heldout_loss, train_all
 
 pytestmark = BOTH_TRANSPORTS
-
-
-def recipe_gpt(i: int, n: int) -> TinyGPT:
-    """Participant i of n: the recipe's GPT (seed 123 + i) on its shard of the stdlib text, with
-    the run's batch size, sequence length and learning rate."""
-    return TinyGPT(shard=i, of=n, model_seed=123 + i)
-
-
-def train_all(url: str, n: int) -> dict[int, dict[str, torch.Tensor]]:
-    """n participants training in threads until the run finishes; their final weights."""
-    runners = run_all([TinyParticipant(url, f"p{i}", recipe_gpt(i, n)) for i in range(n)])
-    return {i: p.weights for i, p in enumerate(runners)}
-
-
-def assert_all_on(results: dict, final_global: dict[str, torch.Tensor]) -> None:
-    """Every participant ends on the global weights, bit for bit."""
-    for i, weights in results.items():
-        for name, t in final_global.items():
-            assert torch.equal(weights[name], t), (i, name)
-
-
-def heldout_loss(params: dict[str, torch.Tensor]) -> float:
-    cfg = tiny_config()
-    model = build_model(cfg.model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name])
-    stream = TokenStream(load_tokens(heldout_paths()), batch_size=8, seq_len=32, seed=0, heldout_fraction=0.5)
-    return evaluate(model, stream.eval_batches(8))
 
 
 @pytest.mark.parametrize(("algorithm", "publish_first", "digest"),

@@ -11,8 +11,8 @@ import pytest
 from fedtrain.cli import main as fedtrain_main
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.recipes.train import run_participant
-from tests.conftest import PTOKEN, tiny_config
-from tests.tiny import TrainingThread, join_all
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.tiny import TrainingThread, join_all
 
 
 def test_eval_cadence_global_eval_and_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,9 +29,10 @@ from fedtrain.errors import (
 )
 from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
 from fedtrain.participant.outage import is_transient
-from tests.conftest import PTOKEN, free_port, tiny_config
-from tests.integration.test_bootstrap import Small
-from tests.tls import make_tls
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.processes import free_port
+from tests.helpers.tiny import Small
+from tests.helpers.tls import make_tls
 
 # A long budget (a run's outage) and a short one for first contact: a client that used the long
 # one at first contact would retry 8 s and say so in its message.

@@ -4,27 +4,15 @@ uploads its own rows as a piece and downloads only its rows; one participant, sa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.conftest import PTOKEN, tiny_config
-from tests.integration.test_torchrun import finish, participant, weights
-
-WORKER = Path(__file__).with_name("fsdp_worker.py")
-
-
-def fsdp_group(url: str, name: str, out: Path, *extra: str, faults: str = "") -> subprocess.Popen:
-    """A 2-rank FSDP participant (fsdp_worker.py) under torchrun; `faults`: FEDTRAIN_FAULTS of its ranks."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1", "FEDTRAIN_FAULTS": faults}
-    return subprocess.Popen([*launch, str(WORKER), url, name, str(out), *extra], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+from tests.helpers.config import tiny_config
+from tests.helpers.fsdp import fsdp_group
+from tests.helpers.torchrun import finish, participant, weights
 
 
 def test_two_rank_fsdp_participant_beside_a_single_process_one(tmp_path: Path) -> None:

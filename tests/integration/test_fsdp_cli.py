@@ -16,33 +16,11 @@ from safetensors import safe_open
 
 from fedtrain.config import load_config
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.conftest import PTOKEN, tiny_config
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.fsdp import fsdp_cli_group
+from tests.helpers.torchrun import finished, rank_summaries
 
 H = 5
-
-
-def fsdp_group(url: str, name: str, run_dir: Path, nproc: int = 2, env: dict[str, str] | None = None,
-               launcher: str = "torch.distributed.run") -> subprocess.Popen:
-    """`torchrun` (or `fedtrain torchrun`) `--nproc_per_node N -m fedtrain participant --parallel fsdp ...`."""
-    via = ["fedtrain", "torchrun"] if launcher == "fedtrain" else [launcher]
-    launch = [sys.executable, "-m", *via, "--standalone", "--nproc_per_node", str(nproc)]
-    argv = ["-m", "fedtrain", "participant", "--parallel", "fsdp", "--coordinator", url, "--data", "stdlib:0/2",
-            "--name", name, "--run-dir", str(run_dir)]
-    return subprocess.Popen([*launch, *argv], env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1",
-                                                   **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def finished(group: subprocess.Popen, timeout: float = 240) -> list[dict]:
-    """The summaries the ranks printed (the group ended with status 0)."""
-    out, _ = group.communicate(timeout=timeout)
-    assert group.returncode == 0, out[-4000:]
-    decoder, found, at = json.JSONDecoder(), [], out.find('{"participant"')
-    while at >= 0:  # the ranks share the pipe: a summary may follow another's output on the same line
-        summary, end = decoder.raw_decode(out, at)
-        found.append(summary)
-        at = out.find('{"participant"', end)
-    return found
 
 
 def rows_of(path: Path) -> dict[str, tuple[torch.Tensor, list[int]]]:
@@ -72,7 +50,7 @@ def test_fsdp_participant_from_the_cli(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=4)
     run_dir = tmp_path / "group"
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        summaries = finished(fsdp_group(c.url, "group", run_dir, launcher="fedtrain"))
+        summaries = rank_summaries(finished(fsdp_cli_group(c.url, "group", run_dir, via="fedtrain")))
         final = {k: v.clone() for k, v in c.service.outer.params.items()}
         roster = c.service.status()["participants"]
         rounds = c.service.store.rounds()
@@ -103,7 +81,7 @@ def test_killed_fsdp_group_resumes_on_one_rank_from_its_last_complete_checkpoint
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         # rank 0 dies while round 2's checkpoint is half written: every rank's shard is on disk, no state.json
         fault = {"FEDTRAIN_FAULTS": f"participant.checkpoint:kill:round={killed_at}"}
-        first = fsdp_group(c.url, "group", run_dir, env=fault)
+        first = fsdp_cli_group(c.url, "group", run_dir, env=fault)
         out, _ = first.communicate(timeout=240)
         assert first.returncode != 0, out[-3000:]
         partial = run_dir / "dcp" / f".partial-{killed_at}"
@@ -114,8 +92,8 @@ def test_killed_fsdp_group_resumes_on_one_rank_from_its_last_complete_checkpoint
         rejoin_round = c.service.version
         assert rejoin_round == killed_at
 
-        second = fsdp_group(c.url, "group", run_dir, nproc=1)
-        (summary,) = finished(second)
+        second = fsdp_cli_group(c.url, "group", run_dir, nproc=1)
+        (summary,) = rank_summaries(finished(second))
         assert c.service.finished
     assert summary["world_size"] == 1 and summary["resumed_from_round"] == killed_at - 1
     new_steps = (rounds - rejoin_round) * H
@@ -136,7 +114,7 @@ def test_lora_with_fsdp_sends_only_adapter_rows_and_shards_the_frozen_base(tmp_p
     run_dir = tmp_path / "group"
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         adapters = set(c.service.outer.params)
-        summaries = finished(fsdp_group(c.url, "group", run_dir))
+        summaries = rank_summaries(finished(fsdp_cli_group(c.url, "group", run_dir)))
         final = {k: v.clone() for k, v in c.service.outer.params.items()}
         status = c.service.status()
         assert c.service.finished

@@ -4,43 +4,16 @@ group recovers as a whole; a coordinator that fails some of the group's pieces i
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient
-from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
-from tests.integration.test_fsdp import fsdp_group
-from tests.integration.test_torchrun import participant, weights
-
-
-def shards_match(out: Path, final: dict[str, torch.Tensor]) -> None:
-    """Each rank's rows of its final weights are the global model's rows."""
-    for k in (0, 1):
-        with safe_open(str(out / f"rank{k}.safetensors"), "pt") as f:
-            rows = json.loads(f.metadata()["rows"])
-            for n in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                start, stop = rows[n]
-                assert torch.equal(f.get_tensor(n), final[n][start:stop]), (k, n)
-
-
-def fail_round_one_pieces(c: BackgroundCoordinator, out: Path, hold_s: float) -> None:
-    """Run an FSDP group "group" into `c` whose round 1 gets its first piece in, then has every
-    other upload fail (500) for `hold_s` (a few failed attempts: each gives up after 1 s); the
-    group must ride it out and finish."""
-    with faults.inject("upload.streaming", "raise", who="group", round=1, after=1, times=0):
-        group = fsdp_group(c.url, "group", out, "--attempt-s", "1", "--budget-s", "120")
-        deadline = time.monotonic() + 120
-        while not any(c.service.intake.has_piece("group", 1, f"rank{k}") for k in (0, 1)):
-            assert group.poll() is None and time.monotonic() < deadline, "round 1's first piece never came"
-            time.sleep(0.05)
-        time.sleep(hold_s)
-    text, _ = group.communicate(timeout=240)
-    assert group.returncode == 0, text[-3000:]
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.fsdp import fail_round_one_pieces, fsdp_group, shards_match
+from tests.helpers.processes import free_port, start_coordinator, stop_coordinator
+from tests.helpers.torchrun import participant, weights
 
 
 def test_a_rank_killed_mid_sync_leaves_no_half_update_and_the_group_comes_back_whole(tmp_path: Path) -> None:
@@ -120,8 +93,7 @@ def test_a_coordinator_killed_with_half_the_groups_update_in_resumes_and_the_gro
             version, final = client.download()
     finally:
         stop_coordinator(proc)
-        if group.poll() is None:
-            group.kill()
+        kill(group)
     assert status["finished"] and version == 3
     committed = sorted(r["round"] for r in status["recent_rounds"])
     assert committed == [0, 1, 2], committed  # no committed round lost or repeated

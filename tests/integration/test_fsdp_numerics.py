@@ -22,32 +22,27 @@ the gradient (`test_adamw_...` measures both and checks the FSDP side against th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.participant import Participant
 from fedtrain.recipes.build import build_model
-from tests.conftest import PTOKEN, tiny_config
-from tests.integration.fsdp_numerics_worker import global_batch, inner_optimizer
+from tests.helpers.config import tiny_config
+from tests.helpers.fsdp import MODEL, inner_step, max_diff, one_thread, params, run_single
+from tests.helpers.torchrun import kill, worker_group
+from tests.helpers.workers.fsdp_numerics_worker import inner_optimizer
 
 # xdist: one torchrun group (module fixture) serves every check
 pytestmark = pytest.mark.xdist_group("fsdp_numerics")
 
-WORKER = Path(__file__).with_name("fsdp_numerics_worker.py")
+WORKER = "fsdp_numerics_worker.py"
 H = 4  # inner steps per round
 ROUNDS = 3  # rounds of the run of (b)
 SEED_A, SEED_C, SEED_SINGLE = 11, 12, 13  # the group's data in A (and B), in C; the single participant's in C
-MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32}
 OUTER = {"algorithm": "diloco", "lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 UPDATE_BOUND = 1e-6
@@ -76,28 +71,6 @@ def diloco_config() -> RunConfig:
     return tiny_config(rounds=ROUNDS, min_participants=2, model=MODEL, train={"sync_every": H}, outer=OUTER)
 
 
-def inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, rows: int,
-               cfg: RunConfig, halves: bool = False) -> int:
-    """One step of `opt` on the mean loss of the next `rows` sequences of `gen` (`halves`: as two
-    ranks take it, the mean of the two half-batch gradients); returns its tokens."""
-    x, y = global_batch(gen, rows, cfg.train.seq_len, cfg.model.vocab_size)
-    if not halves:
-        _, loss = model(x, y)
-        loss.backward()
-    else:
-        grads = []
-        for part in (slice(0, rows // 2), slice(rows // 2, rows)):
-            _, loss = model(x[part], y[part])
-            loss.backward()
-            grads.append({n: p.grad for n, p in model.named_parameters()})
-            model.zero_grad(set_to_none=True)
-        for n, p in model.named_parameters():
-            p.grad = (grads[0][n] + grads[1][n]) / 2
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return x.numel()
-
-
 def start(model: torch.nn.Module, theta: dict[str, torch.Tensor]) -> torch.nn.Module:
     with torch.no_grad():
         for k, p in model.named_parameters():
@@ -116,16 +89,6 @@ def local_update(theta0: dict[str, torch.Tensor], seed: int, optimizer: str, hal
     return {k: theta0[k] - p.detach() for k, p in model.named_parameters()}
 
 
-def run_single(url: str, name: str, seed: int, rows: int, optimizer: str, cfg: RunConfig) -> None:
-    """A single-process participant training on `rows` sequences per step, to the run's end."""
-    model = build_model(cfg.model, seed=1)  # any weights: the global model is loaded at join
-    opt = inner_optimizer(model, optimizer, cfg.train.lr)
-    gen = torch.Generator().manual_seed(seed)
-    with Participant(url, token=PTOKEN, model=model, inner_optimizer=opt, name=name) as fed:
-        while not fed.finished:
-            fed.step(tokens=inner_step(model, opt, gen, rows, fed.config))
-
-
 @dataclass
 class Runs:
     theta0: dict[str, torch.Tensor]
@@ -133,21 +96,6 @@ class Runs:
     final_c: dict[str, torch.Tensor]  # C's global model at the end of the run
     tokens_c: list[dict[str, int]]  # C's submissions: participant -> tokens, per round
     reports: dict[str, dict]  # the group's rank reports, "<phase>-rank<k>"
-
-
-def params(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in c.service.outer.params.items()}
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one thread, as the ranks run (OMP_NUM_THREADS=1): the same kernels, the same order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -160,10 +108,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             theta0 = params(c)
             assert all(torch.equal(theta0[k], v) for f in fedavg.values() for k, v in params(f).items())
             phases = [f"{fedavg[f'a-{o}'].url},a-{o},{SEED_A},{o}" for o in ("sgd", "adamw")]
-            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-            group = subprocess.Popen([*launch, str(WORKER), str(tmp), *phases, f"{c.url},c-group,{SEED_C},adamw"],
-                                     env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1"},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            group = worker_group(WORKER, str(tmp), *phases, f"{c.url},c-group,{SEED_C},adamw")
             try:
                 batch = diloco_config().train.batch_size
                 for o in ("sgd", "adamw"):  # the group's global batch, both halves, in one process
@@ -171,9 +116,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
                 run_single(c.url, "c-single", SEED_SINGLE, batch, "adamw", diloco_config())  # half the tokens
                 out, _ = group.communicate(timeout=240)
             finally:
-                if group.poll() is None:
-                    group.kill()
-                    group.communicate()
+                kill(group)
             assert group.returncode == 0, out[-3000:]
             assert c.service.finished and all(f.service.finished for f in fedavg.values())
             updates = {n: {k: theta0[k] - v for k, v in params(f).items()} for n, f in fedavg.items()}
@@ -184,12 +127,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             for f in fedavg.values():
                 f.stop()
     yield result
-
-
-def max_diff(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest |x − y| over every tensor, and the tensor it is in."""
-    worst = max(x, key=lambda k: float((x[k] - y[k]).abs().max()))
-    return float((x[worst] - y[worst]).abs().max()), worst
 
 
 def largest(x: dict[str, torch.Tensor]) -> float:

@@ -11,9 +11,6 @@ fails some of a fragment round's pieces is ridden out by the group as a whole.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -21,9 +18,9 @@ import torch
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.streaming import fragments
-from tests.conftest import PTOKEN, tiny_config
-from tests.integration.test_fsdp_faults import fail_round_one_pieces, shards_match
-from tests.integration.test_fsdp_numerics import MODEL, WORKER, max_diff, one_thread, params, run_single
+from tests.helpers.config import tiny_config
+from tests.helpers.fsdp import MODEL, fail_round_one_pieces, max_diff, one_thread, params, run_single, shards_match
+from tests.helpers.torchrun import kill, worker_group
 
 ROUNDS, H, K, SEED = 4, 4, 2, 21  # S = H/K = 2 steps a round, each fragment synced twice
 
@@ -38,17 +35,12 @@ def test_an_fsdp_group_streams_each_fragment_by_rows_and_ends_on_the_single_proc
     cfg = streaming_config()
     with one_thread(), BackgroundCoordinator(tmp_path / "g", cfg) as g, BackgroundCoordinator(tmp_path / "s", cfg) as s:
         theta0 = params(g)
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        group = subprocess.Popen([*launch, str(WORKER), str(tmp_path), f"{g.url},group,{SEED},sgd"],
-                                 env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1"},
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        group = worker_group("fsdp_numerics_worker.py", str(tmp_path), f"{g.url},group,{SEED},sgd")
         try:
             run_single(s.url, "single", SEED, 2 * cfg.train.batch_size, "sgd", cfg)  # the group's global batches
             out, _ = group.communicate(timeout=180)
         finally:
-            if group.poll() is None:
-                group.kill()
-                group.communicate()
+            kill(group)
         assert group.returncode == 0, out[-3000:]
         assert g.service.finished and s.service.finished and g.service.version == ROUNDS
         final_g, final_s = params(g), params(s)

@@ -21,7 +21,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.conftest import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
 # xdist: one fuzz server (module fixture) for every case, and test_the_fuzzers_ran_cases counts what ran in this process
 pytestmark = pytest.mark.xdist_group("fuzz")

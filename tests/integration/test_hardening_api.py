@@ -11,12 +11,17 @@ import pytest
 
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
 from fedtrain.errors import StateError
-from tests.conftest import ATOKEN, tiny_config
-from tests.integration import test_bad_input
-from tests.integration.test_api import assert_error, client, put, zeros_like_model
-from tests.integration.test_bad_input import assert_unchanged, raw_body, snapshot, upload_raw
-
-coord = test_bad_input.coord  # the same fixture: a coordinator with participants a and b
+from tests.helpers.api import (
+    assert_error,
+    assert_unchanged,
+    client,
+    put,
+    raw_body,
+    snapshot,
+    upload_raw,
+    zeros_like_model,
+)
+from tests.helpers.config import ATOKEN, tiny_config
 
 
 @pytest.mark.parametrize("depth", [20, 100_000])

@@ -11,7 +11,7 @@ from transformers import Trainer, TrainingArguments
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.integrations.hf_trainer import FedtrainCallback
 from fedtrain.recipes import TokenStream, build_model, evaluate, load_tokens, loss_fn, parse_data_spec
-from tests.conftest import PTOKEN, tiny_config
+from tests.helpers.config import PTOKEN, tiny_config
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": 256}
 

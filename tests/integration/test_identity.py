@@ -22,8 +22,8 @@ from fedtrain.errors import AuthError, CoordinatorError
 from fedtrain.faults import InjectedCrash
 from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
-from tests.conftest import ATOKEN, PTOKEN, tiny_config
-from tests.tiny import Regression, Small, init_file, inner_steps
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.tiny import Regression, Small, init_file, inner_steps
 
 
 def client(c: BackgroundCoordinator, token: str = PTOKEN, key: str | None = None) -> httpx.Client:

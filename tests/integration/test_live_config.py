@@ -12,8 +12,8 @@ import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, Participant
-from tests.conftest import ATOKEN, PTOKEN, tiny_config
-from tests.tiny import TinyGPT, TinyParticipant, join_all
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.tiny import TinyGPT, TinyParticipant, join_all
 
 
 def admin(c: BackgroundCoordinator) -> httpx.Client:
@@ -116,7 +116,7 @@ def test_outer_algorithm_switch_starts_fresh_state(tmp_path: Path) -> None:
         svc = c.service
         with admin(c) as http:
             http.post("/v1/join", json={"name": "a"})
-            from tests.integration.test_api import put, zeros_like_model
+            from tests.helpers.api import put, zeros_like_model
 
             ones = {n: torch.ones_like(t) * 0.01 for n, t in zeros_like_model(c).items()}
             assert put(http, 0, "a", ones).status_code == 200

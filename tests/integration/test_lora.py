@@ -11,35 +11,15 @@ from fedtrain.cli import main as fedtrain_main
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.recipes import build_model
-from fedtrain.recipes.train import run_participant
 from fedtrain.wire import EncodedBody, iter_file, read_tensors
-from tests.conftest import PTOKEN, tiny_config
-from tests.tiny import TrainingThread, join_all
-
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "vocab_size": 256,
-}
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.runs import LLAMA, run_two
 
 
 def lora_config(**overrides: object) -> RunConfig:
     lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     model = {"recipe": "hf", "hf": {"config": LLAMA}, "lora": lora}
     return tiny_config(model=model, rounds=2, train={"sync_every": 3, "lr": 1e-2}, min_participants=2, **overrides)
-
-
-def run_two(url: str, tmp: Path) -> dict[int, dict]:
-    """Two recipe participants in threads until the run finishes; their summaries."""
-    threads = [TrainingThread(run_participant, url, PTOKEN, f"stdlib:{i}/2", name=f"p{i}", run_dir=tmp / f"p{i}")
-               for i in range(2)]
-    join_all(*(t.start() for t in threads), timeout=180)
-    return {i: t.result for i, t in enumerate(threads)}
 
 
 def test_only_adapters_travel_and_are_stored(tmp_path: Path) -> None:

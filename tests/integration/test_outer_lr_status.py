@@ -9,7 +9,7 @@ import pytest
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient
 from fedtrain.report import format_status
-from tests.conftest import PTOKEN, tiny_config
+from tests.helpers.config import PTOKEN, tiny_config
 
 
 @pytest.mark.parametrize("m,h,outer,lr", [(4, 30, {}, 0.85), (1, 5, {}, 0.4), (4, 30, {"lr": 0.25}, 0.25),

@@ -13,11 +13,10 @@ import httpx
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.coordinator.store import Store
 from fedtrain.report import format_status
-from tests.conftest import PTOKEN, tiny_config
-from tests.integration.test_api import assert_error, client, put
-from tests.integration.test_cli import fedtrain
-from tests.integration.test_dashboard_routes import metrics as scrape
-from tests.integration.test_pieces import deltas, halves, send_piece
+from tests.helpers.api import assert_error, client, deltas, halves, put, send_piece
+from tests.helpers.api import metrics as scrape
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.processes import fedtrain
 
 
 def participants(http: httpx.Client) -> dict[str, dict[str, Any]]:

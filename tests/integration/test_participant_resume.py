@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.wire import iter_file, read_tensors
-from tests.conftest import PTOKEN, tiny_config
+from tests.helpers.config import PTOKEN, tiny_config
 
 H, ROUNDS = 5, 5
 

@@ -8,7 +8,6 @@ import json
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -16,44 +15,8 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.coordinator.pieces import ROWS_META
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
 from fedtrain.wire.compress import compress
-from tests.conftest import tiny_config
-from tests.integration.test_api import assert_error, client, put
-
-
-def send_piece(http: httpx.Client, pid: str, label: str, tensors: dict[str, torch.Tensor],
-               rows: dict[str, list[int]] | None = None, tokens: int = 100, scheme: str = "none",
-               round_: int = 0) -> httpx.Response:
-    meta: dict[str, str] = {}
-    if scheme != "none":
-        tensors, meta = compress(tensors, scheme)
-    if rows:
-        meta[ROWS_META] = json.dumps(rows)
-    enc = EncodedBody(tensors, meta)
-    return http.put(f"/v1/rounds/{round_}/updates/{pid}", params={"tokens": tokens, "piece": label},
-                    content=b"".join(bytes(c) for c in enc), headers={DIGEST_HEADER: enc.digest()})
-
-
-def halves(delta: dict[str, torch.Tensor]) -> list[tuple[dict[str, torch.Tensor], dict[str, list[int]]]]:
-    """Two pieces as two FSDP ranks would hold them: the first and second half of the rows of
-    every tensor with two rows or more; the others whole, in the first."""
-    first: dict[str, torch.Tensor] = {}
-    second: dict[str, torch.Tensor] = {}
-    rows0: dict[str, list[int]] = {}
-    rows1: dict[str, list[int]] = {}
-    for name, t in delta.items():
-        n = t.shape[0] if t.dim() else 1
-        if n < 2:
-            first[name] = t
-            continue
-        cut = n // 2
-        first[name], rows0[name] = t[:cut].contiguous(), [0, cut]
-        second[name], rows1[name] = t[cut:].contiguous(), [cut, n]
-    return [(first, rows0), (second, rows1)]
-
-
-def deltas(c: BackgroundCoordinator, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in c.service.outer.params.items()}
+from tests.helpers.api import assert_error, client, deltas, halves, put, send_piece
+from tests.helpers.config import tiny_config
 
 
 def run_round(tmp_path: Path, in_pieces: bool, scheme: str) -> dict[str, torch.Tensor]:

@@ -19,8 +19,8 @@ from fedtrain.config import outer_defaults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.merge import OuterOptimizer
 from fedtrain.wire import iter_file, read_tensors
-from tests.conftest import tiny_config
-from tests.integration.test_api import assert_error, client, put
+from tests.helpers.api import assert_error, client, put
+from tests.helpers.config import tiny_config
 
 BIG = 3e38  # finite float32: passes the NaN/Inf checks
 BOUND = 5 * 8 * 32 * 16  # tiny_config's schedule (H 5, batch 8, seq_len 32) x token_slack 16

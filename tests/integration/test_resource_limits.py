@@ -20,7 +20,7 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.coordinator.limits import ServerLimits
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, write_file
-from tests.conftest import PTOKEN, tiny_config
+from tests.helpers.config import PTOKEN, tiny_config
 
 WAIT_S = 30.0  # the most any step may take before the test calls it stuck (never reached when it passes)
 

@@ -11,9 +11,10 @@ import httpx
 import torch
 
 from fedtrain.participant import CoordinatorClient
-from tests.conftest import BOTH_TRANSPORTS, PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
-from tests.integration.test_e2e import recipe_gpt
-from tests.tiny import TinyParticipant, join_all
+from tests.helpers.config import BOTH_TRANSPORTS, PTOKEN, tiny_config
+from tests.helpers.processes import free_port, start_coordinator, stop_coordinator
+from tests.helpers.runs import recipe_gpt
+from tests.helpers.tiny import TinyParticipant, join_all
 
 pytestmark = BOTH_TRANSPORTS
 

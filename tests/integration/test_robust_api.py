@@ -9,8 +9,8 @@ import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.merge.robust import aggregate, clip_by_norm, update_norm
-from tests.conftest import tiny_config
-from tests.integration.test_api import client, put
+from tests.helpers.api import client, put
+from tests.helpers.config import tiny_config
 
 
 def rand_like(c: BackgroundCoordinator, seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:

@@ -19,9 +19,8 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator, Coordinator
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.errors import StateError
-from tests.conftest import ATOKEN, PTOKEN, tiny_config
-from tests.integration.test_api import assert_error, client, put
-from tests.integration.test_stragglers import rand_like, wait_round
+from tests.helpers.api import assert_error, client, put, rand_like, wait_round
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
 TOKENS = Tokens([PTOKEN], ATOKEN)
 

@@ -13,8 +13,9 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.report import format_status
 from fedtrain.wire import read_tensors
-from tests.conftest import ATOKEN, PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
-from tests.integration.test_api import client, put, zeros_like_model
+from tests.helpers.api import client, put, zeros_like_model
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.processes import free_port, start_coordinator, stop_coordinator
 
 
 def commit_rounds(c: BackgroundCoordinator, http: httpx.Client, pid: str, n: int) -> None:

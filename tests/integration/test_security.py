@@ -21,10 +21,10 @@ from fedtrain.coordinator import BackgroundCoordinator, Tokens
 from fedtrain.coordinator.auth import ROLE_CHECK_ATTR, role_check
 from fedtrain.errors import CoordinatorError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from tests.conftest import ATOKEN, PTOKEN, tiny_config
-from tests.integration.test_api import assert_error, client, put, zeros_like_model
-from tests.tiny import Regression, Small, init_file, train
-from tests.tls import make_tls
+from tests.helpers.api import assert_error, client, put, zeros_like_model
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.tiny import Regression, Small, init_file, train
+from tests.helpers.tls import make_tls
 
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 

@@ -4,24 +4,14 @@ version (author "file"); an invalid one is refused with its reason and nothing c
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
-from tests.conftest import free_port, tiny_config
-from tests.conftest import start_coordinator as start
-
-
-def wait_for(fn, timeout: float = 20.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
+from tests.helpers.config import tiny_config
+from tests.helpers.processes import free_port, wait_for
+from tests.helpers.processes import start_coordinator as start
 
 
 def test_sighup_reloads_config_file(tmp_path: Path) -> None:

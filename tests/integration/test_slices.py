@@ -21,8 +21,8 @@ from fedtrain.coordinator.pieces import ROWS_META
 from fedtrain.participant import CoordinatorClient
 from fedtrain.participant import client as client_module
 from fedtrain.wire import DIGEST_HEADER, digest_bytes, read_tensors, write_file
-from tests.conftest import PTOKEN, tiny_config
-from tests.integration.test_api import assert_error, client, put
+from tests.helpers.api import assert_error, client, put
+from tests.helpers.config import PTOKEN, tiny_config
 
 
 def init_model(tmp_path: Path) -> Path:

@@ -14,7 +14,7 @@ from fedtrain.config import load_config
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.recipes.train import run_participant
 from fedtrain.wire import EncodedBody
-from tests.conftest import PTOKEN
+from tests.helpers.config import PTOKEN
 
 pytestmark = [
     pytest.mark.slow,

@@ -19,7 +19,8 @@ import pytest
 from fedtrain.coordinator import BackgroundCoordinator, Coordinator
 from fedtrain.coordinator.store import Store
 from fedtrain.errors import StateError
-from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.processes import free_port, start_coordinator, stop_coordinator
 
 
 def snapshot(state: Path) -> dict[str, object]:

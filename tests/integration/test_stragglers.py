@@ -13,23 +13,9 @@ import torch
 from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient
-from tests.conftest import ATOKEN, tiny_config
-from tests.integration.test_api import assert_error, client, put
-from tests.tiny import Regression, Small, TinyParticipant, init_file, join_all
-
-
-def rand_like(c: BackgroundCoordinator, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in c.service.outer.params.items()}
-
-
-def wait_round(http, r: int, timeout: float = 20) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = http.get(f"/v1/rounds/{r}", params={"wait": 5}).json()
-        if info["state"] == "closed":
-            return info
-    raise AssertionError(f"round {r} did not close: {info}")
+from tests.helpers.api import assert_error, client, put, rand_like, wait_round
+from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, join_all
 
 
 def test_late_upload_is_folded_into_the_next_round_with_a_discount(tmp_path: Path) -> None:

@@ -23,10 +23,12 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, OutagePolicy
 from fedtrain.streaming import simulate
-from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
-from tests.tiny import Regression, Setup, Small, TinyParticipant, init_file, join_all, run_all
-
-FRAGMENTS = [["lin.*"], ["head.*"]]  # `Small`: its two layers
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.fsdp import fsdp_cli_group
+from tests.helpers.processes import free_port, start_coordinator, stop_coordinator
+from tests.helpers.runs import FRAGMENTS, LLAMA, initial_model, run_two
+from tests.helpers.tiny import Regression, Setup, Small, TinyParticipant, init_file, join_all, run_all
+from tests.helpers.torchrun import finish, participant, participant_group, weights
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,6 @@ def streaming_config(rounds: int, sync_every: int, streaming: dict[str, Any], **
     The outer lr is torchft's 0.7, which `simulate` runs with."""
     return tiny_config(rounds=rounds, train={"sync_every": sync_every, **over.pop("train", {})},
                        streaming=streaming, min_participants=2, outer={"lr": 0.7}, **over)
-
-
-def initial_model() -> Small:
-    torch.manual_seed(0)
-    return Small()
 
 
 def reference(tasks: list[Fixed], *, steps: int, h: int, tau: int, alpha: float) -> Any:
@@ -167,12 +164,10 @@ def test_a_coordinator_killed_mid_cycle_resumes_with_every_committed_round(tmp_p
 
 
 def test_a_torchrun_group_streams_beside_a_single_process(tmp_path: Path) -> None:
-    from tests.integration.test_torchrun import finish, participant, torchrun, weights
-
     cfg = tiny_config(rounds=4, min_participants=2, model={"n_layer": 2}, train={"sync_every": 4},
                       streaming={"fragments": 2, "overlap": 1, "alpha": 0.5})  # strided: one block each
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        group = torchrun(c.url, "group", "--run-dir", str(tmp_path / "group"))
+        group = participant_group(c.url, "group", "--run-dir", str(tmp_path / "group"))
         finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
         final = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
@@ -192,7 +187,6 @@ def test_lora_streams_its_adapters_a_fragment_at_a_time(tmp_path: Path) -> None:
     from fedtrain.recipes import build_model
     from fedtrain.streaming import fragments
     from fedtrain.wire import EncodedBody
-    from tests.integration.test_lora import LLAMA, run_two
 
     lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     cfg = tiny_config(model={"recipe": "hf", "hf": {"config": LLAMA}, "lora": lora}, rounds=4, min_participants=2,
@@ -230,12 +224,10 @@ def test_in_the_overlapped_mode_a_fast_site_trains_on_until_its_fragment_arrives
 
 def test_an_fsdp_group_refuses_a_streaming_run_with_overlap_with_one_line(tmp_path: Path) -> None:
     """FSDP groups stream with τ = 0 only (test_fsdp_streaming.py): τ = 1 is refused at join."""
-    from tests.integration.test_fsdp_cli import fsdp_group
-
     cfg = tiny_config(rounds=4, model={"n_layer": 2}, train={"sync_every": 4},
                       streaming={"fragments": 2, "overlap": 1})
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        group = fsdp_group(c.url, "group", tmp_path / "group", launcher="fedtrain")
+        group = fsdp_cli_group(c.url, "group", tmp_path / "group", via="fedtrain")
         out, _ = group.communicate(timeout=180)
         roster = c.service.status()["participants"]
     assert group.returncode != 0, out[-3000:]

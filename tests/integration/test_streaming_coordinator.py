@@ -23,8 +23,8 @@ from fedtrain.merge.robust import aggregate_tensor
 from fedtrain.report import format_status
 from fedtrain.streaming import fragments
 from fedtrain.wire import DIGEST_HEADER, read_tensors
-from tests.conftest import ATOKEN, tiny_config
-from tests.integration.test_api import assert_error, client, put
+from tests.helpers.api import assert_error, client, put
+from tests.helpers.config import ATOKEN, tiny_config
 
 ROUNDS = 4
 TOKENS = {"p": 100, "q": 300}  # uploaded in this order: the mean is (Δp + 3·Δq) / 4

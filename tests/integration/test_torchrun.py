@@ -2,59 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.wire import iter_file, read_tensors
-from tests.conftest import PTOKEN, tiny_config
-
-
-def torchrun(url: str, name: str, *extra: str) -> subprocess.Popen:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fedtrain"]
-    argv = ["participant", "--coordinator", url, "--data", "stdlib:0/2", "--name", name, *extra]
-    return subprocess.Popen(
-        [*launch, *argv],
-        env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def participant(url: str, name: str, *extra: str) -> subprocess.Popen:
-    argv = ["participant", "--coordinator", url, "--data", "stdlib:1/2", "--name", name, *extra]
-    return subprocess.Popen(
-        [sys.executable, "-m", "fedtrain", *argv],
-        env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    return dict(read_tensors(iter_file(path)))
-
-
-def finish(group: subprocess.Popen, single: subprocess.Popen) -> str:
-    """Both ended, with status 0 (their output's tail otherwise); the group's output."""
-    out_group, _ = group.communicate(timeout=240)
-    out_single, _ = single.communicate(timeout=60)
-    assert group.returncode == 0, out_group[-3000:]
-    assert single.returncode == 0, out_single[-3000:]
-    return out_group
+from tests.helpers.config import tiny_config
+from tests.helpers.torchrun import finish, participant, participant_group, weights
 
 
 def test_two_rank_torchrun_participant_beside_a_single_process_one(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=3, min_participants=2)  # every round waits for both participants
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        group = torchrun(c.url, "group", "--run-dir", str(tmp_path / "group"))
+        group = participant_group(c.url, "group", "--run-dir", str(tmp_path / "group"))
         out_group = finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
         final = {k: v.clone() for k, v in c.service.outer.params.items()}
         rounds = c.service.store.rounds()
@@ -75,7 +36,7 @@ def test_two_rank_torchrun_participant_beside_a_single_process_one(tmp_path: Pat
 def test_every_rank_stops_when_rank_0_loses_the_coordinator(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=50, train={"sync_every": 10})
     c = BackgroundCoordinator(tmp_path / "state", cfg).start()
-    group = torchrun(c.url, "group", "--give-up-after", "2")
+    group = participant_group(c.url, "group", "--give-up-after", "2")
     try:
         deadline = time.monotonic() + 120
         while c.service.version < 2:

@@ -6,26 +6,18 @@ of ours runs in)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.conftest import PTOKEN, tiny_config
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.torchrun import participant_group
 
 STOPPED = "fedtrain participant: stopped"
-
-
-def start_group(launcher: list[str], url: str, *torchrun_args: str) -> subprocess.Popen:
-    argv = ["--standalone", "--nproc_per_node", "2", *torchrun_args, "-m", "fedtrain", "participant",
-            "--coordinator", url, "--data", "stdlib:0/2", "--name", "group"]
-    return subprocess.Popen([sys.executable, *launcher, *argv], env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN,
-                            "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_until(group: subprocess.Popen, url: str, ready: str, timeout: float = 120.0) -> None:
@@ -49,7 +41,7 @@ def stop(group: subprocess.Popen) -> str:
 
 def test_sigterm_under_launch_stops_every_rank_and_the_launcher_without_a_traceback(tmp_path: Path) -> None:
     with BackgroundCoordinator(tmp_path / "state", tiny_config(rounds=0, train={"sync_every": 10})) as c:
-        group = start_group(["-m", "fedtrain", "torchrun"], c.url)  # the command a user runs
+        group = participant_group(c.url, "group", via="fedtrain")  # the command a user runs
         try:
             wait_until(group, c.url, "trained")
         finally:
@@ -64,7 +56,7 @@ def test_sigterm_under_torchrun_stops_every_rank_quietly_while_one_waits_in_a_co
     logs = tmp_path / "logs"
     cfg = tiny_config(rounds=0, min_participants=2, round_timeout_s=600.0)  # round 0 stays open: rank 0 waits
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        group = start_group(["-m", "torch.distributed.run"], c.url, "--log-dir", str(logs), "--redirects", "3")
+        group = participant_group(c.url, "group", launch_args=["--log-dir", str(logs), "--redirects", "3"])
         try:
             wait_until(group, c.url, "submitted")
             time.sleep(1.0)  # rank 0 long-polls the round, rank 1 waits for its outcome in a broadcast

@@ -20,8 +20,8 @@ from fedtrain.coordinator.publish import ModelStream
 from fedtrain.transport import FAST_IO_ENV, Body
 from fedtrain.transport.readinto import ReadIntoProtocol
 from fedtrain.wire import read_tensors
-from tests.conftest import ATOKEN, tiny_config
-from tests.integration.test_api import commit_round_0
+from tests.helpers.api import commit_round_0
+from tests.helpers.config import ATOKEN, tiny_config
 
 
 def spy_on_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:

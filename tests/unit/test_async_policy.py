@@ -13,7 +13,7 @@ from fedtrain.config import outer_choice
 from fedtrain.coordinator import async_policy, policy
 from fedtrain.errors import ConfigError
 from fedtrain.merge.staleness import STALENESS_FUNCTIONS, staleness_factor
-from tests.conftest import tiny_config
+from tests.helpers.config import tiny_config
 
 
 def async_cfg(**asynchronous: object) -> object:

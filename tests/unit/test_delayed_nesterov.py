@@ -10,8 +10,7 @@ import torch
 
 from fedtrain.merge import OuterOptimizer
 from fedtrain.merge.delayed import DelayedNesterov
-from tests.unit.test_merge import hp_for, random_model
-from tests.unit.test_outer import roundtrip
+from tests.helpers.merge import hp_for, random_model, roundtrip
 
 HP = hp_for("delayed_nesterov")  # lr 0.7, momentum 0.9 (DiLoCo's)
 

@@ -227,8 +227,8 @@ def test_the_coordinator_moves_its_tensors_once_then_writes_them_from_memory(
 
     from fedtrain.coordinator import BackgroundCoordinator
     from fedtrain.coordinator.checkpoints import CheckpointDir
-    from tests.conftest import ATOKEN, tiny_config
-    from tests.integration.test_api import put
+    from tests.helpers.api import put
+    from tests.helpers.config import ATOKEN, tiny_config
 
     monkeypatch.setattr(direct_io, "REALIGN_MIN", 64)
     seen = []
@@ -285,8 +285,8 @@ def test_a_config_change_between_merge_and_commit_keeps_the_new_optimizers_state
     import httpx
 
     from fedtrain.coordinator import BackgroundCoordinator
-    from tests.conftest import ATOKEN, tiny_config
-    from tests.integration.test_api import commit_round_0
+    from tests.helpers.api import commit_round_0
+    from tests.helpers.config import ATOKEN, tiny_config
 
     monkeypatch.setattr(direct_io, "REALIGN_MIN", 64)
     with BackgroundCoordinator(tmp_path / "s", tiny_config(rounds=3), fast_io=True) as c, httpx.Client(

@@ -9,31 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedtrain.config import RunConfig, outer_defaults
 from fedtrain.errors import MergeError
 from fedtrain.merge import (
     ALGORITHMS,
     OuterOptimizer,
     RunningSum,
-    TensorDict,
     check_compatible,
     contribution_weights,
     pseudo_gradient,
     weighted_mean,
 )
-
-
-def hp_for(algorithm: str, **overrides: object) -> dict:
-    if algorithm == "delayed_nesterov":  # asynchronous mode's step, with DiLoCo's lr and momentum
-        algorithm = "diloco"
-    pinned = {"lr": 0.7} if algorithm == "diloco" else {}  # the paper's lr, which the hand-computed steps use
-    return outer_defaults(RunConfig.model_validate({"outer": {"algorithm": algorithm, **pinned, **overrides}}))
-
-
-def random_model(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> TensorDict:
-    shapes = {"embed.weight": (5, 3), "block.0.bias": (3,), "head.weight": (2, 3), "scale": ()}
-    return {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
-
+from tests.helpers.merge import hp_for, random_model
 
 # --------------------------------------------------------------------------- check_compatible
 

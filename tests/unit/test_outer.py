@@ -2,12 +2,10 @@
 state, and save/restore bit for bit."""
 
 
-import json
 import math
 
 import pytest
 import torch
-from safetensors.torch import load, save
 
 from fedtrain.errors import MergeError
 from fedtrain.merge import (
@@ -16,7 +14,7 @@ from fedtrain.merge import (
     Yogi,
     build_torch_optimizer,
 )
-from tests.unit.test_merge import hp_for, random_model
+from tests.helpers.merge import hp_for, random_model, roundtrip
 
 # --------------------------------------------------------------------------- naive references
 
@@ -144,19 +142,6 @@ def test_yogi_state_is_tensors_and_second_moment_starts_at_eps_squared() -> None
 
 
 # --------------------------------------------------------------------------- save / restore
-
-
-def roundtrip(outer: OuterOptimizer) -> OuterOptimizer:
-    """Through safetensors bytes, as the coordinator checkpoints a committed round."""
-    params = load(save(outer.params))
-    state_bytes = save(outer.state_tensors(), metadata=outer.state_metadata())
-    return OuterOptimizer.restore(params, load(state_bytes), header_metadata(state_bytes))
-
-
-def header_metadata(data: bytes) -> dict[str, str]:
-    """The __metadata__ of a safetensors body: u64 header length, then the JSON header."""
-    size = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + size])["__metadata__"]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -11,8 +11,7 @@ import torch
 from fedtrain.errors import MergeError
 from fedtrain.merge import OuterOptimizer, build_torch_optimizer
 from fedtrain.merge.outer import PARTIAL_KEY
-from tests.unit.test_merge import hp_for
-from tests.unit.test_outer import roundtrip
+from tests.helpers.merge import hp_for, roundtrip
 
 SHAPES = {"embed.weight": (5, 3), "blocks.0.weight": (3, 3), "blocks.0.bias": (3,), "blocks.1.weight": (3, 3),
           "blocks.1.bias": (3,), "head.weight": (2, 3)}

@@ -18,7 +18,7 @@ from fedtrain.coordinator.policy import Contribution
 from fedtrain.merge import OuterOptimizer, RunningSum, weighted_mean
 from fedtrain.merge.aggregate import MAX_UPDATE_ABS, max_abs
 from fedtrain.merge.outer import NonFiniteStep
-from tests.conftest import tiny_config
+from tests.helpers.config import tiny_config
 
 BIG = 3e38  # finite float32, passes every NaN/Inf check
 

@@ -12,7 +12,7 @@ from fedtrain.coordinator.policy import (
     run_finished,
     stale_participants,
 )
-from tests.conftest import tiny_config
+from tests.helpers.config import tiny_config
 
 CFG = tiny_config(round_timeout_s=100.0, min_participants=2, heartbeat_timeout_s=30.0)
 

@@ -14,7 +14,7 @@ from fedtrain.coordinator.policy import (
 )
 from fedtrain.errors import AuthError, CoordinatorError, CoordinatorUnavailable
 from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
-from tests.conftest import tiny_config
+from tests.helpers.config import tiny_config
 
 ADAPTIVE = tiny_config(
     deadline="adaptive", deadline_factor=3.0, deadline_min_s=5.0, round_timeout_s=100.0, deadline_window=2

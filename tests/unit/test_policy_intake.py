@@ -14,7 +14,7 @@ from fedtrain.coordinator.policy import (
     receive_path,
     round_state,
 )
-from tests.conftest import tiny_config
+from tests.helpers.config import tiny_config
 
 FIRST = {"fast_io": True, "action": "accept", "sum_empty": True, "active": 2, "plain": True, "fits": True}
 

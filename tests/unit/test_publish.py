@@ -20,20 +20,8 @@ from fedtrain.coordinator.checkpoints import CheckpointDir
 from fedtrain.coordinator.publish import ModelStream, NotCommitted, Published, WeightsGuard
 from fedtrain.transport.send import SocketOut
 from fedtrain.wire import EncodedBody, write_file
-from tests.conftest import ATOKEN, PTOKEN, tiny_config
-from tests.unit.test_uploads import ADMIN_ID, chunked, raw_body
-
-
-def collect(stream: ModelStream, between=None) -> bytes:
-    async def run() -> bytes:
-        out = []
-        async for chunk in stream.chunks():
-            out.append(chunk)
-            if between is not None:
-                between(len(out))
-        return b"".join(out)
-
-    return asyncio.run(run())
+from tests.helpers.bodies import ADMIN_ID, chunked, collect, pumped, raw_body
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
 
 @pytest.mark.parametrize("slow_disk", [False, True])
@@ -79,32 +67,6 @@ def test_model_stream_from_memory_switches_to_the_file_when_the_weights_move(tmp
                          guard)
     got = collect(stream, next_outer_step)
     assert got == expected  # the rest came from the committed file, not from the changed weights
-
-
-def pumped(stream: ModelStream, between=None, *, read: bool = True) -> bytes:
-    """What `ModelStream.pump` sends through one end of a socket pair, read at the other;
-    `between(n)` runs after every read of the reader (n: bytes so far)."""
-    a, b = socket.socketpair()
-    a.setblocking(False)
-    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # many small reads
-    got = bytearray()
-
-    def reader() -> None:
-        while data := b.recv(1 << 16):
-            got.extend(data)
-            if between is not None:
-                between(len(got))
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
-        stream.pump(SocketOut(a.fileno()))
-    finally:
-        a.close()
-        thread.join(timeout=30)
-        b.close()
-        stream.close()
-    return bytes(got)
 
 
 def test_model_stream_pumps_the_file_and_switches_from_memory_when_the_weights_move(tmp_path: Path) -> None:
@@ -169,8 +131,6 @@ def test_a_stalled_download_does_not_hold_the_weights_and_can_be_cancelled(tmp_p
         for _ in range(100):
             out2.sendall(memoryview(b"x" * 65536))
     a.close()
-
-
 
 
 def held(t: dict[str, torch.Tensor]) -> tuple[Published, WeightsGuard, bytes, int]:

@@ -4,7 +4,6 @@ and read back in staged pieces; spool files reused."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from fedtrain.merge import RunningSum
 from fedtrain.wire import EncodedBody, StreamingDigest, write_file
 from fedtrain.wire.compress import compress
 from fedtrain.wire.digest import BackgroundDigest, digest_bytes
+from tests.helpers.bodies import chunked
 
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -27,11 +27,6 @@ def body_bytes(t: dict[str, torch.Tensor], meta: dict[str, str] | None = None,
                algorithm: str | None = None) -> tuple[bytes, str]:
     body = EncodedBody(t, meta, digest_algorithm=algorithm)
     return b"".join(bytes(c) for c in body), body.digest()
-
-
-async def chunked(data: bytes, size: int) -> AsyncIterator[bytes]:
-    for i in range(0, len(data), size):
-        yield data[i : i + size]
 
 
 def receive(data: bytes, digest: str, path: Path, size: int = 65_536, length: int | None = None,

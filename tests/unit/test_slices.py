@@ -15,7 +15,7 @@ from fedtrain.coordinator.publish import Published, WeightsGuard
 from fedtrain.coordinator.slices import SliceStream, Wanted, read_slice
 from fedtrain.errors import Refused
 from fedtrain.wire import EncodedBody, digest_bytes, write_file
-from tests.unit.test_publish import collect, pumped
+from tests.helpers.bodies import collect, pumped
 
 WANTED: Wanted = {"a": (100_000, 2_900_000), "b": None}
 

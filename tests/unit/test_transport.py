@@ -11,7 +11,7 @@ import pytest
 
 from fedtrain.transport import FAST_IO_ENV, allocator, fast_io_enabled, versions
 from fedtrain.transport.writers import BufferedWriter, checkpoint_writer
-from tests.unit.test_lazy_imports import heavy_after
+from tests.helpers.imports import heavy_after
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,6 @@ the folds beside it; a refused update leaves the sum exactly as it was."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,35 +12,18 @@ import pytest
 import torch
 
 from fedtrain.coordinator import Coordinator
-from fedtrain.coordinator.auth import ADMIN, Identity, Tokens
+from fedtrain.coordinator.auth import Tokens
 from fedtrain.coordinator.folds import Pending, RoundSum
 from fedtrain.coordinator.policy import DIRECT_MAX_ACTIVE
 from fedtrain.coordinator.receive import SpoolFiles
 from fedtrain.errors import Refused, WireError
 from fedtrain.merge import RunningSum
 from fedtrain.wire.compress import compress
-from fedtrain.wire.digest import digest_bytes
-from fedtrain.wire.format import DTYPE_TO_ST
-from tests.conftest import ATOKEN, PTOKEN, tiny_config
-from tests.unit.test_receive import chunked
+from tests.helpers.bodies import ADMIN_ID, chunked, raw_body
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
 POISON = {"note": "\u0080\x7f" * 40}
 BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
-
-
-def raw_body(t: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> tuple[bytes, str]:
-    """A safetensors body whose header keeps non-ASCII metadata as raw UTF-8 (EncodedBody escapes it)."""
-    header: dict = {"__metadata__": meta} if meta else {}
-    offset, data = 0, b""
-    for name, v in t.items():
-        raw = v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = {"dtype": DTYPE_TO_ST[v.dtype], "shape": list(v.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
-        offset, data = offset + len(raw), data + raw
-    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    head += b" " * (-len(head) % 8)
-    body = len(head).to_bytes(8, "little") + head + data
-    return body, digest_bytes(body)
 
 
 def place(t: dict[str, torch.Tensor], where: str, value: float) -> str:
@@ -61,9 +43,6 @@ def service(tmp_path: Path) -> Iterator[Coordinator]:
         svc.join(ADMIN_ID, name, {})
     yield svc
     asyncio.run(svc.stop())
-
-
-ADMIN_ID = Identity(ADMIN, "admin")
 
 
 def upload(svc: Coordinator, t: dict[str, torch.Tensor], meta: dict[str, str] | None = None,

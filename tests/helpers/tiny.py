@@ -33,7 +33,7 @@ from fedtrain.participant import CoordinatorClient, OutagePolicy, Participant, R
 from fedtrain.recipes import build_model
 from fedtrain.recipes.data import TokenStream, evaluate, load_tokens, parse_data_spec
 from fedtrain.wire import write_file
-from tests.conftest import PTOKEN
+from tests.helpers.config import PTOKEN
 
 JOIN_TIMEOUT_S = 240.0  # how long `join` waits for a training thread by default
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from fedtrain.participant.dcp_checkpoint import DcpCheckpoint
 from fedtrain.participant.shards import chunk_rows
-from tests.unit.test_dcp_checkpoint import optimizer_tensors, sharded, train
+from tests.helpers.dcp import optimizer_tensors, sharded, train
 
 
 def rows(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:

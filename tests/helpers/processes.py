@@ -1,0 +1,81 @@
+"""Processes of the `fedtrain` command: a coordinator process on a free loopback port (started
+once it answers, stopped, or killed by the test), a one-shot CLI call, a bounded wait."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+from tests.helpers.config import PTOKEN
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_coordinator(
+    cfg_path: Path, state: Path, port: int, log: Path, *args: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen:
+    """`python -m fedtrain coordinator` on 127.0.0.1:`port` over `state`, returned once it answers
+    /v1/healthz (60 s at most); its output is appended to `log`, shown if it fails to start.
+
+    `args` are more command-line arguments, `env` more environment variables; the tokens are
+    PTOKEN and "admin". Stop it with `stop_coordinator`, or kill it to test a crash.
+    """
+    env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin", **(env or {})}
+    argv = [sys.executable, "-m", "fedtrain", "coordinator", "--config", str(cfg_path), "--state-dir", str(state)]
+    with open(log, "ab") as out:  # the child holds its own copy of the file descriptor
+        proc = subprocess.Popen([*argv, "--port", str(port), *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("coordinator did not start: " + log.read_text()[-3000:])
+
+
+def stop_coordinator(proc: subprocess.Popen) -> None:
+    """Terminate a coordinator process if it still runs, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def wait_for(fn, timeout: float = 20.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def fedtrain(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fedtrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    for needle in needles:
+        assert needle in r.stderr, r.stderr
