@@ -64,7 +64,9 @@ def uvicorn_config(
 class BackgroundCoordinator:
     """A coordinator serving on 127.0.0.1 from a thread; a context manager that stops it.
     `fast_io` switches the fast IO paths on or off for this coordinator (None: `FEDTRAIN_FAST_IO`
-    decides); `fast_io` tells which it got."""
+    decides); `fast_io` tells which it got. `stop` lets requests in flight finish for up to
+    `graceful_shutdown_s` (None: however long they take), then cancels them: a participant's
+    long poll of its round would otherwise hold the stop for up to its `wait` (60 s at most)."""
 
     def __init__(
         self,
@@ -80,6 +82,7 @@ class BackgroundCoordinator:
         limits: ServerLimits | None = None,
         apply_config: bool = False,
         fast_io: bool | None = None,
+        graceful_shutdown_s: float | None = 2.0,
     ) -> None:
         self.scheme = "https" if tls_cert else "http"
         self.fast_io = fast_io_enabled(fast_io)
@@ -92,6 +95,7 @@ class BackgroundCoordinator:
         self.host, self.port = self.sock.getsockname()[:2]
         self.server = uvicorn.Server(uvicorn_config(self.service, tls_cert=tls_cert, tls_key=tls_key, limits=limits,
                                                     fast_io=self.fast_io))
+        self.server.config.timeout_graceful_shutdown = graceful_shutdown_s
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
