@@ -82,7 +82,7 @@ class BackgroundCoordinator:
         limits: ServerLimits | None = None,
         apply_config: bool = False,
         fast_io: bool | None = None,
-        graceful_shutdown_s: float | None = 2.0,
+        graceful_shutdown_s: int | None = 2,
     ) -> None:
         self.scheme = "https" if tls_cert else "http"
         self.fast_io = fast_io_enabled(fast_io)
