@@ -53,6 +53,29 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return str(request.param)
 
 
+SLOW_FIRST = (
+    "fault/test_coordinator_crash.py", "integration/test_torchrun_sigterm.py", "fault/test_chaos.py",
+    "integration/test_demo.py", "integration/test_fsdp_faults.py", "fault/test_participant_faults.py",
+    "integration/test_torchrun.py", "integration/test_fsdp_streaming.py", "integration/test_fsdp_cli.py",
+    "integration/test_restart.py", "integration/test_streaming.py", "integration/test_fsdp.py",
+    "integration/test_state_lock.py", "integration/test_config_restart.py", "integration/test_run_totals.py",
+    "integration/test_async.py", "integration/test_identity.py", "unit/test_hf_recipe.py",
+)
+"""Modules whose tests start processes (coordinators, torchrun groups, the demo) and take 10-50 s
+each (`--durations`): collected first, so that xdist hands them out first and the short tests
+fill in the gaps, rather than a long one starting last and running on alone."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    here = Path(__file__).parent
+
+    def key(item: pytest.Item) -> int:
+        return rank.get(item.path.relative_to(here).as_posix(), len(SLOW_FIRST))
+
+    items.sort(key=key)  # stable: the order within a module, and of all the other modules, stays
+
+
 def _fuzz_cases() -> dict[str, int]:
     """The API fuzzers' case counts in this process, by token (empty if test_fuzz did not run here)."""
     fuzz = sys.modules.get("tests.integration.test_fuzz")

@@ -88,17 +88,21 @@ def test_demo_removes_its_temp_dir_unless_kept(tmp_path: Path) -> None:
     --keep keeps it (and a failed run keeps it too, tested through the same flag's absence)."""
     import os
 
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
     argv = [sys.executable, "-m", "fedtrain", "demo", "--participants", "1", "--rounds", "1", "--sync-every", "2"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "removed at the end unless --keep" in r.stdout and "state and logs: removed" in r.stdout
-    assert not list(tmp_path.glob("fedtrain-demo-*")), "the demo left its temp dir behind"
-    r = subprocess.run([*argv, "--keep"], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    kept = list(tmp_path.glob("fedtrain-demo-*"))
+    removed, keep = tmp_path / "removed", tmp_path / "keep"  # the two runs at once, each its own TMPDIR
+    runs = {}
+    for tmp, extra in ((removed, []), (keep, ["--keep"])):
+        tmp.mkdir()
+        runs[tmp] = subprocess.Popen([*argv, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "TMPDIR": str(tmp)})
+    out = {tmp: proc.communicate(timeout=300) for tmp, proc in runs.items()}
+    assert runs[removed].returncode == 0, out[removed]
+    assert "removed at the end unless --keep" in out[removed][0] and "state and logs: removed" in out[removed][0]
+    assert not list(removed.glob("fedtrain-demo-*")), "the demo left its temp dir behind"
+    assert runs[keep].returncode == 0, out[keep]
+    kept = list(keep.glob("fedtrain-demo-*"))
     assert len(kept) == 1 and (kept[0] / "state" / "run.db").is_file()
-    assert f"state and logs: {kept[0] / 'state'}" in r.stdout
+    assert f"state and logs: {kept[0] / 'state'}" in out[keep][0]
 
 
 def test_a_streaming_demo_syncs_a_fragment_per_round(tmp_path: Path) -> None:
