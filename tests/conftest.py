@@ -14,18 +14,18 @@ import pytest
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.transport import FAST_IO_ENV
-from tests.helpers import torchrun
+from tests.helpers import processes
 from tests.helpers.api import client
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
 
 @pytest.fixture(autouse=True)
-def _no_group_left_running() -> Iterator[None]:
-    """What a test started through `tests.helpers.torchrun` and left running (it failed half-way)
-    is killed after it, torchrun's ranks included."""
-    mark = torchrun.started()
+def _no_process_left_running() -> Iterator[None]:
+    """What a test started through `tests.helpers` (a coordinator process, a torchrun group) and
+    left running (it failed half-way) is killed after it, torchrun's ranks included."""
+    mark = processes.started()
     yield
-    torchrun.reap(mark)
+    processes.reap(mark)
 
 
 @pytest.fixture

@@ -108,9 +108,11 @@ def test_lost_upload_is_sent_again(tmp_path: Path) -> None:
 
 
 def test_slow_upload_past_the_deadline_moves_on(tmp_path: Path) -> None:
-    cfg = tiny_config(rounds=3, train={"sync_every": 3}, round_timeout_s=2.0)
+    # p0's round-1 upload is held 4.5 s: past round 1's 3 s deadline (by 1.5 s), and back before round 2's
+    # deadline (1.5 s left), so that p0 takes part in round 2 however loaded the machine is
+    cfg = tiny_config(rounds=3, train={"sync_every": 3}, round_timeout_s=3.0)
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, Small())) as c:
-        with faults.inject("participant.upload", "sleep", seconds=4.0, who="p0", round=1) as rule:
+        with faults.inject("participant.upload", "sleep", seconds=4.5, who="p0", round=1) as rule:
             runners = _run(c)
         assert rule.fired == 1
         rounds = {r["round"]: r for r in c.service.store.rounds()}

@@ -1,9 +1,14 @@
 """Processes of the `fedtrain` command: a coordinator process on a free loopback port (started
-once it answers, stopped, or killed by the test), a one-shot CLI call, a bounded wait."""
+once it answers, stopped, or killed by the test), a one-shot CLI call, a bounded wait; and the
+tracking of the processes tests start (coordinators, torchrun groups): what a test left running
+is killed after it (`reap`, from the autouse fixture in tests/conftest.py), with every process
+under it, so that a test that failed half-way leaves nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,8 +17,45 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
+import psutil
 
 from tests.helpers.config import PTOKEN
+
+_started: list[subprocess.Popen] = []
+
+
+def track(proc: subprocess.Popen) -> subprocess.Popen:
+    """`proc`, recorded: `reap` kills it if a test leaves it running."""
+    _started.append(proc)
+    return proc
+
+
+def started() -> int:
+    """A mark for `reap`: the processes started so far."""
+    return len(_started)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill `proc` if it still runs, with every process under it (torchrun's ranks run in
+    sessions of their own), and wait for them."""
+    if proc.poll() is not None:
+        return
+    try:
+        tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(tree, timeout=30)
+    proc.communicate()
+
+
+def reap(since: int = 0) -> None:
+    """`kill_tree` every tracked process started after mark `since` (`started()`) that still runs."""
+    left, _started[since:] = _started[since:], []
+    for proc in left:
+        kill_tree(proc)
 
 
 def free_port() -> int:
@@ -35,7 +77,8 @@ def start_coordinator(
     env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin", **(env or {})}
     argv = [sys.executable, "-m", "fedtrain", "coordinator", "--config", str(cfg_path), "--state-dir", str(state)]
     with open(log, "ab") as out:  # the child holds its own copy of the file descriptor
-        proc = subprocess.Popen([*argv, "--port", str(port), *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = track(subprocess.Popen([*argv, "--port", str(port), *args], env=env, stdout=out,
+                                      stderr=subprocess.STDOUT))
     deadline = time.monotonic() + 60
     with httpx.Client(timeout=1) as http:  # one client: each new one builds an SSL context (CPU, ~50 ms)
         while time.monotonic() < deadline:

@@ -9,9 +9,9 @@
   two shared cores), and the repository root on PYTHONPATH so that worker scripts
   (`tests/helpers/workers/`) import `tests.helpers`;
 - output: the ranks' and the launcher's stdout and stderr in one text pipe (`communicate`);
-- cleanup: every process started here is recorded, and `reap` (after each test: the autouse
-  fixture in tests/conftest.py) kills what a test left running, ranks included, so that a test
-  that failed half-way leaves no rank training on.
+- cleanup: every process started here is tracked (`tests.helpers.processes.track`): what a test
+  left running is killed after it, ranks included (`kill_tree`), so that a test that failed
+  half-way leaves no rank training on.
 
 `participant_group` and `worker_group` are the two kinds of group the tests start: the CLI's
 `fedtrain participant` on every rank, or a worker script of `tests/helpers/workers/`.
@@ -19,29 +19,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-import psutil
 import torch
 
 from fedtrain.wire import iter_file, read_tensors
 from tests.helpers.config import PTOKEN
+from tests.helpers.processes import track
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).with_name("workers")
 GROUP_TIMEOUT_S = 240.0
 """How long a group may take to finish a test's run (a few rounds of a tiny model) on a loaded machine."""
-
-_started: list[subprocess.Popen] = []
-
 
 def rank_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a group (or a single-process participant): see the module."""
@@ -50,9 +45,8 @@ def rank_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def _popen(argv: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen:
-    proc = subprocess.Popen(list(argv), env=rank_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _started.append(proc)
-    return proc
+    return track(subprocess.Popen(list(argv), env=rank_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
 
 
 def launch(*argv: str, nproc: int = 2, via: Literal["torchrun", "fedtrain"] = "torchrun",
@@ -118,31 +112,3 @@ def rank_summaries(out: str) -> list[dict]:
 def weights(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file a participant wrote (its final weights)."""
     return dict(read_tensors(iter_file(path)))
-
-
-def started() -> int:
-    """A mark for `reap`: the processes started so far."""
-    return len(_started)
-
-
-def kill(proc: subprocess.Popen) -> None:
-    """Kill `proc` if it still runs, with every process under it (torchrun's ranks run in
-    sessions of their own), and wait for them."""
-    if proc.poll() is not None:
-        return
-    try:
-        tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(tree, timeout=30)
-    proc.communicate()
-
-
-def reap(since: int = 0) -> None:
-    """`kill` every process started after mark `since` (`started()`) that still runs."""
-    left, _started[since:] = _started[since:], []
-    for proc in left:
-        kill(proc)

@@ -12,7 +12,7 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient
 from tests.helpers.config import PTOKEN, tiny_config
 from tests.helpers.fsdp import fail_round_one_pieces, fsdp_group, shards_match
-from tests.helpers.processes import free_port, start_coordinator, stop_coordinator
+from tests.helpers.processes import free_port, kill_tree, start_coordinator, stop_coordinator
 from tests.helpers.torchrun import participant, weights
 
 
@@ -93,7 +93,7 @@ def test_a_coordinator_killed_with_half_the_groups_update_in_resumes_and_the_gro
             version, final = client.download()
     finally:
         stop_coordinator(proc)
-        kill(group)
+        kill_tree(group)
     assert status["finished"] and version == 3
     committed = sorted(r["round"] for r in status["recent_rounds"])
     assert committed == [0, 1, 2], committed  # no committed round lost or repeated

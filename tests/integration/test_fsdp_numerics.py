@@ -33,7 +33,8 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.recipes.build import build_model
 from tests.helpers.config import tiny_config
 from tests.helpers.fsdp import MODEL, inner_step, max_diff, one_thread, params, run_single
-from tests.helpers.torchrun import kill, worker_group
+from tests.helpers.processes import kill_tree
+from tests.helpers.torchrun import worker_group
 from tests.helpers.workers.fsdp_numerics_worker import inner_optimizer
 
 # xdist: one torchrun group (module fixture) serves every check
@@ -116,7 +117,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
                 run_single(c.url, "c-single", SEED_SINGLE, batch, "adamw", diloco_config())  # half the tokens
                 out, _ = group.communicate(timeout=240)
             finally:
-                kill(group)
+                kill_tree(group)
             assert group.returncode == 0, out[-3000:]
             assert c.service.finished and all(f.service.finished for f in fedavg.values())
             updates = {n: {k: theta0[k] - v for k, v in params(f).items()} for n, f in fedavg.items()}

@@ -20,7 +20,8 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.streaming import fragments
 from tests.helpers.config import tiny_config
 from tests.helpers.fsdp import MODEL, fail_round_one_pieces, max_diff, one_thread, params, run_single, shards_match
-from tests.helpers.torchrun import kill, worker_group
+from tests.helpers.processes import kill_tree
+from tests.helpers.torchrun import worker_group
 
 ROUNDS, H, K, SEED = 4, 4, 2, 21  # S = H/K = 2 steps a round, each fragment synced twice
 
@@ -40,7 +41,7 @@ def test_an_fsdp_group_streams_each_fragment_by_rows_and_ends_on_the_single_proc
             run_single(s.url, "single", SEED, 2 * cfg.train.batch_size, "sgd", cfg)  # the group's global batches
             out, _ = group.communicate(timeout=180)
         finally:
-            kill(group)
+            kill_tree(group)
         assert group.returncode == 0, out[-3000:]
         assert g.service.finished and s.service.finished and g.service.version == ROUNDS
         final_g, final_s = params(g), params(s)

@@ -348,7 +348,8 @@ def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pyt
         await svc.intake.idle()
         svc.leave(ADMIN_ID, "c")  # a and b are in: the close merges, finds the failed fold, goes back
         for _ in range(6000):  # a bound, not a timing: a loaded machine may take seconds
-            if any(e["kind"] == "merge_failed" for e in svc.store.events(20)):
+            # the event is written before the round's state is put back: wait for both
+            if any(e["kind"] == "merge_failed" for e in svc.store.events(20)) and not svc.submitted:
                 break
             await asyncio.sleep(0.01)
 
