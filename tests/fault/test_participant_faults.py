@@ -57,7 +57,7 @@ def test_participants_train_through_a_coordinator_outage(tmp_path: Path) -> None
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         steps = [r.fed.steps for r in runners]
-        time.sleep(2.0)
+        time.sleep(4.0)
         for r, before in zip(runners, steps):  # training went on, past the sync point, and nobody exited
             assert r.is_alive() and r.error is None, r.error
             assert r.fed.steps > before + cfg.train.sync_every, (before, r.fed.steps)
@@ -74,7 +74,7 @@ def test_participants_train_through_a_coordinator_outage(tmp_path: Path) -> None
     assert sorted(r["round"] for r in status["recent_rounds"]) == list(range(6))
     for r in runners:
         assert r.fed.outages, "the outage was not ridden out"
-        assert all(o["seconds"] >= 1.5 for o in r.fed.outages)
+        assert all(o["seconds"] >= 3.0 for o in r.fed.outages)
         for n, t in final.items():
             assert torch.equal(r.weights[n], t), (r.name, n)
 
