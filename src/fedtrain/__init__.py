@@ -57,7 +57,6 @@ _SOURCES = {
     ),
     "fedtrain.participant": (
         "CoordinatorClient",
-        "DistributedParticipant",
         "OutagePolicy",
         "Participant",
         "RetryPolicy",
@@ -83,7 +82,6 @@ if TYPE_CHECKING:
     )
     from fedtrain.participant import (
         CoordinatorClient,
-        DistributedParticipant,
         OutagePolicy,
         Participant,
         RetryPolicy,
@@ -98,7 +96,6 @@ __all__ = [
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnavailable",
-    "DistributedParticipant",
     "FedtrainError",
     "MergeError",
     "ModelMismatchError",

@@ -295,7 +295,7 @@ def _flush_stdout(code: int) -> int:
 def _run(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["torchrun"]:  # everything after it is torchrun's, --help included
-        from fedtrain.participant.distributed import launch
+        from fedtrain.participant.torchrun import launch
 
         return launch(argv[1:])
     args = build_parser().parse_args(argv)

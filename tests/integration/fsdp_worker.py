@@ -18,8 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
-from fedtrain.participant import CoordinatorClient
-from fedtrain.participant.fsdp import FsdpParticipant
+from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.participant.outage import OutagePolicy
 from fedtrain.participant.shards import local_tensor, shard_layout
 from fedtrain.recipes.build import build_model
@@ -39,8 +38,8 @@ def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePo
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     data = TokenStream(load_tokens(parse_data_spec("stdlib:0/2")), batch_size=cfg.train.batch_size,
                        seq_len=cfg.train.seq_len, seed=100 + rank)
-    with FsdpParticipant(model, client=client, name=name, keepalive_s=1.0, key_file=key_file, outage=outage,
-                         inner_optimizer=opt) as fed:
+    with Participant(client, model=model, name=name, keepalive_s=1.0, key_file=key_file, outage=outage,
+                     inner_optimizer=opt) as fed:
         while not fed.finished:
             x, y = data.next_batch()
             _, loss = model(x, y)

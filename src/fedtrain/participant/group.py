@@ -1,33 +1,52 @@
-"""The collectives of a participant made of many ranks: every rank enters each one, in the same order.
+"""The ranks of one participant, and the control messages they exchange: every rank enters each
+collective, in the same order.
 
-`RankGroup` wraps a torch.distributed process group with the few collectives a sharded
-participant needs (`fsdp.py`), none of which pickles anything: JSON travels as a byte
-tensor, after its length.
+`RankGroup` gives the participant engine the few collectives its decisions need, on a **gloo
+process group of its own**, created beside the training group: control messages are small CPU
+tensors (JSON as bytes after its length, never pickled), and they work whether training runs on
+gloo or NCCL (NCCL has no CPU tensors). Only `broadcast_tensors` (a replicated group's new
+weights) uses the training group, with the tensors on their own device. Outside torchrun (or with
+one rank) every collective is the identity and `together` runs its work on the calling thread.
 
-`together(work)` is the one that waits on the network. Each rank runs its own `work` (its
-HTTP calls, or nothing) on a worker thread while the main thread all-reduces (running,
-per rank) every `keepalive_s`: no rank sits in one collective long enough to hit the
-process group's timeout, and every rank leaves the loop at the same all-reduce. Then the
-ranks exchange their outcomes (`Outcome`: the work's JSON result, or its error and whether
-the error is one to ride out), so that every rank takes the same decision from the same
-facts.
+`together(work)` is the one that waits on the network: each rank runs its own `work` on a worker
+thread while the main thread all-reduces (running?) every `keepalive_s`, so no rank sits in one
+collective long enough to hit a timeout, and the ranks exchange their outcomes (`Outcome`) so
+that every rank takes the same decision from the same facts. See docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fedtrain.errors import CoordinatorError
+from fedtrain.errors import CoordinatorError, FedtrainError
 from fedtrain.participant.outage import is_transient
 
-__all__ = ["Outcome", "RankGroup"]
+__all__ = ["DistributedSyncError", "Outcome", "RankGroup", "control_group"]
+
+_CONTROL: dict[tuple[int, ...], Any] = {}  # the gloo group of each set of ranks, made once per process
+_CONTROL_LOCK = threading.Lock()
+
+
+def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """The gloo process group over the ranks of `group` (None: every rank) that control messages
+    travel on; made on first use (every rank of the job must make it at the same point)."""
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    with _CONTROL_LOCK:
+        made = _CONTROL.get(ranks)
+        if made is None:
+            made = _CONTROL[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
+        return made
+
+
+class DistributedSyncError(FedtrainError):
+    """A rank of the participant failed; every rank stops with its message."""
 
 
 @dataclass(frozen=True)
@@ -45,22 +64,48 @@ class Outcome:
         return {"rank": self.rank, "ok": self.ok, "result": self.result, "error": self.error, "code": self.code,
                 "transient": self.transient}
 
+    @classmethod
+    def of(cls, rank: int, result: Any = None, error: BaseException | None = None) -> Outcome:
+        if error is None:
+            return cls(rank, True, result)
+        code = error.code if isinstance(error, CoordinatorError) else type(error).__name__
+        message = getattr(error, "message", None) or str(error) or type(error).__name__
+        return cls(rank, False, error=message, code=code, transient=is_transient(error))
+
 
 class RankGroup:
-    """The ranks of one participant (the default process group, or `group`)."""
+    """The ranks of one participant: the default process group, `group`, or (outside torchrun)
+    this process alone."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, keepalive_s: float = 5.0) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.group = group  # the training group (new weights of a replicated group travel on it)
         self.keepalive_s = keepalive_s
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if distributed else 0
+        self.world_size = dist.get_world_size(group) if distributed else 1
+        self.control: Any = control_group(group) if self.world_size > 1 else None
+
+    @property
+    def solo(self) -> bool:
+        """One rank: every collective is the identity."""
+        return self.control is None
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0, which speaks for the group (join, reports, heartbeats)."""
+        return self.rank == 0
 
     def together(self, work: Callable[[], Any] | None,
                  cancel: threading.Event | None = None) -> tuple[list[Outcome], BaseException | None]:
-        """Run `work` (whose result must be JSON) on a thread while every rank keeps the group
-        alive; returns every rank's outcome, and this rank's own error (to re-raise) if any.
-        Once any rank's work has failed, `cancel` is set on every rank, so that a rank waiting
-        for something the failed one was to do (the rest of the update) stops waiting."""
+        """Run `work` (whose result must be JSON) while every rank keeps the group alive; returns
+        every rank's outcome, and this rank's own error (to re-raise) if any. Once any rank's work
+        has failed, `cancel` is set on every rank, so that a rank waiting for something the failed
+        one was to do (the rest of the update) stops waiting."""
+        if self.solo:
+            try:
+                return [Outcome.of(0, work() if work is not None else None)], None
+            except Exception as e:  # noqa: BLE001 - the caller decides from the outcome
+                return [Outcome.of(0, error=e)], e
         box: dict[str, Any] = {}
 
         def run() -> None:
@@ -77,52 +122,73 @@ class RankGroup:
             worker.join(self.keepalive_s)
             state = torch.tensor([int(worker.is_alive()), int(not worker.is_alive() and "error" in box)],
                                  dtype=torch.int64)
-            dist.all_reduce(state, group=self.group)
+            dist.all_reduce(state, group=self.control)
             if int(state[0]) == 0:
                 break
             if int(state[1]) > 0 and cancel is not None:
                 cancel.set()
         error = box.get("error")
-        if error is None:
-            mine = Outcome(self.rank, True, box.get("result"))
-        else:
-            code = error.code if isinstance(error, CoordinatorError) else type(error).__name__
-            message = getattr(error, "message", None) or str(error) or type(error).__name__
-            mine = Outcome(self.rank, False, error=message, code=code, transient=is_transient(error))
+        mine = Outcome.of(self.rank, box.get("result"), error)
         outcomes = [Outcome(**o) for o in self.gather_json(mine.as_json())]
         return outcomes, error
 
     def broadcast_json(self, payload: Any) -> Any:
         """`payload` (JSON) from rank 0 to every rank; other ranks pass anything (ignored)."""
+        if self.solo:
+            return payload
         data = json.dumps(payload).encode() if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)  # the group's rank 0
-        dist.broadcast(size, src=src, group=self.group)
+        src = dist.get_global_rank(self.control, 0)  # the group's rank 0
+        dist.broadcast(size, src=src, group=self.control)
         body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data else \
             torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(body, src=src, group=self.group)
+        dist.broadcast(body, src=src, group=self.control)
         return json.loads(body.numpy().tobytes().decode())
 
     def gather_json(self, payload: Any) -> list[Any]:
         """Every rank's `payload` (JSON), in rank order, on every rank."""
+        if self.solo:
+            return [json.loads(json.dumps(payload))]
         data = json.dumps(payload).encode()
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.control)
         longest = max(int(s) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # JSON is never empty
         got = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(got, mine, group=self.group)
+        dist.all_gather(got, mine, group=self.control)
         return [json.loads(t[:int(n)].numpy().tobytes().decode()) for t, n in zip(got, sizes, strict=True)]
 
     def sum(self, values: Sequence[float]) -> list[float]:
         """The sum over the ranks of each of `values` (float64)."""
+        if self.solo:
+            return [float(v) for v in values]
         t = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(t, group=self.group)
+        dist.all_reduce(t, group=self.control)
         return [float(v) for v in t]
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank."""
+        if self.solo:
+            return flag
+        t = torch.tensor([int(not flag)], dtype=torch.int64)
+        dist.all_reduce(t, group=self.control)
+        return int(t) == 0
 
     def rank0_says(self, flag: bool) -> bool:
         """Rank 0's `flag` on every rank."""
+        if self.solo:
+            return flag
         t = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.group)
+        dist.broadcast(t, src=dist.get_global_rank(self.control, 0), group=self.control)
         return bool(int(t))
+
+    def broadcast_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Each of `tensors` from rank 0 to every rank, in place, on the training group (the
+        tensors stay on their device: NCCL takes CUDA tensors)."""
+        if self.solo:
+            return
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t, src=src, group=self.group)
