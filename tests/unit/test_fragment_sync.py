@@ -96,7 +96,8 @@ def test_the_arriving_fragment_is_mixed_with_alpha_and_stays_the_reference() -> 
     with torch.no_grad():
         params["a"].copy_(torch.full((3,), 5.0))
     client.version = 2
-    fs.engines[fs.of(2)].fetch(2, "p", RunConfig(), tokens=4, retry=None)  # fragment 0 again: Δ against θ_g = 4, not the mix
+    # fragment 0 again: Δ against θ_g = 4, not the mix
+    fs.engines[fs.of(2)].fetch(2, "p", RunConfig(), tokens=4, retry=None)
     assert torch.equal(client.uploads[-1][1]["a"], torch.full((3,), -1.0))
 
 
