@@ -221,7 +221,7 @@ class Participant:
         if self._presence is not None:
             self._presence.note_config_version(self.config_version)
             self._presence.start(self.participant_id)
-        log.info("%s joined at round %d (H=%d)", self._who, self.round, self.sync_every)
+        log.info("joined as %s at round %d (H=%d)", self._who, self.round, self.sync_every)
         self._pace.resume()
         return self
 
