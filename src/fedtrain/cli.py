@@ -25,7 +25,7 @@ from fedtrain import cli_admin
 from fedtrain.errors import ConfigError, FedtrainError
 
 if TYPE_CHECKING:
-    from fedtrain.participant.client import CoordinatorClient
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient
 
 DEFAULT_PORT = 8000
 EXIT_READER_GONE = 128 + 13  # what a shell reports for a process killed by SIGPIPE
@@ -295,7 +295,7 @@ def _flush_stdout(code: int) -> int:
 def _run(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["torchrun"]:  # everything after it is torchrun's, --help included
-        from fedtrain.participant.torchrun import launch
+        from fedtrain.participant.ranks.torchrun import launch
 
         return launch(argv[1:])
     args = build_parser().parse_args(argv)
@@ -356,7 +356,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_participant(args: argparse.Namespace) -> int:
-    from fedtrain.participant.client import RetryPolicy
+    from fedtrain.participant.client.coordinator_client import RetryPolicy
     from fedtrain.recipes.train import run_participant
 
     result = run_participant(
@@ -394,7 +394,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _client(args: argparse.Namespace, *, admin: bool = False) -> CoordinatorClient:
     """A CoordinatorClient for a one-shot command: it gives up after 5 s without an answer."""
-    from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy
 
     if args.log_level != "debug":  # its retries are not news here: the one line at the end says what failed
         logging.getLogger("fedtrain.participant").setLevel(logging.ERROR)
@@ -415,7 +415,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from fedtrain.export import export_model
 
     def connect() -> CoordinatorClient:  # for an export from a coordinator (not from a state dir)
-        from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+        from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy
 
         return CoordinatorClient(
             args.coordinator, _token(args), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=10)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fedtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from fedtrain.participant.client import CoordinatorClient
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient
 
 CHANGE_HELP = "a dotted field and its value, e.g. train.sync_every=30 outer.lr=0.5 (JSON, else YAML)"
 ENV_HELP = (

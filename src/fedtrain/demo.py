@@ -31,7 +31,7 @@ from fedtrain.config import RunConfig, load_config, parse_config
 from fedtrain.coordinator.auth import Tokens
 from fedtrain.errors import FedtrainError
 from fedtrain.merge.outer_lr import recommended_outer_lr
-from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy
 from fedtrain.report import eval_rows, format_evals, human_bytes, table
 
 DEMO_CONFIG: dict[str, Any] = {

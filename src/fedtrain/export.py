@@ -25,7 +25,7 @@ from fedtrain.errors import ConfigError, StateError
 from fedtrain.wire import digest_chunks, iter_file, read_tensors, write_file
 
 if TYPE_CHECKING:
-    from fedtrain.participant.client import CoordinatorClient
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient
 
 
 def export_model(args: argparse.Namespace, connect: Callable[[], CoordinatorClient]) -> tuple[int, int, str]:

@@ -15,7 +15,7 @@ from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorUnavailable
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from fedtrain.participant.outage import OutagePolicy
+from fedtrain.participant.engine.outage import OutagePolicy
 from tests.conftest import PTOKEN, free_port, start_coordinator, tiny_config
 from tests.tiny import Regression, Small, TinyParticipant, init_file, run_all
 

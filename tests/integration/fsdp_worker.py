@@ -19,8 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.participant import CoordinatorClient, Participant
-from fedtrain.participant.outage import OutagePolicy
-from fedtrain.participant.shards import local_tensor, shard_layout
+from fedtrain.participant.engine.outage import OutagePolicy
+from fedtrain.participant.ranks.shards import local_tensor, shard_layout
 from fedtrain.recipes.build import build_model
 from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
 

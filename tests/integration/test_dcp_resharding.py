@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedtrain.participant.dcp_checkpoint import DcpCheckpoint
-from fedtrain.participant.shards import chunk_rows
+from fedtrain.participant.local.dcp_checkpoint import DcpCheckpoint
+from fedtrain.participant.ranks.shards import chunk_rows
 from tests.unit.test_dcp_checkpoint import gloo_of_one, optimizer_tensors, sharded, train
 
 WORKER = Path(__file__).with_name("dcp_worker.py")

@@ -15,7 +15,7 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, RoundClosedError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from fedtrain.participant import client as client_module
+from fedtrain.participant.client import coordinator_client as client_module
 from fedtrain.transport import direct_http as fetch
 from fedtrain.wire import EncodedBody, read_tensors, write_file
 from tests.conftest import PTOKEN, tiny_config

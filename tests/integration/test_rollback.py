@@ -35,7 +35,7 @@ def run_rounds(c: BackgroundCoordinator, first: int, n: int) -> None:
 
 
 def model_at(c: BackgroundCoordinator, version: int | None = None) -> dict[str, torch.Tensor]:
-    from fedtrain.participant.client import CoordinatorClient
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient
 
     with CoordinatorClient(c.url, PTOKEN) as fetcher:
         got, tensors = fetcher.download(version=version)

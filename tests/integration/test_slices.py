@@ -19,7 +19,7 @@ from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.coordinator.pieces import ROWS_META
 from fedtrain.participant import CoordinatorClient
-from fedtrain.participant import client as client_module
+from fedtrain.participant.client import coordinator_client as client_module
 from fedtrain.wire import DIGEST_HEADER, digest_bytes, read_tensors, write_file
 from tests.conftest import PTOKEN, tiny_config
 from tests.integration.test_api import assert_error, client, put

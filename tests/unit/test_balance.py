@@ -1,5 +1,5 @@
 """Balanced rounds: the pure rule that tells each participant its inner steps (`coordinator/balance.py`),
-and the participant's own step clock and throttle (`participant/pace.py`), with clocks passed in."""
+and the participant's own step clock and throttle (`participant/engine/pace.py`), with clocks passed in."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fedtrain.coordinator.balance import (
     plan_steps,
     smoothed,
 )
-from fedtrain.participant.pace import Pace, check_speed, told_steps
+from fedtrain.participant.engine.pace import Pace, check_speed, told_steps
 
 SCHEDULE = ScheduleConfig(mode="balanced")  # bounds 0.25-4 x H, smoothing 0.5
 

@@ -16,8 +16,8 @@ from torch import nn
 from fedtrain import faults
 from fedtrain.config import ModelConfig
 from fedtrain.errors import StateError
-from fedtrain.participant.dcp_checkpoint import DcpCheckpoint
-from fedtrain.participant.shards import local_tensor
+from fedtrain.participant.local.dcp_checkpoint import DcpCheckpoint
+from fedtrain.participant.ranks.shards import local_tensor
 from fedtrain.recipes.build import build_model
 from fedtrain.recipes.sharding import shard_model
 

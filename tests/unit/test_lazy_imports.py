@@ -85,11 +85,11 @@ def test_every_public_name_resolves(package: str) -> None:
 
 def test_public_names_are_the_classes_themselves() -> None:
     import fedtrain
-    from fedtrain.participant import retry  # a submodule, not an export: still importable
-    from fedtrain.participant.runner import Participant
+    from fedtrain.participant.client import retry  # a submodule, not an export: still importable
+    from fedtrain.participant.engine.participant import Participant
 
     assert fedtrain.Participant is Participant
     from fedtrain import Participant as again
 
     assert again is Participant
-    assert retry.__name__ == "fedtrain.participant.retry"
+    assert retry.__name__ == "fedtrain.participant.client.retry"

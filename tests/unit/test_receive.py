@@ -216,7 +216,7 @@ def test_spool_files_are_reused_and_a_refused_upload_leaves_the_directory_as_it_
 def test_the_participant_client_reads_responses_a_mebibyte_at_a_time() -> None:
     from httpcore._sync.http11 import HTTP11Connection
 
-    from fedtrain.participant.client import CoordinatorClient
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient
     from fedtrain.transport import http_client
 
     CoordinatorClient("http://127.0.0.1:9", "t").close()  # a client tunes httpcore when it is created

@@ -1,11 +1,11 @@
-"""The rows of a tensor an FSDP2 rank holds (`participant/shards.py`): torch.chunk's split of dim 0."""
+"""The rows of a tensor an FSDP2 rank holds (`participant/ranks/shards.py`): torch.chunk's split of dim 0."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from fedtrain.participant.shards import Shard, chunk_rows, is_sharded, shard_layout
+from fedtrain.participant.ranks.shards import Shard, chunk_rows, is_sharded, shard_layout
 
 
 def test_chunk_rows_are_torch_chunk_rows_even_when_uneven_or_empty() -> None:
@@ -32,7 +32,7 @@ def test_participant_given_a_sharded_model_is_an_fsdp_participant_syncing_its_ro
     from torch.distributed.fsdp import fully_shard
 
     from fedtrain import Participant
-    from fedtrain.participant.roles import piece_of
+    from fedtrain.participant.ranks.roles import piece_of
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:

@@ -5,7 +5,7 @@ the schedule config are passed in, nothing reads a clock, a socket or the store.
 coordinator (`schedule.py`) asks it when a participant starts a round and records the answer.
 
 The rule. Each participant i reports its inner-step rate sᵢ (steps/s of its own loop, the
-syncs left out: `participant/pace.py`; from an older client, tokens/s ÷ its tokens per step).
+syncs left out: `participant/engine/pace.py`; from an older client, tokens/s ÷ its tokens per step).
 The rate is smoothed once a round, s̄ᵢ = α·s̄ᵢ(previous) + (1 − α)·sᵢ (α: `smoothing`), and
 
     Hᵢ = round(H · s̄ᵢ / median_j s̄ⱼ),   bounded to [min_steps_factor·H, max_steps_factor·H], ≥ 1

@@ -14,7 +14,7 @@ model's at once). After every optimizer step (`on_step_end`) it counts the step 
 tokens, and every H steps it syncs: eval before, upload Δ, wait, load the new global
 weights, eval after. When the run is finished it stops the Trainer. Under torchrun (the
 Trainer's DDP) every rank holds the `Participant`: rank 0 talks to the coordinator and the others
-take the new weights through `torch.distributed` (see `fedtrain.participant.roles`).
+take the new weights through `torch.distributed` (see `fedtrain.participant.ranks.roles`).
 
 Tokens per step come from `state.num_input_tokens_seen` when the Trainer counts them
 (`include_num_input_tokens_seen`), else from `tokens_per_step`, else each step counts as
@@ -34,8 +34,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
-from fedtrain.participant.metrics_log import MetricsLog
-from fedtrain.participant.records import EvalFn
+from fedtrain.participant.engine.records import EvalFn
+from fedtrain.participant.local.metrics_log import MetricsLog
 
 __all__ = ["FedtrainCallback"]
 

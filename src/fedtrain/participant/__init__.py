@@ -12,25 +12,25 @@ from typing import TYPE_CHECKING
 from fedtrain import _lazy_exports
 
 _SOURCES = {
-    "fedtrain.participant.checkpoint": ("LocalCheckpoint",),
-    "fedtrain.participant.client": ("CoordinatorClient", "RetryPolicy", "Timeouts"),
-    "fedtrain.participant.dcp_checkpoint": ("DcpCheckpoint",),
-    "fedtrain.participant.group": ("DistributedSyncError",),
-    "fedtrain.participant.metrics_log": ("MetricsLog",),
-    "fedtrain.participant.outage": ("OutagePolicy",),
-    "fedtrain.participant.roles": ("sync_set",),
-    "fedtrain.participant.runner": ("Participant",),
+    "fedtrain.participant.local.checkpoint": ("LocalCheckpoint",),
+    "fedtrain.participant.client.coordinator_client": ("CoordinatorClient", "RetryPolicy", "Timeouts"),
+    "fedtrain.participant.local.dcp_checkpoint": ("DcpCheckpoint",),
+    "fedtrain.participant.ranks.control": ("DistributedSyncError",),
+    "fedtrain.participant.local.metrics_log": ("MetricsLog",),
+    "fedtrain.participant.engine.outage": ("OutagePolicy",),
+    "fedtrain.participant.ranks.roles": ("sync_set",),
+    "fedtrain.participant.engine.participant": ("Participant",),
 }
 
 if TYPE_CHECKING:
-    from fedtrain.participant.checkpoint import LocalCheckpoint
-    from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
-    from fedtrain.participant.dcp_checkpoint import DcpCheckpoint
-    from fedtrain.participant.group import DistributedSyncError
-    from fedtrain.participant.metrics_log import MetricsLog
-    from fedtrain.participant.outage import OutagePolicy
-    from fedtrain.participant.roles import sync_set
-    from fedtrain.participant.runner import Participant
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy, Timeouts
+    from fedtrain.participant.engine.outage import OutagePolicy
+    from fedtrain.participant.engine.participant import Participant
+    from fedtrain.participant.local.checkpoint import LocalCheckpoint
+    from fedtrain.participant.local.dcp_checkpoint import DcpCheckpoint
+    from fedtrain.participant.local.metrics_log import MetricsLog
+    from fedtrain.participant.ranks.control import DistributedSyncError
+    from fedtrain.participant.ranks.roles import sync_set
 else:
     __getattr__, __dir__ = _lazy_exports(__name__, _SOURCES)
 

@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from fedtrain.participant import CoordinatorClient, Participant
-from fedtrain.participant.checkpoint import LocalCheckpoint
-from fedtrain.participant.metrics_log import MetricsLog
-from fedtrain.participant.records import EvalFn
-from fedtrain.participant.roles import sync_set
-from fedtrain.participant.shards import is_sharded, local_tensor, shard_layout
+from fedtrain.participant.engine.records import EvalFn
+from fedtrain.participant.local.checkpoint import LocalCheckpoint
+from fedtrain.participant.local.metrics_log import MetricsLog
+from fedtrain.participant.ranks.roles import sync_set
+from fedtrain.participant.ranks.shards import is_sharded, local_tensor, shard_layout
 from fedtrain.recipes.data import TokenStream
 from fedtrain.wire import write_file
 from fedtrain.wire.format import ROWS_META
@@ -67,7 +67,7 @@ def open_participant(
     """(the participant to step, the module to train through) for one process or a torchrun group.
     `key_file` keeps the participant key, so that a restarted process rejoins as itself at once.
     `parallel="fsdp"`: `model` is `fully_shard`ed and every rank syncs its own rows. `speed`
-    below 1 throttles its inner steps (a slow site on purpose: `participant/pace.py`)."""
+    below 1 throttles its inner steps (a slow site on purpose: `participant/engine/pace.py`)."""
     fed = Participant(client, model=model, inner_optimizer=optimizer, eval_fn=eval_fn, name=name, info=info,
                       key_file=key_file, speed=speed)
     if parallel == "fsdp" or world_size <= 1:

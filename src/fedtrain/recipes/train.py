@@ -24,8 +24,8 @@ import torch
 from fedtrain.config import RunConfig
 from fedtrain.errors import ConfigError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from fedtrain.participant.pace import check_speed
-from fedtrain.participant.torchrun import init_from_env
+from fedtrain.participant.engine.pace import check_speed
+from fedtrain.participant.ranks.torchrun import init_from_env
 from fedtrain.recipes.build import base_fingerprint, build_model, check_fits, load_data, loss_fn, tokenizer_of
 from fedtrain.recipes.data import TokenStream, evaluate, parse_data_spec
 from fedtrain.recipes.runtime import RunDir, open_participant, round_line
@@ -99,7 +99,7 @@ def _train(url: str, token: str, paths: list[Path], data: str, *, name: str | No
 
     local = None
     if run_dir is not None:
-        from fedtrain.participant.dcp_checkpoint import DcpCheckpoint  # torch.distributed.checkpoint: FSDP only
+        from fedtrain.participant.local.dcp_checkpoint import DcpCheckpoint  # torch.distributed.checkpoint: FSDP only
 
         local = RunDir(run_dir, rank, checkpoint=DcpCheckpoint(run_dir / "dcp", model) if fsdp else None)
     saved = local.resume(opt, stream, cfg.train.lr) if local is not None else None

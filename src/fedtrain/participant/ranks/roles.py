@@ -17,10 +17,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fedtrain.participant.client import CoordinatorClient
-from fedtrain.participant.group import RankGroup
-from fedtrain.participant.shards import Shard, is_sharded, local_tensor, reshard, shard_layout
-from fedtrain.participant.sync import PieceOf, SyncEngine
+from fedtrain.participant.client.coordinator_client import CoordinatorClient
+from fedtrain.participant.engine.sync import PieceOf, SyncEngine
+from fedtrain.participant.ranks.control import RankGroup
+from fedtrain.participant.ranks.shards import Shard, is_sharded, local_tensor, reshard, shard_layout
 
 __all__ = ["Role", "piece_of", "role_for", "sync_set"]
 

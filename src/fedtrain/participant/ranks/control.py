@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fedtrain.errors import CoordinatorError, FedtrainError
-from fedtrain.participant.outage import is_transient
+from fedtrain.participant.engine.outage import is_transient
 
 __all__ = ["DistributedSyncError", "Outcome", "RankGroup", "control_group"]
 

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from fedtrain.participant.client import CoordinatorClient
+from fedtrain.participant.client.coordinator_client import CoordinatorClient
 
 __all__ = ["join_as"]
 
@@ -46,7 +46,7 @@ def _read_key_file(path: Path) -> tuple[str, str] | None:
 
 def _write_key_file(path: Path, pid: str, key: str) -> None:
     """Keep `key` in `path`, readable by its owner only (mkstemp's mode 600), replaced whole."""
-    from fedtrain.participant.checkpoint import write_json_atomically
+    from fedtrain.participant.local.checkpoint import write_json_atomically
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomically(path, {"participant_id": pid, "participant_key": key})

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, WireError
-from fedtrain.participant.answers import (
+from fedtrain.participant.client.answers import (
     RETRY_STATUS,
     Address,
     Failure,
@@ -51,7 +51,7 @@ from fedtrain.participant.answers import (
     tls_context,
     transport_failure,
 )
-from fedtrain.participant.retry import RetryPolicy, Timeouts
+from fedtrain.participant.client.retry import RetryPolicy, Timeouts
 from fedtrain.transport import direct_http as fetch
 from fedtrain.transport.direct_http import VERSION_HEADER, ModelBody, direct_request, is_direct
 from fedtrain.transport.http_client import tune_httpcore

@@ -18,12 +18,12 @@ from torch import nn
 from fedtrain.config import RunConfig
 from fedtrain.config_changes import config_diff
 from fedtrain.errors import CoordinatorError
-from fedtrain.participant.client import CoordinatorClient
-from fedtrain.participant.group import DistributedSyncError, RankGroup
-from fedtrain.participant.outage import is_transient
-from fedtrain.participant.pace import told_steps
-from fedtrain.participant.presence import Presence
-from fedtrain.participant.retry import RetryPolicy
+from fedtrain.participant.client.coordinator_client import CoordinatorClient
+from fedtrain.participant.client.presence import Presence
+from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.engine.outage import is_transient
+from fedtrain.participant.engine.pace import told_steps
+from fedtrain.participant.ranks.control import DistributedSyncError, RankGroup
 
 __all__ = ["ConfigCallback", "EvalFn", "RoundBook"]
 

@@ -27,15 +27,15 @@ from torch import nn
 from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, FedtrainError
-from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
-from fedtrain.participant.group import DistributedSyncError, Outcome, RankGroup
-from fedtrain.participant.keys import join_as
-from fedtrain.participant.outage import OutagePolicy, OutageState, next_attempt
-from fedtrain.participant.pace import Pace
-from fedtrain.participant.presence import Presence, TokenRate
-from fedtrain.participant.records import ConfigCallback, EvalFn, RoundBook
-from fedtrain.participant.roles import role_for, sync_set
-from fedtrain.participant.schedule import Exchanges, InFlight, Plan, decide, plan_of
+from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy, Timeouts
+from fedtrain.participant.client.keys import join_as
+from fedtrain.participant.client.presence import Presence, TokenRate
+from fedtrain.participant.engine.outage import OutagePolicy, OutageState, next_attempt
+from fedtrain.participant.engine.pace import Pace
+from fedtrain.participant.engine.records import ConfigCallback, EvalFn, RoundBook
+from fedtrain.participant.engine.schedule import Exchanges, InFlight, Plan, decide, plan_of
+from fedtrain.participant.ranks.control import DistributedSyncError, Outcome, RankGroup
+from fedtrain.participant.ranks.roles import role_for, sync_set
 
 __all__ = ["DistributedSyncError", "EvalFn", "Participant", "sync_set"]
 

@@ -23,8 +23,8 @@ import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.errors import ModelMismatchError
-from fedtrain.participant.retry import RetryPolicy
-from fedtrain.participant.sync import SyncEngine
+from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.engine.sync import SyncEngine
 
 __all__ = ["Exchanges", "InFlight", "Plan", "decide", "plan_of"]
 

@@ -50,8 +50,8 @@ from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError, ModelMismatchError, RoundClosedError
 from fedtrain.merge import check_compatible
-from fedtrain.participant.client import CoordinatorClient
-from fedtrain.participant.retry import RetryPolicy
+from fedtrain.participant.client.coordinator_client import CoordinatorClient
+from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
 from fedtrain.wire.compress import ErrorFeedback, compress
 from fedtrain.wire.format import ROWS_META

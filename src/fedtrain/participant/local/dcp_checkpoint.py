@@ -69,8 +69,8 @@ from torch.distributed.tensor import DTensor
 
 from fedtrain import faults
 from fedtrain.errors import FedtrainError, StateError
-from fedtrain.participant.checkpoint import write_json_atomically
-from fedtrain.participant.group import RankGroup
+from fedtrain.participant.local.checkpoint import write_json_atomically
+from fedtrain.participant.ranks.control import RankGroup
 from fedtrain.wire.files import fsync_dir
 
 __all__ = ["DcpCheckpoint"]

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fedtrain.errors import CoordinatorError
-from fedtrain.participant.client import CoordinatorClient
-from fedtrain.participant.retry import RetryPolicy
+from fedtrain.participant.client.coordinator_client import CoordinatorClient
+from fedtrain.participant.client.retry import RetryPolicy
 
 __all__ = ["Presence", "TokenRate"]
 
