@@ -1,30 +1,7 @@
-"""HTTP client of a participant: every call to the coordinator, with named timeouts and
-bounded retries, and the one place where httpx errors become fedtrain errors.
-
-Every request fedtrain makes is idempotent (join by name, heartbeat, upload per (round,
-participant), downloads, status), so a transient failure — connection refused while the
-coordinator restarts, a timeout, a 502/503/504, a 429 (too many requests: an upload of
-ours still in progress on another connection) — is retried with exponential backoff and
-jitter, or after the Retry-After the answer names (at most `RetryPolicy.max_backoff_s`),
-bounded by `RetryPolicy.max_elapsed_s`; after that `CoordinatorUnavailable`. The policy is
-the client's `retry` unless a call passes its own (`retry=`): the client's is set once, so
-the threads that share a client never see it change under them.
-
-A participant acts only as itself: its join answer carries a participant key, which the
-client keeps (shared with its clones) and presents on every call that speaks for that
-participant (`X-Fedtrain-Participant-Key`), and on a later join by the same name (a
-rejoin as itself). A join refused because the name's earlier holder is still active
-(409 `name_in_use`: this participant restarted without its key) is retried until that
-holder fails by heartbeat timeout, within the same bound.
-
-Until the coordinator has answered once, an address that refuses connections is more likely
-wrong than restarting, so those retries stop after `RetryPolicy.first_contact_s`. Errors
-that retrying cannot fix fail at once, saying what to change: TLS that does not match the
-URL's scheme or a certificate not trusted (`TLSError`), something at the address that is
-not a fedtrain coordinator (`NotACoordinatorError`), a refused token (`AuthError`). What
-each answer and each failed attempt means is decided in `answers.py`.
-
-No torch here at module level: `fedtrain status` uses this client and never a tensor.
+"""HTTP client of a participant: every call to the coordinator, with named timeouts and bounded
+retries, and the one place where httpx errors become fedtrain errors. A participant acts only as
+itself (the participant key of its join). No torch at module level: `fedtrain status` uses this
+client. See docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,7 @@
-"""`SyncEngine`: one participant's round trip with the coordinator, which the blocking and the
-overlapped sync both drive.
-
-The engine owns the sync set's reference copy (the snapshot, on the CPU) and the exchange:
-
-    Δ = θ_round − θ  ── upload ── wait for the round to close ── (upload again if the
-    coordinator has lost ours: it restarted) ── download θ_{r+1} into the snapshot
-
-In asynchronous mode the upload's answer names the round the update was applied in
-(`applied_in`, round_ or later: the model moved on while we trained), and that is the round
-waited for; the download then brings the version it made.
-
-The snapshot is always in one of four states: it holds θ_round (the reference of the next
-Δ), it holds Δ (between `take_delta` and the download), a download into it was cut short
-(the round is over; only a fresh download mends it), or it holds new global weights not yet
-in the model (`fetch` without `adopt`: the round is over too). `restore` puts θ_round back
-after a failed exchange, so that a later attempt sends the same Δ.
-
-Who runs what: the participant calls `prepare` and `load_global` at join and the blocking
-`sync` on the training thread. The overlapped sync (`overlap.py`) calls `copy_sync_set`,
-`take_delta` and `encode` on the training thread, `exchange` on its worker thread, then
-`restore` (or the participant `adopt`) on the training thread once the worker is done;
-while `exchange` runs the training thread calls nothing else of the engine's. Every call to
-the coordinator takes the retry budget its caller passes (`retry=`), never a policy set on
-the shared client. The byte counters are the engine's: only the thread that runs the
-exchange adds to them.
-
-A rank of an FSDP participant drives an engine of its own over its local shards, built
-with a `PieceOf`: it uploads its rows as its piece of the participant's update (labelled,
-with the rows in the body's metadata), waits for the round asking after its own piece, and
-downloads only its rows. It calls `fetch` and `adopt` separately, since every rank of the
-group must hold the same global version before any of them adopts it (`fsdp.py`); between
-the two the snapshot holds that version, not yet in the model ("fetched"). Streaming, each of
-its fragments' engines (`fragment`) is a piece engine too, over its rows of that fragment.
+"""`SyncEngine`: one rank's round trip with the coordinator, Δ up and θ down, which every schedule
+drives: it owns the sync set's reference copy (the snapshot, on the CPU), its state (reference,
+Δ, a download cut short, fetched), error feedback and the byte counters. An FSDP rank's engine
+sends and fetches its rows as its piece (`PieceOf`). See docs/architecture.md.
 """
 
 from __future__ import annotations

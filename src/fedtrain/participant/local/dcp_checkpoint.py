@@ -1,52 +1,7 @@
-"""A sharded participant's checkpoint at round boundaries, through torch.distributed.checkpoint (DCP).
-
-What `checkpoint.LocalCheckpoint` keeps for one process (inner optimizer state, data position,
-step and token counters), kept here for an FSDP2 participant (`fully_shard`, every rank its own
-rows), so that it resumes on the same or on another number of ranks. The weights are not in
-it: a restarted participant takes the global model from the coordinator, and a frozen base
-is rebuilt from the run's seed.
-
-Files, under ROOT (the run directory's `dcp/`):
-
-    ROOT/round-<r>/                      one complete checkpoint; the newest one is loaded
-        optimizer/shard-<k+1>-model-00001-of-00001.safetensors
-                                         rank k's rows of every optimizer tensor, written by
-                                         DCP's `HuggingFaceStorageWriter`; the safetensors
-                                         metadata `DCP_SHARDING_INFO` says where each chunk
-                                         sits in the whole tensor. Replicated tensors (AdamW's
-                                         `step`) are in rank 0's file alone.
-        data-rank<k>.json                rank k's own state (its data stream's position)
-        state.json                       written by rank 0 last: format, round, steps, tokens,
-                                         the world size that wrote it, the param groups, the
-                                         optimizer state that is not a tensor, every shard
-                                         file with its size
-    ROOT/.partial-<r>/                   a checkpoint being written: never loaded
-
-Atomic: every rank writes into `.partial-<r>`, the ranks agree (an all-reduce) that every
-part is written and fsync'd, then rank 0 writes `state.json` and renames the directory to
-`round-<r>` (then fsyncs ROOT) and only then removes the older checkpoints. A checkpoint cut
-off at any point is a `.partial-` directory (or a `round-` one without a `state.json`), which
-`load` skips for the newest complete one; the next `save` removes it.
-
-Resharding: tensors are stored as chunks with their offsets in the whole tensor, and `load`
-reads, for each DTensor of the current layout, the parts of the saved chunks that overlap its
-rows (DCP's load planner), so a checkpoint written on N ranks loads on any M. A rank that has
-no `data-rank<k>.json` (the world grew) gets an empty user state: its data stream starts
-fresh; the data positions of ranks that are gone (the world shrank) are dropped.
-
-No pickle, on disk or between ranks. DCP's default `FileSystemWriter`/`FileSystemReader`
-keep their metadata in a pickled `.metadata` file (`pickle.load` in torch 2.13's
-`filesystem.py`), and load non-tensor values with `torch.load(weights_only=False)`; its
-collective save and load swap their plans with `gather_object`/`scatter_object_list`, which
-pickle over the process group. Here the tensors go through DCP's safetensors storage (its
-metadata is the files' JSON headers), everything else is JSON, and DCP runs without
-collectives (`use_collectives=False` to save, `no_dist=True` to load): each rank plans its
-own writes and reads, which the headers make possible. The ranks agree through all-reduces
-of plain tensors, and rank 0's choice of checkpoint reaches them as JSON bytes.
-
-ROOT must be one directory that every rank sees (one machine, or a shared file system).
-Tested with torch 2.13 (`HuggingFaceStorageWriter(save_distributed=True)`, `dcp.save(...,
-use_collectives=False)`).
+"""A sharded participant's checkpoint at round boundaries, through torch.distributed.checkpoint
+(DCP): inner optimizer state, data position and counters of an FSDP2 group, written atomically,
+loadable on another number of ranks, with no pickle on disk or between ranks (safetensors and
+JSON). See docs/architecture.md and docs/training-jobs.md.
 """
 
 from __future__ import annotations
