@@ -42,18 +42,14 @@ class OutageState:
     def active(self) -> bool:
         return self.since is not None
 
-    def fail(self, message: str, policy: OutagePolicy, budget_s: float) -> Attempt:
-        """A sync attempt failed with `message`: the decision (`next_attempt`); to retry later,
-        the outage is counted and the time of the next attempt set."""
+    def retry_in(self, delay_s: float) -> None:
+        """A sync attempt failed and the next one comes in `delay_s` (rank 0's decision, on every
+        rank): the outage is counted and the time of the next attempt set."""
         now = time.monotonic()
-        self.last_error = message
-        decision = next_attempt(self, now, policy, budget_s)
-        if decision.action == "retry_later":
-            if self.since is None:
-                self.since = now
-            self.attempts += 1
-            self.next_at = now + decision.delay_s
-        return decision
+        if self.since is None:
+            self.since = now
+        self.attempts += 1
+        self.next_at = now + delay_s
 
     def ended(self, r: int, *, quiet: bool = False) -> dict[str, Any] | None:
         """Round r synced: the record of the outage being ridden out, if any ({"round", "seconds",

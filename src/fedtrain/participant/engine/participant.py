@@ -16,6 +16,7 @@ round's record, report and config to `records.py`. See docs/architecture.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from pathlib import Path
@@ -34,10 +35,10 @@ from fedtrain.participant.engine.outage import OutagePolicy, OutageState, next_a
 from fedtrain.participant.engine.pace import Pace
 from fedtrain.participant.engine.records import ConfigCallback, EvalFn, RoundBook
 from fedtrain.participant.engine.schedule import Exchanges, InFlight, Plan, decide, plan_of
-from fedtrain.participant.ranks.control import DistributedSyncError, Outcome, RankGroup
-from fedtrain.participant.ranks.roles import role_for, sync_set
+from fedtrain.participant.ranks.control import Outcome, RankGroup
+from fedtrain.participant.ranks.roles import role_for
 
-__all__ = ["DistributedSyncError", "EvalFn", "Participant", "sync_set"]
+__all__ = ["Participant"]
 
 log = logging.getLogger("fedtrain.participant")
 
@@ -173,12 +174,8 @@ class Participant:
         p = self._exchanges.pending
         if p is None or p.future is None:
             return True
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not p.future.done():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01 if deadline is None else min(0.01, max(0.0, deadline - time.monotonic())))
-        return True
+        done, _ = concurrent.futures.wait([p.future], timeout=timeout_s)
+        return bool(done)
 
     @property
     def sync_every(self) -> int:
@@ -200,7 +197,7 @@ class Participant:
 
     def __enter__(self) -> Participant:
         outcomes, error = self.ranks.together(self._join if self.ranks.lead else None)
-        self.raise_failed(outcomes, error)
+        self.ranks.raise_failed(outcomes, error)
         answer = outcomes[0].result
         self.participant_id = answer["participant_id"]
         if self._engine is not None:
@@ -211,13 +208,15 @@ class Participant:
                 self._engine.prepare(answer["model"])
         self.book.joined(answer)
         version = int(answer["round"]) if self.role.kind == "sharded" else None
-        outcomes, error = self.ranks.together(lambda: self._download(version))
-        self.raise_failed(outcomes, error)
+        engine = self._engine
+        outcomes, error = self.ranks.together(
+            None if engine is None else lambda: engine.download(self.participant_id, version=version))
+        self.ranks.raise_failed(outcomes, error)
         if self._engine is not None:
             self._engine.adopt()
         self.role.landed(None)
         self._exchanges = Exchanges(self._engine, plan_of(answer))  # every fragment's reference: this model
-        self._enter_round(agreed(outcomes))
+        self._enter_round(self.ranks.agreed(outcomes))
         if self._presence is not None:
             self._presence.note_config_version(self.config_version)
             self._presence.start(self.participant_id)
@@ -243,11 +242,6 @@ class Participant:
                 "config": joined["config"], "config_version": int(joined["config_version"]),
                 "round": int(joined["current_round"]), "model": joined["model"],
                 "assignment": joined.get("assignment"), "streaming": joined.get("streaming")}
-
-    def _download(self, version: int | None) -> int | None:
-        if self._engine is None:
-            return None
-        return self._engine.download(self.participant_id, version=version)
 
     def __exit__(self, *exc: object) -> None:
         try:
@@ -330,7 +324,7 @@ class Participant:
         r = self.round
         unsent = self._take_counts()
         self.role.settle()
-        faults.hit("participant.sync", who=self._fault_who, round=r)
+        faults.hit("participant.sync", who=self.name or self.participant_id, round=r)
         if self._outage.active and not self._coordinator_back():
             return False
         if self._record is None or self._record["round"] != r:  # an attempt after a failed one keeps its record
@@ -364,7 +358,7 @@ class Participant:
         r = self.round
         unsent = self._take_counts()
         self.role.settle()
-        faults.hit("participant.sync", who=self._fault_who, round=r)
+        faults.hit("participant.sync", who=self.name or self.participant_id, round=r)
         record: dict[str, Any] = {}
         if not self._exchanges.streaming:  # overlapped DiLoCo: the round ends at its send
             record = self.book.open(r, self.sync_every)
@@ -388,7 +382,7 @@ class Participant:
             if streaming:  # the fragment's exchange is tried again, whole, after a backoff
                 self._ride_out(r, outcomes, error)
                 return False
-            self._check_transient(outcomes, error)  # overlapped DiLoCo: the round's contribution is lost
+            self.ranks.raise_lasting(outcomes, error)  # overlapped DiLoCo: the round's contribution is lost
             log.warning("overlapped sync of round %d failed (%s); continuing from local weights", r,
                         next(o.error for o in outcomes if not o.ok))
             return False
@@ -420,7 +414,7 @@ class Participant:
                                 "model", r, version)
                 outcomes, error = self.ranks.together(lambda: ex.take_global(
                     self.participant_id, version, sent.fragment if end else None, retry=self._attempt_retry))
-                self.raise_failed(outcomes, error)
+                self.ranks.raise_failed(outcomes, error)
                 self.changed = None
             if self.role.kind == "replicated":
                 self.changed = self.ranks.broadcast_json(self.changed)
@@ -440,10 +434,6 @@ class Participant:
         self.round = version
         self.finished = self.config.rounds > 0 and version >= self.config.rounds
 
-    @property
-    def _fault_who(self) -> str:
-        return self.name or self.participant_id
-
     # -- agreeing, failing, riding out an outage ---------------------------------------------------------
 
     def _settle(self, outcomes: list[Outcome], engine: Any) -> int:
@@ -456,28 +446,24 @@ class Participant:
             log.info("rank %d: the ranks got versions %s; all take %d", self.rank, sorted(versions), newest)
             outcomes, error = self.ranks.together(
                 None if engine is None else lambda: engine.download(self.participant_id, version=newest))
-            self.raise_failed(outcomes, error)
-        return agreed(outcomes)
-
-    def _check_transient(self, outcomes: list[Outcome], error: BaseException | None) -> None:
-        if not all(o.ok or o.transient for o in outcomes):
-            self.raise_failed(outcomes, error)
+            self.ranks.raise_failed(outcomes, error)
+        return self.ranks.agreed(outcomes)
 
     def _ride_out(self, r: int, outcomes: list[Outcome], error: BaseException | None) -> None:
         """A sync attempt failed on some rank: ride it out as a group (every rank's engine has put
         its snapshot back; rank 0 decides when to try again, or to give up), or raise on every
         rank when the failure is not one to ride out."""
-        self._check_transient(outcomes, error)
+        self.ranks.raise_lasting(outcomes, error)
         failed = [o for o in outcomes if not o.ok]
         first = next((o for o in failed if o.code != "cancelled"), failed[0])
         self._outage_failed(r, first.error if self.world_size == 1 else f"rank {first.rank}: {first.error}")
 
     def _outage_failed(self, r: int, message: str) -> None:
+        """Rank 0 decides when the group tries again (`outage.next_attempt`), or that it gives up."""
         decision = None
         if self.ranks.lead:
-            now = time.monotonic()
             self._outage.last_error = message
-            attempt = next_attempt(self._outage, now, self.outage_policy, self._outage_budget_s)
+            attempt = next_attempt(self._outage, time.monotonic(), self.outage_policy, self._outage_budget_s)
             decision = {"action": attempt.action, "reason": attempt.reason, "delay_s": attempt.delay_s}
             if attempt.action != "give_up":
                 log.warning("round %d: %s", r, attempt.reason)
@@ -485,11 +471,7 @@ class Participant:
         if decision["action"] == "give_up":  # on every rank, the others naming rank 0 as the one that decided
             why = decision["reason"] if self.ranks.lead else f"rank 0 of this participant failed: {decision['reason']}"
             raise CoordinatorUnavailable(why, status=0, code="unavailable")
-        now = time.monotonic()
-        if self._outage.since is None:
-            self._outage.since = now
-        self._outage.attempts += 1
-        self._outage.next_at = now + float(decision["delay_s"])
+        self._outage.retry_in(float(decision["delay_s"]))
 
     def _coordinator_back(self) -> bool:
         """During an outage: a cheap probe (rank 0) before spending an eval and an upload on an attempt."""
@@ -498,20 +480,9 @@ class Participant:
             (lambda: self.client.health(retry=self.client.retry.within(probe)) and None) if self.ranks.lead else None)
         if outcomes[0].ok:
             return True
-        self._check_transient(outcomes, error)
+        self.ranks.raise_lasting(outcomes, error)
         self._outage_failed(self.round, outcomes[0].error)
         return False
-
-    def raise_failed(self, outcomes: list[Outcome], error: BaseException | None) -> None:
-        """Raise on every rank if any rank's work failed: its own error where it failed."""
-        if error is not None:
-            raise error
-        failed = [o for o in outcomes if not o.ok]
-        if failed:
-            if self.world_size == 1:
-                raise DistributedSyncError(failed[0].error)
-            raise DistributedSyncError("; ".join(f"rank {o.rank} of this participant failed: {o.error}"
-                                                 for o in failed))
 
     def _heartbeat_stats(self) -> dict[str, Any]:
         """What rank 0's heartbeats tell (read on the heartbeat thread): the group's throughput,
@@ -521,11 +492,3 @@ class Participant:
                 "tokens_per_s": rate * self.world_size if rate is not None else None,
                 "steps_per_s": self._pace.steps_per_s, "config_version": self.config_version}
 
-
-def agreed(outcomes: list[Outcome]) -> int:
-    """The global version every rank that downloaded got (a rank holding no rows gets -1)."""
-    versions = {int(o.result) for o in outcomes if o.result is not None and int(o.result) >= 0}
-    if len(versions) != 1:
-        raise DistributedSyncError(f"the ranks of this participant downloaded different global versions "
-                                   f"({sorted(versions)})")
-    return versions.pop()

@@ -192,3 +192,30 @@ class RankGroup:
         with torch.no_grad():
             for t in tensors:
                 dist.broadcast(t, src=src, group=self.group)
+
+    # -- deciding from the outcomes (the same on every rank) -----------------------------------------
+
+    def raise_failed(self, outcomes: list[Outcome], error: BaseException | None) -> None:
+        """Raise on every rank if any rank's work failed: its own error where it failed."""
+        if error is not None:
+            raise error
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            if self.solo:
+                raise DistributedSyncError(failed[0].error)
+            raise DistributedSyncError("; ".join(f"rank {o.rank} of this participant failed: {o.error}"
+                                                 for o in failed))
+
+    def raise_lasting(self, outcomes: list[Outcome], error: BaseException | None) -> None:
+        """Raise on every rank if a rank failed with an error that is not one to ride out."""
+        if not all(o.ok or o.transient for o in outcomes):
+            self.raise_failed(outcomes, error)
+
+    @staticmethod
+    def agreed(outcomes: list[Outcome]) -> int:
+        """The global version every rank that downloaded got (a rank holding no rows gets -1)."""
+        versions = {int(o.result) for o in outcomes if o.result is not None and int(o.result) >= 0}
+        if len(versions) != 1:
+            raise DistributedSyncError(f"the ranks of this participant downloaded different global versions "
+                                       f"({sorted(versions)})")
+        return versions.pop()
