@@ -173,7 +173,7 @@ def worker(args: argparse.Namespace) -> None:
         syncs = train(fed, model, opt, args.width)
     model_bytes = sum(p.numel() * p.element_size() for p in build_meta(args.width, args.layers).parameters())
     report = {"role": args.worker, "rank": rank, "baseline": baseline, "syncs": syncs,
-              "shard_bytes": getattr(fed, "shard_bytes", model_bytes), "model_bytes": model_bytes,
+              "shard_bytes": fed.shard_bytes or model_bytes, "model_bytes": model_bytes,  # DDP rank 1: no snapshot
               "calls": client.calls}
     Path(args.out, f"{args.worker}-rank{rank}.json").write_text(json.dumps(report))
     if distributed:
