@@ -86,6 +86,7 @@ class DcpCheckpoint:
         self.dir = Path(directory)
         self.model = model
         self.group = group
+        self.ranks = RankGroup(group)  # agreements travel on the control group (gloo): NCCL takes no CPU tensors
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
@@ -181,7 +182,7 @@ class DcpCheckpoint:
         if self.rank == 0:
             error = self._try(lambda: chosen.update(self._choose()))
             chosen = {"error": error} if error else chosen
-        chosen = RankGroup(self.group).broadcast_json(chosen)
+        chosen = self.ranks.broadcast_json(chosen)
         if "error" in chosen:
             raise StateError(f"the participant checkpoint in {self.dir} cannot be read: {chosen['error']}")
         if not chosen:
@@ -252,9 +253,7 @@ class DcpCheckpoint:
 
     def _agree(self, step: str, error: str | None, what: str | None = None) -> None:
         """Every rank learns whether any rank failed `step`; all raise together, so that none waits."""
-        failed = torch.zeros(self.world_size, dtype=torch.int64)
-        failed[self.rank] = int(error is not None)
-        dist.all_reduce(failed, group=self.group)
+        failed = self.ranks.sum([float(k == self.rank and error is not None) for k in range(self.world_size)])
         ranks = [k for k in range(self.world_size) if failed[k]]
         if not ranks:
             return
