@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -37,14 +38,24 @@ import torch
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
-from fedtrain.coordinator import pieces, policy
-from fedtrain.coordinator.direct import DirectUpload, read_into
-from fedtrain.coordinator.folds import MergeInputs, Pending, RoundSum
-from fedtrain.coordinator.fragments import Fragment, check_fragment
-from fedtrain.coordinator.pieces import ROWS_META, Coverage, Partial, Piece, PiecesIn, assemble, check_label, piece_rows
-from fedtrain.coordinator.receive import Head, SpoolFiles, Staging, receive_to_spool
-from fedtrain.coordinator.tickets import InFlight, PieceAnswer, Seats, Ticket, Upload
-from fedtrain.coordinator.values import non_finite
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.intake import pieces
+from fedtrain.coordinator.intake.direct_sum import DirectUpload, read_into
+from fedtrain.coordinator.intake.folds import MergeInputs, Pending, RoundSum
+from fedtrain.coordinator.intake.pieces import (
+    ROWS_META,
+    Coverage,
+    Partial,
+    Piece,
+    PiecesIn,
+    assemble,
+    check_label,
+    piece_rows,
+)
+from fedtrain.coordinator.intake.receive import Head, SpoolFiles, Staging, receive_to_spool
+from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Ticket, Upload
+from fedtrain.coordinator.intake.values import non_finite
+from fedtrain.coordinator.rounds.fragment_plan import Fragment, check_fragment
 from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import RunningSum, check_compatible
 from fedtrain.merge.robust import clip_scale
@@ -66,10 +77,11 @@ class Intake:
         self._spec = spec  # those the open round takes: the model's, or its fragment's (`select`)
         self._fragment: Fragment | None = None
         self._fast_io = fast_io_enabled(fast_io)  # off: no upload is received straight into the sum
+        self._direct_on = os.environ.get("FEDTRAIN_DIRECT_RECEIVE", "1") != "0"  # measuring (issue #29)
         self.round = RoundSum(spool_dir, spec, params, fold_lock or threading.Lock())
         self._spool_files = SpoolFiles(spool_dir)
         self._direct: DirectUpload | None = None
-        self._in_flight = InFlight()
+        self._in_flight = FoldsInFlight()
         self._deferred: set[asyncio.Task[None]] = set()
         self._failure: str | None = None  # a fold failed: the open round cannot be merged
         self._partials: dict[tuple[str, int], Partial] = {}  # (participant, round) -> its pieces so far
@@ -153,7 +165,8 @@ class Intake:
         Raises Refused for a bad body or values, or a round that closed meanwhile."""
         plain = head is not None and scheme_of(head[1])[0] == "none"
         empty = self._direct is None and not self._in_flight.count and self.round.is_empty()
-        path = policy.receive_path(fast_io=self._fast_io, action=action, sum_empty=empty, active=active,
+        fast = self._fast_io and self._direct_on
+        path = policy.receive_path(fast_io=fast, action=action, sum_empty=empty, active=active,
                                    plain=plain, fits=head is not None and self.round.fits(head[0]), cfg=cfg)
         self.last_path = path
         try:
