@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from fedtrain.config import load_config
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.state.store import Store
 from fedtrain.demo import run_demo
 from fedtrain.recipes import build_model
 from fedtrain.report import human_bytes

@@ -350,7 +350,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from fedtrain.coordinator.runner import run_coordinator
+    from fedtrain.coordinator.http.main import run_coordinator
 
     return run_coordinator(args)
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig, load_config, parse_config
-from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.errors import FedtrainError
 from fedtrain.merge.outer_lr import recommended_outer_lr
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy

@@ -17,7 +17,7 @@ import httpx
 import torch
 from playwright.sync_api import Dialog, Route, expect
 
-from fedtrain.coordinator.auth import KEY_HEADER
+from fedtrain.coordinator.members.auth import KEY_HEADER
 from tests.browser.conftest import ARTIFACTS, SITES, LiveRun, Page
 from tests.conftest import ATOKEN, PTOKEN
 from tests.integration.test_pieces import halves, send_piece

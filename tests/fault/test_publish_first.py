@@ -147,7 +147,7 @@ def test_a_full_disk_that_also_fills_the_database_holds_the_run_with_507_then_le
     import os
     import sqlite3
 
-    from fedtrain.coordinator.store import Store
+    from fedtrain.coordinator.state.store import Store
 
     cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, min_participants=2)
     real_pwrite, real_write = os.pwrite, Store.write

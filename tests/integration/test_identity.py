@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
-from fedtrain.coordinator.auth import KEY_HEADER
+from fedtrain.coordinator.members.auth import KEY_HEADER
 from fedtrain.errors import AuthError, CoordinatorError
 from fedtrain.faults import InjectedCrash
 from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.state.store import Store
 from fedtrain.report import format_status
 from tests.conftest import PTOKEN, tiny_config
 from tests.integration.test_api import assert_error, client, put

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.pieces import ROWS_META
+from fedtrain.coordinator.intake.pieces import ROWS_META
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
 from fedtrain.wire.compress import compress
 from tests.conftest import tiny_config
@@ -173,7 +173,7 @@ def test_a_round_that_closes_drops_an_update_still_in_pieces(tmp_path: Path) -> 
 
 
 def test_an_update_comes_in_a_bounded_number_of_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("fedtrain.coordinator.pieces.MAX_PIECES", 2)
+    monkeypatch.setattr("fedtrain.coordinator.intake.pieces.MAX_PIECES", 2)
     with BackgroundCoordinator(tmp_path / "s", tiny_config()) as c, client(c) as http:
         for pid in ("p", "q"):
             http.post("/v1/join", json={"name": pid})
@@ -193,7 +193,7 @@ def test_a_piece_counts_as_in_while_its_complete_update_is_assembled(tmp_path: P
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Between the last piece and the update's place in the round, a rank asking after its piece
     (GET /v1/rounds/r?piece=) hears it is in, and a resend is a duplicate, not a new update."""
-    from fedtrain.coordinator import intake
+    from fedtrain.coordinator.intake import flow as intake
 
     entered, release = threading.Event(), threading.Event()
     real = intake.assemble

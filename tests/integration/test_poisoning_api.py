@@ -153,7 +153,7 @@ def test_a_merge_that_overflows_in_the_outer_step_is_not_committed(tmp_path: Pat
     purpose), c's 3e38 is merged and FedAdam's g² overflows. The merge is checked before it is
     published: not committed, the optimizer back at the committed round, c (the update that
     moves the merge most) refused for the round with an event, and the round closes with a, b."""
-    monkeypatch.setattr("fedtrain.coordinator.values.MAX_UPDATE_ABS", float("inf"))
+    monkeypatch.setattr("fedtrain.coordinator.intake.values.MAX_UPDATE_ABS", float("inf"))
     cfg = tiny_config(outer={"algorithm": "fedadam"}, min_participants=2, round_timeout_s=1.0)
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
         for pid in "abc":

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.limits import ServerLimits
+from fedtrain.coordinator.http.limits import ServerLimits
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, write_file
 from tests.conftest import PTOKEN, tiny_config
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator, Coordinator
-from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.errors import StateError
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
 from tests.integration.test_api import assert_error, client, put

@@ -17,7 +17,7 @@ import torch
 
 from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.pieces import ROWS_META
+from fedtrain.coordinator.intake.pieces import ROWS_META
 from fedtrain.participant import CoordinatorClient
 from fedtrain.participant import client as client_module
 from fedtrain.wire import DIGEST_HEADER, digest_bytes, read_tensors, write_file
@@ -194,7 +194,7 @@ BAD_ROWS = [
 
 
 def test_bad_rows_are_refused_with_400(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedtrain.coordinator import slices
+    from fedtrain.coordinator.model import slices
 
     monkeypatch.setattr(slices, "MAX_ROWS_CHARS", 100)  # a URL's query stops at 64 KiB in httpx
     with BackgroundCoordinator(tmp_path / "s", tiny_config(), init_weights=init_model(tmp_path)) as c, \

@@ -16,7 +16,7 @@ import torch
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.publish import ModelStream
+from fedtrain.coordinator.model.publish import ModelStream
 from fedtrain.transport import FAST_IO_ENV, Body
 from fedtrain.transport.readinto import ReadIntoProtocol
 from fedtrain.wire import read_tensors

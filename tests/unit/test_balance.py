@@ -8,7 +8,7 @@ import math
 import pytest
 
 from fedtrain.config import ScheduleConfig
-from fedtrain.coordinator.balance import (
+from fedtrain.coordinator.policy.balance import (
     MAX_RATE,
     MIN_RATE,
     Reported,

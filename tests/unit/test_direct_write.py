@@ -226,7 +226,7 @@ def test_the_coordinator_moves_its_tensors_once_then_writes_them_from_memory(
     import httpx
 
     from fedtrain.coordinator import BackgroundCoordinator
-    from fedtrain.coordinator.checkpoints import CheckpointDir
+    from fedtrain.coordinator.model.checkpoints import CheckpointDir
     from tests.conftest import ATOKEN, tiny_config
     from tests.integration.test_api import put
 

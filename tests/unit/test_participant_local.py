@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.global_eval import version_due
+from fedtrain.coordinator.model.global_eval import version_due
 from fedtrain.errors import CoordinatorUnavailable, StateError
 from fedtrain.participant import Participant
 from fedtrain.participant.checkpoint import LocalCheckpoint

@@ -15,9 +15,9 @@ import torch
 
 from fedtrain import faults
 from fedtrain.coordinator import Coordinator
-from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.publish import ModelStream, NotCommitted, Published, WeightsGuard
+from fedtrain.coordinator.members.auth import Tokens
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.publish import ModelStream, NotCommitted, Published, WeightsGuard
 from fedtrain.transport.send import SocketOut
 from fedtrain.wire import EncodedBody, write_file
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
@@ -39,7 +39,7 @@ def collect(stream: ModelStream, between=None) -> bytes:
 @pytest.mark.parametrize("slow_disk", [False, True])
 def test_model_stream_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_disk: bool) -> None:
     """Read in the event loop while reads are fast; after a slow one, on a worker thread."""
-    from fedtrain.coordinator import publish
+    from fedtrain.coordinator.model import publish
 
     t = {"a": torch.randn(1_000_000), "b": torch.randn(10)}  # 4 MB: 8 chunks
     digest = write_file(tmp_path / "g", t, {"version": "3"})

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from fedtrain.coordinator import Coordinator
-from fedtrain.coordinator.auth import ADMIN, Identity, Tokens
-from fedtrain.coordinator.folds import Pending, RoundSum
+from fedtrain.coordinator.intake.folds import Pending, RoundSum
+from fedtrain.coordinator.intake.receive import SpoolFiles
+from fedtrain.coordinator.members.auth import ADMIN, Identity, Tokens
 from fedtrain.coordinator.policy import DIRECT_MAX_ACTIVE
-from fedtrain.coordinator.receive import SpoolFiles
 from fedtrain.errors import Refused, WireError
 from fedtrain.merge import RunningSum
 from fedtrain.wire.compress import compress
@@ -91,7 +91,7 @@ def expected_sum(svc: Coordinator, *updates: dict[str, torch.Tensor]) -> dict[st
 @pytest.mark.parametrize("value", BAD_VALUES)
 def test_coordinator_refuses_a_non_finite_plain_upload(service: Coordinator, monkeypatch: pytest.MonkeyPatch,
                                                        where: str, value: float) -> None:
-    monkeypatch.setattr("fedtrain.coordinator.receive.BATCH", 4096)  # batches of 5 chunks of 1001 bytes
+    monkeypatch.setattr("fedtrain.coordinator.intake.receive.BATCH", 4096)  # batches of 5 chunks of 1001 bytes
     service.intake.set_piece_bytes(64)  # read back in many pieces
     t = {n: torch.randn(v.shape) for n, v in service.outer.params.items()}
     name = place(t, where, value)
@@ -200,7 +200,7 @@ def test_a_direct_upload_is_checked_finite_as_it_lands(tmp_path: Path, monkeypat
     def no_second_pass(name: str, values: torch.Tensor) -> float:
         raise AssertionError("the direct upload's values were checked again after the scan")
 
-    monkeypatch.setattr("fedtrain.coordinator.folds.check_piece", no_second_pass)
+    monkeypatch.setattr("fedtrain.coordinator.intake.folds.check_piece", no_second_pass)
     good, bad = updates(svc, 2)
     name = place(bad, where, value)
     with pytest.raises(Refused) as refused:
@@ -268,7 +268,7 @@ def test_a_close_stops_a_direct_upload_and_nothing_waits_for_it(tmp_path: Path) 
 
 @pytest.mark.parametrize("size", [1, 3, 8, 10_000])
 def test_peek_header_reads_ahead_and_gives_every_byte_back(size: int) -> None:
-    from fedtrain.coordinator.receive import peek_header
+    from fedtrain.coordinator.intake.receive import peek_header
 
     data, _ = raw_body({"w": torch.arange(6.0), "b": torch.ones(2)}, {"k": "v"})
 

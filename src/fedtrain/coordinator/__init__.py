@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 from fedtrain import _lazy_exports
 
 _SOURCES = {
-    "fedtrain.coordinator.auth": ("Tokens",),
-    "fedtrain.coordinator.server": ("BackgroundCoordinator",),
+    "fedtrain.coordinator.members.auth": ("Tokens",),
+    "fedtrain.coordinator.http.server": ("BackgroundCoordinator",),
     "fedtrain.coordinator.service": ("Coordinator",),
 }
 
 if TYPE_CHECKING:
-    from fedtrain.coordinator.auth import Tokens
-    from fedtrain.coordinator.server import BackgroundCoordinator
+    from fedtrain.coordinator.http.server import BackgroundCoordinator
+    from fedtrain.coordinator.members.auth import Tokens
     from fedtrain.coordinator.service import Coordinator
 else:
     __getattr__, __dir__ = _lazy_exports(__name__, _SOURCES)

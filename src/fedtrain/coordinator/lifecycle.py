@@ -25,19 +25,19 @@ from pathlib import Path
 import torch
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.committer import Committer
-from fedtrain.coordinator.config_versions import ConfigVersions
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.fragments import plan_for
-from fedtrain.coordinator.intake import Intake
-from fedtrain.coordinator.open_round import OpenRound
-from fedtrain.coordinator.roster import Roster
-from fedtrain.coordinator.rounds import Rounds
-from fedtrain.coordinator.schedule import Schedule
-from fedtrain.coordinator.store import Store
-from fedtrain.coordinator.uploads import Uploads
+from fedtrain.coordinator.intake.flow import Intake
+from fedtrain.coordinator.intake.uploads import Uploads
+from fedtrain.coordinator.members.auth import Tokens
+from fedtrain.coordinator.members.roster import Roster
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.rounds.fragment_plan import plan_for
+from fedtrain.coordinator.rounds.open_round import OpenRound
+from fedtrain.coordinator.rounds.progress import Rounds
+from fedtrain.coordinator.rounds.schedule import Schedule
+from fedtrain.coordinator.state.config_versions import ConfigVersions
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import FedtrainError, StateError
 from fedtrain.transport import fast_io_enabled
 from fedtrain.wire import iter_file, read_tensors

@@ -45,22 +45,22 @@ import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import lifecycle
-from fedtrain.coordinator.auth import Identity, Tokens, require_admin
-from fedtrain.coordinator.committer import Committer
-from fedtrain.coordinator.config_versions import ConfigVersions
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.global_eval import GlobalEvaluator
-from fedtrain.coordinator.intake import Intake
-from fedtrain.coordinator.pieces import check_label
-from fedtrain.coordinator.publish import ModelStream
-from fedtrain.coordinator.roster import Live, Roster
-from fedtrain.coordinator.rounds import Rounds
-from fedtrain.coordinator.schedule import Schedule
-from fedtrain.coordinator.slices import SliceStream
-from fedtrain.coordinator.statelock import StateLock
-from fedtrain.coordinator.store import ParticipantRow, Store
-from fedtrain.coordinator.uploads import Uploads
-from fedtrain.coordinator.views import participant_view
+from fedtrain.coordinator.intake.flow import Intake
+from fedtrain.coordinator.intake.pieces import check_label
+from fedtrain.coordinator.intake.uploads import Uploads
+from fedtrain.coordinator.members.auth import Identity, Tokens, require_admin
+from fedtrain.coordinator.members.roster import Live, Roster
+from fedtrain.coordinator.members.views import participant_view
+from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.model.global_eval import GlobalEvaluator
+from fedtrain.coordinator.model.publish import ModelStream
+from fedtrain.coordinator.model.slices import SliceStream
+from fedtrain.coordinator.rounds.progress import Rounds
+from fedtrain.coordinator.rounds.schedule import Schedule
+from fedtrain.coordinator.state.config_versions import ConfigVersions
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.statelock import StateLock
+from fedtrain.coordinator.state.store import ParticipantRow, Store
 from fedtrain.errors import Refused
 from fedtrain.merge import OuterOptimizer, RunningSum, all_finite
 from fedtrain.transport import Body

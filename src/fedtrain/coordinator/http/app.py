@@ -22,12 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import fedtrain
 from fedtrain.config import MB
-from fedtrain.coordinator import storage
-from fedtrain.coordinator.dashboard import STATIC_DIR
-from fedtrain.coordinator.limits import BodyLimit, InFlight
-from fedtrain.coordinator.routes import admin, config, dashboard, observability, participants, rounds
+from fedtrain.coordinator.http.dashboard import STATIC_DIR
+from fedtrain.coordinator.http.limits import BodyLimit, UploadsInFlight
+from fedtrain.coordinator.http.routes import admin, live_config, membership, observability, round_traffic, web
 from fedtrain.coordinator.service import Coordinator
-from fedtrain.coordinator.storage import storage_full
+from fedtrain.coordinator.state import storage
+from fedtrain.coordinator.state.storage import storage_full
 from fedtrain.errors import (
     ConfigError,
     FedtrainError,
@@ -41,7 +41,8 @@ from fedtrain.errors import (
 log = logging.getLogger("fedtrain.coordinator")
 
 #: The routers in the order their routes are matched and listed in the OpenAPI document.
-ROUTERS = (dashboard.router, admin.router, observability.router, participants.router, config.router, rounds.router)
+ROUTERS = (web.router, admin.router, observability.router, membership.router, live_config.router,
+           round_traffic.router)
 
 
 def _status_of(exc: FedtrainError) -> int:
@@ -74,7 +75,7 @@ def create_app(service: Coordinator) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.service = service  # what the routes call (`routes.deps.coordinator`)
-    app.state.uploads_in_flight = InFlight()  # one upload at a time per (participant, round)
+    app.state.uploads_in_flight = UploadsInFlight()  # one upload at a time per (participant, round)
     _add_error_handlers(app)
     app.add_middleware(BodyLimit, upload_limit=lambda: int(service.config.max_upload_mb * MB))  # type: ignore[arg-type]
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

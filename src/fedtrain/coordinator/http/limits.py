@@ -9,7 +9,7 @@ an upload be answered before its body was read (a refusal from its headers), up 
 limit of it is read and dropped after the answer, so that a client that sends its body
 whole reads the answer; a longer one closes the connection (`transport.BodySource.allow_drop`).
 
-`InFlight` keeps one upload in progress per (participant, round): a second one at the same
+`UploadsInFlight` keeps one upload in progress per (participant, round): a second one at the same
 time is refused from its headers (`app.py`), so one participant cannot hold any number of
 connections, spool files and receive buffers. Timeouts and the cap on connections are the
 HTTP protocol's (`transport.ServerLimits`, set in `server.uvicorn_config`).
@@ -28,7 +28,7 @@ from fedtrain.errors import error_body
 from fedtrain.transport.protocols import READINTO
 from fedtrain.transport.server_limits import ServerLimits
 
-__all__ = ["MAX_JSON_BYTES", "BodyLimit", "InFlight", "ServerLimits"]
+__all__ = ["MAX_JSON_BYTES", "BodyLimit", "ServerLimits", "UploadsInFlight"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -106,7 +106,7 @@ async def _answer_413(send: Send, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class InFlight:
+class UploadsInFlight:
     """Requests in progress by key, at most one each (an upload per participant and round).
     Used from the event loop's thread only."""
 

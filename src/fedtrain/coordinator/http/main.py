@@ -17,10 +17,10 @@ from pathlib import Path
 import uvicorn
 
 from fedtrain.config import load_config
-from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.server import bind, uvicorn_config
+from fedtrain.coordinator.http.server import bind, uvicorn_config
+from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.coordinator.service import Coordinator
-from fedtrain.coordinator.statelock import StateLock
+from fedtrain.coordinator.state.statelock import StateLock
 from fedtrain.errors import ConfigError, StateError
 from fedtrain.transport.allocator import tune_process
 

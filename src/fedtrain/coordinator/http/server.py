@@ -15,8 +15,8 @@ from pathlib import Path
 import uvicorn
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.app import create_app
-from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.http.app import create_app
+from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.transport.http_server import STOCK, fast_protocol
 from fedtrain.transport.server_limits import ServerLimits

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from fedtrain.coordinator.values import ValueScan
+from fedtrain.coordinator.intake.values import ValueScan
 from fedtrain.errors import Refused
 from fedtrain.transport import Abandoned, Body
 from fedtrain.wire import BodyReader

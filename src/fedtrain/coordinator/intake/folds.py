@@ -28,9 +28,9 @@ import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import policy
-from fedtrain.coordinator.receive import Staging
-from fedtrain.coordinator.spool import RoundSpool
-from fedtrain.coordinator.values import ValueScan, check_piece
+from fedtrain.coordinator.intake.receive import Staging
+from fedtrain.coordinator.intake.spool import RoundSpool
+from fedtrain.coordinator.intake.values import ValueScan, check_piece
 from fedtrain.errors import MergeError
 from fedtrain.merge import RunningSum
 from fedtrain.merge.aggregate import MAX_UPDATE_ABS

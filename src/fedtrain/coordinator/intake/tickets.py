@@ -1,7 +1,7 @@
 """What the intake hands around: an upload on its way in (`Upload`), its place in the open
 round once verified (`Ticket`), the round's places (`Seats`, which `uploads.Uploads` gives),
 what became of one piece of an update (`PieceAnswer`), and the count of folds in flight
-(`InFlight`, with a wait for none). Plain data; the event loop only.
+(`FoldsInFlight`, with a wait for none). Plain data; the event loop only.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class PieceAnswer:
     digest: str
 
 
-class InFlight:
+class FoldsInFlight:
     """A count of folds in flight (event loop only), with a wait for none."""
 
     def __init__(self) -> None:

@@ -6,7 +6,7 @@ bounds the weight its token claim gives (`policy.count_tokens`), lets the intake
 verify and fold it (`intake.py`), and once it is in counts it: the participant's counters,
 the submission's row, the round's clock. Its `reserve` gives an upload its place in the
 open round once its body is verified (the round may have closed while it streamed in).
-In asynchronous mode (`async_policy.py`) an update is admitted by its staleness, and a
+In asynchronous mode (`async_rules.py`) an update is admitted by its staleness, and a
 verified one waits for a free seat (`wait_seat`: the open round holds no update and is not
 closing), since each version is exactly one update; it is recorded in the round it is
 applied in, and its answer names that round (`applied_in`), which its participant waits for.
@@ -20,18 +20,20 @@ import time
 from typing import Any
 
 from fedtrain import faults
-from fedtrain.coordinator import async_policy, policy, storage
-from fedtrain.coordinator.auth import Identity
-from fedtrain.coordinator.config_versions import ConfigVersions
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.intake import Intake
-from fedtrain.coordinator.receive import peek_header
-from fedtrain.coordinator.roster import Roster
-from fedtrain.coordinator.rounds import Rounds
-from fedtrain.coordinator.storage import storage_full
-from fedtrain.coordinator.store import ParticipantRow, Store
-from fedtrain.coordinator.tickets import Ticket, Upload
-from fedtrain.coordinator.values import POISON_CODES
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.intake.flow import Intake
+from fedtrain.coordinator.intake.receive import peek_header
+from fedtrain.coordinator.intake.tickets import Ticket, Upload
+from fedtrain.coordinator.intake.values import POISON_CODES
+from fedtrain.coordinator.members.auth import Identity
+from fedtrain.coordinator.members.roster import Roster
+from fedtrain.coordinator.policy import async_rules
+from fedtrain.coordinator.rounds.progress import Rounds
+from fedtrain.coordinator.state import storage
+from fedtrain.coordinator.state.config_versions import ConfigVersions
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.storage import storage_full
+from fedtrain.coordinator.state.store import ParticipantRow, Store
 from fedtrain.errors import Refused
 from fedtrain.transport import Body
 
@@ -74,7 +76,7 @@ class Uploads:
         if self._rounds.open.taken(self._rounds.open.key(pid, round_, admission)):
             return True
         if self._async and round_ < self._rounds.version:
-            return async_policy.submitted_before(self._store.newest_submission(pid), round_)
+            return async_rules.submitted_before(self._store.newest_submission(pid), round_)
         return admission.action == "late" and any(s["participant_id"] == pid for s in self._store.submissions(round_))
 
     @property
@@ -84,7 +86,7 @@ class Uploads:
     def _weight(self, tokens: int, admission: policy.Admission) -> float:
         cfg = self._configs.config
         weight = float(tokens) if cfg.outer.weighting == "tokens" else 1.0
-        if self._async:  # its staleness scales the step instead (`async_policy.scale`): a round is one update
+        if self._async:  # its staleness scales the step instead (`async_rules.scale`): a round is one update
             return weight
         return weight * cfg.staleness_discount**admission.staleness
 

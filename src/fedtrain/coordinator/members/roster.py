@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator import policy, ranks
-from fedtrain.coordinator.auth import (
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.members import processes
+from fedtrain.coordinator.members.auth import (
     Holder,
     Identity,
     Tokens,
@@ -34,9 +35,9 @@ from fedtrain.coordinator.auth import (
     require_admin,
     within_cap,
 )
-from fedtrain.coordinator.balance import Reported
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.store import ParticipantRow, Store
+from fedtrain.coordinator.policy.balance import Reported
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.store import ParticipantRow, Store
 from fedtrain.errors import Refused
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -122,7 +123,7 @@ class Roster:
             raise Refused(
                 400, "invalid_name", f"participant name {name!r} must be 1-64 letters, digits, '_', '.' or '-'"
             )
-        ranks.check_info(info)  # what it says of its processes is shown to everyone: readable, or refused
+        processes.check_info(info)  # what it says of its processes is shown to everyone: readable, or refused
         now = self._clock()
         p = self._rows.get(name)
         if p is not None and p.token_id != ident.token_id and not ident.is_admin:

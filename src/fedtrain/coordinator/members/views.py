@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedtrain.coordinator import ranks
-from fedtrain.coordinator.pieces import PiecesIn
-from fedtrain.coordinator.roster import Live
-from fedtrain.coordinator.store import ParticipantRow
+from fedtrain.coordinator.intake.pieces import PiecesIn
+from fedtrain.coordinator.members import processes
+from fedtrain.coordinator.members.roster import Live
+from fedtrain.coordinator.state.store import ParticipantRow
 
 
 def participant_view(p: ParticipantRow, live: Live, weight: float | None, pieces: PiecesIn | None,
                       told: dict[str, Any]) -> dict[str, Any]:
     """One participant in the status: its counters, what it last reported, its weight in the
-    last round, its processes (`ranks.describe`), its open round's update in pieces, if any,
+    last round, its processes (`processes.describe`), its open round's update in pieces, if any,
     and its H for the open round with the reason (`told`: `Schedule.status`)."""
-    parallel, world_size = ranks.describe(p.info)
+    parallel, world_size = processes.describe(p.info)
     return {
         "id": p.id,
         "state": p.state,

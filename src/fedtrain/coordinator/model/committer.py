@@ -27,12 +27,12 @@ import torch
 
 from fedtrain import faults
 from fedtrain.config import RunConfig, outer_choice
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.publish import ModelStream, Published, WeightsGuard
-from fedtrain.coordinator.restore import load_version, newest_intact, restore_record
-from fedtrain.coordinator.slices import SliceStream, parse_rows
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.publish import ModelStream, Published, WeightsGuard
+from fedtrain.coordinator.model.restore import load_version, newest_intact, restore_record
+from fedtrain.coordinator.model.slices import SliceStream, parse_rows
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import MergeError, Refused, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum
 from fedtrain.wire import EncodedBody, parse_digest

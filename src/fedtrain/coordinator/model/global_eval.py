@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.committer import Committer
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.state.store import Store
 
 __all__ = ["GLOBAL_EVAL_PREFIX", "GlobalEvaluator", "version_due"]
 

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO, Protocol
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from fedtrain.coordinator.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.transport.protocols import SEND, Hold, ModelSender, Steps
 from fedtrain.wire import EncodedBody
 

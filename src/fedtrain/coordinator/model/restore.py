@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import MergeError, StateError
 from fedtrain.merge import OuterOptimizer
 

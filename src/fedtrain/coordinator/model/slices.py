@@ -30,8 +30,8 @@ from typing import BinaryIO
 
 import torch
 
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.publish import CHUNK, SEND_PIECE, Published, WeightsGuard, memory_chunks, memory_steps
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.publish import CHUNK, SEND_PIECE, Published, WeightsGuard, memory_chunks, memory_steps
 from fedtrain.errors import Refused, StateError
 from fedtrain.transport.protocols import ModelSender, Steps
 from fedtrain.wire import EncodedBody

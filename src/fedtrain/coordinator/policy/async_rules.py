@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.policy import Admission, Decision
+from fedtrain.coordinator.policy.admission import Admission
+from fedtrain.coordinator.policy.closing import Decision
 from fedtrain.merge.staleness import staleness_factor
 
 

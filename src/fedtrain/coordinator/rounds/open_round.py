@@ -5,7 +5,7 @@ will commit is one more), when it opened, whether it is closing and why (the las
 decision's reason), the updates reserved into it (`submitted`, by participant; `late`, the
 late folds, by `pid@lateR`), each one's staleness (asynchronous mode: versions behind its
 base), the times of its submissions, and those of recent rounds (for the adaptive
-deadline). Plain state and the pure rules of `policy.py` (and `async_policy.py`) over it;
+deadline). Plain state and the pure rules of `policy.py` (and `async_rules.py`) over it;
 the event loop only.
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import deque
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator import async_policy, policy
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.policy import async_rules
 
 
 class OpenRound:
@@ -40,7 +41,7 @@ class OpenRound:
 
     def admission(self, round_: int, finished: bool, cfg: RunConfig) -> policy.Admission:
         if cfg.schedule.mode == "async":
-            return async_policy.admit(round_, self.version, self.closing, finished, cfg)
+            return async_rules.admit(round_, self.version, self.closing, finished, cfg)
         return policy.admit_upload(round_, self.version, self.closing, finished, cfg)
 
     @property

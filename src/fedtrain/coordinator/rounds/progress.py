@@ -11,7 +11,7 @@ default (commit first) no download completes before it is done; with `publish_fi
 downloads are not held back. A failed merge or commit goes back to the last committed
 round, and the uploads since must be sent again.
 
-In asynchronous mode (`async_policy.py`) a round is one update, closed as soon as it is in;
+In asynchronous mode (`async_rules.py`) a round is one update, closed as soon as it is in;
 its merge scales the update by its staleness weight and takes the delayed Nesterov step,
 and the rest is the same: every applied update is a committed version.
 
@@ -41,18 +41,20 @@ from typing import Any
 
 from fedtrain import faults
 from fedtrain.config import OuterConfig, RunConfig
-from fedtrain.coordinator import async_policy, policy, storage
-from fedtrain.coordinator.committer import Committer
-from fedtrain.coordinator.config_versions import ConfigVersions
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.fragments import Fragment, FragmentPlan
-from fedtrain.coordinator.intake import Intake, MergeInputs
-from fedtrain.coordinator.open_round import OpenRound
-from fedtrain.coordinator.publish import ModelStream, Published
-from fedtrain.coordinator.roster import Roster
-from fedtrain.coordinator.slices import SliceStream
-from fedtrain.coordinator.storage import storage_full
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.intake.flow import Intake, MergeInputs
+from fedtrain.coordinator.members.roster import Roster
+from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.model.publish import ModelStream, Published
+from fedtrain.coordinator.model.slices import SliceStream
+from fedtrain.coordinator.policy import async_rules
+from fedtrain.coordinator.rounds.fragment_plan import Fragment, FragmentPlan
+from fedtrain.coordinator.rounds.open_round import OpenRound
+from fedtrain.coordinator.state import storage
+from fedtrain.coordinator.state.config_versions import ConfigVersions
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.storage import storage_full
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import MergeError, Refused
 from fedtrain.merge import OuterOptimizer, contribution_weights
 from fedtrain.merge.outer import NonFiniteStep
@@ -149,7 +151,7 @@ class Rounds:
     def decide(self) -> policy.Decision:
         cfg = self._configs.config
         if cfg.schedule.mode == "async":
-            return async_policy.decide(self.open.version, self.open.staleness, cfg)
+            return async_rules.decide(self.open.version, self.open.staleness, cfg)
         return policy.decide_round(self.open.view(self.deadline()[0]), self._roster.views(), self.clock(),
                                    self._configs.config)
 
@@ -285,9 +287,9 @@ class Rounds:
         tokens, staleness = dict(self.open.submitted), dict(self.open.staleness)
         step = Step()
         if cfg.schedule.mode == "async":
-            step = Step(async_policy.scale(tokens, staleness, cfg),
-                        async_policy.momentum_period(len(self._roster.active()), cfg)[0],
-                        {k: async_policy.weight(staleness.get(k, 0), cfg)[0] for k in tokens})
+            step = Step(async_rules.scale(tokens, staleness, cfg),
+                        async_rules.momentum_period(len(self._roster.active()), cfg)[0],
+                        {k: async_rules.weight(staleness.get(k, 0), cfg)[0] for k in tokens})
         try:
             merged = await asyncio.to_thread(self._merge, r, reason, tokens, cfg, step)
         except PoisonedMerge as e:

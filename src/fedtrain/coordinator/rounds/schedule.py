@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.balance import Reported, measured_rate, plan_steps
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.policy.balance import Reported, measured_rate, plan_steps
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.store import Store
 
 
 def lockstep(cfg: RunConfig) -> str:

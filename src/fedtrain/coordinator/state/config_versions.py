@@ -24,9 +24,9 @@ import torch
 from fedtrain.config import RunConfig, check_upload_limit, load_config, parse_config
 from fedtrain.config_changes import apply_change, change_notes, config_diff, patch_of
 from fedtrain.coordinator import policy
-from fedtrain.coordinator.auth import Identity, require_admin
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.members.auth import Identity, require_admin
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import ConfigError, Refused, StateError
 from fedtrain.wire.compress import expected_specs
 

@@ -14,9 +14,9 @@ import sqlite3
 import time
 from typing import Any
 
-from fedtrain.coordinator.broadcast import Broadcaster
-from fedtrain.coordinator.storage import storage_full
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.state.broadcast import Broadcaster
+from fedtrain.coordinator.state.storage import storage_full
+from fedtrain.coordinator.state.store import Store
 
 log = logging.getLogger("fedtrain.coordinator")
 

@@ -10,8 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedtrain.coordinator.auth import Identity
-from fedtrain.coordinator.routes.deps import MAX_COUNT, coordinator, identity
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity
+from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.service import Coordinator
 
 router = APIRouter()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from fastapi import Query, Request
 
-from fedtrain.coordinator.auth import KEY_HEADER, Identity, key_cookie, role_check
+from fedtrain.coordinator.members.auth import KEY_HEADER, Identity, key_cookie, role_check
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused
 from fedtrain.transport import READINTO, SEND, Body, ResponseSink

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedtrain.coordinator.auth import Identity
-from fedtrain.coordinator.routes.deps import MAX_COUNT, coordinator, identity, speaker_by_query
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity, speaker_by_query
+from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.service import Coordinator
 
 router = APIRouter()

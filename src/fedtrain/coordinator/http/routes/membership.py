@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedtrain.coordinator.auth import KEY_HEADER, Identity, key_cookie
-from fedtrain.coordinator.routes.deps import MAX_COUNT, coordinator, identity, speaker
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity, speaker
+from fedtrain.coordinator.members.auth import KEY_HEADER, Identity, key_cookie
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused
 

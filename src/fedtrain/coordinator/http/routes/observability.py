@@ -12,10 +12,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
-from fedtrain.coordinator.auth import Identity
-from fedtrain.coordinator.broadcast import sse
-from fedtrain.coordinator.routes.deps import coordinator, identity, response_sink, stream_identity
+from fedtrain.coordinator.http.routes.deps import coordinator, identity, response_sink, stream_identity
+from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.service import Coordinator
+from fedtrain.coordinator.state.broadcast import sse
 
 router = APIRouter()
 

@@ -14,12 +14,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from fedtrain.coordinator.auth import Identity
-from fedtrain.coordinator.limits import InFlight
-from fedtrain.coordinator.publish import ModelResponse, ModelStream
-from fedtrain.coordinator.routes.deps import MAX_COUNT, coordinator, speaker, speaker_by_query, upload_body
+from fedtrain.coordinator.http.limits import UploadsInFlight
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, speaker, speaker_by_query, upload_body
+from fedtrain.coordinator.members.auth import Identity
+from fedtrain.coordinator.model.publish import ModelResponse, ModelStream
+from fedtrain.coordinator.model.slices import SliceStream
 from fedtrain.coordinator.service import Coordinator
-from fedtrain.coordinator.slices import SliceStream
 from fedtrain.errors import Refused
 from fedtrain.wire import DIGEST_HEADER
 
@@ -29,9 +29,9 @@ VERSION_HEADER = "X-Fedtrain-Version"
 UPLOAD_RETRY_AFTER_S = 1.0  # what a 429 upload_in_progress asks the client to wait
 
 
-async def uploads_in_flight(request: Request) -> InFlight:
+async def uploads_in_flight(request: Request) -> UploadsInFlight:
     """The uploads in progress on the app of `request` (its own, set by `create_app`)."""
-    in_flight: InFlight = request.app.state.uploads_in_flight
+    in_flight: UploadsInFlight = request.app.state.uploads_in_flight
     return in_flight
 
 
@@ -66,7 +66,7 @@ async def upload(
                               description="this body is one piece of the update, so labelled (docs/training-jobs.md)"),
     ident: Identity = Depends(speaker),
     service: Coordinator = Depends(coordinator),
-    in_flight: InFlight = Depends(uploads_in_flight),
+    in_flight: UploadsInFlight = Depends(uploads_in_flight),
 ) -> dict[str, Any]:
     digest = request.headers.get(DIGEST_HEADER)
     if not digest:

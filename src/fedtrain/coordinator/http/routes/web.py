@@ -15,10 +15,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import FileResponse, PlainTextResponse
 
 import fedtrain
-from fedtrain.coordinator import prometheus
-from fedtrain.coordinator.auth import Identity
-from fedtrain.coordinator.dashboard import PAGE_HEADERS, STATIC_DIR
-from fedtrain.coordinator.routes.deps import coordinator, identity
+from fedtrain.coordinator.http import prometheus
+from fedtrain.coordinator.http.dashboard import PAGE_HEADERS, STATIC_DIR
+from fedtrain.coordinator.http.routes.deps import coordinator, identity
+from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.service import Coordinator
 
 router = APIRouter()
