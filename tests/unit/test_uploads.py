@@ -14,7 +14,7 @@ import torch
 
 from fedtrain.coordinator import Coordinator
 from fedtrain.coordinator.intake.folds import Pending, RoundSum
-from fedtrain.coordinator.intake.receive import SpoolFiles
+from fedtrain.coordinator.intake.spool import SpoolFiles
 from fedtrain.coordinator.members.auth import ADMIN, Identity, Tokens
 from fedtrain.coordinator.policy import DIRECT_MAX_ACTIVE
 from fedtrain.errors import Refused, WireError

@@ -52,7 +52,8 @@ from fedtrain.coordinator.intake.pieces import (
     check_label,
     piece_rows,
 )
-from fedtrain.coordinator.intake.receive import Head, SpoolFiles, Staging, receive_to_spool
+from fedtrain.coordinator.intake.receive import Head, receive_to_spool
+from fedtrain.coordinator.intake.spool import SpoolFiles, Staging
 from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Ticket, Upload
 from fedtrain.coordinator.intake.values import non_finite
 from fedtrain.coordinator.rounds.fragment_plan import Fragment, check_fragment

@@ -28,8 +28,7 @@ import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import policy
-from fedtrain.coordinator.intake.receive import Staging
-from fedtrain.coordinator.intake.spool import RoundSpool
+from fedtrain.coordinator.intake.spool import RoundSpool, Staging
 from fedtrain.coordinator.intake.values import ValueScan, check_piece
 from fedtrain.errors import MergeError
 from fedtrain.merge import RunningSum
