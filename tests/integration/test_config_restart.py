@@ -18,7 +18,7 @@ import httpx
 import yaml
 
 from fedtrain.config import RunConfig, outer_defaults
-from fedtrain.config_changes import apply_change, change_notes, config_diff
+from fedtrain.config.changes import apply_change, change_notes, config_diff
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.conftest import ATOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
 from tests.integration.test_sighup import wait_for

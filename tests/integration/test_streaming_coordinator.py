@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from fedtrain import faults
+from fedtrain.cli.report import format_status
 from fedtrain.config import RunConfig, outer_defaults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.merge import build_torch_optimizer
 from fedtrain.merge.robust import aggregate_tensor
-from fedtrain.report import format_status
 from fedtrain.streaming import fragments
 from fedtrain.wire import DIGEST_HEADER, read_tensors
 from tests.conftest import ATOKEN, tiny_config

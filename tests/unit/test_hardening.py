@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedtrain.config import MIN_UPLOAD_MB, RunConfig, check_upload_limit, load_config, parse_config
-from fedtrain.config_changes import apply_change
+from fedtrain.config.changes import apply_change
 from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.coordinator.model.checkpoints import STATE_DIGEST_KEY, CheckpointDir
 from fedtrain.errors import ConfigError, StateError, WireError

@@ -14,6 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from fedtrain.cli.report import eval_rows, format_evals
 from fedtrain.config import RunConfig
 from fedtrain.coordinator.model.global_eval import version_due
 from fedtrain.errors import CoordinatorUnavailable, StateError
@@ -24,7 +25,6 @@ from fedtrain.participant.metrics_log import MetricsLog
 from fedtrain.participant.overlap import OverlappedSync
 from fedtrain.participant.sync import SyncEngine
 from fedtrain.recipes import TokenStream
-from fedtrain.report import eval_rows, format_evals
 from fedtrain.wire import TensorSpec
 
 

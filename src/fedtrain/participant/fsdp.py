@@ -62,7 +62,7 @@ from torch import nn
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
-from fedtrain.config_changes import config_diff
+from fedtrain.config.changes import config_diff
 from fedtrain.errors import ConfigError, CoordinatorError, CoordinatorUnavailable, FedtrainError
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.participant.distributed import DistributedSyncError

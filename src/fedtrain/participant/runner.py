@@ -457,7 +457,7 @@ class Participant:
         if int(view["version"]) == self.config_version:
             return
         old, new = self.config, RunConfig.model_validate(view["config"])
-        from fedtrain.config_changes import config_diff
+        from fedtrain.config.changes import config_diff
 
         diff = config_diff(old.model_dump(mode="json"), new.model_dump(mode="json"))
         self.config, self.config_version = new, int(view["version"])

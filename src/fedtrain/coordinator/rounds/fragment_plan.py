@@ -5,7 +5,7 @@ coordinator's start, from the config (`streaming.fragments`, `streaming.assign`)
 model's tensor names in the model's own order (the order the run's version 0 holds them,
 which every checkpoint keeps: `OuterOptimizer.restore`). A coordinator round is one
 fragment's sync: round r syncs fragment r mod K. K and the assignment are fixed for the run
-(`config_changes.FIXED_FIELDS`), so the plan, and which fragment any round moved, are the
+(`config.changes.FIXED_FIELDS`), so the plan, and which fragment any round moved, are the
 same after every restart. Participants take the plan from the join answer (`view`) rather
 than compute it themselves.
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig, check_upload_limit, load_config, parse_config
-from fedtrain.config_changes import apply_change, change_notes, config_diff, patch_of
+from fedtrain.config.changes import apply_change, change_notes, config_diff, patch_of
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.members.auth import Identity, require_admin
 from fedtrain.coordinator.state.events import Events

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fedtrain.config import RunConfig, check_upload_limit, outer_defaults, parse_config
+from fedtrain.config.run_config import RunConfig, check_upload_limit, outer_defaults, parse_config
 from fedtrain.errors import ConfigError
 
 #: Fields that define the run itself; a live change to any of them is refused.

@@ -116,7 +116,7 @@ def format_diff(diff: dict[str, list[Any]]) -> str:
 
 
 def format_history(versions: list[dict[str, Any]]) -> str:
-    from fedtrain.report import table
+    from fedtrain.cli.report import table
 
     rows = [
         [

@@ -24,8 +24,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from fedtrain.config_sections import AsyncConfig, ScheduleConfig, StreamingConfig
-from fedtrain.config_sections import Strict as _Strict
+from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig
+from fedtrain.config.sections import Strict as _Strict
 from fedtrain.errors import ConfigError
 from fedtrain.merge.outer_lr import describe as describe_outer_lr
 from fedtrain.merge.outer_lr import recommended_outer_lr
@@ -401,7 +401,7 @@ def parse_config(data: Any, *, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: {_format_validation(e)}") from None
 
 
-RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 """Where the shipped recipe configs (`*.yaml`) live; `load_config("recipe:NAME")` reads one."""
 
 

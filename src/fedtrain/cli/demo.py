@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from fedtrain.cli.report import eval_rows, format_evals, human_bytes, table
 from fedtrain.config import RunConfig, load_config, parse_config
 from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.errors import FedtrainError
 from fedtrain.merge.outer_lr import recommended_outer_lr
 from fedtrain.participant.client import CoordinatorClient, RetryPolicy
-from fedtrain.report import eval_rows, format_evals, human_bytes, table
 
 DEMO_CONFIG: dict[str, Any] = {
     "name": "demo",

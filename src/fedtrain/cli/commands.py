@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import fedtrain
-from fedtrain import cli_admin
+import fedtrain.cli.admin_commands as cli_admin
 from fedtrain.errors import ConfigError, FedtrainError
 
 if TYPE_CHECKING:
@@ -377,13 +377,13 @@ def cmd_participant(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from fedtrain.demo import run_demo
+    from fedtrain.cli.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from fedtrain.report import eval_rows, format_status
+    from fedtrain.cli.report import eval_rows, format_status
 
     with _client(args) as client:
         status = client.status()

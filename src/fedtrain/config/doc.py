@@ -1,5 +1,5 @@
 """The run config's field reference (docs/config.md), generated from the typed schema so the
-documentation cannot drift from the code: `python -m fedtrain.config_doc > docs/config.md`."""
+documentation cannot drift from the code: `python -m fedtrain.config.doc > docs/config.md`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any, Literal, Union, get_args, get_origin
 import annotated_types
 from pydantic import BaseModel
 
-from fedtrain.config import RunConfig
-from fedtrain.config_changes import fixed_reason
+from fedtrain.config.changes import fixed_reason
+from fedtrain.config.run_config import RunConfig
 
 HEADER = """# Run config reference
 
-Generated from `fedtrain.config.RunConfig` by `python -m fedtrain.config_doc > docs/config.md`
+Generated from `fedtrain.config.RunConfig` by `python -m fedtrain.config.doc > docs/config.md`
 (a test checks it is current). A run config is YAML or JSON; unknown fields are refused.
 Fields under `name`, `seed` and `model`, and `streaming.fragments` and `streaming.assign`
 (with `streaming` itself: on or off), are fixed for the life of a run; every other field
@@ -43,7 +43,8 @@ def _type(annotation: Any) -> str:
     if get_origin(annotation) is list:
         return f"list of {_type(args[0])}" if args else "list"
     text = getattr(annotation, "__name__", None) or str(annotation)
-    return text.replace("typing.", "").replace("fedtrain.config.", "")
+    return (text.replace("typing.", "").replace("fedtrain.config.run_config.", "")
+            .replace("fedtrain.config.sections.", "").replace("fedtrain.config.", ""))
 
 
 def _range(field: Any) -> str:
