@@ -124,4 +124,5 @@ def test_the_validation_answer_says_what_a_switch_runs_with(tmp_path: Path) -> N
         assert any("fedadam" in n and "lr 0.01" in n for n in v.json()["notes"]), v.json()
         r = httpx.put(f"{c.url}/v1/config", headers=headers, json=switch)
         assert r.status_code == 200 and r.json()["notes"], r.text
-        assert c.service.outer.algorithm == "fedadam" and c.service.outer.hp["lr"] == 1e-2  # in force at once (idle)
+        status = c.service.status()
+        assert status["algorithm"] == "fedadam" and status["outer_lr"] == 1e-2  # in force at once (idle)

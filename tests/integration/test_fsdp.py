@@ -34,7 +34,7 @@ def test_two_rank_fsdp_participant_beside_a_single_process_one(tmp_path: Path) -
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         group = fsdp_group(c.url, "group", out)
         finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
-        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         rounds = c.service.store.rounds()
         roster = c.service.status()["participants"]
         assert c.service.finished and c.service.version == 4

@@ -77,7 +77,7 @@ def one_round(c: BackgroundCoordinator) -> None:
         r = http.get("/v1/model", params={"version": 1})
         assert r.status_code == 200
         got = dict(read_tensors([r.content]))
-        for n, t in c.service.outer.params.items():
+        for n, t in c.service.inspect().weights.items():
             assert torch.equal(got[n], t)
 
 

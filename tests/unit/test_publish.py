@@ -272,7 +272,7 @@ async def close_round(svc: Coordinator) -> None:
     """Both participants upload round 0; returns once round 1 is served (from memory)."""
     g = torch.Generator().manual_seed(0)
     for pid in ("a", "b"):
-        data, digest = raw_body({k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in svc.outer.params.items()})
+        data, digest = raw_body({k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in svc.inspect().weights.items()})
         await svc.receive_update(ADMIN_ID, pid, 0, 10, digest, len(data), chunked(data, 4096))
     while svc.version != 1:
         await asyncio.sleep(0.01)
@@ -293,12 +293,12 @@ def test_publish_first_commits_at_once_and_downloads_end_before_it(tmp_path: Pat
             await close_round(svc)
             assert svc.committer.published is not None and not svc.committer.published.hold
             served = await fetch(svc, "a")  # not held: done while the commit sleeps
-            assert svc.committed_version == 0  # it ended while the commit still sleeps: not held back
+            assert svc.inspect().committed_version == 0  # it ended while the commit still sleeps: not held back
             deadline = time.monotonic() + 10
-            while svc.committed_version != 1 and time.monotonic() < deadline:
+            while svc.inspect().committed_version != 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-        assert svc.committed_version == 1  # nobody else fetched it: the commit did not wait for b
-        assert served == svc.ckpt.global_path(1).read_bytes()  # what was served is what was committed
+        assert svc.inspect().committed_version == 1  # nobody else fetched it: the commit did not wait for b
+        assert served == svc.inspect().checkpoints.global_path(1).read_bytes()  # what was served is what was committed
         assert svc.model_stream(None, "b").memory is svc.committer.published  # still served from memory
         assert served == await fetch(svc, "b")
         await svc.stop()
@@ -313,18 +313,19 @@ def test_commit_first_serves_the_model_during_the_commit_and_completes_downloads
         await svc.start()  # (long-polls)
         with faults.inject("checkpoint.after_global_write", "sleep", seconds=1.0, round=0):
             await close_round(svc)  # the next round is open while the commit is under way
-            assert svc.committed_version == 0 and svc.committer.published is not None and svc.committer.published.hold
+            assert svc.inspect().committed_version == 0
+            assert svc.committer.published is not None and svc.committer.published.hold
             assert (await svc.wait_round(ADMIN_ID, "a", 0, 5))["state"] == "committing"  # a participant goes on
             observer = asyncio.create_task(svc.wait_round(ADMIN_ID, None, 0, 5))  # anyone else: until committed
             stream = svc.model_stream(None, "a")
             assert stream.memory is not None
             chunks = stream.chunks()
             first = await anext(chunks)  # served at once, from memory
-            assert svc.committed_version == 0 and not observer.done()
+            assert svc.inspect().committed_version == 0 and not observer.done()
             rest = b"".join([c async for c in chunks])
-            assert svc.committed_version == 1  # the download ended only once the round was committed
+            assert svc.inspect().committed_version == 1  # the download ended only once the round was committed
             assert (await observer)["state"] == "closed"
-        assert first + rest == svc.ckpt.global_path(1).read_bytes()
+        assert first + rest == svc.inspect().checkpoints.global_path(1).read_bytes()
         await svc.stop()
 
     asyncio.run(scenario())
@@ -341,10 +342,10 @@ def test_commit_first_cuts_downloads_short_when_the_commit_fails(tmp_path: Path)
             with pytest.raises(NotCommitted):
                 async for _ in stream.chunks():
                     pass
-            while svc.version != 0 or svc.closing:  # gone back to the last committed round
+            while svc.version != 0 or svc.status()["closing"]:  # gone back to the last committed round
                 await asyncio.sleep(0.01)
-        assert svc.committed_version == 0 and svc.model_stream(None, "a").memory is None
-        assert not svc.ckpt.global_path(1).exists()
+        assert svc.inspect().committed_version == 0 and svc.model_stream(None, "a").memory is None
+        assert not svc.inspect().checkpoints.global_path(1).exists()
         await svc.stop()
 
     asyncio.run(scenario())

@@ -120,7 +120,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             print(note, flush=True)
         print(
             f"fedtrain coordinator: run {service.config.name!r} at round {service.version}"
-            f"{' (finished)' if service.finished else ''}, {service.outer.algorithm}, serving on {url} "
+            f"{' (finished)' if service.finished else ''}, {service.config.outer.algorithm}, serving on {url} "
             f"(state in {state_dir})",
             flush=True,
         )
