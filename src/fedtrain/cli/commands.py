@@ -4,9 +4,7 @@ Every command turns fedtrain errors, and the OSErrors of its own files and pipes
 line on stderr and exit status 2 (never a traceback); a reader that goes away (`| head`) ends
 it quietly; Ctrl+C is a clean stop with status 130.
 
-Startup stays light: this module imports only the standard library and fedtrain's light
-`__init__` and `errors`, and each command imports what it needs, so `fedtrain --help` and `fedtrain status` never
-load torch or the server stack.
+More: docs/architecture.md, "cli/commands.py".
 """
 
 from __future__ import annotations

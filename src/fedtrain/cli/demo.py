@@ -5,10 +5,7 @@ coordinator`, `fedtrain participant`); this module only starts them, shows progr
 the coordinator's status, evaluates the global model at the start and the end on held-out
 text, and prints (and optionally writes as JSON) a summary. Ctrl+C stops every process.
 
-`--heterogeneous` makes the sites differ on purpose: participant i runs at HETEROGENEOUS[i % 3]
-of its natural speed (`fedtrain participant --speed`), in balanced rounds unless `--schedule`
-says otherwise (docs/schedule.md), so the demo shows each participant told its own H.
-`--streaming K` runs Streaming DiLoCo with K fragments (docs/streaming.md).
+More: docs/architecture.md, "cli/demo.py".
 """
 
 from __future__ import annotations

@@ -5,13 +5,7 @@ refused (a typo is an error, never silently ignored), every field has a default 
 description. `load_config(path)` reads YAML or JSON and turns every problem into a
 `ConfigError` that names the file, the field and what is wrong.
 
-Every number is finite (no `.inf`, `Infinity` or NaN: JSON would show them as null) and
-within a range that can work: durations at most `MAX_SECONDS`, an upload limit of at
-least `MIN_UPLOAD_MB`. What only the model can tell (whether `max_upload_mb` holds one
-update of it) is `check_upload_limit`, for the coordinator, which knows the model.
-
-Secrets (tokens) are *not* part of the run config: the config is readable by every
-participant, so the coordinator's tokens live in `CoordinatorSettings` (cli/env).
+More: docs/architecture.md, "config/run_config.py".
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Opening a run: create it in a new state directory, or resume it from a stored one.
 
-`open_run` makes every part of the coordinator (`service.py` lists them) over the state
-directory and returns them. A new run writes version 0 (the initial weights, from a file
-or the recipe's seed) and its first config version; a stored run resumes at its last
-committed round, never from a partial one: uncommitted submissions are dropped (their
-senders send them again), spool files and temp files go, and a damaged newest checkpoint
-is refused with the newest intact kept version named (or, with `recover`, that version
-committed again). With streaming on, the fragment plan is made here, once (`fragments.py`):
-an assignment that does not fit the model stops the start with a ConfigError. Runs before
-the event loop starts, on the caller's thread.
+More: docs/architecture.md, "coordinator/lifecycle.py".
 """
 
 from __future__ import annotations

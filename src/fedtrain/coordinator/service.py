@@ -1,31 +1,10 @@
 """The coordinator's service: a run's parts, put together, and every operation on the run.
 
-Routes (`routes/`) parse and authorize, then call this service. `Coordinator` is a small
-orchestrator over parts that each own their state (docs/architecture.md draws them):
+Routes (`http/routes/`) parse and authorize, then call this service; `Coordinator` hands
+each request to the part that owns what it concerns (the rooms of `coordinator/`) and
+reports the status. `Coordinator.inspect()` is the one documented look inside.
 
-- `Events` (`events.py`): the event log, the dashboard's stream, change notifications;
-- `Roster` (`roster.py`): the participants and what each last reported;
-- `ConfigVersions` (`config_versions.py`): the config in force and its live changes;
-- `Intake` (`intake.py`): the open round's updates, the running sum, the spool, the fold lock;
-- `Committer` (`committer.py`): the global model, outer optimizer, checkpoints, publishing;
-- `Rounds` (`rounds.py`) over `OpenRound` (`open_round.py`): the open round, closing,
-  merging, committing and going back; `Uploads` (`uploads.py`): taking one update;
-- `Schedule` (`schedule.py`): the inner steps each participant is told for a round.
-
-This module creates a run or resumes it from the state directory (`lifecycle.py` holds the
-steps), starts and stops it, hands each request to the part it concerns, and reports
-status. Memory is a constant number of model copies whatever the number of participants:
-the master weights and the outer optimizer state, and one running sum; uploads wait on
-disk, never in RAM.
-
-Execution contexts, in one place: the event loop runs every method of every part, but
-the folds (`Intake`, on `asyncio.to_thread` workers, under the fold lock), the merge,
-commit, reload and restore (`Rounds`' worker-thread steps, through `Committer`'s methods),
-the pruning of old checkpoints (the committer's janitor thread), the global evaluation
-(`global_eval.py`, its own daemon thread, reading only committed files and the store), and
-the transport's send pool (`fedtrain.transport`, which touches only its socket and the
-published body under the weights lock). A worker thread changes state only through the
-part that owns it, and returns what the event loop then records.
+More: docs/architecture.md, "coordinator/service.py".
 """
 
 from __future__ import annotations

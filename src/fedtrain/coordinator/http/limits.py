@@ -1,18 +1,6 @@
 """What one client can hold of the coordinator: body sizes, uploads in flight, connections.
 
-Control requests are small JSON documents: `BodyLimit` refuses any body over
-`max_bytes` (default 1 MiB) with 413 in the one JSON error shape — at once when the
-Content-Length says so, or as soon as a chunked body grows past it. Tensor uploads are
-exempt here: the service refuses them by Content-Length against the run's
-`max_upload_mb`, and its streaming reader never accepts more bytes than declared. Should
-an upload be answered before its body was read (a refusal from its headers), up to that
-limit of it is read and dropped after the answer, so that a client that sends its body
-whole reads the answer; a longer one closes the connection (`transport.BodySource.allow_drop`).
-
-`UploadsInFlight` keeps one upload in progress per (participant, round): a second one at the same
-time is refused from its headers (`app.py`), so one participant cannot hold any number of
-connections, spool files and receive buffers. Timeouts and the cap on connections are the
-HTTP protocol's (`transport.ServerLimits`, set in `server.uvicorn_config`).
+More: docs/architecture.md, "coordinator/http/limits.py".
 """
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ every committed round and a few counters into the text a Prometheus scraper read
 `GET /metrics`. Nothing here reads a clock, a socket or the database, so the output is
 tested from plain dicts.
 
-Counters (`*_total`) count from the start of the run: the database keeps every figure
-(rounds, tokens, the participants' bytes), so a coordinator restart resets none of them.
-The run's bytes are the sums of the per-participant counters, which they always equal.
+More: docs/architecture.md, "coordinator/http/prometheus.py".
 """
 
 from __future__ import annotations

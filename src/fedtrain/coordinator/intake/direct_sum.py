@@ -1,14 +1,6 @@
 """An upload received straight into the running sum's memory (`Intake._receive_direct`).
 
-With few participants active, the round's first upload skips the spool file altogether
-(`policy.receive_path` says when): if the body is plain, of the sum's layout, and no rule
-needs the update before it is weighted, its bytes are read from the body source straight
-into the empty sum's memory (with the fast transport, from the socket with no copy on the
-way), hashed and checked finite as they land (`values.ValueScan`), then counted with their
-weight as the sum's scale: no pass over them once the body is in. Uploads ready meanwhile
-are answered at once and folded after it, so none waits on another's link; a close of the
-round or the uploader's failure stops its writes at once (`DirectUpload.stop`), and whatever
-goes wrong leaves the sum empty. Event loop only.
+More: docs/architecture.md, "coordinator/intake/direct_sum.py".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""The intake of the open round's updates: receive and verify them, then place them.
+"""The intake's one flow for the open round's updates: receive and verify each, then place it.
 
-`Intake` owns the receiving of updates: the spool files uploads stream into
-(`SpoolFiles`), the one upload being received straight into the sum (`direct.py`), the
-folds in flight (with a wait for none: `idle`), the folds waiting for that upload, and
-why the open round cannot be merged (a fold of an accepted update failed), and the
-updates that come in pieces (`pieces.py`; `pieces_in` shows them). The sum and what waits
-to go into it are `RoundSum`'s (`folds.py`).
+`Intake` owns the spool files uploads stream into, the one upload being received straight
+into the sum, the folds in flight (with a wait for none, `idle`), updates still in pieces,
+and why the open round cannot be merged. Where an upload goes is the policy's decision.
 
-Where an upload goes is the policy's decision, with its reason: `policy.receive_path`
-(straight into the empty sum, or a spool file; the latest is `last_path`) and, for a
-spooled one, `policy.place_update` (kept until the close, folded now, or folded after
-the upload being received into the sum). Its values are checked (`values.py`) where it
-costs least: a plain body's NaN and Inf on the writer thread as it arrives
-(`wire.finite.FiniteScan`); the round's first spooled update piece by piece as it is
-written over the empty sum (a refusal empties it again, exactly); a later one in full
-before it is added. A bad update therefore never changes the sum. No update takes more
-than `outer.max_share` of a round of three or more: one that may still be capped waits in
-its file (`policy.to_fold`).
-
-Execution contexts: the event loop runs everything here; the folds run on worker threads
-(`asyncio.to_thread`) through `RoundSum`'s methods, which take the fold lock, and hand
-back why the round cannot be merged, which the event loop records.
+More: docs/architecture.md, "coordinator/intake/flow.py".
 """
 
 from __future__ import annotations

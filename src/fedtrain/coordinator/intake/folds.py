@@ -1,17 +1,11 @@
 """The open round's sum, and the updates waiting to go into it.
 
-`RoundSum` owns the running weighted sum (`RunningSum`, over memory it allocates: an upload
-received straight into the sum is written there, `storage`), the fold lock, the reading
-back of verified spool files (`Staging`), the updates kept whole for the close
-(`RoundSpool`), and the round's bookkeeping of what is in the sum and what waits
-(`policy.Contribution`s, their spool files), with the refusals of updates whose merge was
-not finite.
+`RoundSum` owns the running weighted sum and its memory, the fold lock, the reading back of
+verified spool files, the updates kept whole for the close, and the round's bookkeeping of
+what is in the sum and what waits. Its sum-changing methods run on worker threads under
+the fold lock.
 
-Execution contexts: every method that reads or changes the sum or the bookkeeping runs
-under the fold lock, on a worker thread (`asyncio.to_thread`), apart from `is_empty`,
-`barred`/`bar`, `clear` and `drain_freed`, which the event loop calls while no fold is in
-flight (the intake makes sure). Spool files whose updates were folded go back to the event
-loop, which owns the spool files, through a thread-safe queue (`drain_freed`).
+More: docs/architecture.md, "coordinator/intake/folds.py".
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Updates that arrive in pieces: several bodies covering disjoint parts of the sync set.
 
-A participant may send its update for a round as several bodies (pieces), each named by a
-label (`PUT /v1/rounds/{r}/updates/{pid}?piece=<label>`), each holding some of the model's
-tensors whole, or a range of rows of them (dimension 0, as FSDP shards them): the body's
-metadata `fedtrain.rows` maps a tensor to its `[start, stop)` rows; a tensor not named
-there is whole. Pieces may come in any order and in parallel, compressed or not, and each
-is verified (digest, header, values) as it arrives. The update counts as submitted only
-once its pieces cover every tensor exactly, with no overlap (`Coverage`); the coordinator
-then assembles them into one plain update (`assemble`) that goes the way of any other.
-All the pieces carry the same token count, and an update comes in at most `MAX_PIECES`. A
-round that closes with an update still in pieces drops them: its sender finds the round
-closed and sends the next round's update.
-
-Pure functions and plain state (`Coverage`, `Partial`), used by the intake on the event
-loop; `assemble` runs on a worker thread.
+More: docs/architecture.md, "coordinator/intake/pieces.py".
 """
 
 from __future__ import annotations

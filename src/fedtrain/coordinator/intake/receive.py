@@ -2,7 +2,10 @@
 model before a data byte is accepted, written and hashed on a worker thread batch by batch,
 length and digest verified, a plain body scanned for NaN and Inf as it lands; and
 `peek_header`, which reads a body's header ahead and hands every byte back. The files
-themselves are the spool's (`spool.py`). See docs/architecture.md (one upload)."""
+themselves are the spool's (`spool.py`).
+
+More: docs/architecture.md, "coordinator/intake/receive.py".
+"""
 
 from __future__ import annotations
 

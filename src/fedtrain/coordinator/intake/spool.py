@@ -1,7 +1,7 @@
 """The spool: every file an update lives in on the coordinator. `SpoolFiles` hands out and
 reuses the files uploads stream into, `Staging` reads a verified file back (mapped 16 MiB
 pieces, or whole tensors), and `RoundSpool` keeps the round's files until the close for the
-aggregators that need every update at once. See docs/architecture.md (the spool)."""
+aggregators that need every update at once. More: docs/architecture.md, "coordinator/intake/spool.py"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """Taking one participant's update: admit it, hand it to the intake, count it.
 
-`Uploads` answers `POST /v1/rounds/{r}/update`: it checks who sends it and whether the
-open round takes it (`policy.admit_upload`; 507 while a full disk holds the run back),
-bounds the weight its token claim gives (`policy.count_tokens`), lets the intake receive,
-verify and fold it (`intake.py`), and once it is in counts it: the participant's counters,
-the submission's row, the round's clock. Its `reserve` gives an upload its place in the
-open round once its body is verified (the round may have closed while it streamed in).
-In asynchronous mode (`async_rules.py`) an update is admitted by its staleness, and a
-verified one waits for a free seat (`wait_seat`: the open round holds no update and is not
-closing), since each version is exactly one update; it is recorded in the round it is
-applied in, and its answer names that round (`applied_in`), which its participant waits for.
-It owns no state of its own: the round's is `OpenRound`'s, the participants' the roster's.
-Event loop only.
+`Uploads` answers `POST /v1/rounds/{r}/update` and owns no state: the round's is
+`OpenRound`'s, the participants' the roster's. Event loop only.
+
+More: docs/architecture.md, "coordinator/intake/uploads.py".
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """The checks of an update's values: NaN, Inf, and magnitudes no outer step can take.
 
-Finite is not enough: a value up to 3.4e38 is finite, and an outer step squares (Adam) or
-adds up (Nesterov) what it is given. So each update's largest |value| is found with the
-NaN/Inf check, and an update beyond `MAX_UPDATE_ABS` is refused (422 `out_of_range`)
-before anything of it is in the sum. Every refusal of an update's values is an event
-naming its participant (`POISON_CODES`). Pure functions over tensors, and `ValueScan`,
-which looks at a body's values as they land in memory; callable from any thread.
+More: docs/architecture.md, "coordinator/intake/values.py".
 """
 
 from __future__ import annotations

@@ -5,32 +5,7 @@ fingerprint (a hash prefix) of the token it joined with, never to the token itse
 A participant token can be revoked by its fingerprint (`Tokens.revoked`): from then on
 it identifies no one, and the coordinator keeps the revocation across restarts.
 
-A token says *who may take part*; it does not say *which participant* a request speaks
-for, and one token may be shared by many. So each participant acts only as itself: its
-join answer carries a participant key (`participant_key`, a random secret issued by the
-coordinator, stored only as its sha256 in the run's database, so that it survives a
-restart), and every request that speaks for a participant presents it, in the header
-`X-Fedtrain-Participant-Key` or in the cookie `fedtrain-key-<participant id>` the join
-answer sets (for HTTP clients with a cookie jar). The routes that speak for participant
-`pid` are: POST /v1/participants/{pid}/heartbeat, .../leave and .../metrics,
-PUT /v1/rounds/{r}/updates/{pid}, and GET /v1/rounds/{r} and GET /v1/model with
-`participant_id=pid`. Without the key, or with another participant's, they answer 403
-`not_this_participant`. The admin token acts for anyone without a key.
-
-The decisions of a join are pure functions with a reason in words (`join_rule`, `within_cap`):
-
-- a name is claimed with its key (a rejoin: the key stays), or without it once its holder
-  cannot be acting any more: it failed, left, has been silent past `heartbeat_timeout_s`,
-  or has not been heard from with its key since this coordinator process started (a
-  participant restarted along with the coordinator); a new key then replaces the old one.
-  A name whose holder is alive is refused, 409 `name_in_use`, with the seconds until it
-  would fail by heartbeat timeout (`retry_after_s`, and a Retry-After header);
-- a token holds at most `max_participants_per_token` active participants: a join, or a
-  failed participant's return, beyond that is refused (403 `too_many_participants`);
-- for `eviction_cooldown_s` after an admin evicts one of its participants, a token may
-  not take a new key (a new name, or a name taken over without its key): 403
-  `evicted_recently`; its participants that present their keys go on. So an evicted
-  participant cannot come straight back under another name.
+More: docs/architecture.md, "coordinator/members/auth.py".
 """
 
 from __future__ import annotations

@@ -6,14 +6,7 @@ piece of the update). Its join's `info` says which: `parallel` ("ddp" or "fsdp";
 process) and `world_size` (the group's ranks). The status, `fedtrain status`, the dashboard
 and `/metrics` show both.
 
-The info is the participant's own input. `check_info` refuses a malformed value at the join
-(400 `invalid_info`, naming the field and what it must be): the client that sent it learns
-at once, where the mistake is made, rather than a run showing a participant nobody can
-read. `describe` reads a stored info back for the status and never raises: a row written
-before these checks (or by another version) may hold anything, and a bad value there reads
-as unknown (None), never as a broken status.
-
-Pure functions, no I/O.
+More: docs/architecture.md, "coordinator/members/processes.py".
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """The roster: who takes part in the run, what each last reported, and the admin's
 evictions and tokens.
 
-`Roster` owns the participants (their rows, with state, counters and the hash of each
-participant key, kept in the store) and what each last reported (`Live`, in memory only).
-It runs on the event loop only. Each participant acts only as itself (`auth.py` says how,
-and decides the joins): a join answers with the participant's key, and `act_as` is the
-check every route that speaks for a participant makes before it calls the service.
-
-The roster does not close rounds or stop uploads: its operations return what changed, and
-the coordinator (`service.py`) does the rest.
+More: docs/architecture.md, "coordinator/members/roster.py".
 """
 
 from __future__ import annotations

@@ -6,28 +6,7 @@ each file is written atomically (temp file, fsync, rename, fsync of the director
 counts as committed only once the database says so; files of newer versions are orphans of
 a crash between the rename and the database commit, and are removed at start.
 
-Every file is verified when it is loaded. The model file's digest is the one served with
-it, kept in the database (`digest/<version>`). The outer state file carries its own, in its
-metadata (`STATE_DIGEST_KEY`): the digest of the body the file would be without that key,
-header and data, so a flipped byte anywhere in it (a tensor, the step count, the
-hyperparameters) is found. An outer file written before this key existed still loads, once
-checked for non-finite values: refusing it would strand every older state directory for a
-file whose model beside it is still verified, and the next commit writes it with a digest.
-It is logged and listed by `unverified()`.
-
-The bytes go into the files through the transport seam's checkpoint writer
-(`fedtrain.transport.writers`): with fast IO on, O_DIRECT (the disk takes the tensors from
-memory, and the CPU, which the round's downloads need at the same time, copies nothing into
-the page cache); off, through the page cache. `write` names the tensors the writer could not
-take from memory (`Written`), and the coordinator has them moved (`realign`) after the first
-commit.
-
-Pruned files are kept as spares (up to two, under temp names) and the next checkpoint is
-written over them: blocks the disk has allocated already are written faster than fresh
-ones, whose blocks it must allocate first (figures in docs/benchmarks.md). A file is made a
-spare only while no download reads it (`open_reader` counts readers); one still being read
-is unlinked instead, which its open descriptor survives. So the directory holds the kept
-versions plus at most two spare files; a restart removes them with the other temp files.
+More: docs/architecture.md, "coordinator/model/checkpoints.py".
 """
 
 from __future__ import annotations

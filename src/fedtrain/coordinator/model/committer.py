@@ -5,12 +5,7 @@ checkpoint directory, the version served from memory (`Published`) and the guard
 orders copies of the weights against changes to them (`WeightsGuard`), the newest durable
 version (`committed_version`), and the janitor thread that prunes old checkpoint files.
 
-Execution contexts: `step`, `commit`, `reload`, `restore` and `write_checkpoint` run on
-worker threads (`asyncio.to_thread`): each changes the weights only under the weights lock
-(bumping its epoch, which downloads from memory watch), and the caller holds the intake's
-fold lock where the round's sum is involved. Everything else, and every assignment of
-`published` and `committed_version`, runs on the event loop. The order of a round
-(merge, publish, commit or go back) is the rounds' (`rounds.py`).
+More: docs/architecture.md, "coordinator/model/committer.py".
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """The coordinator's own evaluation of the global model, on the eval set its config names.
 
-With `eval.global_data` set (a data spec: a path, `stdlib:heldout`, ...), a background
-thread evaluates each newly committed global version (the initial one, then the one of
-every `eval.every`-th round and the last) with the run's recipe, and stores the held-out
-loss and perplexity as metrics `global_eval/loss` and `global_eval/ppl` with no
-participant and `round` = the version evaluated (the model that round starts from).
-`fedtrain status`, the demo summary and `GET /v1/metrics` show them beside the
-participants' evals.
-
-It never blocks a round: it reads the committed checkpoint file (verified by digest) on
-its own thread, catches up in order on versions committed meanwhile (skipping those no
-longer kept on disk), and a failure is logged and reported as an event, never raised
-into the service.
+More: docs/architecture.md, "coordinator/model/global_eval.py".
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Serving the global model: from memory until the weights move on, then from the file.
 
-A round's new model is served straight from the master weights as soon as the outer step
-is done, while its checkpoint files are written and fsync'd beside the downloads, and after
-that until the next outer step (with fast IO the checkpoint is written past the page cache,
-so its file is read from the disk: the memory is the faster source while it holds the same
-bytes). By
-default (commit first) a download holds back its last piece until the round is committed
-(files and database row): no participant holds a whole model that a crash could still
-take back, and yet the commit does not sit between the merge and the downloads. Should the
-commit fail, those downloads are cut short. With `publish_first: true` nothing is held
-back (`rounds`).
+`ModelStream` is one download of one version, `Published` the version served from memory
+and `WeightsGuard` what orders copies of the weights against the next outer step. By
+default a download holds back its last piece until the round is committed.
 
-The weights must not change under a download: every piece is copied out under the
-`WeightsGuard` lock, and the next outer step (which takes the same lock and bumps the
-epoch) only runs once this round's commit is done; a download still streaming from memory
-when the epoch moves continues from the committed file at the same offset. The bytes are
-the same either way: the file is the same `EncodedBody` (same tensors, same metadata).
-
-A download goes out through the transport seam (`ModelResponse`): written by
-`ModelStream.steps` through the server's `ResponseSink` where it offers one (fast IO on,
-plain HTTP), else as a chunked StreamingResponse of `ModelStream.chunks` (the plain path).
+More: docs/architecture.md, "coordinator/model/publish.py".
 """
 
 from __future__ import annotations

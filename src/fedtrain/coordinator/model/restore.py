@@ -6,9 +6,7 @@ files verified on load). History stays monotonic (participants at round r simply
 it closed and fetch version r + 1), every committed row stays, and the restore is one more
 committed round with a reason: "rolled back to version 12 by admin".
 
-This module holds the parts that need no running loop: loading a version whole and checked,
-finding the newest intact one, and committing a restored copy. The coordinator (`service.py`)
-decides when they may run.
+More: docs/architecture.md, "coordinator/model/restore.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """Downloads of some rows of the global model: what a rank of a sharded job holds of it.
 
-`GET /v1/model?rows=<json>` names tensors of the model, each with its `[start, stop)` rows
-along dimension 0 (as FSDP shards them, and as an update in pieces names them:
-`pieces.ROWS_META`) or null (the whole tensor). The answer is a safetensors body of those
-rows alone, in the model's tensor order, with the model's metadata (run, algorithm,
-version) and `fedtrain.rows` naming the ranges given; no rank, and not the coordinator
-either, ever holds the whole model for it.
-
-A slice is served as the whole model is (`publish.py`), with the same guarantees: while the
-version is the published one, from views of the master weights (`t[start:stop]` of a
-contiguous tensor is a view), copied out under the guard lock, its last piece held until the
-round is committed under commit first (and cut short if that commit fails); when the weights
-move on mid-stream, the rest comes from the committed file. An older version comes from its
-file, of which only those rows are read (one copy of the slice, into memory of its own). The
-bytes are the same either way. Unlike the whole model's, a slice's digest is computed per
-request (`SliceStream.prepare`, on a worker thread): it vouches for the transfer, not for the
-file at rest, whose own digest only a whole download checks.
+More: docs/architecture.md, "coordinator/model/slices.py".
 """
 
 from __future__ import annotations

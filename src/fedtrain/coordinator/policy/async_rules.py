@@ -3,18 +3,7 @@ is and whether it is taken, what it weighs, when its version closes, and N of th
 Nesterov step. Like `policy.py`, each rule returns its decision with a reason in words, and
 none reads a clock, a socket or a file.
 
-The design (docs/schedule.md, "Asynchronous mode"): there is no round barrier, yet nothing
-of the round machinery is bypassed. A round is one applied update: the open round w takes
-one update, which closes it at once (`decide`), and its merge, publish, commit (checkpoint
-files, then the database row) and roll back are those of any round, so every applied update
-is a committed version with the durability of a round. An update trained from version v
-arrives while the model is at w: its staleness is s = w − v (the versions committed since
-its base). It is admitted while s ≤ `asynchronous.max_staleness` (`admit`), else refused with
-409 too_stale and the current version, so that its participant trains on from that one. It
-is applied with the weight α(s) (`merge/staleness.py`, `weight`): θ ← OuterOpt(θ, α(s)·Δ), the
-outer step being the delayed Nesterov one (`merge/delayed.py`) with N = `momentum_period`.
-An update that comes while the open round holds one, or is closing, waits for the next
-round (`Uploads.wait_seat`), so that each version is exactly one update.
+More: docs/architecture.md, "coordinator/policy/async_rules.py".
 """
 
 from __future__ import annotations

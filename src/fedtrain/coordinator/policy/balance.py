@@ -4,32 +4,7 @@ A pure decision, like the rules of `policy.py`: throughputs, the previous smooth
 the schedule config are passed in, nothing reads a clock, a socket or the store. The
 coordinator (`schedule.py`) asks it when a participant starts a round and records the answer.
 
-The rule. Each participant i reports its inner-step rate sᵢ (steps/s of its own loop, the
-syncs left out: `participant/pace.py`; from an older client, tokens/s ÷ its tokens per step).
-The rate is smoothed once a round, s̄ᵢ = α·s̄ᵢ(previous) + (1 − α)·sᵢ (α: `smoothing`), and
-
-    Hᵢ = round(H · s̄ᵢ / median_j s̄ⱼ),   bounded to [min_steps_factor·H, max_steps_factor·H], ≥ 1
-
-so the round lasts about H / median(s̄) seconds for everyone: each participant runs as many
-steps as it does in the time the *median* participant takes for H. Why the median and not
-an end of the range:
-
-- slowest at H (the round as long as a lockstep one): the fast sites run many more steps,
-  so a round's tokens grow with the spread of speeds and the run syncs as rarely as
-  lockstep does, at the slow site's pace;
-- fastest at H (short rounds): the slow sites do almost nothing each round and a round
-  carries fewer tokens than lockstep;
-- median at H (chosen): the typical participant runs the H the config names, so a round's
-  tokens and the sync interval stay close to lockstep's (n·H steps in all, give or take the
-  spread), every participant trains through the whole round instead of idling, and one
-  outlier (a very fast or a very slow, or lying, site) moves the reference by at most one
-  rank. The bounds cap what any rate can do; the merge stays token-weighted, so a
-  participant that ran more steps weighs more, as its tokens say.
-
-Participant-controlled numbers are cleaned, never trusted: a rate that is missing, zero,
-negative or not finite counts as unknown (that participant runs H, and does not count in
-the median), and any other is clamped to [MIN_RATE, MAX_RATE]. With one participant, or none
-measured yet, everyone runs H.
+More: docs/architecture.md, "coordinator/policy/balance.py".
 """
 
 from __future__ import annotations

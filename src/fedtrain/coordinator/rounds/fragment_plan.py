@@ -1,15 +1,6 @@
 """The coordinator's Streaming DiLoCo plan: which tensors each round syncs.
 
-With `streaming` in the run config the sync set is split into K fragments once, at the
-coordinator's start, from the config (`streaming.fragments`, `streaming.assign`) and the
-model's tensor names in the model's own order (the order the run's version 0 holds them,
-which every checkpoint keeps: `OuterOptimizer.restore`). A coordinator round is one
-fragment's sync: round r syncs fragment r mod K. K and the assignment are fixed for the run
-(`config.changes.FIXED_FIELDS`), so the plan, and which fragment any round moved, are the
-same after every restart. Participants take the plan from the join answer (`view`) rather
-than compute it themselves.
-
-Pure data and functions; no I/O.
+More: docs/architecture.md, "coordinator/rounds/fragment_plan.py".
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The open round: its number, its clock, and the updates it has taken.
 
-`OpenRound` owns the state of the round in progress: its number (the version its merge
-will commit is one more), when it opened, whether it is closing and why (the last
-decision's reason), the updates reserved into it (`submitted`, by participant; `late`, the
-late folds, by `pid@lateR`), each one's staleness (asynchronous mode: versions behind its
-base), the times of its submissions, and those of recent rounds (for the adaptive
-deadline). Plain state and the pure rules of `policy.py` (and `async_rules.py`) over it;
-the event loop only.
+`OpenRound` owns the round in progress: its number, when it opened, whether it is closing
+and why, the updates reserved into it with their staleness, and recent submission times.
+Plain state; the event loop only.
+
+More: docs/architecture.md, "coordinator/rounds/open_round.py".
 """
 
 from __future__ import annotations

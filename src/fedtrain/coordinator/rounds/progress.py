@@ -1,32 +1,10 @@
-"""Rounds: closing the open round, merging and committing it, or going back.
+"""Moving the run from round to round: close the open round, merge and commit it, or go back.
 
-`Rounds` owns the open round (`OpenRound`) and the tasks that move the run from one round
-to the next: the close, the background commit of the round before, the periodic tick; and
-how many times the run went back. Whether to close is `policy.decide_round`'s decision,
-asked after each upload and departure and on the tick. Closing waits for the folds in
-flight (`Intake.idle`), puts the whole round into the sum (`Intake.merge_inputs`), takes
-the outer step (`Committer.step`) and publishes the new weights at once; the commit
-(checkpoint files first, fsync'd, then the database row) starts beside the next round. By
-default (commit first) no download completes before it is done; with `publish_first`
-downloads are not held back. A failed merge or commit goes back to the last committed
-round, and the uploads since must be sent again.
+`Rounds` owns the open round (`OpenRound`), the close, the background commit of the round
+before, the periodic tick and the count of roll backs. Whether to close is
+`policy.decide_round`'s decision.
 
-In asynchronous mode (`async_rules.py`) a round is one update, closed as soon as it is in;
-its merge scales the update by its staleness weight and takes the delayed Nesterov step,
-and the rest is the same: every applied update is a committed version.
-
-With Streaming DiLoCo (`fragments.py`) round r syncs fragment r mod K: whenever a round
-opens (after a merge, a roll back, at the start) the intake takes that fragment's tensors
-only, and the merge steps that fragment's parameters only; the record names it.
-
-A merge that is not finite (`NonFiniteStep`) is not committed: the update that moves it
-the most (`policy.largest_influence`) is refused for that round, an event names its
-participant, and the round goes back for the others to send theirs again.
-
-Execution contexts: everything here runs on the event loop but `_merge`, `_commit_round`,
-`_reload` and `_restore`, which run on worker threads under the intake's fold lock (but
-the commit, which takes what it needs itself); they change state only through the
-intake's and the committer's methods, and return what the event loop then records.
+More: docs/architecture.md, "coordinator/rounds/progress.py".
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """The schedule: how many inner steps each participant is told for each round.
 
-`Schedule` owns the assignments of balanced rounds (`schedule.mode: balanced`, issue #22):
-what each participant was told for a round, kept in the store (`Store.add_assignment`), so
-that once told, a participant's H for a round stays what it was, through a participant's
-restart and a coordinator's. The rule is `balance.plan_steps`, a pure decision; this part
-hands it the throughputs the roster holds and the previous smoothed rates the store holds,
-and records the answer. In lockstep rounds (`schedule.mode: rounds`) everyone runs
-train.sync_every and nothing is recorded. It runs on the event loop only.
+More: docs/architecture.md, "coordinator/rounds/schedule.py".
 """
 
 from __future__ import annotations

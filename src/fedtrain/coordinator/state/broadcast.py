@@ -1,15 +1,6 @@
 """Fan-out of run events to server-sent-event subscribers (participants and dashboards).
 
-An event is encoded once, when it is published, and the same text goes to every
-subscriber. A change of the run's status (`publish("status", None)`) is not copied to each:
-it marks each subscriber "status due" (once, however many changes come before it reads),
-and the snapshot is built once per change, by the first subscriber that reads it, and
-shared by the others (`Broadcaster.status_text`). So N subscribers cost one status build per
-change, not N, whether they read or not.
-
-Each subscriber has a bounded queue; one too slow to keep up is dropped (its stream ends
-and it reconnects) rather than letting the coordinator's memory grow: publishing never
-blocks and never waits for a subscriber. Everything here runs on the event loop's thread.
+More: docs/architecture.md, "coordinator/state/broadcast.py".
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The run's config versions: the one in force, the newest accepted, and live changes.
 
-`ConfigVersions` owns the config in force for the open round and its version number, the
-newest accepted version, and the config file's bookkeeping (the file as last applied, for
-SIGHUP's three-way merge). Every version is stored (`Store.add_config_version`) with the
-round it is in force from; a change is validated against the newest version and takes
-effect at the next round boundary, or at once when no one has started the open round
-(`policy.change_effective`). It runs on the event loop only.
+`ConfigVersions` owns the config in force for the open round and its version, the newest
+accepted version and the config file's last applied copy. Event loop only.
 
-It does not touch the outer optimizer: when the config in force changes (`enter`), the
-coordinator hands the new config to the committer, which makes its optimizer follow.
+More: docs/architecture.md, "coordinator/state/config_versions.py".
 """
 
 from __future__ import annotations

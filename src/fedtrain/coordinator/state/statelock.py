@@ -1,11 +1,6 @@
 """The state directory's owner: one coordinator process at a time, held by an OS lock.
 
-A second coordinator on the same state directory would write its start config into the
-shared database, overwrite `endpoint.json` and prune checkpoints the first one serves. So
-`StateLock.acquire` takes an exclusive `flock` on `DIR/coordinator.lock` before anything in
-the directory is touched, and keeps it for the life of the process (the kernel drops it when
-the process dies, kill -9 included: a stale lock file never blocks a restart). The file
-holds the owner's pid and, once it listens, its URL, so a refused start can name the holder.
+More: docs/architecture.md, "coordinator/state/statelock.py".
 """
 
 from __future__ import annotations

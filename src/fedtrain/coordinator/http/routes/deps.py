@@ -4,14 +4,7 @@ server's streaming hooks.
 The service is the one `create_app` put in `app.state`: a route reaches it through the
 dependency `coordinator`, never through a global or a closure.
 
-A route that speaks for a participant (`{pid}` in its path, or `participant_id` in its
-query) authorizes with the dependency `speaker` or `speaker_by_query`: the token, then the
-participant key of the header `X-Fedtrain-Participant-Key`, else of the cookie its join
-answer set (`auth.py`, `Coordinator.act_as`); as a dependency, before its body is read.
-Every dependency that authenticates is marked `role_check` (a test walks the route table).
-
-The server's own hooks into a request (`fedtrain.transport`: a sink for the answer, a `readinto`
-for the body) are looked up here only, so that the routes never learn the server behind them.
+More: docs/architecture.md, "coordinator/http/routes/deps.py".
 """
 
 from __future__ import annotations
