@@ -35,16 +35,17 @@ def coord(tmp_path: Path) -> Iterator[BackgroundCoordinator]:
 
 def snapshot(c: BackgroundCoordinator) -> dict:
     s = c.service
+    inside = s.inspect()
     return {
         "version": s.version,
-        "submitted": dict(s.inspect().submitted),
-        "late": dict(s.late),
-        "acc_count": s.inspect().sum_count,
+        "submitted": dict(inside.submitted),
+        "late": dict(inside.late),
+        "acc_count": inside.sum_count,
         # What the sum holds: nothing (its memory is written over by the next upload), or values.
-        "acc_sum": 0.0 if s.inspect().sum_empty else sum(float(t.abs().sum()) for t in s.inspect().sum_values.values()),
-        "acc_empty": s.inspect().sum_empty,
-        "params": {n: t.clone() for n, t in s.inspect().weights.items()},
-        "participants": {p.id: (p.state, p.tokens, p.bytes_up) for p in s.participants.values()},
+        "acc_sum": 0.0 if inside.sum_empty else sum(float(t.abs().sum()) for t in inside.sum_values.values()),
+        "acc_empty": inside.sum_empty,
+        "params": {n: t.clone() for n, t in inside.weights.items()},
+        "participants": {p.id: (p.state, p.tokens, p.bytes_up) for p in inside.participants.values()},
         "submissions": len(s.store.submissions(s.version)),
         "spool": sorted(p.name for p in s.spool.rglob("*") if p.is_file()),
     }
