@@ -190,6 +190,21 @@ def test_the_first_upload_lands_in_the_sum_and_the_sum_is_what_spooling_gives(tm
         asyncio.run(svc.stop())
 
 
+def test_the_direct_receive_switch_spools_the_first_upload_with_the_same_sum(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """FEDTRAIN_DIRECT_RECEIVE=0 (what the benchmark measures the receive into the sum by)
+    turns that path off alone: the first upload lands in a spool file, the sum is the same."""
+    monkeypatch.setenv("FEDTRAIN_DIRECT_RECEIVE", "0")
+    svc = coordinator(tmp_path)
+    (first,) = updates(svc, 1)
+    assert upload(svc, first)["accepted"]
+    assert svc.intake.last_path is not None and svc.intake.last_path.path == "spool"
+    assert "fast IO" in svc.intake.last_path.reason
+    want = expected_sum(svc, first)
+    assert all(torch.equal(svc.inspect().sum_values[n], want[n]) for n in want)
+    asyncio.run(svc.stop())
+
+
 @pytest.mark.parametrize("where", ["middle", "last"])
 @pytest.mark.parametrize("value", BAD_VALUES)
 def test_a_direct_upload_is_checked_finite_as_it_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -371,7 +386,8 @@ def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pyt
         await svc.intake.idle()
         svc.leave(ADMIN_ID, "c")  # a and b are in: the close merges, finds the failed fold, goes back
         for _ in range(6000):  # a bound, not a timing: a loaded machine may take seconds
-            if any(e["kind"] == "merge_failed" for e in svc.store.events(20)):
+            # the event is recorded as the going back starts: wait until the round is open again
+            if any(e["kind"] == "merge_failed" for e in svc.store.events(20)) and not svc.status()["closing"]:
                 break
             await asyncio.sleep(0.01)
 

@@ -1,4 +1,4 @@
-"""An upload received straight into the running sum's memory (`Intake._receive_direct`).
+"""An upload received straight into the running sum's memory (`Intake._land_in_sum`).
 
 More: docs/architecture.md, "coordinator/intake/direct_sum.py".
 """

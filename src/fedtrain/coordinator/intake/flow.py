@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,7 +39,7 @@ from fedtrain.coordinator.intake.pieces import (
 from fedtrain.coordinator.intake.receive import Head, receive_to_spool
 from fedtrain.coordinator.intake.spool import SpoolFiles, Staging
 from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Ticket, Upload
-from fedtrain.coordinator.intake.values import non_finite
+from fedtrain.coordinator.intake.values import ValueScan, non_finite
 from fedtrain.coordinator.rounds.fragment_plan import Fragment, check_fragment
 from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import RunningSum, check_compatible
@@ -50,7 +50,23 @@ from fedtrain.wire.compress import expected_specs, scheme_of
 
 log = logging.getLogger("fedtrain.coordinator")
 
+#: `FEDTRAIN_DIRECT_RECEIVE=0` turns off the receive into the sum alone (every upload lands in
+#: a spool file), the other fast IO paths staying on: what `benchmarks/sync_throughput.py
+#: --direct-compare` measures the receive into the sum by (docs/benchmarks.md).
+DIRECT_RECEIVE_ENV = "FEDTRAIN_DIRECT_RECEIVE"
+
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Landed:
+    """An upload's bytes, verified, where they landed: a spool file (`path`; `new`: the file
+    was made for it), or the sum's memory (`direct`, with the `scan` of its values)."""
+
+    path: Path | None
+    new: bool
+    direct: DirectUpload | None
+    scan: ValueScan | None
 
 
 class Intake:
@@ -62,7 +78,7 @@ class Intake:
         self._spec = spec  # those the open round takes: the model's, or its fragment's (`select`)
         self._fragment: Fragment | None = None
         self._fast_io = fast_io_enabled(fast_io)  # off: no upload is received straight into the sum
-        self._direct_on = os.environ.get("FEDTRAIN_DIRECT_RECEIVE", "1") != "0"  # measuring (issue #29)
+        self._direct_on = os.environ.get(DIRECT_RECEIVE_ENV, "").strip() != "0"
         self.round = RoundSum(spool_dir, spec, params, fold_lock or threading.Lock())
         self._spool_files = SpoolFiles(spool_dir)
         self._direct: DirectUpload | None = None
@@ -147,7 +163,11 @@ class Intake:
                       active: int, seats: Seats, may_reach: Callable[[], int]) -> Ticket | None:
         """Receive, verify, check and fold (or keep) one upload admitted as `action`
         (`policy.admit_upload`), with `active` participants; its ticket, None for a duplicate.
-        Raises Refused for a bad body or values, or a round that closed meanwhile."""
+        Raises Refused for a bad body or values, or a round that closed meanwhile.
+
+        One flow for every upload: the policy picks where its bytes land (`policy.receive_path`:
+        the empty sum's memory, or a spool file), they land there verified (`_land_in_sum`,
+        `_land_in_spool`), then the upload is placed in the round (`_place`)."""
         plain = head is not None and scheme_of(head[1])[0] == "none"
         empty = self._direct is None and not self._in_flight.count and self.round.is_empty()
         fast = self._fast_io and self._direct_on
@@ -156,8 +176,10 @@ class Intake:
         self.last_path = path
         try:
             if path.path == "direct":
-                return await self._receive_direct(up, body, seats)
-            return await self._receive_spooled(up, body, cfg, seats, may_reach)
+                landed = await self._land_in_sum(up, body, seats)
+            else:
+                landed = await self._land_in_spool(up, body, self.check_header)
+            return await self._place(up, landed, cfg, seats, may_reach)
         finally:
             self._give_back_freed()
 
@@ -171,12 +193,11 @@ class Intake:
         check_compatible(expected_specs(dict(self._spec), scheme, block),
                          {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
 
-    async def _receive_direct(self, up: Upload, body: Body, seats: Seats) -> Ticket | None:
-        """Receive the round's first upload straight into the (empty) sum's memory: no spool
-        file, no read-back. Its bytes are verified as they land (header, length, digest, NaN
-        and Inf), then counted with their weight; anything wrong leaves the sum empty,
-        exactly. A close of the round (or its sender's failure) while the body streams in
-        stops the writes at once (`abort_direct`)."""
+    async def _land_in_sum(self, up: Upload, body: Body, seats: Seats) -> Landed:
+        """Land the round's first upload straight in the (empty) sum's memory: no spool file,
+        no read-back. Its bytes are verified as they land (header, length, digest, NaN and
+        Inf); anything wrong leaves the sum empty, exactly. A close of the round (or its
+        sender's failure) while the body streams in stops the writes at once (`abort_direct`)."""
         direct = DirectUpload(up.pid, body)
         self._direct = direct
         targets = self.round.storage
@@ -185,6 +206,15 @@ class Intake:
                                 on_header=self.check_header, allocate=lambda spec: targets[spec.name])
             scan = await direct.read(lambda: read_into(reader, body, targets), lambda: seats.refusal(up))
             faults.hit("upload.received", who=up.pid, round=up.round)
+        except BaseException:
+            self._release(direct)  # what was written is no contribution: the sum stays empty
+            raise
+        return Landed(None, False, direct, scan)
+
+    async def _count_in_sum(self, up: Upload, direct: DirectUpload, scan: ValueScan | None,
+                            seats: Seats) -> Ticket | None:
+        """Count an upload that landed in the sum with its weight, once it has its place."""
+        try:
             ticket = seats.reserve(up)
             if ticket is None:
                 return None
@@ -220,16 +250,10 @@ class Intake:
         if direct is not None and direct.stop(pid):
             self._release(direct)
 
-    async def _receive_spooled(self, up: Upload, body: Body, cfg: RunConfig, seats: Seats,
-                               may_reach: Callable[[], int]) -> Ticket | None:
-        """Receive an upload into a spool file, verify it, then place it (`_place`)."""
-        path, new = await self._spool(up, body, self.check_header)
-        return await self._place(up, path, new, cfg, seats, may_reach)
-
-    async def _spool(self, up: Upload, body: Body,
-                     on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None]) -> tuple[Path, bool]:
-        """Receive a body into a spool file, verified (digest, length, header by `on_header`,
-        a plain body's NaN and Inf); the file and whether it is new. On failure the file goes."""
+    async def _land_in_spool(self, up: Upload, body: Body,
+                             on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None]) -> Landed:
+        """Land a body in a spool file, verified (digest, length, header by `on_header`, a
+        plain body's NaN and Inf). On failure the file goes."""
         path, new = self._spool_files.take()
         try:
             try:
@@ -244,12 +268,18 @@ class Intake:
         except BaseException:
             self._spool_files.discard(path, new)
             raise
-        return path, new
+        return Landed(path, new, None, None)
 
-    async def _place(self, up: Upload, path: Path, new: bool, cfg: RunConfig, seats: Seats,
+    async def _place(self, up: Upload, landed: Landed, cfg: RunConfig, seats: Seats,
                      may_reach: Callable[[], int]) -> Ticket | None:
-        """Check a verified spool file's values and place it (`policy.place_update`): folded
-        now, kept until the close, or folded after the direct upload in the sum."""
+        """Place a verified upload in the open round. Landed in the sum: counted there
+        (`RoundSum.take_direct`). In a spool file: its values checked and placed as
+        `policy.place_update` says (folded now, kept until the close, or folded after the
+        upload being received into the sum)."""
+        if landed.direct is not None:
+            return await self._count_in_sum(up, landed.direct, landed.scan, seats)
+        assert landed.path is not None
+        path, new = landed.path, landed.new
         owned = False  # the round owns the file now (`RoundSum`, or a deferred fold)
         try:
             place = policy.place_update(cfg, self._direct is not None)
@@ -315,7 +345,9 @@ class Intake:
                 check_fragment(self._fragment, self._model, specs, whole=False)
             rows.update(piece_rows(specs, metadata, self._spec))
 
-        path, new = await self._spool(up, body, on_header)
+        landed = await self._land_in_spool(up, body, on_header)
+        assert landed.path is not None
+        path, new = landed.path, landed.new
         owned = False
         try:
             await asyncio.to_thread(self.round.check_values, path)  # each piece as it comes
@@ -342,7 +374,7 @@ class Intake:
             finally:
                 for piece in partial.pieces.values():
                     self._spool_files.give_back(piece.path)
-            ticket = await self._place(up, whole, whole_new, cfg, seats, may_reach)
+            ticket = await self._place(up, Landed(whole, whole_new, None, None), cfg, seats, may_reach)
         finally:
             del self._assembling[key]
         if ticket is not None:
