@@ -1,6 +1,7 @@
-"""Serving the global model (`publish.py`): streamed chunks, the worker-thread pump, downloads
-held back until their round commits (commit first) or not (publish_first), and the committed
-model still served from memory until the weights move on."""
+"""Serving the global model (`publish.py`): streamed chunks (the plain adapter over the
+steps), the worker-thread pump, downloads held back until their round commits (commit
+first) or not (publish_first), and the committed model still served from memory until the
+weights move on."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fedtrain import faults
 from fedtrain.coordinator import Coordinator
 from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
-from fedtrain.coordinator.model.publish import ModelStream, NotCommitted, Published, WeightsGuard
+from fedtrain.coordinator.model.publish import ModelStream, NotCommitted, Published, WeightsGuard, chunks_of
 from fedtrain.transport.send import SocketOut
 from fedtrain.wire import EncodedBody, write_file
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
@@ -27,7 +28,7 @@ from tests.unit.test_uploads import ADMIN_ID, chunked, raw_body
 def collect(stream: ModelStream, between=None) -> bytes:
     async def run() -> bytes:
         out = []
-        async for chunk in stream.chunks():
+        async for chunk in chunks_of(stream):
             out.append(chunk)
             if between is not None:
                 between(len(out))
@@ -46,9 +47,9 @@ def test_model_stream_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     data = (tmp_path / "g").read_bytes()
     hops: list[int] = []
     threaded = publish._read_chunks
-    monkeypatch.setattr(publish, "_read_chunks", lambda f, n: hops.append(n) or threaded(f, n))
-    if slow_disk:
-        monkeypatch.setattr(publish, "SLOW_READ_S", -1.0)  # every read counts as slow
+    monkeypatch.setattr(publish, "_read_chunks", lambda fd, at, end, n: hops.append(n) or threaded(fd, at, end, n))
+    # every read counts as slow, or none does (a loaded machine must not make a fast read slow)
+    monkeypatch.setattr(publish, "SLOW_READ_S", -1.0 if slow_disk else float("inf"))
     files = CheckpointDir(tmp_path)
     s = ModelStream(3, digest, len(data), tmp_path / "g", files)
     files.remove(7)  # a prune meanwhile: nothing to do with the file being read
@@ -224,7 +225,7 @@ def test_held_chunks_wait_for_the_commit(tmp_path: Path, committed: bool) -> Non
         got = bytearray()
 
         async def read() -> None:
-            async for chunk in stream.chunks():
+            async for chunk in chunks_of(stream):
                 got.extend(chunk)
 
         task = asyncio.create_task(read())
@@ -280,7 +281,7 @@ async def close_round(svc: Coordinator) -> None:
 
 async def fetch(svc: Coordinator, pid: str) -> bytes:
     stream = svc.model_stream(None, pid)
-    return b"".join([c async for c in stream.chunks()])
+    return b"".join([c async for c in chunks_of(stream)])
 
 
 def test_publish_first_commits_at_once_and_downloads_end_before_it(tmp_path: Path) -> None:
@@ -319,7 +320,7 @@ def test_commit_first_serves_the_model_during_the_commit_and_completes_downloads
             observer = asyncio.create_task(svc.wait_round(ADMIN_ID, None, 0, 5))  # anyone else: until committed
             stream = svc.model_stream(None, "a")
             assert stream.memory is not None
-            chunks = stream.chunks()
+            chunks = chunks_of(stream)
             first = await anext(chunks)  # served at once, from memory
             assert svc.inspect().committed_version == 0 and not observer.done()
             rest = b"".join([c async for c in chunks])
@@ -340,7 +341,7 @@ def test_commit_first_cuts_downloads_short_when_the_commit_fails(tmp_path: Path)
             await close_round(svc)  # (the commit takes long enough for round 1 to be seen open)
             stream = svc.model_stream(None, "a")
             with pytest.raises(NotCommitted):
-                async for _ in stream.chunks():
+                async for _ in chunks_of(stream):
                     pass
             while svc.version != 0 or svc.status()["closing"]:  # gone back to the last committed round
                 await asyncio.sleep(0.01)

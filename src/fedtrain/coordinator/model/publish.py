@@ -10,12 +10,14 @@ More: docs/architecture.md, "coordinator/model/publish.py".
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Generic, Protocol, TypeVar
 
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
@@ -31,6 +33,8 @@ CHUNK = 512 << 10
 READS_PER_HOP = 8
 SEND_PIECE = 4 << 20  # most a nonblocking write from memory can take at once (the socket buffer takes less)
 SLOW_READ_S = 0.005
+
+T = TypeVar("T")
 
 
 class WeightsGuard:
@@ -101,42 +105,9 @@ class ModelStream:
         # open reader keeps it from being reused as a spare, and unlinking it is harmless.
         self._file: BinaryIO | None = self.files.open_reader(self.path) if self.memory is None else None
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        offset = 0
-        try:
-            if self.memory is not None and self.guard is not None:
-                async for data in memory_chunks(self.memory.body, self.memory, self.guard):
-                    offset += len(data)
-                    yield data
-                if offset == self.size:
-                    return
-                # the weights moved on: the rest comes from the committed file
-                self._file = self.files.open_reader(self.path)
-                self._file.seek(offset)
-            file = self._file
-            assert file is not None
-            # From the page cache (a file read recently) a chunk is a short copy, so it is read
-            # in the event loop: on a worker thread the stream would wait for a hop per batch of
-            # reads, which costs more than the reads. A read slower than SLOW_READ_S is a disk's
-            # (a checkpoint written with O_DIRECT is not in the page cache): the rest is then read on
-            # a worker thread, so the loop waits on the disk once.
-            while True:
-                t0 = time.perf_counter()
-                chunk = file.read(CHUNK)
-                slow = time.perf_counter() - t0 > SLOW_READ_S
-                if not chunk:
-                    return
-                yield chunk
-                if slow:
-                    break
-            while chunks := await asyncio.to_thread(_read_chunks, file, READS_PER_HOP):
-                for chunk in chunks:
-                    yield chunk
-        finally:
-            self.close()
-
     def steps(self, out: ModelSender) -> Steps:
-        """Send the whole body through `out`, on worker threads (`transport.ResponseSink`), yielding
+        """The download's one body producer: send the whole body through `out` (the socket on
+        worker threads, `transport.ResponseSink`; or the plain path's chunks, `chunks_of`), yielding
         whenever the socket takes no more (None) or the commit is to be waited for (a `Hold`):
         from memory, a nonblocking write at a time under the guard lock (a slow client never
         holds it while it waits), else or then (once the weights moved on) by `sendfile` from
@@ -161,34 +132,109 @@ class ModelStream:
             self._file = None
 
 
-def _read_chunks(file: BinaryIO, n: int) -> list[bytes]:
-    """Up to `n` chunks of the file (fewer at its end): one trip to a worker thread reads
-    several, since a hop costs about as much as copying one chunk from the page cache."""
-    chunks = []
-    for _ in range(n):
-        chunk = file.read(CHUNK)
+def _read_chunks(fd: int, offset: int, end: int, n: int) -> list[bytes]:
+    """Up to `n` chunks of the file from `offset` (none past `end`): one trip to a worker thread
+    reads several, since a hop costs about as much as copying one chunk from the page cache."""
+    chunks: list[bytes] = []
+    while len(chunks) < n and offset < end:
+        chunk = os.pread(fd, min(CHUNK, end - offset), offset)
         if not chunk:
             break
         chunks.append(chunk)
+        offset += len(chunk)
     return chunks
 
 
-async def memory_chunks(body: EncodedBody, memory: Published, guard: WeightsGuard) -> AsyncIterator[bytes]:
-    """`body` (over the master weights as `memory` published them) in chunks, each copied out
-    under the guard lock; a held body's last chunk waits for the commit. Ends early when the
-    weights move on (the caller goes on from the committed file: raises `NotCommitted` when
-    there is none)."""
-    for view, last in _pieces(body, CHUNK):
-        if last and memory.hold:
-            await memory.wait_async()
-        with guard.lock:
-            if guard.epoch != memory.epoch:
-                break
-            data = bytes(view)
-        yield data
-    else:
-        return
-    memory.check_durable()  # a move after a failed commit: no file to go on from
+class Work(Generic[T]):
+    """A `Hold` that does a piece of blocking work (a read from disk) before the steps go on: on
+    the pump's thread when the steps run on one, else on a worker thread (`wait_async`)."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._result: T | None = None
+        self._done = False
+
+    @property
+    def result(self) -> T:
+        assert self._done, "the steps go on only once the work is done"
+        return self._result  # type: ignore[return-value]
+
+    def wait(self, cancelled: threading.Event) -> None:
+        if not self._done:
+            self._result, self._done = self._fn(), True
+
+    async def wait_async(self) -> None:
+        if not self._done:
+            self._result, self._done = await asyncio.to_thread(self._fn), True
+
+
+class _Chunks:
+    """The plain path's `ModelSender`: what the steps write is handed to a `StreamingResponse`
+    a chunk at a time (`chunks_of`). A file is read, not sent: from the page cache (a file
+    read recently) in the event loop, since a hop to a worker thread per batch of reads costs
+    more than the reads; after one read slower than SLOW_READ_S (a disk's: a checkpoint
+    written with O_DIRECT is not in the page cache) the rest on a worker thread, so the loop
+    waits on the disk once."""
+
+    def __init__(self) -> None:
+        self.ready: list[bytes] = []
+        self.work: Work[list[bytes]] | None = None  # reads to do on a worker thread before the next step
+
+    def write_some(self, view: memoryview) -> int:
+        if self.ready:  # the last chunk is not handed out yet: the steps yield, and it is
+            return 0
+        data = bytes(view[:CHUNK])
+        self.ready.append(data)
+        return len(data)
+
+    def sendfile_steps(self, fd: int, offset: int, count: int) -> Iterator[None]:
+        end, slow = offset + count, False
+        while offset < end:
+            if slow:
+                read = self.work = Work(partial(_read_chunks, fd, offset, end, READS_PER_HOP))
+                yield None  # the adapter does the reads (`chunks_of`, `run`)
+                chunks = read.result
+            else:
+                t0 = time.perf_counter()
+                chunks = [os.pread(fd, min(CHUNK, end - offset), offset)]
+                slow = time.perf_counter() - t0 > SLOW_READ_S
+            chunks = [c for c in chunks if c]
+            if not chunks:
+                return  # the file ended early: the response falls short of its length, as it would have
+            self.ready.extend(chunks)
+            offset += sum(len(c) for c in chunks)
+            yield None
+
+    def run(self, steps: Iterator[Hold | None]) -> None:
+        """Take the steps to their end on this thread; the chunks pile up in `ready`."""
+        never = threading.Event()
+        for hold in steps:
+            for wait in (hold, self.work):
+                if wait is not None:
+                    wait.wait(never)
+            self.work = None
+
+
+async def chunks_of(stream: Download) -> AsyncIterator[bytes]:
+    """The plain path's adapter: a download's steps (its one body producer) taken on the event
+    loop, their bytes handed out a chunk at a time, their waits (a commit, a read on a worker
+    thread) awaited on the loop. Closes the stream at the end."""
+    out = _Chunks()
+    steps = stream.steps(out)
+    try:
+        for wait in steps:
+            while out.ready:
+                yield out.ready.pop(0)
+            if wait is not None:
+                await wait.wait_async()
+            if out.work is not None:
+                work, out.work = out.work, None
+                await work.wait_async()
+        while out.ready:
+            yield out.ready.pop(0)
+    finally:
+        steps.close()
+        stream.close()
 
 
 def memory_steps(body: EncodedBody, memory: Published, guard: WeightsGuard, out: ModelSender,
@@ -230,9 +276,8 @@ def _pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
 
 
 class Download(Protocol):
-    """One download's bytes, two ways: `ModelStream` (the whole model), `slices.SliceStream` (rows of it)."""
-
-    def chunks(self) -> AsyncIterator[bytes]: ...
+    """One download's bytes, produced once (`steps`) and sent by either adapter: `ModelStream`
+    (the whole model), `slices.SliceStream` (rows of it)."""
 
     def steps(self, out: ModelSender) -> Steps: ...
 
@@ -240,11 +285,12 @@ class Download(Protocol):
 
 
 class ModelResponse(StreamingResponse):
-    """A model download: written by its `steps` straight to the socket where the server
-    offers it (`transport.SEND`: plain HTTP with fast IO on), else streamed in chunks (the plain path)."""
+    """A model download: its `steps` written straight to the socket where the server offers it
+    (`transport.SEND`: plain HTTP with fast IO on), else taken on the loop and streamed in
+    chunks (`chunks_of`, the plain path)."""
 
     def __init__(self, stream: Download, headers: dict[str, str]) -> None:
-        super().__init__(stream.chunks(), media_type="application/octet-stream", headers=headers)
+        super().__init__(chunks_of(stream), media_type="application/octet-stream", headers=headers)
         self.stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -5,18 +5,17 @@ More: docs/architecture.md, "coordinator/model/slices.py".
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
-from fedtrain.coordinator.model.publish import CHUNK, SEND_PIECE, Published, WeightsGuard, memory_chunks, memory_steps
+from fedtrain.coordinator.model.publish import SEND_PIECE, Published, WeightsGuard, Work, memory_steps
 from fedtrain.errors import Refused, StateError
 from fedtrain.transport.protocols import ModelSender, Steps
 from fedtrain.wire import EncodedBody
@@ -181,19 +180,6 @@ class SliceStream:
         finally:
             self.files.close_reader(self.path, file)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        assert self.body is not None
-        body, offset = self.body, 0
-        if self.memory is not None and self.guard is not None:
-            async for data in memory_chunks(body, self.memory, self.guard):
-                offset += len(data)
-                yield data
-            if offset == self.size:
-                return
-            body = await asyncio.to_thread(self._committed)
-        for view in _views_from(body, offset, CHUNK):
-            yield bytes(view)
-
     def steps(self, out: ModelSender) -> Steps:
         """As `ModelStream.steps`; what is not sent from the master weights goes from memory of
         its own (the rows read from the file)."""
@@ -203,7 +189,9 @@ class SliceStream:
             offset = yield from memory_steps(body, self.memory, self.guard, out)
             if offset == self.size:
                 return
-            body = self._committed()
+            load = Work(self._committed)  # read on the pump's thread, or on a worker thread
+            yield load
+            body = load.result
         for view in _views_from(body, offset, SEND_PIECE):
             while view:
                 n = out.write_some(view)
