@@ -1,6 +1,6 @@
 """Pure decisions of asynchronous mode (`schedule.mode: async`): what an update's staleness
 is and whether it is taken, what it weighs, when its version closes, and N of the delayed
-Nesterov step. Like `policy.py`, each rule returns its decision with a reason in words, and
+Nesterov step. Like the rest of `policy/`, each rule returns its decision with a reason in words, and
 none reads a clock, a socket or a file.
 
 More: docs/architecture.md, "coordinator/policy/async_rules.py".

@@ -1,6 +1,6 @@
 """Balanced rounds (issue #22): how many inner steps each participant is told for a round, and why.
 
-A pure decision, like the rules of `policy.py`: throughputs, the previous smoothed values and
+A pure decision, like the other rules of `policy/`: throughputs, the previous smoothed values and
 the schedule config are passed in, nothing reads a clock, a socket or the store. The
 coordinator (`schedule.py`) asks it when a participant starts a round and records the answer.
 

@@ -66,7 +66,7 @@ class Merged:
 class Step:
     """How a round's outer step is taken: on the mean times `scale`, with the delayed Nesterov
     step's N `every`, and the `weights` recorded (None: `round_weights`). Asynchronous mode
-    sets them from the update's staleness (`async_policy`); the defaults are a round's."""
+    sets them from the update's staleness (`async_rules`); the defaults are a round's."""
 
     scale: float = 1.0
     every: int | None = None

@@ -2,7 +2,7 @@
 
 A full disk is an operator's problem with an operator's fix (free space), not an internal
 error: the API answers 507 with what to do, event writes never raise for it, and a commit
-that failed for it goes back and commits again once there is room (`rounds.py`).
+that failed for it goes back and commits again once there is room (`rounds/progress.py`).
 """
 
 from __future__ import annotations
