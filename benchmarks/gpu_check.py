@@ -35,7 +35,7 @@ from safetensors import safe_open
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.members.auth import Tokens
 
 TOKEN = "gpu-check-token"
 
@@ -72,7 +72,7 @@ def check(parallel: str, device: str, ranks: int, rounds: int, work: Path) -> li
         proc = subprocess.run([*launch, *argv], env={**os.environ, "FEDTRAIN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
                               capture_output=True, text=True, timeout=600)
         wall = time.perf_counter() - t0
-        served = {n: t.detach().to("cpu").clone() for n, t in c.service.outer.params.items()}
+        served = {n: t.detach().to("cpu").clone() for n, t in c.service.inspect().weights.items()}
         finished = c.service.finished
     results.append((f"{parallel}: torchrun exit 0 and the run finished ({wall:.1f}s)",
                     proc.returncode == 0 and finished, (proc.stdout + proc.stderr)[-2000:]))

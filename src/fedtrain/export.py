@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedtrain.config import RunConfig, parse_config
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import ConfigError, StateError
 from fedtrain.wire import digest_chunks, iter_file, read_tensors, write_file
 

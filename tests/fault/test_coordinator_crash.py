@@ -23,8 +23,8 @@ import torch
 
 from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
-from fedtrain.coordinator.checkpoints import SPARES, CheckpointDir
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.model.checkpoints import SPARES, CheckpointDir
+from fedtrain.coordinator.state.store import Store
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, read_tensors
 from tests.conftest import PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
 

@@ -91,7 +91,7 @@ def _run(c: BackgroundCoordinator, n: int = 2) -> list[TinyParticipant]:
     runners = run_all([runner(c.url, f"p{i}") for i in range(n)], timeout=120)  # none hangs, none raised
     assert c.service.finished
     for r in runners:
-        for name, t in c.service.outer.params.items():
+        for name, t in c.service.inspect().weights.items():
             assert torch.equal(r.weights[name], t), (r.name, name)
     return runners
 

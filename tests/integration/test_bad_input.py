@@ -35,16 +35,17 @@ def coord(tmp_path: Path) -> Iterator[BackgroundCoordinator]:
 
 def snapshot(c: BackgroundCoordinator) -> dict:
     s = c.service
+    inside = s.inspect()
     return {
         "version": s.version,
-        "submitted": dict(s.submitted),
-        "late": dict(s.late),
-        "acc_count": s.acc.count,
+        "submitted": dict(inside.submitted),
+        "late": dict(inside.late),
+        "acc_count": inside.sum_count,
         # What the sum holds: nothing (its memory is written over by the next upload), or values.
-        "acc_sum": 0.0 if s.acc.is_empty else sum(float(t.abs().sum()) for t in s.acc.peek().values()),
-        "acc_empty": s.acc.is_empty,
-        "params": {n: t.clone() for n, t in s.outer.params.items()},
-        "participants": {p.id: (p.state, p.tokens, p.bytes_up) for p in s.participants.values()},
+        "acc_sum": 0.0 if inside.sum_empty else sum(float(t.abs().sum()) for t in inside.sum_values.values()),
+        "acc_empty": inside.sum_empty,
+        "params": {n: t.clone() for n, t in inside.weights.items()},
+        "participants": {p.id: (p.state, p.tokens, p.bytes_up) for p in inside.participants.values()},
         "submissions": len(s.store.submissions(s.version)),
         "spool": sorted(p.name for p in s.spool.rglob("*") if p.is_file()),
     }
@@ -170,7 +171,7 @@ def test_body_size_limits(coord: BackgroundCoordinator) -> None:
             headers={DIGEST_HEADER: "sha256:" + "0" * 64},
         )
         assert_error(r, 413, "too_large")
-    assert "x" not in coord.service.participants
+    assert "x" not in coord.service.inspect().participants
     assert_unchanged(coord, before)
 
 
@@ -205,7 +206,7 @@ def test_json_fields_validated(coord: BackgroundCoordinator) -> None:
         assert_error(http.get("/v1/rounds/zero"), 422)
         assert_error(http.get("/v1/model", params={"version": -1}), 422)
         assert_error(http.get("/v1/model", params={"version": 99}), 404, "version_not_kept")
-    assert coord.service.live["a"].loss is None
+    assert coord.service.inspect().live["a"].loss is None
     assert_unchanged(coord, before)
 
 
@@ -224,7 +225,7 @@ def test_wrong_round_and_unknown_participant_on_every_route(coord: BackgroundCoo
         ]:
             assert_error(http.request(method, path, json=body), 404, "unknown_participant")
         assert_error(put(http, 0, "ghost", zeros), 404, "unknown_participant")
-    assert "ghost" not in coord.service.participants
+    assert "ghost" not in coord.service.inspect().participants
     assert_unchanged(coord, before)
     with client(coord) as http:  # and the run still works
         assert put(http, 0, "a", zeros).status_code == 200

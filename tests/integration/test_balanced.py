@@ -11,10 +11,10 @@ import httpx
 import pytest
 import torch
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from fedtrain.report import format_status
 from fedtrain.wire import EncodedBody
 from tests.conftest import ATOKEN, PTOKEN, tiny_config
 from tests.tiny import Regression, Small, TinyParticipant, init_file, run_all

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.prometheus import CONTENT_TYPE
+from fedtrain.coordinator.http.prometheus import CONTENT_TYPE
 from tests.conftest import ATOKEN, PTOKEN
 from tests.integration.test_api import put, zeros_like_model
 

@@ -133,7 +133,7 @@ class Runs:
 
 
 def params(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in c.service.outer.params.items()}
+    return {k: v.detach().clone() for k, v in c.service.inspect().weights.items()}
 
 
 @contextmanager

@@ -90,7 +90,7 @@ def test_a_streaming_fsdp_group_rides_out_a_coordinator_that_fails_one_of_its_fr
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         service = c.service
         fail_round_one_pieces(c, out, hold_s=3)
-        final = {k: v.clone() for k, v in service.outer.params.items()}
+        final = {k: v.clone() for k, v in service.inspect().weights.items()}
         assert service.finished and service.version == ROUNDS
     reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
     assert reports[0]["outages"] and reports[0]["outages"][0]["round"] == 1, reports[0]["outages"]

@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.store import Store
-from fedtrain.report import format_status
+from fedtrain.coordinator.state.store import Store
 from tests.conftest import PTOKEN, tiny_config
 from tests.integration.test_api import assert_error, client, put
 from tests.integration.test_cli import fedtrain

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.report import format_status
 from fedtrain.wire import read_tensors
 from tests.conftest import ATOKEN, PTOKEN, free_port, start_coordinator, stop_coordinator, tiny_config
 from tests.integration.test_api import client, put, zeros_like_model

@@ -175,7 +175,7 @@ def test_a_torchrun_group_streams_beside_a_single_process(tmp_path: Path) -> Non
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         group = torchrun(c.url, "group", "--run-dir", str(tmp_path / "group"))
         finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
-        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         rounds = c.service.store.rounds()
         assert c.service.finished and c.service.version == 4
     assert [r["fragment"] for r in sorted(rounds, key=lambda r: r["round"])] == [0, 1, 0, 1]

@@ -56,7 +56,7 @@ def test_two_rank_torchrun_participant_beside_a_single_process_one(tmp_path: Pat
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         group = torchrun(c.url, "group", "--run-dir", str(tmp_path / "group"))
         out_group = finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
-        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         rounds = c.service.store.rounds()
         ranks = {p["id"]: (p["parallel"], p["world_size"]) for p in c.service.status()["participants"]}
         assert c.service.finished and c.service.version == 3
@@ -99,7 +99,7 @@ def test_a_ddp_group_syncs_overlapped_and_every_rank_ends_on_the_global_weights(
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         group = torchrun(c.url, "group", "--run-dir", str(tmp_path / "group"))
         out, _ = group.communicate(timeout=240)
-        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         rounds = c.service.store.rounds()
         assert c.service.finished and c.service.version == 3
     assert group.returncode == 0, out[-3000:]

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from fedtrain.config import ScheduleConfig
-from fedtrain.coordinator.balance import (
+from fedtrain.coordinator.policy.balance import (
     MAX_RATE,
     MIN_RATE,
     Reported,
@@ -194,7 +194,7 @@ def test_told_steps_reads_only_what_can_work() -> None:
 
 def test_demo_heterogeneous_runs_three_speeds_in_balanced_rounds_unless_told() -> None:
     from fedtrain.cli import build_parser
-    from fedtrain.demo import demo_config, speeds, steps_by_round
+    from fedtrain.cli.demo import demo_config, speeds, steps_by_round
 
     parse = build_parser().parse_args
     args = parse(["demo", "--heterogeneous"])

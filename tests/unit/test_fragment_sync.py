@@ -1,4 +1,4 @@
-"""A streaming participant's fragments (`participant/engine/schedule.py`, `SyncEngine.fragment`),
+"""A streaming participant's fragments (`participant/engine/sync_schedule.py`, `SyncEngine.fragment`),
 over a scripted coordinator: each round sends its fragment's Δ only and downloads only its
 tensors, the arriving weights are mixed with α, and a failed exchange puts the reference back."""
 
@@ -13,8 +13,8 @@ import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.errors import CoordinatorUnavailable, ModelMismatchError
-from fedtrain.participant.engine.schedule import Exchanges, plan_of
 from fedtrain.participant.engine.sync import PieceOf, SyncEngine
+from fedtrain.participant.engine.sync_schedule import Exchanges, plan_of
 from fedtrain.wire import TensorSpec
 from fedtrain.wire.format import ROWS_META
 

@@ -14,17 +14,17 @@ import pytest
 import safetensors.torch
 import torch
 
+from fedtrain.cli.report import eval_rows, format_evals
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.global_eval import version_due
+from fedtrain.coordinator.model.global_eval import version_due
 from fedtrain.errors import CoordinatorUnavailable, StateError
 from fedtrain.participant import Participant
 from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy
-from fedtrain.participant.engine.schedule import Exchanges
 from fedtrain.participant.engine.sync import SyncEngine
+from fedtrain.participant.engine.sync_schedule import Exchanges
 from fedtrain.participant.local.checkpoint import LocalCheckpoint
 from fedtrain.participant.local.metrics_log import MetricsLog
 from fedtrain.recipes import TokenStream
-from fedtrain.report import eval_rows, format_evals
 from fedtrain.wire import TensorSpec
 
 

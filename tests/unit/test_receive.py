@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedtrain.coordinator.receive import SpoolFiles, Staging, receive_to_spool
+from fedtrain.coordinator.intake.receive import receive_to_spool
+from fedtrain.coordinator.intake.spool import SpoolFiles, Staging
 from fedtrain.errors import WireError
 from fedtrain.merge import RunningSum
 from fedtrain.wire import EncodedBody, StreamingDigest, write_file
@@ -135,7 +136,7 @@ def test_staging_reads_pieces_through_a_buffer_where_files_cannot_be_mapped(
     def no_mmap(*args: object, **kwargs: object) -> mmap.mmap:
         raise OSError(19, "No such device")  # what mmap says on a file system without it
 
-    monkeypatch.setattr("fedtrain.coordinator.receive.mmap.mmap", no_mmap)
+    monkeypatch.setattr("fedtrain.coordinator.intake.spool.mmap.mmap", no_mmap)
     t = tensors(1)
     write_file(tmp_path / "f", t)
     staging = Staging(100_000)

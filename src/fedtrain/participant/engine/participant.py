@@ -1,6 +1,6 @@
 """`Participant`: joins a user's ordinary PyTorch loop to a federated run, for every way a site
 trains: one process, a DDP group, an FSDP group (the ranks strategy, `roles.py`), with every
-schedule: blocking, overlapped, Streaming DiLoCo with any K, τ and α (`schedule.py`).
+schedule: blocking, overlapped, Streaming DiLoCo with any K, τ and α (`sync_schedule.py`).
 
     with Participant(url, token=TOKEN, model=model, inner_optimizer=opt) as fed:
         while not fed.finished:
@@ -34,7 +34,7 @@ from fedtrain.participant.client.presence import Presence, TokenRate
 from fedtrain.participant.engine.outage import OutagePolicy, OutageState, next_attempt
 from fedtrain.participant.engine.pace import Pace
 from fedtrain.participant.engine.records import ConfigCallback, EvalFn, RoundBook
-from fedtrain.participant.engine.schedule import Exchanges, InFlight, Plan, decide, plan_of
+from fedtrain.participant.engine.sync_schedule import Exchanges, InFlight, Plan, decide, plan_of
 from fedtrain.participant.ranks.control import Outcome, RankGroup
 from fedtrain.participant.ranks.roles import role_for
 

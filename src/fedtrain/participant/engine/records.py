@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fedtrain.config import RunConfig
-from fedtrain.config_changes import config_diff
+from fedtrain.config.changes import config_diff
 from fedtrain.errors import CoordinatorError
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.presence import Presence
