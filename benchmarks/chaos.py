@@ -53,10 +53,10 @@ from typing import Any
 import httpx
 from chaos_report import print_report, summarize
 
+from fedtrain.cli.demo import global_eval
 from fedtrain.config import RunConfig
-from fedtrain.demo import global_eval
 from fedtrain.errors import FedtrainError
-from fedtrain.participant.client import CoordinatorClient, RetryPolicy, Timeouts
+from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy, Timeouts
 
 FAULT_POINTS = [
     "upload.received",

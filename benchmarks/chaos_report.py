@@ -12,8 +12,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import FedtrainError
 
 

@@ -9,11 +9,11 @@ random inputs for `--steps` (H = 2) inner steps per round. For each size two run
 real coordinator (its own process) on loopback, every rank a process of its own (gloo, CPU,
 `torch.distributed.run`, one thread each):
 
-- side by side: a 2-rank `FsdpParticipant` (FSDP2 `fully_shard` per layer then the root, the
+- side by side: a 2-rank FSDP `Participant` (FSDP2 `fully_shard` per layer then the root, the
   model built on the meta device and materialised shard by shard, so no rank ever held it
   whole) and a single-process `Participant` with the same model, in the same rounds;
-- DDP: a 2-rank `DistributedParticipant` (`DistributedDataParallel`; rank 0 holds a
-  `Participant`, every rank the whole model), alone.
+- DDP: a 2-rank DDP `Participant` (`DistributedDataParallel`; rank 0 speaks HTTP and holds
+  the snapshot, every rank the whole model), alone.
 
 Memory, measured by each rank on itself from /proc/self/status: `baseline` is the RSS after
 torch and the process group are up, before the model; before each sync step the rank reads
@@ -138,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from fedtrain.participant import DistributedParticipant, FsdpParticipant, Participant
+    from fedtrain.participant import Participant
     from fedtrain.transport.allocator import tune_allocator
 
     if args.allocator == "tuned" and not tune_allocator():
@@ -159,13 +159,12 @@ def worker(args: argparse.Namespace) -> None:
         fully_shard(model)
         model.to_empty(device="cpu")  # this rank's shards only; the global rows come at join
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        fed: Any = FsdpParticipant(model, client=client, name="fsdp", keepalive_s=1.0)
+        fed: Any = Participant(client, model=model, name="fsdp", keepalive_s=1.0)
     elif args.worker == "ddp":
         plain = build(args.width, args.layers)
         model = DistributedDataParallel(plain)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        fed = DistributedParticipant(plain, keepalive_s=1.0, make_participant=lambda: Participant(
-            client, model=plain, inner_optimizer=opt, name="ddp"))
+        fed = Participant(client, model=plain, inner_optimizer=opt, name="ddp", keepalive_s=1.0)
     else:
         model = build(args.width, args.layers)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -174,7 +173,7 @@ def worker(args: argparse.Namespace) -> None:
         syncs = train(fed, model, opt, args.width)
     model_bytes = sum(p.numel() * p.element_size() for p in build_meta(args.width, args.layers).parameters())
     report = {"role": args.worker, "rank": rank, "baseline": baseline, "syncs": syncs,
-              "shard_bytes": getattr(fed, "shard_bytes", model_bytes), "model_bytes": model_bytes,
+              "shard_bytes": fed.shard_bytes or model_bytes, "model_bytes": model_bytes,  # DDP rank 1: no snapshot
               "calls": client.calls}
     Path(args.out, f"{args.worker}-rank{rank}.json").write_text(json.dumps(report))
     if distributed:

@@ -4,7 +4,7 @@ side by side, with three participants at 1x, 0.5x and 0.25x speed, and a homogen
 
 Each run is a coordinator and three `fedtrain participant` processes on loopback (127.0.0.1, a
 free port), training the built-in GPT on the three stdlib shards (`stdlib:i/3`); a slow site is
-`--speed`'s throttle (participant/pace.py: after each step it sleeps (1/speed - 1) x that step's
+`--speed`'s throttle (participant/engine/pace.py: after each step it sleeps (1/speed - 1) x that step's
 own time). Every run gets the same token budget: R lockstep rounds of H steps by three
 participants (3·R·H steps of batch_size x seq_len tokens). A run ends at the first committed
 version whose tokens, summed over the committed versions, reach the budget (lockstep: version R;
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig
-from fedtrain.participant.client import CoordinatorClient, RetryPolicy
+from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy
 from fedtrain.recipes import build_model
 from fedtrain.recipes.build import load_data, loss_fn, tokenizer_of
 from fedtrain.recipes.data import TokenStream, evaluate, heldout_paths

@@ -44,7 +44,7 @@ import json, sys
 from pathlib import Path
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.transport.allocator import tune_process
 
 tune_process()  # as `fedtrain coordinator` does

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fedtrain.demo import DEMO_CONFIG
+from fedtrain.cli.demo import DEMO_CONFIG
 
 
 def run(mode: str, participants: int, rounds: int, h: int, tmp: Path) -> dict:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedtrain.report import human_bytes
+from fedtrain.cli.report import human_bytes
 
 if TYPE_CHECKING:
     from quality_sim import Method, Setup

@@ -312,7 +312,7 @@ def fedtrain_run(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _tokens(token: str) -> Any:
-    from fedtrain.coordinator.auth import Tokens
+    from fedtrain.coordinator.members.auth import Tokens
 
     return Tokens(participant=[token], admin=token + "-admin")
 

@@ -71,13 +71,14 @@ def wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 1
             time.sleep(0.1)
 
 
-def start_coordinator(tmp: Path, init: Path, n: int, extra: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_coordinator(tmp: Path, init: Path, n: int, extra: dict | None = None,
+                      env_extra: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     cfg = {"name": "bench", "rounds": 0, "min_participants": n, "round_timeout_s": 3600,
            "heartbeat_interval_s": 30, "heartbeat_timeout_s": 3600, "keep_checkpoints": 1,
            "max_upload_mb": 100_000, **(extra or {})}
     (tmp / "run.json").write_text(json.dumps(cfg))
     port = free_port()
-    env = {**os.environ, "FEDTRAIN_TOKEN": TOKEN, "FEDTRAIN_ADMIN_TOKEN": "bench-admin"}
+    env = {**os.environ, "FEDTRAIN_TOKEN": TOKEN, "FEDTRAIN_ADMIN_TOKEN": "bench-admin", **(env_extra or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedtrain", "--log-level", "warning", "coordinator", "--config", str(tmp / "run.json"),
          "--state-dir", str(tmp / "state"), "--port", str(port), "--init-weights", str(init)],
@@ -202,6 +203,49 @@ def throughput(args: argparse.Namespace) -> None:
                       f"{moved / raw / 1e6:13.0f} {raw / best:6.2f}")
 
 
+def direct_compare(args: argparse.Namespace) -> None:
+    """The round trip with and without the direct receive (the round's first upload read
+    straight into the running sum), alternating in one invocation (issue #29)."""
+    params = int(args.params or (25e6 if args.quick else 100e6))
+    model = make_model(params, args.tensors)
+    model_bytes = sum(v.numel() * 4 for v in model.values())
+    print(f"model: {params / 1e6:.0f}M fp32 parameters ({model_bytes / 1e6:.0f} MB); direct receive on and off, "
+          f"alternating, {args.repeat} times; each figure: best of {args.rounds} rounds after {args.warmup} warm-up")
+    print(f"{'N':>3} {'mode':<14} {'direct':<7} {'rep':>3} {'round s':>8} {'median':>7} {'ratio':>6}")
+    modes = {"commit": {}, "publish_first": {"publish_first": True}}
+    best_of: dict[tuple[int, str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        init = tmp / "init.safetensors"
+        write_file(init, model)
+        for n in args.participants:
+            for mode in args.modes:
+                for rep in range(args.repeat):
+                    for direct in ("on", "off"):
+                        run_dir = tmp / f"n{n}-{mode}-{direct}-{rep}"
+                        run_dir.mkdir()
+                        raw = min(raw_tcp_seconds(EncodedBody(model), 2 * n) for _ in range(3))
+                        env = {"FEDTRAIN_DIRECT_RECEIVE": "1" if direct == "on" else "0"}
+                        proc, url = start_coordinator(run_dir, init, n, modes[mode], env)
+                        try:
+                            times = sorted(run_rounds(url, n, model, args.warmup + args.rounds,
+                                                      gap_s=args.gap)[args.warmup:])
+                        finally:
+                            proc.terminate()
+                            proc.wait(timeout=30)
+                        raw = min(raw, *(raw_tcp_seconds(EncodedBody(model), 2 * n) for _ in range(3)))
+                        best, median = times[0], times[len(times) // 2]
+                        best_of.setdefault((n, mode, direct), []).append(best)
+                        print(f"{n:>3} {mode:<14} {direct:<7} {rep:>3} {best:8.2f} {median:7.2f} {raw / best:6.2f}",
+                              flush=True)
+    print("median over repetitions of the best round, s: direct on / off (off / on - 1)")
+    for n in args.participants:
+        for mode in args.modes:
+            on = sorted(best_of[(n, mode, "on")])[args.repeat // 2]
+            off = sorted(best_of[(n, mode, "off")])[args.repeat // 2]
+            print(f"{n:>3} {mode:<14} {on:.3f} / {off:.3f} ({off / on - 1:+.1%})")
+
+
 def memory(args: argparse.Namespace) -> None:
     params = int(args.params or (25e6 if args.quick else 100e6))
     model = make_model(params, args.tensors)
@@ -240,9 +284,15 @@ def main() -> None:
                    help="seconds between rounds, as participants train between syncs (default 0: back to back)")
     p.add_argument("--modes", type=lambda s: s.split(","), default=["commit", "publish_first"],
                    help="commit,publish_first (default: both)")
+    p.add_argument("--direct-compare", action="store_true",
+                   help="round trip with the direct receive into the sum on and off, alternating")
+    p.add_argument("--repeat", type=int, default=3, help="--direct-compare: repetitions of each (default 3)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    if args.memory:
+    if args.direct_compare:
+        args.participants = args.participants or [1]
+        direct_compare(args)
+    elif args.memory:
         args.participants = args.participants or ([1, 2, 4] if args.quick else [1, 2, 4, 8])
         memory(args)
     else:

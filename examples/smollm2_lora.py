@@ -30,11 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedtrain.cli.demo import run_demo
+from fedtrain.cli.report import human_bytes
 from fedtrain.config import load_config
-from fedtrain.coordinator.store import Store
-from fedtrain.demo import run_demo
+from fedtrain.coordinator.state.store import Store
 from fedtrain.recipes import build_model
-from fedtrain.report import human_bytes
 from fedtrain.wire import EncodedBody
 
 

@@ -1,6 +1,6 @@
 """fedtrain: fault-tolerant federated and low-communication (DiLoCo) training for PyTorch.
 
-Public names are re-exported here and in each subpackage lazily (PEP 562): `import fedtrain`
+Public names are re-exported here and in each subpackage lazily (PEP 562, `_lazy.py`): `import fedtrain`
 loads nothing heavy, and `fedtrain.Participant` imports torch only when first asked for, so
 `fedtrain --help`, `fedtrain status` and the coordinator's pure policy code never pay for
 torch or the server stack they do not use. Type checkers see the plain imports below.
@@ -8,35 +8,11 @@ torch or the server stack they do not use. Type checkers see the plain imports b
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedtrain._lazy import lazy_exports
 
 __version__ = "0.1.0"
-
-
-def _lazy_exports(
-    package: str, sources: Mapping[str, tuple[str, ...]]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A module `__getattr__` and `__dir__` for `package`: each name in `sources[module]` is
-    imported from `module` on first access and kept in the package, so later lookups are
-    plain attributes. Any other name is an AttributeError, which lets `from package import
-    submodule` still import the submodule."""
-    where = {name: module for module, names in sources.items() for name in names}
-
-    def __getattr__(name: str) -> Any:
-        module = where.get(name)
-        if module is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        setattr(sys.modules[package], name, value)
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*vars(sys.modules[package]), *where})
-
-    return __getattr__, __dir__
 
 
 _SOURCES = {
@@ -57,7 +33,6 @@ _SOURCES = {
     ),
     "fedtrain.participant": (
         "CoordinatorClient",
-        "DistributedParticipant",
         "OutagePolicy",
         "Participant",
         "RetryPolicy",
@@ -83,14 +58,13 @@ if TYPE_CHECKING:
     )
     from fedtrain.participant import (
         CoordinatorClient,
-        DistributedParticipant,
         OutagePolicy,
         Participant,
         RetryPolicy,
         Timeouts,
     )
 else:
-    __getattr__, __dir__ = _lazy_exports(__name__, _SOURCES)
+    __getattr__, __dir__ = lazy_exports(__name__, _SOURCES)
 
 __all__ = [
     "AuthError",
@@ -98,7 +72,6 @@ __all__ = [
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnavailable",
-    "DistributedParticipant",
     "FedtrainError",
     "MergeError",
     "ModelMismatchError",

@@ -22,7 +22,7 @@ client raises them at once, with the setting to change in the message.
 a client meets it as a `CoordinatorError` with the same status and code.
 
 Low-level errors (httpx, starlette, safetensors, sqlite3) are translated into this tree at
-one boundary each: `participant/client.py` on the client side, `coordinator/app.py` on the
+one boundary each: `participant/client/coordinator_client.py` on the client side, `coordinator/app.py` on the
 server side (which answers every error with the JSON shape of `error_body`).
 """
 

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedtrain.config import RunConfig, parse_config
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import ConfigError, StateError
 from fedtrain.wire import digest_chunks, iter_file, read_tensors, write_file
 
 if TYPE_CHECKING:
-    from fedtrain.participant.client import CoordinatorClient
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient
 
 
 def export_model(args: argparse.Namespace, connect: Callable[[], CoordinatorClient]) -> tuple[int, int, str]:

@@ -1,72 +1,8 @@
-"""Streaming DiLoCo as torchft 0.2.0 runs it: fragments, the schedule, and an in-process reference.
-
-Douillard et al. 2025 ("Streaming DiLoCo with overlapping communication") split the model
-into K fragments that sync at staggered times, let each fragment's sync overlap τ inner
-steps, and mix the arriving global fragment into the local one with a factor α. This
-module holds the pure parts: `fragments` (which parameter goes where), `schedule` (what
-happens after an inner step) and `simulate`, M replicas of a model doing exactly what
-torchft's `DiLoCo` does, in one process, for tests and for the coordinator to be checked
-against. No I/O; torch only.
-
-What torchft 0.2.0 does (`torchft/local_sgd.py`: `DiLoCo`, `_StreamingDiLoCoFragment`),
-read from its source. H = `sync_every`, K = `len(model_fragments)`, S = H / K,
-τ = `fragment_sync_delay`, α = `fragment_update_alpha`; step t = the number of inner
-optimizer steps taken (its hook runs right after the t-th `inner_optimizer.step()`).
-
-- Constraints: H ≥ K and H % K == 0; 0 ≤ τ < S (a fragment is applied before the next is
-  sent); 0 ≤ α ≤ 1; the Manager's quorum is synchronous.
-- Start: every fragment's global copy θ_g^p (torchft's `original_parameters`) is taken
-  from the weights when `DiLoCo` is built.
-- Schedule: a counter runs 1..S and restarts. At S − τ one fragment is *sent*, at S the
-  same fragment is *applied* (τ = 0: both in the same hook, send first). The fragment is
-  `manager.current_step() % K`, the number of committed syncs mod K; with every sync
-  committed the n-th sync (n = 0, 1, ...) moves fragment n mod K, sent after step
-  (n+1)·S − τ and applied after step (n+1)·S. So fragment 0 goes first, and fragment p is
-  applied after steps (mK + p + 1)·S: every H steps, the fragments S steps apart. Its
-  first Δ covers (p+1)·S − τ steps, the later ones H − τ steps since its last apply.
-- Send: Δᵢ^p = θ_g^p − θᵢ^p, the fragment's local weights right after the sending step
-  against its global copy; all-reduced as a sum, then divided by the number of replicas
-  (an unweighted mean Δ̄^p). Nothing local changes: the replica keeps training every
-  parameter, fragment p's too, for τ more steps.
-- Apply (τ steps after the send): θ_loc = fragment p's local weights *now* (after those τ
-  steps); its weights are set back to θ_g^p; the outer optimizer of p steps them with
-  .grad = Δ̄^p (computed at the send, so without the τ steps): θ_g^p ← OuterOpt_p(θ_g^p,
-  Δ̄^p). That result is saved as the new θ_g^p (saved at apply, after the outer step and
-  before mixing); then the weights are mixed, `lerp_(θ_loc, α)`:
-  θ^p ← (1 − α)·θ_g^p + α·θ_loc. α weights the local side: α = 0 takes the global fragment
-  as it comes (the τ local steps on p are dropped), α = 1 keeps the local weights (θ_g^p
-  still moves). The next Δ^p is taken against θ_g^p, not against the mixed weights.
-- Outer optimizers: one per fragment, each over its fragment's parameters only, so each
-  fragment has its own momentum. torchft also takes a single optimizer (kept "for backward
-  compatibility"), but it steps every parameter that holds a .grad at the apply, and the
-  apply runs inside `inner_optimizer.step()`, where all parameters still hold this step's
-  inner gradient: the other fragments then take an outer step with it. Use a list.
-- The inner optimizer and its state are never touched: it keeps running across syncs.
-- The end: nothing flushes when the loop stops. A fragment sent and not yet applied is
-  dropped, and the replicas' local weights differ on every fragment trained since its
-  last apply (K = 1 with a multiple of H steps is the only case where they agree).
-- A sync that does not commit puts fragment p back to θ_g^p with no outer step, and the
-  counter does not advance: the same fragment is sent again S steps later (`simulate`
-  does not model failures).
-- `should_quantize` quantizes the all-reduce to fp8 only where triton is there (GPU); on CPU
-  it is ignored. `simulate` does not quantize. `fragment_sync_offset` is only checked.
-
-K = 1, τ = 0, α = 0 is plain DiLoCo: every H steps Δ̄ = mean(θ_g − θᵢ), θ_g ← OuterOpt(θ_g,
-Δ̄), every replica takes θ_g. Where the issue (#21) differs from this: torchft averages
-without token weights (fedtrain weights by tokens; the two agree for equal token counts),
-and the first sync of each fragment comes earlier than H steps, as above.
-
-Fragments: torchft users pass the fragment modules themselves. `fragments` builds them
-from parameter names: strided by block as the paper does (fragment p holds blocks p,
-p + K, ...; the paper found strided better than sequential), or sequential (contiguous
-runs of blocks, torchtitan's default), or one list of name patterns per fragment. A
-parameter outside every block goes with the block before it in the model's order, or with
-the first block when none is before it: embeddings with block 0 (fragment 0), the final
-norm and head with the last block. That is where torchtitan's `fragment_llm` puts them
-(embeddings in the first fragment, norm and output in the last) when the blocks divide
-evenly, it keeps the fragments near one size, and it needs no knowledge of the model
-beyond the order of its parameters. For the built-in GPT the LM head is tied to `wte`,
-so the head travels with fragment 0.
+"""Streaming DiLoCo as torchft 0.2.0 runs it, the pure parts: `fragments` (which parameter goes
+where: strided or sequential by block, or name patterns), `schedule` (what happens after an inner
+step) and `simulate` (M replicas doing exactly what torchft's `DiLoCo` does, in one process: the
+reference the coordinator and the participants are checked against). No I/O; torch only. What
+torchft does, read from its source, and why the fragments are cut as they are: docs/streaming.md.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 import torch
 from playwright.sync_api import Dialog, Route, expect
 
-from fedtrain.coordinator.auth import KEY_HEADER
+from fedtrain.coordinator.members.auth import KEY_HEADER
 from tests.helpers.api import halves, send_piece
 from tests.helpers.browser import ARTIFACTS, SITES, LiveRun, Page
 from tests.helpers.config import ATOKEN, PTOKEN
@@ -162,7 +162,7 @@ def test_admin_evicts_from_the_dashboard(page: Page, live_run: LiveRun) -> None:
     row.locator("button[data-evict]").click()
     expect(row).to_have_attribute("data-state", "evicted")
     expect(pg.locator("#events li[data-kind=evict]")).to_contain_text("ghost evicted by an admin")
-    assert live_run.coordinator.service.participants["ghost"].state == "evicted"
+    assert live_run.coordinator.service.inspect().participants["ghost"].state == "evicted"
     assert not page.errors, page.errors
 
 
@@ -302,7 +302,7 @@ def test_an_fsdp_group_shows_its_ranks_and_its_pieces_as_they_come_in(page: Page
     for name in SITES:  # the sites are single processes
         expect(pg.locator(f'#participants tbody tr[data-pid="{name}"] td.ranks')).to_have_text("1")
     pid, c = "fsdp-group", live_run.coordinator
-    zeros = {n: torch.zeros_like(t) for n, t in c.service.outer.params.items()}  # a no-op update: the run goes on
+    zeros = {n: torch.zeros_like(t) for n, t in c.service.inspect().weights.items()}  # a no-op update: the run goes on
     (t0, rows0), (t1, rows1) = halves(zeros)
     done = threading.Event()
     # The admin token: the participant token may add no participant for a while after the eviction above.

@@ -23,8 +23,8 @@ import torch
 
 from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
-from fedtrain.coordinator.checkpoints import SPARES, CheckpointDir
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.model.checkpoints import SPARES, CheckpointDir
+from fedtrain.coordinator.state.store import Store
 from tests.helpers.api import delta, download, upload
 from tests.helpers.config import PTOKEN, tiny_config
 from tests.helpers.processes import free_port, start_coordinator, stop_coordinator

@@ -15,7 +15,7 @@ from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorUnavailable
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from fedtrain.participant.outage import OutagePolicy
+from fedtrain.participant.engine.outage import OutagePolicy
 from tests.helpers.config import PTOKEN, tiny_config
 from tests.helpers.processes import free_port, start_coordinator
 from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, run_all
@@ -92,7 +92,7 @@ def _run(c: BackgroundCoordinator, n: int = 2) -> list[TinyParticipant]:
     runners = run_all([runner(c.url, f"p{i}") for i in range(n)], timeout=120)  # none hangs, none raised
     assert c.service.finished
     for r in runners:
-        for name, t in c.service.outer.params.items():
+        for name, t in c.service.inspect().weights.items():
             assert torch.equal(r.weights[name], t), (r.name, name)
     return runners
 

@@ -40,7 +40,7 @@ def back_at_round_0_then_commit_it(c: BackgroundCoordinator, http: httpx.Client,
     da, db = delta(theta0, 0, 0), delta(theta0, 1, 0)
     for pid, d in (("a", da), ("b", db)):
         assert upload(http, 0, pid, d).status_code == 200
-    wait_for(lambda: c.service.committed_version == 1, "round 0 did not commit on the second try")
+    wait_for(lambda: c.service.inspect().committed_version == 1, "round 0 did not commit on the second try")
     version, theta = download(http)
     assert version == 1
     for n, t in theta.items():
@@ -72,10 +72,10 @@ def test_failed_background_commit_goes_back_to_the_committed_round(tmp_path: Pat
         try:
             send_round_0(http, theta0)
             wait_for(lambda: rule.fired == 1, "the commit of round 0 never ran")
-            wait_for(lambda: c.service.version == 0 and not c.service.closing, "no roll back")
+            wait_for(lambda: c.service.version == 0 and not c.service.status()["closing"], "no roll back")
         finally:
             faults.disarm()
-        assert c.service.committed_version == 0
+        assert c.service.inspect().committed_version == 0
         kinds = [e["kind"] for e in http.get("/v1/events", params={"limit": 20}).json()["events"]]
         assert "commit_failed" in kinds
         back_at_round_0_then_commit_it(c, http, theta0)
@@ -92,8 +92,8 @@ def test_participants_follow_a_lost_round_back_and_finish(tmp_path: Path, publis
     try:
         with BackgroundCoordinator(tmp_path / "state", cfg) as c:
             results = train_all(c.url, 2)
-            wait_for(lambda: c.service.committed_version == 4, "the run's last round never committed")
-            final = {k: v.clone() for k, v in c.service.outer.params.items()}
+            wait_for(lambda: c.service.inspect().committed_version == 4, "the run's last round never committed")
+            final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
             rounds = c.service.store.rounds()
             kinds = [e["kind"] for e in c.service.store.events(limit=200)]
     finally:
@@ -127,9 +127,9 @@ def test_a_full_disk_during_the_commit_goes_back_and_the_round_commits_once_ther
         full["on"] = True
         send_round_0(http, theta0)
         wait_for(lambda: full["refused"] > 0, "the commit of round 0 never wrote")
-        wait_for(lambda: c.service.version == 0 and not c.service.closing, "no roll back")
+        wait_for(lambda: c.service.version == 0 and not c.service.status()["closing"], "no roll back")
         full["on"] = False
-        assert c.service.committed_version == 0
+        assert c.service.inspect().committed_version == 0
         left = [p.name for p in (tmp_path / "state" / "checkpoints").glob("*.tmp")]
         assert all(name.startswith(".spare-") for name in left), left  # the failed writes' temp files went
         events = http.get("/v1/events", params={"limit": 20}).json()["events"]
@@ -147,7 +147,7 @@ def test_a_full_disk_that_also_fills_the_database_holds_the_run_with_507_then_le
     import os
     import sqlite3
 
-    from fedtrain.coordinator.store import Store
+    from fedtrain.coordinator.state.store import Store
 
     cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, min_participants=2)
     real_pwrite, real_write = os.pwrite, Store.write
@@ -178,8 +178,9 @@ def test_a_full_disk_that_also_fills_the_database_holds_the_run_with_507_then_le
         assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", r.text
         assert "disk is full" in r.json()["error"]["message"] and r.headers["Retry-After"]
         full["armed"] = full["on"] = False  # room again
-        wait_for(lambda: c.service.version == 0 and not c.service.closing, "no going back once there was room")
-        assert c.service.committed_version == 0
+        wait_for(lambda: c.service.version == 0 and not c.service.status()["closing"],
+                 "no going back once there was room")
+        assert c.service.inspect().committed_version == 0
         events = http.get("/v1/events", params={"limit": 20}).json()["events"]
         assert any(e["kind"] == "storage" and "room on the disk again" in e["message"] for e in events), events
         back_at_round_0_then_commit_it(c, http, theta0)

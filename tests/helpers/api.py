@@ -14,8 +14,8 @@ import httpx
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.pieces import ROWS_META
-from fedtrain.coordinator.prometheus import CONTENT_TYPE
+from fedtrain.coordinator.http.prometheus import CONTENT_TYPE
+from fedtrain.coordinator.intake.pieces import ROWS_META
 from fedtrain.participant import CoordinatorClient
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, digest_bytes, read_tensors
 from fedtrain.wire.compress import compress
@@ -34,7 +34,7 @@ def client(c: BackgroundCoordinator, token: str | None = PTOKEN) -> httpx.Client
 
 
 def zeros_like_model(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros_like(t) for n, t in c.service.outer.params.items()}
+    return {n: torch.zeros_like(t) for n, t in c.service.inspect().weights.items()}
 
 
 def put(
@@ -55,13 +55,13 @@ def put(
 def commit_round_0(c: BackgroundCoordinator, http: httpx.Client, name: str = "a") -> None:
     """`name` uploads a small update for round 0 (admin's client: it acts for anyone); returns
     once version 1 is committed."""
-    delta = {n: torch.full_like(t, 0.01) for n, t in c.service.outer.params.items()}
+    delta = {n: torch.full_like(t, 0.01) for n, t in c.service.inspect().weights.items()}
     assert put(http, 0, name, delta).status_code == 200
     http.get("/v1/rounds/0", params={"wait": 10})
     deadline = time.monotonic() + 10
-    while c.service.committed_version < 1 and time.monotonic() < deadline:
+    while c.service.inspect().committed_version < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert c.service.committed_version == 1
+    assert c.service.inspect().committed_version == 1
 
 
 def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
@@ -75,16 +75,17 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dic
 
 def snapshot(c: BackgroundCoordinator) -> dict:
     s = c.service
+    inside = s.inspect()
     return {
         "version": s.version,
-        "submitted": dict(s.submitted),
-        "late": dict(s.late),
-        "acc_count": s.acc.count,
+        "submitted": dict(inside.submitted),
+        "late": dict(inside.late),
+        "acc_count": inside.sum_count,
         # What the sum holds: nothing (its memory is written over by the next upload), or values.
-        "acc_sum": 0.0 if s.acc.is_empty else sum(float(t.abs().sum()) for t in s.acc.peek().values()),
-        "acc_empty": s.acc.is_empty,
-        "params": {n: t.clone() for n, t in s.outer.params.items()},
-        "participants": {p.id: (p.state, p.tokens, p.bytes_up) for p in s.participants.values()},
+        "acc_sum": 0.0 if inside.sum_empty else sum(float(t.abs().sum()) for t in inside.sum_values.values()),
+        "acc_empty": inside.sum_empty,
+        "params": {n: t.clone() for n, t in inside.weights.items()},
+        "participants": {p.id: (p.state, p.tokens, p.bytes_up) for p in inside.participants.values()},
         "submissions": len(s.store.submissions(s.version)),
         "spool": sorted(p.name for p in s.spool.rglob("*") if p.is_file()),
     }
@@ -147,12 +148,12 @@ def halves(delta: dict[str, torch.Tensor]) -> list[tuple[dict[str, torch.Tensor]
 
 def deltas(c: BackgroundCoordinator, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in c.service.outer.params.items()}
+    return {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in c.service.inspect().weights.items()}
 
 
 def rand_like(c: BackgroundCoordinator, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in c.service.outer.params.items()}
+    return {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in c.service.inspect().weights.items()}
 
 
 def wait_round(http, r: int, timeout: float = 20) -> dict:

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from fedtrain.coordinator.auth import ADMIN, Identity
-from fedtrain.coordinator.publish import ModelStream
+from fedtrain.coordinator.members.auth import ADMIN, Identity
+from fedtrain.coordinator.model.publish import ModelStream, chunks_of
 from fedtrain.transport.send import SocketOut
 from fedtrain.wire.digest import digest_bytes
 from fedtrain.wire.format import DTYPE_TO_ST
@@ -45,7 +45,7 @@ ADMIN_ID = Identity(ADMIN, "admin")
 def collect(stream: ModelStream, between=None) -> bytes:
     async def run() -> bytes:
         out = []
-        async for chunk in stream.chunks():
+        async for chunk in chunks_of(stream):
             out.append(chunk)
             if between is not None:
                 between(len(out))

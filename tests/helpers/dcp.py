@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fedtrain.config import ModelConfig
-from fedtrain.participant.shards import local_tensor
+from fedtrain.participant.ranks.shards import local_tensor
 from fedtrain.recipes.build import build_model
 from fedtrain.recipes.sharding import shard_model
 

@@ -100,7 +100,7 @@ def run_single(url: str, name: str, seed: int, rows: int, optimizer: str, cfg: R
 
 
 def params(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in c.service.outer.params.items()}
+    return {k: v.detach().clone() for k, v in c.service.inspect().weights.items()}
 
 
 @contextmanager

@@ -30,12 +30,12 @@ def test_join_returns_config_round_and_model(coordinator: BackgroundCoordinator)
         j = http.post("/v1/join", json={"name": "alice"}).json()
         assert j["participant_id"] == "alice" and j["current_round"] == 0
         assert j["config"]["train"]["sync_every"] == 5
-        assert set(j["model"]) == set(coordinator.service.outer.params)
+        assert set(j["model"]) == set(coordinator.service.inspect().weights)
         assert_error(http.post("/v1/join", json={"name": "bad name!"}), 400, "invalid_name")
         assert_error(http.post("/v1/join", json={"nam": "x"}), 422, "invalid_request")
         r = http.get("/v1/model")
         tensors = dict(read_tensors([r.content], expected_digest=r.headers[DIGEST_HEADER]))
-        for n, t in coordinator.service.outer.params.items():
+        for n, t in coordinator.service.inspect().weights.items():
             assert torch.equal(tensors[n], t)
 
 
@@ -47,7 +47,7 @@ def test_upload_idempotent_and_late_upload_409(coordinator: BackgroundCoordinato
         zeros = zeros_like_model(coordinator)
         assert put(http, 0, "a", zeros).json() == {"accepted": True, "duplicate": False, "round": 0}
         assert put(http, 0, "a", zeros).json()["duplicate"] is True
-        assert svc.acc.count == 1
+        assert svc.inspect().sum_count == 1
         assert put(http, 0, "b", zeros).json()["accepted"] is True
         info = http.get("/v1/rounds/0", params={"wait": 10, "participant_id": "a"}).json()
         assert info["state"] in ("committing", "closed") and info["current_round"] == 1  # merged
@@ -79,7 +79,7 @@ def test_bad_upload_refused_and_state_unchanged(coordinator: BackgroundCoordinat
         http.post("/v1/join", json={"name": "b"})
         good = zeros_like_model(coordinator)
         name0 = next(iter(good))
-        params_before = {n: t.clone() for n, t in svc.outer.params.items()}
+        params_before = {n: t.clone() for n, t in svc.inspect().weights.items()}
         enc = EncodedBody(good)
         raw = b"".join(bytes(c) for c in enc)
         if case == "flipped":
@@ -118,9 +118,9 @@ def test_bad_upload_refused_and_state_unchanged(coordinator: BackgroundCoordinat
             assert_error(put(http, 0, "mallory", good), 404, "unknown_participant")
         elif case == "zero_tokens":
             assert_error(put(http, 0, "a", good, tokens=0), 400, "invalid_tokens")
-        assert svc.version == 0 and svc.submitted == {} and svc.acc.count == 0
-        assert svc.acc.is_empty  # the sum holds nothing: the next upload writes over it
-        for n, t in svc.outer.params.items():
+        assert svc.version == 0 and svc.inspect().submitted == {} and svc.inspect().sum_count == 0
+        assert svc.inspect().sum_empty  # the sum holds nothing: the next upload writes over it
+        for n, t in svc.inspect().weights.items():
             assert torch.equal(t, params_before[n])
         # the run still works: both participants upload and the round closes
         assert put(http, 0, "a", good).status_code == 200
@@ -159,15 +159,15 @@ def test_compressed_upload_must_match_its_declared_scheme(coordinator: Backgroun
         r = http.put("/v1/rounds/0/updates/a", params={"tokens": 5}, content=b"".join(bytes(c) for c in enc),
                      headers={DIGEST_HEADER: enc.digest()})
         assert "unknown compression" in assert_error(r, 400)["message"]
-        assert svc.acc.count == 0 and svc.submitted == {}
+        assert svc.inspect().sum_count == 0 and svc.inspect().submitted == {}
         tensors, meta = compress({n: t + 0.5 for n, t in zeros.items()}, "int8")
         enc = EncodedBody(tensors, meta)
         r = http.put("/v1/rounds/0/updates/a", params={"tokens": 5}, content=b"".join(bytes(c) for c in enc),
                      headers={DIGEST_HEADER: enc.digest()})
         assert r.status_code == 200, r.text
         # decoded and folded: the first contribution as it is (its weight, 5 tokens, is the sum's scale)
-        assert svc.acc.count == 1 and svc.acc.total_weight == 5
-        assert all(torch.allclose(t, torch.full_like(t, 0.5)) for t in svc.acc.peek().values())
+        assert svc.inspect().sum_count == 1 and svc.inspect().sum_weight == 5
+        assert all(torch.allclose(t, torch.full_like(t, 0.5)) for t in svc.inspect().sum_values.values())
 
 
 def test_a_lone_participants_upload_goes_straight_into_the_sum_with_the_same_result(tmp_path: Path) -> None:
@@ -182,13 +182,13 @@ def test_a_lone_participants_upload_goes_straight_into_the_sum_with_the_same_res
         with BackgroundCoordinator(tmp_path / mode, cfg) as c, client(c) as http:
             http.post("/v1/join", json={"name": "solo"})
             if delta is None:
-                delta = {n: torch.randn(t.shape, generator=g) * 1e-3 for n, t in c.service.outer.params.items()}
+                delta = {n: torch.randn(t.shape, generator=g) * 1e-3 for n, t in c.service.inspect().weights.items()}
             assert put(http, 0, "solo", delta, tokens=7).json()["accepted"]
             assert c.service.intake.last_path is not None and c.service.intake.last_path.path == (
                 "direct" if mode == "direct" else "spool")
             assert http.get("/v1/rounds/0", params={"wait": 10}).json()["state"] == "closed"
             if mode == "direct":
                 assert not [p for p in c.service.spool.rglob("*") if p.is_file()]
-            results[mode] = {n: t.clone() for n, t in c.service.outer.params.items()}
+            results[mode] = {n: t.clone() for n, t in c.service.inspect().weights.items()}
     for n in results["direct"]:
         assert torch.equal(results["direct"][n], results["spooled"][n]), n

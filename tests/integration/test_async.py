@@ -29,12 +29,12 @@ ASYNC = {"mode": "async"}
 
 
 def small_delta(c: BackgroundCoordinator, value: float = 0.01) -> dict[str, torch.Tensor]:
-    return {n: torch.full_like(t, value) for n, t in c.service.outer.params.items()}
+    return {n: torch.full_like(t, value) for n, t in c.service.inspect().weights.items()}
 
 
 def wait_committed(c: BackgroundCoordinator, version: int) -> None:
     deadline = time.monotonic() + 20
-    while c.service.committed_version < version:
+    while c.service.inspect().committed_version < version:
         assert time.monotonic() < deadline, f"version {version} never committed"
         time.sleep(0.02)
 
@@ -95,7 +95,7 @@ def test_a_stale_update_brings_its_participant_the_version_it_made(tmp_path: Pat
         http.post("/v1/join", json={"name": "other"})
 
         def another_update_meanwhile(fed: object, loss: float) -> None:
-            if c.service.version == 0 and not c.service.submitted:
+            if c.service.version == 0 and not c.service.inspect().submitted:
                 assert put(http, 0, "other", small_delta(c)).status_code == 200
                 wait_committed(c, 1)
 
@@ -112,7 +112,7 @@ def test_participants_of_different_speeds_all_contribute_and_the_loss_falls(tmp_
                       train={"sync_every": 10, "lr": 1e-2})
     sleeps = [0.0, 0.02, 0.05]  # p2 sleeps in its inner loop: the slowest, p0 the fastest
     with BackgroundCoordinator(tmp_path / "s", cfg) as c:
-        initial = heldout_loss(c.service.outer.params)
+        initial = heldout_loss(c.service.inspect().weights)
         runners = run_all([TinyParticipant(c.url, f"p{i}", recipe_gpt(i, 3), step_sleep_s=s)
                            for i, s in enumerate(sleeps)])
         with CoordinatorClient(c.url, PTOKEN) as cl:

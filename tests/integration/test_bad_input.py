@@ -126,7 +126,7 @@ def test_body_size_limits(coord: BackgroundCoordinator) -> None:
             headers={DIGEST_HEADER: "sha256:" + "0" * 64},
         )
         assert_error(r, 413, "too_large")
-    assert "x" not in coord.service.participants
+    assert "x" not in coord.service.inspect().participants
     assert_unchanged(coord, before)
 
 
@@ -161,7 +161,7 @@ def test_json_fields_validated(coord: BackgroundCoordinator) -> None:
         assert_error(http.get("/v1/rounds/zero"), 422)
         assert_error(http.get("/v1/model", params={"version": -1}), 422)
         assert_error(http.get("/v1/model", params={"version": 99}), 404, "version_not_kept")
-    assert coord.service.live["a"].loss is None
+    assert coord.service.inspect().live["a"].loss is None
     assert_unchanged(coord, before)
 
 
@@ -180,7 +180,7 @@ def test_wrong_round_and_unknown_participant_on_every_route(coord: BackgroundCoo
         ]:
             assert_error(http.request(method, path, json=body), 404, "unknown_participant")
         assert_error(put(http, 0, "ghost", zeros), 404, "unknown_participant")
-    assert "ghost" not in coord.service.participants
+    assert "ghost" not in coord.service.inspect().participants
     assert_unchanged(coord, before)
     with client(coord) as http:  # and the run still works
         assert put(http, 0, "a", zeros).status_code == 200

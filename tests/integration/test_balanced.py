@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from fedtrain.report import format_status
 from tests.helpers.api import close_round
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, run_all

@@ -28,11 +28,11 @@ def test_any_module_trains_from_init_weights(tmp_path: Path) -> None:
         assert solo.fed is not None and solo.fed.round == 4 and len(solo.fed.history) == 4
         model = solo.model
         assert solo.loss() < solo.losses[0]
-        assert set(c.service.outer.params) == {"lin.weight", "lin.bias", "head.weight", "head.bias"}
-        for n, t in c.service.outer.params.items():  # FedAvg with one participant: its weights
+        assert set(c.service.inspect().weights) == {"lin.weight", "lin.bias", "head.weight", "head.bias"}
+        for n, t in c.service.inspect().weights.items():  # FedAvg with one participant: its weights
             assert torch.equal(t, dict(model.named_parameters())[n].detach())
         # pruning keeps the newest keep_checkpoints committed versions only
-        assert c.service.ckpt.versions() == [2, 3, 4]
+        assert c.service.inspect().checkpoints.versions() == [2, 3, 4]
 
 
 def test_mismatched_model_is_told_exactly_what_differs(tmp_path: Path) -> None:
@@ -50,18 +50,19 @@ def test_orphan_checkpoint_of_uncommitted_round_is_removed(tmp_path: Path) -> No
     cfg = tiny_config()
     state = tmp_path / "s"
     with BackgroundCoordinator(state, cfg) as c:
-        params = {n: t.clone() for n, t in c.service.outer.params.items()}
-        ckpt = c.service.ckpt
+        params = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        ckpt = c.service.inspect().checkpoints
     # a crash between the file rename and the database commit leaves version 1's files behind
     write_file(ckpt.global_path(1), {n: t + 1 for n, t in params.items()})
     write_file(ckpt.outer_path(1), {})
     (ckpt.root / "global-000002.safetensors.tmp123").write_bytes(b"partial")
     with BackgroundCoordinator(state, cfg) as c:
         assert c.service.version == 0
-        assert c.service.ckpt.versions() == [0]
+        assert c.service.inspect().checkpoints.versions() == [0]
         # the partial temp file is gone; the orphans are kept only as spares for the next checkpoint
-        assert sorted(p.name for p in c.service.ckpt.root.glob("*.tmp*")) == [".spare-1.tmp", ".spare-2.tmp"]
-        for n, t in c.service.outer.params.items():
+        spares = sorted(p.name for p in c.service.inspect().checkpoints.root.glob("*.tmp*"))
+        assert spares == [".spare-1.tmp", ".spare-2.tmp"]
+        for n, t in c.service.inspect().weights.items():
             assert torch.equal(t, params[n])
 
 
@@ -70,7 +71,7 @@ def test_damaged_checkpoint_is_refused_not_loaded(tmp_path: Path) -> None:
 
     state = tmp_path / "s"
     with BackgroundCoordinator(state, tiny_config()) as c:
-        path = c.service.ckpt.global_path(0)
+        path = c.service.inspect().checkpoints.global_path(0)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))

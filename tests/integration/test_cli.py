@@ -66,7 +66,7 @@ def test_status_and_export(tmp_path: Path, coordinator: BackgroundCoordinator) -
     r = fedtrain("export", "--coordinator", coordinator.url, "--token", PTOKEN, "--out", str(out))
     assert r.returncode == 0, r.stderr
     tensors = load_file(out)
-    for name, t in coordinator.service.outer.params.items():
+    for name, t in coordinator.service.inspect().weights.items():
         assert torch.equal(tensors[name], t)
 
     out2 = tmp_path / "from-state.safetensors"

@@ -18,7 +18,7 @@ import httpx
 import yaml
 
 from fedtrain.config import RunConfig, outer_defaults
-from fedtrain.config_changes import apply_change, change_notes, config_diff
+from fedtrain.config.changes import apply_change, change_notes, config_diff
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.helpers.config import ATOKEN, tiny_config
 from tests.helpers.processes import free_port, start_coordinator, stop_coordinator, wait_for
@@ -124,4 +124,5 @@ def test_the_validation_answer_says_what_a_switch_runs_with(tmp_path: Path) -> N
         assert any("fedadam" in n and "lr 0.01" in n for n in v.json()["notes"]), v.json()
         r = httpx.put(f"{c.url}/v1/config", headers=headers, json=switch)
         assert r.status_code == 200 and r.json()["notes"], r.text
-        assert c.service.outer.algorithm == "fedadam" and c.service.outer.hp["lr"] == 1e-2  # in force at once (idle)
+        status = c.service.status()
+        assert status["algorithm"] == "fedadam" and status["outer_lr"] == 1e-2  # in force at once (idle)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedtrain.participant.dcp_checkpoint import DcpCheckpoint
-from fedtrain.participant.shards import chunk_rows
+from fedtrain.participant.local.dcp_checkpoint import DcpCheckpoint
+from fedtrain.participant.ranks.shards import chunk_rows
 from tests.helpers.dcp import gloo_of_one, optimizer_tensors, sharded, train
 from tests.helpers.torchrun import finished, worker_group
 

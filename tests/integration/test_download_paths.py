@@ -15,7 +15,7 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, RoundClosedError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from fedtrain.participant import client as client_module
+from fedtrain.participant.client import coordinator_client as client_module
 from fedtrain.transport import direct_http as fetch
 from fedtrain.wire import EncodedBody, read_tensors, write_file
 from tests.helpers.config import PTOKEN, tiny_config
@@ -53,7 +53,7 @@ def download_both_ways(c: CoordinatorClient, monkeypatch: pytest.MonkeyPatch) ->
 def test_direct_and_httpx_downloads_give_the_same_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path, params = init_model(tmp_path)
     with BackgroundCoordinator(tmp_path / "s", tiny_config(), init_weights=path) as c:
-        served = dict(read_tensors([(c.service.ckpt.global_path(0)).read_bytes()]))
+        served = dict(read_tensors([(c.service.inspect().checkpoints.global_path(0)).read_bytes()]))
         with CoordinatorClient(c.url, PTOKEN) as cl:
             (v1, direct), (v2, via_httpx) = download_both_ways(cl, monkeypatch)
             assert v1 == v2 == 0 and set(direct) == set(via_httpx) == set(params)
@@ -67,7 +67,7 @@ def test_direct_and_httpx_downloads_give_the_same_model(tmp_path: Path, monkeypa
                     cl.download(version=7)
                 assert info.value.status == 404 and info.value.code == "version_not_kept", direct_path
 
-            c.service.ckpt.global_path(0).unlink()  # pruned between the database and the open
+            c.service.inspect().checkpoints.global_path(0).unlink()  # pruned between the database and the open
             with pytest.raises(CoordinatorError) as info:
                 cl.download(version=0)
             assert info.value.status == 404 and info.value.code == "version_not_kept"
@@ -107,10 +107,10 @@ def test_direct_and_httpx_uploads_fold_the_same_and_answer_the_same(tmp_path: Pa
                     "accepted": True, "duplicate": False, "round": 0}
                 assert cl.upload(0, pid, EncodedBody(delta), tokens=10)["duplicate"]
             # two of the same update, weight 10 each: the sum holds them over its scale (the first weight)
-            summed = c.service.acc.peek()
+            summed = c.service.inspect().sum_values
             for n in params:
                 assert torch.equal(summed[n], 2 * delta[n]), n
-            assert c.service.acc.total_weight == 20
+            assert c.service.inspect().sum_weight == 20
             for direct in (True, False):
                 monkeypatch.setattr(client_module, "is_direct", lambda url, d=direct: d)
                 with pytest.raises(RoundClosedError):

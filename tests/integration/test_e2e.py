@@ -25,19 +25,20 @@ def test_participants_train_and_agree(tmp_path: Path, algorithm: str, publish_fi
     cfg = tiny_config(rounds=6, outer={"algorithm": algorithm}, train={"sync_every": 10, "lr": 1e-2},
                       publish_first=publish_first, digest=digest, min_participants=n)
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        initial = heldout_loss(c.service.outer.params)
+        initial = heldout_loss(c.service.inspect().weights)
         results = train_all(c.url, n)
         assert c.service.finished and c.service.version == 6
         deadline = time.monotonic() + 30  # publish_first: the last round commits in the background
-        while c.service.committed_version < 6:
+        while c.service.inspect().committed_version < 6:
             assert time.monotonic() < deadline, "the last published round never committed"
             time.sleep(0.05)
-        final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final_global = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         rounds = c.service.store.rounds()
         assert all(r["digest"].startswith(digest + ":") for r in rounds)  # the run's choice, end to end
         assert all(x["digest"].startswith(digest + ":") for x in c.service.store.submissions(5))
         # every committed checkpoint holds what was served
-        assert torch.equal(c.service.ckpt.load_global(6, c.service.store.get_meta("digest/6"))["wte.weight"],
+        checkpoints = c.service.inspect().checkpoints
+        assert torch.equal(checkpoints.load_global(6, c.service.store.get_meta("digest/6"))["wte.weight"],
                            final_global["wte.weight"])
     assert sorted(r["round"] for r in rounds) == list(range(6))
     assert all(r["n_submissions"] == n for r in rounds)
@@ -51,9 +52,9 @@ def test_compressed_deltas_train_and_agree(tmp_path: Path, compression: str) -> 
     cfg = tiny_config(rounds=5, train={"sync_every": 10, "lr": 1e-2, "compression": compression})
     n = 2
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        initial = heldout_loss(c.service.outer.params)
+        initial = heldout_loss(c.service.inspect().weights)
         results = train_all(c.url, n)
-        final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final_global = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         model_bytes = sum(t.numel() * t.element_size() for t in final_global.values())
         rounds = c.service.store.rounds()
     per_upload = rounds[0]["bytes_in"] / rounds[0]["n_submissions"]
@@ -66,10 +67,10 @@ def test_overlapped_sync_trains_and_ends_on_the_global_model(tmp_path: Path) -> 
     cfg = tiny_config(rounds=5, train={"sync_every": 10, "lr": 1e-2, "overlap": True})
     n = 3
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        initial = heldout_loss(c.service.outer.params)
+        initial = heldout_loss(c.service.inspect().weights)
         results = train_all(c.url, n)
         assert c.service.finished
-        final_global = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final_global = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         rounds = c.service.store.rounds()
     assert sorted(r["round"] for r in rounds) == list(range(5))
     # Each overlapped upload carries its round's tokens (sync_every steps of batch x seq_len),
@@ -107,4 +108,4 @@ def test_overlapped_apply_is_global_plus_local_progress(tmp_path: Path) -> None:
         # FedAvg with one participant: global after round r = the weights it sent.
         # step 2 sends w=2; step 3 applies 2 + (3 - 2) = 3 (the local progress is kept)
         assert seen[2] == (1, 3.0), seen
-        assert float(model.w.detach()[0]) == float(c.service.outer.params["w"][0])
+        assert float(model.w.detach()[0]) == float(c.service.inspect().weights["w"][0])

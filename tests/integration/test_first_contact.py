@@ -28,7 +28,7 @@ from fedtrain.errors import (
     TLSError,
 )
 from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
-from fedtrain.participant.outage import is_transient
+from fedtrain.participant.engine.outage import is_transient
 from tests.helpers.config import PTOKEN, tiny_config
 from tests.helpers.processes import free_port
 from tests.helpers.tiny import Small
@@ -331,7 +331,8 @@ def test_fedtrain_status_at_a_closed_port_says_refused(tmp_path: Path) -> None:
 
 
 def test_the_client_module_does_not_import_torch() -> None:
-    code = "import sys, fedtrain.participant.client, fedtrain.participant.outage; print('torch' in sys.modules)"
+    code = ("import sys, fedtrain.participant.client.coordinator_client, fedtrain.participant.engine.outage; "
+            "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 

@@ -22,7 +22,7 @@ def test_two_rank_fsdp_participant_beside_a_single_process_one(tmp_path: Path) -
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         group = fsdp_group(c.url, "group", out)
         finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
-        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         rounds = c.service.store.rounds()
         roster = c.service.status()["participants"]
         assert c.service.finished and c.service.version == 4
@@ -52,3 +52,30 @@ def test_two_rank_fsdp_participant_beside_a_single_process_one(tmp_path: Path) -
     assert all(torch.equal(single_w[k], final[k]) for k in final)
     losses = [h["train_loss"] for h in reports[0]["history"]]
     assert losses[-1] < losses[0], losses  # the loss falls
+
+
+def test_an_fsdp_group_syncs_overlapped_and_ends_on_the_global_rows(tmp_path: Path) -> None:
+    """`train.overlap`: every rank sends its piece at step H and trains on; the round lands as the
+    new global rows plus the local progress, and the run's end on the global rows themselves."""
+    cfg = tiny_config(rounds=4, train={"overlap": True})
+    out = tmp_path / "fsdp"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        group = fsdp_group(c.url, "group", out)
+        text, _ = group.communicate(timeout=240)
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
+        rounds = c.service.store.rounds()
+        assert c.service.finished and c.service.version == 4
+    assert group.returncode == 0, text[-3000:]
+    assert all([s["participant_id"] for s in r["submissions"]] == ["group"] for r in rounds)
+    reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
+    for k, report in enumerate(reports):
+        assert [h["round"] for h in report["history"]] == [0, 1, 2, 3]
+        assert [h["piece"]["piece"] for h in report["history"]] == [f"rank{k}"] * 4
+        assert report["overlapped"] == 4  # every round was sent and trained on while it was in flight
+    for k in (0, 1):
+        with safe_open(str(out / f"rank{k}.safetensors"), "pt") as f:
+            rows = json.loads(f.metadata()["rows"])
+            for n in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                start, stop = rows[n]
+                assert torch.equal(f.get_tensor(n), final[n][start:stop]), (k, n)

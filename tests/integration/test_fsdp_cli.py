@@ -51,7 +51,7 @@ def test_fsdp_participant_from_the_cli(tmp_path: Path) -> None:
     run_dir = tmp_path / "group"
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         summaries = rank_summaries(finished(fsdp_cli_group(c.url, "group", run_dir, via="fedtrain")))
-        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         roster = c.service.status()["participants"]
         rounds = c.service.store.rounds()
         assert c.service.finished
@@ -113,9 +113,9 @@ def test_lora_with_fsdp_sends_only_adapter_rows_and_shards_the_frozen_base(tmp_p
     cfg = tiny_config(model=recipe.model.model_dump(), rounds=2, train={"sync_every": 3, "lr": 1e-2})
     run_dir = tmp_path / "group"
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        adapters = set(c.service.outer.params)
+        adapters = set(c.service.inspect().weights)
         summaries = rank_summaries(finished(fsdp_cli_group(c.url, "group", run_dir)))
-        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         status = c.service.status()
         assert c.service.finished
     assert adapters and all("lora_" in n for n in adapters)  # the coordinator holds the adapters alone

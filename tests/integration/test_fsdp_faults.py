@@ -37,7 +37,7 @@ def test_a_rank_killed_mid_sync_leaves_no_half_update_and_the_group_comes_back_w
         assert second.returncode == 0, text[-3000:]
         out_single, _ = single.communicate(timeout=60)
         assert single.returncode == 0, out_single[-3000:]
-        final = {k: v.clone() for k, v in service.outer.params.items()}
+        final = {k: v.clone() for k, v in service.inspect().weights.items()}
         rounds = service.store.rounds()
         events = [e["message"] for e in service.store.events() if e["kind"] == "pieces"]
         assert service.finished and service.version == 3
@@ -57,7 +57,7 @@ def test_the_group_rides_out_a_coordinator_that_fails_one_of_its_pieces(tmp_path
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         service = c.service
         fail_round_one_pieces(c, out, hold_s=4)
-        final = {k: v.clone() for k, v in service.outer.params.items()}
+        final = {k: v.clone() for k, v in service.inspect().weights.items()}
         rounds = service.store.rounds()
         assert service.finished and service.version == 3
     reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo with an FSDP2 participant (2 ranks, gloo, CPU, torchrun): K = 2, τ = 0, α = 0.3.
+"""Streaming DiLoCo with an FSDP2 participant (2 ranks, gloo, CPU, torchrun): K = 2, τ = 0 and 1, α = 0.3.
 
 Each round every rank uploads its rows of the round's fragment only, as its piece, downloads
 its rows of that fragment only, and mixes them into its shard; the run ends on the global
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from fedtrain.config import RunConfig
@@ -26,14 +27,18 @@ from tests.helpers.torchrun import worker_group
 ROUNDS, H, K, SEED = 4, 4, 2, 21  # S = H/K = 2 steps a round, each fragment synced twice
 
 
-def streaming_config() -> RunConfig:
+def streaming_config(tau: int) -> RunConfig:
     """The outer lr is torchft's 0.7, as in the other streaming tests."""
     return tiny_config(rounds=ROUNDS, model=MODEL, train={"sync_every": H}, outer={"lr": 0.7},
-                       streaming={"fragments": K, "overlap": 0, "alpha": 0.3})
+                       streaming={"fragments": K, "overlap": tau, "alpha": 0.3})
 
 
-def test_an_fsdp_group_streams_each_fragment_by_rows_and_ends_on_the_single_process_weights(tmp_path: Path) -> None:
-    cfg = streaming_config()
+@pytest.mark.parametrize("tau", [0, 1])
+def test_an_fsdp_group_streams_each_fragment_by_rows_and_ends_on_the_single_process_weights(tmp_path: Path,
+                                                                                            tau: int) -> None:
+    """τ = 1: each rank sends its rows of the fragment one step before the round's end and trains
+    on meanwhile, as the single process does."""
+    cfg = streaming_config(tau)
     with one_thread(), BackgroundCoordinator(tmp_path / "g", cfg) as g, BackgroundCoordinator(tmp_path / "s", cfg) as s:
         theta0 = params(g)
         group = worker_group("fsdp_numerics_worker.py", str(tmp_path), f"{g.url},group,{SEED},sgd")
@@ -55,9 +60,9 @@ def test_an_fsdp_group_streams_each_fragment_by_rows_and_ends_on_the_single_proc
         assert [h["fragment"] for h in history] == [r % K for r in range(ROUNDS)]
         assert [h["piece"]["piece"] for h in history] == [f"rank{k}"] * ROUNDS
         assert all(h["steps"] == H // K for h in history)
-        # the ranks together downloaded exactly the round's fragment (and, at the end, the whole model)
+        # the ranks together downloaded exactly the round's fragment (and, at the end, the others)
         assert [h["bytes_down"] for h in history[:-1]] == [size[r % K] for r in range(ROUNDS - 1)]
-        assert history[-1]["bytes_down"] == size[(ROUNDS - 1) % K] + sum(size)
+        assert history[-1]["bytes_down"] == sum(size)
         assert all(h["bytes_up"] < sum(size) for h in history)  # a fragment's rows, never the whole sync set
     assert sum(h["piece"]["complete"] for rep in reports for h in rep["history"]) == ROUNDS
     assert max_diff(final_s, theta0)[0] > 1e-3  # the run moved the weights: no comparison of starts
@@ -78,7 +83,7 @@ def test_a_streaming_fsdp_group_rides_out_a_coordinator_that_fails_one_of_its_fr
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         service = c.service
         fail_round_one_pieces(c, out, hold_s=3)
-        final = {k: v.clone() for k, v in service.outer.params.items()}
+        final = {k: v.clone() for k, v in service.inspect().weights.items()}
         assert service.finished and service.version == ROUNDS
     reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
     assert reports[0]["outages"] and reports[0]["outages"][0]["round"] == 1, reports[0]["outages"]

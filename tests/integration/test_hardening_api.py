@@ -42,7 +42,7 @@ def test_a_flipped_byte_in_the_outer_state_stops_the_restart(tmp_path: Path) -> 
             http.post("/v1/join", json={"name": "a"})
             assert put(http, 0, "a", zeros_like_model(c)).status_code == 200
             assert http.get("/v1/rounds/0", params={"wait": 10}).json()["state"] == "closed"
-        path = c.service.ckpt.outer_path(1)
+        path = c.service.inspect().checkpoints.outer_path(1)
     raw = bytearray(path.read_bytes())
     raw[8 + int.from_bytes(raw[:8], "little") + 5] ^= 0x40  # a momentum value: finite, but wrong
     path.write_bytes(bytes(raw))

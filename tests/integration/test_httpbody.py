@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 from starlette.requests import ClientDisconnect
 
-from fedtrain.coordinator.server import bind
+from fedtrain.coordinator.http.server import bind
 from fedtrain.transport import versions
 from fedtrain.transport.http_server import fast_protocol
 from fedtrain.transport.protocols import READINTO, SEND, Abandoned

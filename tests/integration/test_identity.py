@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
-from fedtrain.coordinator.auth import KEY_HEADER
+from fedtrain.coordinator.members.auth import KEY_HEADER
 from fedtrain.errors import AuthError, CoordinatorError
 from fedtrain.faults import InjectedCrash
 from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
@@ -40,7 +40,8 @@ def assert_error(r: httpx.Response, status: int, code: str) -> dict:
 
 
 def zeros(c: BackgroundCoordinator) -> bytes:
-    return b"".join(bytes(v) for v in EncodedBody({n: torch.zeros_like(t) for n, t in c.service.outer.params.items()}))
+    weights = c.service.inspect().weights
+    return b"".join(bytes(v) for v in EncodedBody({n: torch.zeros_like(t) for n, t in weights.items()}))
 
 
 def put(http: httpx.Client, round_: int, pid: str, body: bytes) -> httpx.Response:
@@ -81,7 +82,7 @@ def test_with_a_shared_token_a_participant_cannot_act_as_another(tmp_path: Path)
                 for method, path, data in speaking_for("b"):
                     err = assert_error(http.request(method, path, json=data), 403, "not_this_participant")
                     assert "acts only as itself" in err["message"]
-        assert c.service.participants["b"].state == "active" and not c.service.submitted
+        assert c.service.inspect().participants["b"].state == "active" and not c.service.inspect().submitted
         assert c.service.store.metrics() == []
         # the real participants still act as themselves, and the admin for anyone
         assert a.post("/v1/participants/a/heartbeat", json={"step": 1}).status_code == 200
@@ -156,7 +157,7 @@ def test_300_joins_from_one_token_stop_at_its_cap(tmp_path: Path) -> None:
         err = assert_error(answers[64], 403, "too_many_participants")
         assert "max_participants_per_token (64)" in err["message"]
         assert all(r.status_code == 403 for r in answers[64:])
-        assert len(c.service.participants) == 64
+        assert len(c.service.inspect().participants) == 64
         assert c.service.round_info(0)["n_active"] == 64  # the round waits for 64, not for 300
         assert other.post("/v1/join", json={"name": "honest"}).status_code == 200  # another token is not held up
         assert http.post("/v1/participants/sybil-0/leave").status_code == 200  # a place is free again
@@ -169,12 +170,12 @@ def test_a_failed_participant_does_not_come_back_past_its_tokens_cap(tmp_path: P
     with run(tmp_path, max_participants_per_token=2) as c, client(c) as http:
         for name in ("p0", "p1"):
             assert http.post("/v1/join", json={"name": name}).status_code == 200
-        c.service.participants["p0"].last_seen -= 10_000  # silent for longer than heartbeat_timeout_s
+        c.service.inspect().participants["p0"].last_seen -= 10_000  # silent for longer than heartbeat_timeout_s
         c.service.tick()
-        assert c.service.participants["p0"].state == "failed"
+        assert c.service.inspect().participants["p0"].state == "failed"
         assert http.post("/v1/join", json={"name": "p2"}).status_code == 200  # the failed one does not count
         assert_error(http.post("/v1/participants/p0/heartbeat", json={}), 403, "too_many_participants")
-        assert c.service.participants["p0"].state == "failed"
+        assert c.service.inspect().participants["p0"].state == "failed"
         assert http.post("/v1/participants/p2/leave").status_code == 200
         assert http.post("/v1/participants/p0/heartbeat", json={}).json()["state"] == "active"
 
@@ -190,7 +191,7 @@ def test_an_evicted_participant_cannot_come_straight_back_under_another_name(tmp
         err = assert_error(r, 403, "evicted_recently")
         assert "'bad'" in err["message"] and int(r.headers["Retry-After"]) > 500
         assert_error(bad.post("/v1/join", json={}), 403, "evicted_recently")  # nor under a generated name
-        assert "bad-again" not in c.service.participants
+        assert "bad-again" not in c.service.inspect().participants
         # the token's other participant goes on with its key; another token is not concerned
         assert friend.post("/v1/participants/friend/heartbeat", json={}).status_code == 200
         assert friend.post("/v1/join", json={"name": "friend"}).status_code == 200
@@ -233,7 +234,7 @@ def test_the_participant_client_carries_its_key_and_a_key_file_rejoins_as_itself
                 with pytest.raises(CoordinatorError) as info:
                     Participant(CoordinatorClient(c.url, PTOKEN, retry=quick), model=Small(), name="site").__enter__()
                 assert info.value.status == 409 and info.value.code == "name_in_use", info.value
-            assert c.service.participants["site"].state == "left"
+            assert c.service.inspect().participants["site"].state == "left"
         finally:
             first.__exit__(InjectedCrash, InjectedCrash("killed"), None)  # no goodbye
     key = json.loads(key_file.read_text())["participant_key"]

@@ -121,12 +121,12 @@ def test_outer_algorithm_switch_starts_fresh_state(tmp_path: Path) -> None:
             ones = {n: torch.ones_like(t) * 0.01 for n, t in zeros_like_model(c).items()}
             assert put(http, 0, "a", ones).status_code == 200
             http.get("/v1/rounds/0", params={"wait": 10})
-            assert svc.outer.algorithm == "diloco" and svc.outer.state_tensors()
+            assert svc.status()["algorithm"] == "diloco" and svc.inspect().outer_state
             r = http.put("/v1/config", json={"changes": {"outer": {"algorithm": "fedadam"}}}).json()
             assert r["effective_round"] == 2
             assert put(http, 1, "a", ones).status_code == 200
             http.get("/v1/rounds/1", params={"wait": 10})
-            assert svc.version == 2 and svc.outer.algorithm == "fedadam" and svc.outer.steps == 0
+            assert svc.version == 2 and svc.status()["algorithm"] == "fedadam" and svc.inspect().outer_steps == 0
             events = [e["message"] for e in svc.store.events()]
             assert any("switched to fedadam with fresh state" in m for m in events), events
     # Version 2 is the outcome of round 1, merged by DiLoCo: its checkpoint holds DiLoCo's
@@ -134,6 +134,6 @@ def test_outer_algorithm_switch_starts_fresh_state(tmp_path: Path) -> None:
     # the merge and the commit written beside round 2). A restart reads both back.
     with BackgroundCoordinator(tmp_path / "s") as c:
         svc = c.service
-        assert svc.version == 2 and svc.outer.algorithm == "fedadam" and svc.outer.steps == 0
-        _, meta = svc.ckpt.load_outer(2)
+        assert svc.version == 2 and svc.status()["algorithm"] == "fedadam" and svc.inspect().outer_steps == 0
+        _, meta = svc.inspect().checkpoints.load_outer(2)
         assert meta["algorithm"] == "diloco" and meta["steps"] == "2"

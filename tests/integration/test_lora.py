@@ -31,7 +31,7 @@ def test_only_adapters_travel_and_are_stored(tmp_path: Path) -> None:
     full_body = EncodedBody(everything).content_length
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        assert set(c.service.outer.params) == set(adapters)  # the coordinator holds and merges adapters only
+        assert set(c.service.inspect().weights) == set(adapters)  # the coordinator holds and merges adapters only
         results = run_two(c.url, tmp_path)
         status = c.service.status()
         rounds = c.service.store.rounds()
@@ -47,7 +47,7 @@ def test_only_adapters_travel_and_are_stored(tmp_path: Path) -> None:
     stored = dict(read_tensors(iter_file(tmp_path / "state" / "checkpoints" / "global-000002.safetensors")))
     assert set(stored) == set(adapters)
     # each participant ends on the global adapters
-    final = c.service.outer.params
+    final = c.service.inspect().weights
     for i in range(2):
         mine = dict(read_tensors(iter_file(tmp_path / f"p{i}" / "final.safetensors")))
         assert all(torch.equal(mine[n], final[n]) for n in final)
@@ -60,7 +60,7 @@ def test_export_adapter_and_merged(tmp_path: Path) -> None:
     cfg = lora_config()
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         run_two(c.url, tmp_path)
-        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
     state = str(tmp_path / "state")
     assert fedtrain_main(["export", "--state-dir", state, "--adapter", "--out", str(tmp_path / "adapter")]) == 0
     assert fedtrain_main(["export", "--state-dir", state, "--merged", "--out", str(tmp_path / "merged")]) == 0

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient
-from fedtrain.report import format_status
 from tests.helpers.config import PTOKEN, tiny_config
 
 

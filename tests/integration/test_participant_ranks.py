@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.store import Store
-from fedtrain.report import format_status
+from fedtrain.coordinator.state.store import Store
 from tests.helpers.api import assert_error, client, deltas, halves, put, send_piece
 from tests.helpers.api import metrics as scrape
 from tests.helpers.config import PTOKEN, tiny_config

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.pieces import ROWS_META
+from fedtrain.coordinator.intake.pieces import ROWS_META
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
 from fedtrain.wire.compress import compress
 from tests.helpers.api import assert_error, client, deltas, halves, put, send_piece
@@ -63,7 +63,7 @@ def run_round(tmp_path: Path, in_pieces: bool, scheme: str) -> dict[str, torch.T
         assert http.get("/v1/rounds/0", params={"wait": 20}).json()["state"] in ("closed", "committing")
         record = http.get("/v1/status").json()["recent_rounds"][0]
         assert record["n_submissions"] == 2 and {s["participant_id"] for s in record["submissions"]} == {"p", "q"}
-        return {n: t.clone() for n, t in c.service.outer.params.items()}
+        return {n: t.clone() for n, t in c.service.inspect().weights.items()}
 
 
 @pytest.mark.parametrize("scheme", ["none", "bf16"])
@@ -83,7 +83,7 @@ def test_pieces_are_checked_and_the_update_counts_only_once_they_cover_it(tmp_pa
         assert first.status_code == 200, first.text
         got = first.json()
         assert got["complete"] is False and got["pieces"] == 1 and got["missing"]
-        assert c.service.submitted == {}  # not an update yet
+        assert c.service.inspect().submitted == {}  # not an update yet
         # the same piece again is a duplicate; other bytes under its label are a conflict
         assert send_piece(http, "p", "r0", t0, rows0).json()["duplicate"] is True
         assert_error(send_piece(http, "p", "r0", {n: v + 1 for n, v in t0.items()}, rows0), 409, "piece_conflict")
@@ -107,10 +107,10 @@ def test_pieces_are_checked_and_the_update_counts_only_once_they_cover_it(tmp_pa
                      headers={DIGEST_HEADER: enc.digest()})
         assert_error(r, 400)
         assert "?piece=" in r.json()["error"]["message"]
-        assert c.service.submitted == {}
+        assert c.service.inspect().submitted == {}
         last = send_piece(http, "p", "r1", t1, rows1).json()
         assert last["complete"] is True and last["pieces"] == 2 and last["missing"] == []
-        assert c.service.submitted == {"p": 100}
+        assert c.service.inspect().submitted == {"p": 100}
         # pieces after the update is in are duplicates of it
         assert send_piece(http, "p", "r1", t1, rows1).json()["duplicate"] is True
         status = http.get("/v1/status").json()
@@ -132,11 +132,11 @@ def test_a_round_that_closes_drops_an_update_still_in_pieces(tmp_path: Path) -> 
         assert_error(send_piece(http, "p", "r1", t1, rows1), 409, "round_closed")
         # the next round starts from nothing: one piece is not an update
         assert send_piece(http, "p", "r1", t1, rows1, round_=1).json()["complete"] is False
-        assert c.service.submitted == {}
+        assert c.service.inspect().submitted == {}
 
 
 def test_an_update_comes_in_a_bounded_number_of_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("fedtrain.coordinator.pieces.MAX_PIECES", 2)
+    monkeypatch.setattr("fedtrain.coordinator.intake.pieces.MAX_PIECES", 2)
     with BackgroundCoordinator(tmp_path / "s", tiny_config()) as c, client(c) as http:
         for pid in ("p", "q"):
             http.post("/v1/join", json={"name": pid})
@@ -149,14 +149,14 @@ def test_an_update_comes_in_a_bounded_number_of_pieces(tmp_path: Path, monkeypat
         assert send_piece(http, "p", "t1", {names[1]: delta[names[1]]}).json()["duplicate"] is True  # not a new one
         rest = {n: delta[n] for n in names[2:]}
         assert_error(send_piece(http, "p", "rest", rest), 400, "too_many_pieces")
-        assert c.service.submitted == {}
+        assert c.service.inspect().submitted == {}
 
 
 def test_a_piece_counts_as_in_while_its_complete_update_is_assembled(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Between the last piece and the update's place in the round, a rank asking after its piece
     (GET /v1/rounds/r?piece=) hears it is in, and a resend is a duplicate, not a new update."""
-    from fedtrain.coordinator import intake
+    from fedtrain.coordinator.intake import flow as intake
 
     entered, release = threading.Event(), threading.Event()
     real = intake.assemble
@@ -184,6 +184,6 @@ def test_a_piece_counts_as_in_while_its_complete_update_is_assembled(tmp_path: P
             release.set()
             last.join(30)
         info = http.get("/v1/rounds/0", params={"participant_id": "p", "piece": "r0", "wait": 0}).json()
-        assert info["submitted"] is True and c.service.submitted == {"p": 100}
+        assert info["submitted"] is True and c.service.inspect().submitted == {"p": 100}
         assert_error(http.get("/v1/rounds/0", params={"participant_id": "p", "piece": "bad label!"}), 400,
                      "invalid_piece")

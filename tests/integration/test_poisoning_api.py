@@ -28,11 +28,11 @@ BOUND = 5 * 8 * 32 * 16  # tiny_config's schedule (H 5, batch 8, seq_len 32) x t
 
 def deltas(c: BackgroundCoordinator, seed: int, scale: float = 1e-3) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(t.shape, generator=g) * scale for n, t in c.service.outer.params.items()}
+    return {n: torch.randn(t.shape, generator=g) * scale for n, t in c.service.inspect().weights.items()}
 
 
 def filled(c: BackgroundCoordinator, value: float) -> dict[str, torch.Tensor]:
-    return {n: torch.full_like(t, value) for n, t in c.service.outer.params.items()}
+    return {n: torch.full_like(t, value) for n, t in c.service.inspect().weights.items()}
 
 
 def wait_closed(http: httpx.Client, r: int) -> dict:
@@ -52,9 +52,9 @@ def last_weights(http: httpx.Client) -> dict[str, float]:
 
 def assert_model_finite(c: BackgroundCoordinator, http: httpx.Client, version: int) -> None:
     served = load_safetensors(http.get("/v1/model", params={"version": version}).content)
-    on_disk = dict(read_tensors(iter_file(c.service.ckpt.global_path(version))))
+    on_disk = dict(read_tensors(iter_file(c.service.inspect().checkpoints.global_path(version))))
     for tensors in (served, on_disk):
-        assert set(tensors) == set(c.service.outer.params)
+        assert set(tensors) == set(c.service.inspect().weights)
         assert all(torch.isfinite(t).all() for t in tensors.values())
 
 
@@ -68,7 +68,7 @@ def test_diloco_a_huge_finite_update_with_a_huge_claim_is_refused_and_the_run_go
         assert "magnitude 3e+38" in err["message"] and "1.15e+18" in err["message"]
         refused = events(http, "refuse")
         assert [e["participant_id"] for e in refused] == ["c"] and "out_of_range" not in refused[0]["message"]
-        assert c.service.acc.count == 0 and http.get("/v1/rounds/0").json()["n_submitted"] == 0
+        assert c.service.inspect().sum_count == 0 and http.get("/v1/rounds/0").json()["n_submitted"] == 0
         for r in range(3):  # c sends a sane update after all; every round closes with the three
             for i, pid in enumerate("abc"):
                 assert put(http, r, pid, deltas(c, 10 * r + i)).status_code == 200
@@ -83,7 +83,7 @@ def test_fedavg_two_huge_uploads_are_refused_and_the_round_closes_with_the_other
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
         for pid in "abc":
             http.post("/v1/join", json={"name": pid})
-        theta0 = {n: t.clone() for n, t in c.service.outer.params.items()}
+        theta0 = {n: t.clone() for n, t in c.service.inspect().weights.items()}
         for pid in "ab":
             assert_error(put(http, 0, pid, filled(c, BIG)), 422, "out_of_range")
         assert {e["participant_id"] for e in events(http, "refuse")} == {"a", "b"}
@@ -92,7 +92,7 @@ def test_fedavg_two_huge_uploads_are_refused_and_the_round_closes_with_the_other
             assert put(http, 0, pid, d).status_code == 200
         wait_closed(http, 0)
         assert not events(http, "merge_failed")  # no roll back
-        for n, t in c.service.outer.params.items():
+        for n, t in c.service.inspect().weights.items():
             torch.testing.assert_close(t, theta0[n] - (sane["a"][n] + sane["b"][n] + sane["c"][n]) / 3)
         assert_model_finite(c, http, 1)
 
@@ -106,7 +106,7 @@ def test_a_huge_token_claim_counts_as_the_schedule_and_its_share_is_capped(tmp_p
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
         for pid in "abc":
             http.post("/v1/join", json={"name": pid})
-        theta0 = {n: t.clone() for n, t in c.service.outer.params.items()}
+        theta0 = {n: t.clone() for n, t in c.service.inspect().weights.items()}
         ds = {pid: deltas(c, i) for i, pid in enumerate("abc")}
         order = ["c", "a", "b"] if heavy_first else ["a", "b", "c"]
         for pid in order:
@@ -117,7 +117,7 @@ def test_a_huge_token_claim_counts_as_the_schedule_and_its_share_is_capped(tmp_p
         wait_closed(http, 0)
         # raw shares 100 : 100 : 20,480; c capped at 1/2, a and b share the other half 1:1
         assert last_weights(http) == pytest.approx({"a": 0.25, "b": 0.25, "c": 0.5})
-        for n, t in c.service.outer.params.items():
+        for n, t in c.service.inspect().weights.items():
             want = theta0[n] - (0.25 * ds["a"][n] + 0.25 * ds["b"][n] + 0.5 * ds["c"][n])
             torch.testing.assert_close(t, want)
         status = http.get("/v1/status").json()
@@ -133,16 +133,16 @@ def test_a_cap_below_one_half_keeps_every_update_until_the_close(tmp_path: Path)
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
         for pid in "abcd":
             http.post("/v1/join", json={"name": pid})
-        theta0 = {n: t.clone() for n, t in c.service.outer.params.items()}
+        theta0 = {n: t.clone() for n, t in c.service.inspect().weights.items()}
         ds = {pid: deltas(c, i) for i, pid in enumerate("abcd")}
         for pid, d in ds.items():
             assert put(http, 0, pid, d, tokens=BOUND if pid == "d" else 100).status_code == 200
             if pid != "d":
-                assert c.service.acc.count == 0  # on disk, not in the sum, until the close
+                assert c.service.inspect().sum_count == 0  # on disk, not in the sum, until the close
         wait_closed(http, 0)
         weights = last_weights(http)
         assert weights == pytest.approx({"a": 0.7 / 3, "b": 0.7 / 3, "c": 0.7 / 3, "d": 0.3})
-        for n, t in c.service.outer.params.items():
+        for n, t in c.service.inspect().weights.items():
             want = theta0[n] - sum(weights[p] * ds[p][n] for p in "abcd")
             torch.testing.assert_close(t, want)
 
@@ -153,12 +153,12 @@ def test_a_merge_that_overflows_in_the_outer_step_is_not_committed(tmp_path: Pat
     purpose), c's 3e38 is merged and FedAdam's g² overflows. The merge is checked before it is
     published: not committed, the optimizer back at the committed round, c (the update that
     moves the merge most) refused for the round with an event, and the round closes with a, b."""
-    monkeypatch.setattr("fedtrain.coordinator.values.MAX_UPDATE_ABS", float("inf"))
+    monkeypatch.setattr("fedtrain.coordinator.intake.values.MAX_UPDATE_ABS", float("inf"))
     cfg = tiny_config(outer={"algorithm": "fedadam"}, min_participants=2, round_timeout_s=1.0)
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
         for pid in "abc":
             http.post("/v1/join", json={"name": pid})
-        theta0 = {n: t.clone() for n, t in c.service.outer.params.items()}
+        theta0 = {n: t.clone() for n, t in c.service.inspect().weights.items()}
         ds = {"a": deltas(c, 1), "b": deltas(c, 2), "c": filled(c, BIG)}
         for pid, d in ds.items():
             assert put(http, 0, pid, d).status_code == 200
@@ -170,7 +170,7 @@ def test_a_merge_that_overflows_in_the_outer_step_is_not_committed(tmp_path: Pat
         refused = events(http, "refuse")
         assert [e["participant_id"] for e in refused] == ["c"] and "not finite" in refused[0]["message"]
         assert http.get("/v1/rounds/0").json()["current_round"] == 0  # not committed
-        for n, t in c.service.outer.params.items():
+        for n, t in c.service.inspect().weights.items():
             assert torch.equal(t, theta0[n]), n  # the weights are the committed round's again
         err = assert_error(put(http, 0, "c", ds["c"]), 422, "update_refused")
         assert "not finite" in err["message"]
@@ -180,6 +180,6 @@ def test_a_merge_that_overflows_in_the_outer_step_is_not_committed(tmp_path: Pat
         assert last_weights(http) == pytest.approx({"a": 0.5, "b": 0.5})
         reference = OuterOptimizer(theta0, "fedadam", outer_defaults(cfg))  # fresh moments: none were kept
         reference.step({n: (ds["a"][n] + ds["b"][n]) / 2 for n in theta0})
-        for n, t in c.service.outer.params.items():
+        for n, t in c.service.inspect().weights.items():
             torch.testing.assert_close(t, reference.params[n])
         assert_model_finite(c, http, 1)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.limits import ServerLimits
+from fedtrain.coordinator.http.limits import ServerLimits
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, write_file
 from tests.helpers.config import PTOKEN, tiny_config
 
@@ -358,7 +358,7 @@ def test_refusals_are_answered_from_the_headers_without_100_continue(tmp_path: P
 def test_a_refused_upload_sent_whole_reads_its_answer_and_the_connection_goes_on(tmp_path: Path) -> None:
     with coordinator(tmp_path) as c:
         pid = join(c, "a")
-        zeros = {n: torch.zeros_like(t) for n, t in c.service.outer.params.items()}
+        zeros = {n: torch.zeros_like(t) for n, t in c.service.inspect().weights.items()}
         body = b"".join(bytes(v) for v in EncodedBody(zeros))
         with connect(c) as s:
             for round_ in (5, 6):  # refused from the headers, the body dropped after the answer

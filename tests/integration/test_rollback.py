@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator, Coordinator
-from fedtrain.coordinator.auth import Tokens
+from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.errors import StateError
 from tests.helpers.api import assert_error, client, put, rand_like, wait_round
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
@@ -34,7 +34,7 @@ def run_rounds(c: BackgroundCoordinator, first: int, n: int) -> None:
 
 
 def model_at(c: BackgroundCoordinator, version: int | None = None) -> dict[str, torch.Tensor]:
-    from fedtrain.participant.client import CoordinatorClient
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient
 
     with CoordinatorClient(c.url, PTOKEN) as fetcher:
         got, tensors = fetcher.download(version=version)
@@ -83,7 +83,7 @@ def test_a_roll_back_that_comes_while_a_round_closes_waits_for_it(tmp_path: Path
         run_rounds(c, 0, 1)  # version 1
         with faults.inject("merge.before_step", "sleep", seconds=1.5, round=1), client(c, ATOKEN) as admin:
             assert put(admin, 1, "a", rand_like(c, 1)).status_code == 200  # round 1 closes: its merge sleeps
-            assert c.service.closing
+            assert c.service.status()["closing"]
             r = admin.post("/v1/admin/rollback", json={"version": 1})
             assert r.status_code == 200, r.text
             assert r.json() == {"version": 3, "restored": 1}  # round 1 committed as version 2 first
@@ -124,7 +124,7 @@ def test_a_damaged_newest_checkpoint_names_the_intact_one_and_recover_resumes_fr
             http.post("/v1/join", json={"name": "a"})
         run_rounds(c, 0, 2)  # versions 1 and 2
         intact = model_at(c, 1)
-        newest = c.service.ckpt.global_path(2)
+        newest = c.service.inspect().checkpoints.global_path(2)
     damage(newest)
 
     with pytest.raises(StateError) as refused:
@@ -143,9 +143,9 @@ def test_a_damaged_newest_checkpoint_names_the_intact_one_and_recover_resumes_fr
     svc = Coordinator(state, cfg, TOKENS, recover=True)
     svc.open()
     try:
-        assert svc.version == 3 and svc.committed_version == 3
+        assert svc.version == 3 and svc.inspect().committed_version == 3
         for n, t in intact.items():
-            torch.testing.assert_close(svc.outer.params[n], t, rtol=0, atol=0)
+            torch.testing.assert_close(svc.inspect().weights[n], t, rtol=0, atol=0)
         events = svc.store.events(20)
         assert any(e["kind"] == "recover" and "version 1" in e["message"] for e in events)
     finally:

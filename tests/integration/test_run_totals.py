@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.report import format_status
 from fedtrain.wire import read_tensors
 from tests.helpers.api import client, put, zeros_like_model
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config

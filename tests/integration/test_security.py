@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
 
 from fedtrain.coordinator import BackgroundCoordinator, Tokens
-from fedtrain.coordinator.auth import ROLE_CHECK_ATTR, role_check
+from fedtrain.coordinator.members.auth import ROLE_CHECK_ATTR, role_check
 from fedtrain.errors import CoordinatorError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from tests.helpers.api import assert_error, client, put, zeros_like_model
@@ -111,7 +111,7 @@ def test_revoked_token_is_refused_and_stays_revoked(tmp_path: Path) -> None:
             assert_error(a.get("/v1/status"), 401, "token_revoked")  # the revocation survived the restart
             assert b.get("/v1/status").status_code == 200
             fp = next(t["token_id"] for t in admin.get("/v1/admin/tokens").json()["tokens"] if t["revoked"])
-            from fedtrain.coordinator.auth import fingerprint
+            from fedtrain.coordinator.members.auth import fingerprint
 
             assert fp == fingerprint("tok-a")
             assert_error(admin.post("/v1/admin/tokens/revoke", json={"token_id": fingerprint(ATOKEN)}), 400)

@@ -17,9 +17,9 @@ import torch
 
 from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.pieces import ROWS_META
+from fedtrain.coordinator.intake.pieces import ROWS_META
 from fedtrain.participant import CoordinatorClient
-from fedtrain.participant import client as client_module
+from fedtrain.participant.client import coordinator_client as client_module
 from fedtrain.wire import DIGEST_HEADER, digest_bytes, read_tensors, write_file
 from tests.helpers.api import assert_error, client, put
 from tests.helpers.config import PTOKEN, tiny_config
@@ -54,9 +54,9 @@ def next_round(c: BackgroundCoordinator, http: httpx.Client, round_: int) -> Non
     """Both participants send round `round_`; returns once its version is committed."""
     g = torch.Generator().manual_seed(round_)
     for pid in ("a", "b"):
-        delta = {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in c.service.outer.params.items()}
+        delta = {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in c.service.inspect().weights.items()}
         assert put(http, round_, pid, delta).status_code == 200
-    wait_for(lambda: c.service.committed_version == round_ + 1, f"round {round_} did not commit")
+    wait_for(lambda: c.service.inspect().committed_version == round_ + 1, f"round {round_} did not commit")
 
 
 def wait_for(predicate, what: str, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
@@ -82,7 +82,7 @@ def test_slices_are_the_rows_of_the_model_from_memory_and_from_the_file(
             assert http.post("/v1/join", json={"name": pid}).status_code == 200
         next_round(c, http, 0)
         assert c.service.committer.published is not None and c.service.committer.published.version == 1
-        memory_bytes = {rank: raw_slice(http, rank_rows(c.service.outer.params, rank), 1).content
+        memory_bytes = {rank: raw_slice(http, rank_rows(c.service.inspect().weights, rank), 1).content
                         for rank in (0, 1)}
         next_round(c, http, 1)  # version 1 now comes from its file, version 2 from memory
         for version in (2, 1, 0):
@@ -118,7 +118,7 @@ def test_slices_are_the_rows_of_the_model_from_memory_and_from_the_file(
                     assert r.content == memory_bytes[rank]
             for name, t in whole.items():  # two ranks' slices make the whole model
                 assert torch.equal(torch.cat(union[name]) if t.dim() else union[name][0], t), name
-        served = dict(read_tensors([c.service.ckpt.global_path(1).read_bytes()]))
+        served = dict(read_tensors([c.service.inspect().checkpoints.global_path(1).read_bytes()]))
         got = dict(read_tensors([memory_bytes[0]]))
         assert torch.equal(got["lin.weight"], served["lin.weight"][:500])
         a = next(p for p in http.get("/v1/status").json()["participants"] if p["id"] == "a")
@@ -131,23 +131,23 @@ def test_slices_are_the_rows_of_the_model_from_memory_and_from_the_file(
 def held_slice(c: BackgroundCoordinator, http: httpx.Client, rows: dict, fails: bool) -> None:
     """The next round commits slowly (and fails, if `fails`): a slice of its version fetched
     meanwhile ends only once it is committed, or is cut short."""
-    before = c.service.committed_version
+    before = c.service.inspect().committed_version
     rules = [faults.arm(faults.Rule("checkpoint.after_global_write", "sleep", seconds=1.5, round=before))]
     if fails:
         rules.append(faults.arm(faults.Rule("commit.before_db", "raise", round=before)))
     try:
         g = torch.Generator().manual_seed(before)
         for pid in ("a", "b"):
-            delta = {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in c.service.outer.params.items()}
+            delta = {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in c.service.inspect().weights.items()}
             assert put(http, before, pid, delta).status_code == 200
         wait_for(lambda: c.service.version == before + 1, "the round was not merged")
-        assert c.service.committed_version == before  # the commit sleeps
+        assert c.service.inspect().committed_version == before  # the commit sleeps
         seen: dict[str, object] = {}
 
         def fetch() -> None:
             try:
                 r = raw_slice(http, rows, before + 1)
-                seen["committed"] = c.service.committed_version
+                seen["committed"] = c.service.inspect().committed_version
                 seen["body"] = r.content
             except httpx.HTTPError as e:
                 seen["error"] = e
@@ -159,12 +159,12 @@ def held_slice(c: BackgroundCoordinator, http: httpx.Client, rows: dict, fails: 
         t.join(timeout=30)
         if fails:  # cut short: the client never gets the whole body
             assert isinstance(seen.get("error"), httpx.HTTPError), seen
-            wait_for(lambda: c.service.version == before and not c.service.closing, "no going back")
+            wait_for(lambda: c.service.version == before and not c.service.status()["closing"], "no going back")
         else:
             assert seen["committed"] == before + 1, seen  # it ended once the round was committed
             assert isinstance(seen["body"], bytes)
             tensors = dict(read_tensors([seen["body"]]))
-            whole = dict(read_tensors([c.service.ckpt.global_path(before + 1).read_bytes()]))
+            whole = dict(read_tensors([c.service.inspect().checkpoints.global_path(before + 1).read_bytes()]))
             assert torch.equal(tensors["lin.weight"], whole["lin.weight"][500:])
     finally:
         faults.disarm()
@@ -178,7 +178,7 @@ def test_commit_first_a_slice_waits_for_the_commit_and_is_cut_short_if_it_fails(
                                fast_io=fast_io) as c, client(c) as http:
         for pid in ("a", "b"):
             assert http.post("/v1/join", json={"name": pid}).status_code == 200
-        rows = rank_rows(c.service.outer.params, 1)
+        rows = rank_rows(c.service.inspect().weights, 1)
         held_slice(c, http, rows, fails=False)
         held_slice(c, http, rows, fails=True)
 
@@ -194,7 +194,7 @@ BAD_ROWS = [
 
 
 def test_bad_rows_are_refused_with_400(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedtrain.coordinator import slices
+    from fedtrain.coordinator.model import slices
 
     monkeypatch.setattr(slices, "MAX_ROWS_CHARS", 100)  # a URL's query stops at 64 KiB in httpx
     with BackgroundCoordinator(tmp_path / "s", tiny_config(), init_weights=init_model(tmp_path)) as c, \

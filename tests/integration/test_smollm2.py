@@ -31,11 +31,11 @@ def test_smollm2_lora_round_trip(tmp_path: Path) -> None:
     data["train"].update(sync_every=2, batch_size=2, seq_len=32, eval_batches=1)
     cfg = type(load_config("recipe:smollm2-lora")).model_validate(data)
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        initial = {k: v.clone() for k, v in c.service.outer.params.items()}
+        initial = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         assert all(".lora_" in n for n in initial) and len(initial) == 30 * 4 * 2  # 30 layers x q,k,v,o x A,B
         body = EncodedBody(initial).content_length
         summary = run_participant(c.url, PTOKEN, "stdlib:0/8", name="smol", run_dir=tmp_path / "smol")
-        final = c.service.outer.params
+        final = c.service.inspect().weights
         assert c.service.finished
     assert summary["bytes_up"] == body < 5_000_000  # adapters only: a few MB, not the 540 MB model
     changed = [n for n in final if not torch.equal(final[n], initial[n])]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedtrain.coordinator import BackgroundCoordinator, Coordinator
-from fedtrain.coordinator.store import Store
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import StateError
 from tests.helpers.config import PTOKEN, tiny_config
 from tests.helpers.processes import free_port, start_coordinator, stop_coordinator

@@ -29,17 +29,17 @@ def test_late_upload_is_folded_into_the_next_round_with_a_discount(tmp_path: Pat
         assert put(http, 0, "a", da0).status_code == 200
         info = wait_round(http, 0)  # b straggles: round 0 closes at its 1 s deadline with a alone
         assert "deadline" in c.service.store.rounds()[0]["close_reason"]
-        theta1 = {n: t.clone() for n, t in c.service.outer.params.items()}
+        theta1 = {n: t.clone() for n, t in c.service.inspect().weights.items()}
         late = put(http, 0, "b", db0).json()
         assert late == {"accepted": True, "duplicate": False, "round": 0, "folded_into": 1, "staleness": 1}
         assert put(http, 0, "b", db0).json()["duplicate"] is True  # a resend is not folded twice
         assert put(http, 0, "a", da0).json()["duplicate"] is True  # a was part of round 0 already
-        assert c.service.submitted == {}  # a late fold does not count as a submission of round 1
+        assert c.service.inspect().submitted == {}  # a late fold does not count as a submission of round 1
         assert put(http, 1, "a", da1).status_code == 200
         assert put(http, 1, "b", db1).status_code == 200
         info = wait_round(http, 1)
         assert info["current_round"] == 2
-        for n, t in c.service.outer.params.items():  # FedAvg: θ2 = θ1 − Σ wΔ / Σ w, late weight 100 × 0.5
+        for n, t in c.service.inspect().weights.items():  # FedAvg: θ2 = θ1 − Σ wΔ / Σ w, late weight 100 × 0.5
             want = theta1[n] - (100 * da1[n] + 100 * db1[n] + 50 * db0[n]) / 250
             torch.testing.assert_close(t, want)
         events = c.service.store.events(50)
@@ -75,7 +75,7 @@ def test_silent_participant_fails_then_recovers_on_heartbeat(tmp_path: Path) -> 
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
         http.post("/v1/join", json={"name": "quiet"})
         deadline = time.monotonic() + 15
-        while c.service.participants["quiet"].state != "failed":
+        while c.service.inspect().participants["quiet"].state != "failed":
             assert time.monotonic() < deadline
             time.sleep(0.1)
         r = http.post("/v1/participants/quiet/heartbeat", json={"step": 3}).json()
@@ -108,7 +108,7 @@ def test_participant_fails_at_round_and_rejoins_with_current_weights(tmp_path: P
                 time.sleep(0.05)
         runners[2].join(timeout=60)
         assert rule.fired == 1 and runners[2].crashed
-        assert c.service.participants["p2"].state == "failed"
+        assert c.service.inspect().participants["p2"].state == "failed"
         rounds = {r["round"]: r for r in c.service.store.rounds()}
         assert rounds[1]["n_submissions"] == 2  # round 1 closed without the failed participant
         back = _straggler(c.url, "p2").start()
@@ -122,7 +122,7 @@ def test_participant_fails_at_round_and_rejoins_with_current_weights(tmp_path: P
             assert torch.equal(back.initial[n], t), n
         join_all(*runners[:2], back, timeout=60)
         assert c.service.finished
-        final = c.service.outer.params
+        final = c.service.inspect().weights
         for n in final:
             for r in (*runners[:2], back):  # everyone ends on the global weights
                 assert torch.equal(r.weights[n], final[n]), (r.name, n)

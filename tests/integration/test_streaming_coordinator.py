@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from fedtrain import faults
+from fedtrain.cli.report import format_status
 from fedtrain.config import RunConfig, outer_defaults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.merge import build_torch_optimizer
 from fedtrain.merge.robust import aggregate_tensor
-from fedtrain.report import format_status
 from fedtrain.streaming import fragments
 from fedtrain.wire import DIGEST_HEADER, read_tensors
 from tests.helpers.api import assert_error, client, put
@@ -71,7 +71,7 @@ def download(http: httpx.Client) -> tuple[int, dict[str, torch.Tensor]]:
 
 def wait_committed(c: BackgroundCoordinator, version: int) -> None:
     deadline = time.monotonic() + 30
-    while c.service.committed_version < version:
+    while c.service.inspect().committed_version < version:
         assert time.monotonic() < deadline, f"version {version} was never committed"
         time.sleep(0.02)
 
@@ -100,7 +100,7 @@ def test_each_round_moves_only_its_fragment_by_the_reference_step(tmp_path: Path
     cfg = streaming_config()
     with BackgroundCoordinator(tmp_path / "s", cfg) as c:
         http, frags, shapes = joined(c)
-        names = list(c.service.outer.params)  # the model's order
+        names = list(c.service.inspect().weights)  # the model's order
         assert http.post("/v1/join", json={"name": "p"}).json()["streaming"] == {"fragments": frags, "k": 2}
         assert frags == fragments(names, 2, "strided")
         assert "wte.weight" in frags[0] and any(n.startswith("blocks.1.") for n in frags[1])
@@ -114,7 +114,7 @@ def test_each_round_moves_only_its_fragment_by_the_reference_step(tmp_path: Path
         whole = {**delta(frags[0], shapes, "p", 0), **wrong}
         err = assert_error(put(http, 0, "p", whole), 400, "wrong_fragment")
         assert err["details"]["missing"] == [] and err["details"]["unexpected"] == frags[1]
-        assert c.service.submitted == {}
+        assert c.service.inspect().submitted == {}
         for r in range(ROUNDS):
             info = http.get(f"/v1/rounds/{r}").json()
             status = http.get("/v1/status").json()
@@ -133,7 +133,7 @@ def test_each_round_moves_only_its_fragment_by_the_reference_step(tmp_path: Path
                 else:  # the other fragment: exactly as it was
                     assert torch.equal(after[n], before[n]), (r, n)
             if r == 0:  # the outer state is fragment 0's only: fragment 1 has not synced yet
-                assert {k.split("/", 1)[1] for k in c.service.outer.state_tensors()} == set(frags[0])
+                assert {k.split("/", 1)[1] for k in c.service.inspect().outer_state} == set(frags[0])
         status = http.get("/v1/status").json()
     assert [x["fragment"] for x in sorted(status["recent_rounds"], key=lambda x: x["round"])] == [0, 1, 0, 1]
     assert status["streaming"] == {"k": 2, "overlap": 1, "alpha": 0.5} and status["finished"]
@@ -198,11 +198,11 @@ def test_a_failed_commit_and_an_admin_roll_back_reopen_the_right_fragment(tmp_pa
             for w in TOKENS:
                 assert put(http, 1, w, delta(frags[1], shapes, w, 1), tokens=TOKENS[w]).json()["accepted"]
             deadline = time.monotonic() + 30
-            while not any(e["kind"] == "commit_failed" for e in c.service.event_log()) or c.service.closing:
+            while not any(e["kind"] == "commit_failed" for e in c.service.event_log()) or c.service.status()["closing"]:
                 assert time.monotonic() < deadline, "the commit never failed"
                 time.sleep(0.02)
         info = http.get("/v1/rounds/1").json()
-        assert (info["current_round"], info["fragment"], c.service.committed_version) == (1, 1, 1)
+        assert (info["current_round"], info["fragment"], c.service.inspect().committed_version) == (1, 1, 1)
         for r in (1, 2, 3):
             sync(c, http, r, frags, shapes)
         final = download(http)[1]

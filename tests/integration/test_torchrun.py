@@ -17,7 +17,7 @@ def test_two_rank_torchrun_participant_beside_a_single_process_one(tmp_path: Pat
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         group = participant_group(c.url, "group", "--run-dir", str(tmp_path / "group"))
         out_group = finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
-        final = {k: v.clone() for k, v in c.service.outer.params.items()}
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         rounds = c.service.store.rounds()
         ranks = {p["id"]: (p["parallel"], p["world_size"]) for p in c.service.status()["participants"]}
         assert c.service.finished and c.service.version == 3
@@ -51,3 +51,20 @@ def test_every_rank_stops_when_rank_0_loses_the_coordinator(tmp_path: Path) -> N
     # rank 1 stops with rank 0's reason (torchrun then ends rank 0, which may not get to print its own)
     assert "fedtrain participant: error: rank 0 of this participant failed: the coordinator" in out, out[-3000:]
     assert "Connection closed by peer" not in out  # rank 1 was told, not cut off in a collective
+
+
+def test_a_ddp_group_syncs_overlapped_and_every_rank_ends_on_the_global_weights(tmp_path: Path) -> None:
+    """`train.overlap`: rank 0 sends at step H and the group trains on; when the round lands, rank 0
+    adds the local progress to the new global weights and the other rank takes them (DDP replicas)."""
+    cfg = tiny_config(rounds=3, train={"overlap": True})
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        group = participant_group(c.url, "group", "--run-dir", str(tmp_path / "group"))
+        out, _ = group.communicate(timeout=240)
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
+        rounds = c.service.store.rounds()
+        assert c.service.finished and c.service.version == 3
+    assert group.returncode == 0, out[-3000:]
+    assert all([s["participant_id"] for s in r["submissions"]] == ["group"] for r in rounds)
+    for f in (tmp_path / "group" / "final.safetensors", tmp_path / "group" / "final-rank1.safetensors"):
+        w = weights(f)  # the run's end lands on the global model itself, on both ranks
+        assert all(torch.equal(w[k], final[k]) for k in final), f

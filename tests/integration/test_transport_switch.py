@@ -16,7 +16,8 @@ import torch
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.publish import ModelStream
+from fedtrain.coordinator.model import publish
+from fedtrain.coordinator.model.publish import ModelStream
 from fedtrain.transport import FAST_IO_ENV, Body
 from fedtrain.transport.readinto import ReadIntoProtocol
 from fedtrain.wire import read_tensors
@@ -27,20 +28,20 @@ from tests.helpers.config import ATOKEN, tiny_config
 def spy_on_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Records which path each upload body, download and file write took."""
     seen: dict[str, list[Any]] = {"upload_source": [], "download": [], "o_direct": []}
-    body_init, steps, chunks = Body.__init__, ModelStream.steps, ModelStream.chunks
+    body_init, steps, chunks_of = Body.__init__, ModelStream.steps, publish.chunks_of
     real_fcntl, real_open = fcntl.fcntl, os.open
 
     def body(self: Body, chunks: Any = None, source: Any = None) -> None:
         seen["upload_source"].append(source is not None)
         body_init(self, chunks, source)
 
-    def spy_steps(self: ModelStream, out: Any) -> Any:
-        seen["download"].append("send")
+    def spy_steps(self: ModelStream, out: Any) -> Any:  # the one body producer, on either path
+        seen["download"].append("steps")
         return steps(self, out)
 
-    async def spy_chunks(self: ModelStream) -> Any:  # made by every ModelResponse, run only on the plain path
+    async def spy_chunks_of(stream: Any) -> Any:  # made by every ModelResponse, run only on the plain path
         seen["download"].append("chunks")
-        async for chunk in chunks(self):
+        async for chunk in chunks_of(stream):
             yield chunk
 
     def spy_fcntl(fd: int, cmd: int, arg: int = 0) -> Any:
@@ -55,7 +56,7 @@ def spy_on_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
 
     monkeypatch.setattr(Body, "__init__", body)
     monkeypatch.setattr(ModelStream, "steps", spy_steps)
-    monkeypatch.setattr(ModelStream, "chunks", spy_chunks)
+    monkeypatch.setattr(publish, "chunks_of", spy_chunks_of)
     monkeypatch.setattr(fcntl, "fcntl", spy_fcntl)
     monkeypatch.setattr(os, "open", spy_open)
     return seen
@@ -77,7 +78,7 @@ def one_round(c: BackgroundCoordinator) -> None:
         r = http.get("/v1/model", params={"version": 1})
         assert r.status_code == 200
         got = dict(read_tensors([r.content]))
-        for n, t in c.service.outer.params.items():
+        for n, t in c.service.inspect().weights.items():
             assert torch.equal(got[n], t)
 
 
@@ -91,7 +92,7 @@ def test_with_fast_io_off_every_path_is_the_plain_one(tmp_path: Path, monkeypatc
         assert c.server.config.http_protocol_class is HttpToolsProtocol  # uvicorn's stock protocol
         one_round(c)
     assert seen["upload_source"] == [False]  # the body came as receive() chunks
-    assert seen["download"] == ["chunks"]  # a StreamingResponse
+    assert seen["download"] == ["chunks", "steps"]  # a StreamingResponse over the steps
     assert seen["o_direct"] == []  # no file opened or switched to O_DIRECT
 
 
@@ -106,5 +107,5 @@ def test_with_fast_io_on_the_fast_paths_serve(tmp_path: Path, monkeypatch: pytes
         assert getattr(protocol, "func", None) is ReadIntoProtocol
         one_round(c)
     assert seen["upload_source"] == [True]  # read from the socket into the coordinator's memory
-    assert seen["download"] == ["send"]  # written to the socket from a worker thread
+    assert seen["download"] == ["steps"]  # written to the socket from a worker thread
     assert seen["o_direct"]  # the checkpoints went past the page cache (tmp_path takes O_DIRECT here)

@@ -10,7 +10,8 @@ import math
 import pytest
 
 from fedtrain.config import outer_choice
-from fedtrain.coordinator import async_policy, policy
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.policy import async_rules as async_policy
 from fedtrain.errors import ConfigError
 from fedtrain.merge.staleness import STALENESS_FUNCTIONS, staleness_factor
 from tests.helpers.config import tiny_config
@@ -88,7 +89,7 @@ def test_a_version_not_made_yet_and_a_finished_run_are_refused() -> None:
 
 
 def test_the_open_round_admits_by_the_mode_in_force() -> None:
-    from fedtrain.coordinator.open_round import OpenRound
+    from fedtrain.coordinator.rounds.open_round import OpenRound
 
     open_ = OpenRound(6, 0.0, [])
     assert open_.admission(3, False, async_cfg()).action == "accept"

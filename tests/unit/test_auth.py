@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedtrain.coordinator.auth import ADMIN, PARTICIPANT, Tokens, fingerprint
+from fedtrain.coordinator.members.auth import ADMIN, PARTICIPANT, Tokens, fingerprint
 
 
 def test_roles() -> None:

@@ -1,5 +1,5 @@
 """Balanced rounds: the pure rule that tells each participant its inner steps (`coordinator/balance.py`),
-and the participant's own step clock and throttle (`participant/pace.py`), with clocks passed in."""
+and the participant's own step clock and throttle (`participant/engine/pace.py`), with clocks passed in."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from fedtrain.config import ScheduleConfig
-from fedtrain.coordinator.balance import (
+from fedtrain.coordinator.policy.balance import (
     MAX_RATE,
     MIN_RATE,
     Reported,
@@ -18,7 +18,7 @@ from fedtrain.coordinator.balance import (
     plan_steps,
     smoothed,
 )
-from fedtrain.participant.pace import Pace, check_speed, told_steps
+from fedtrain.participant.engine.pace import Pace, check_speed, told_steps
 
 SCHEDULE = ScheduleConfig(mode="balanced")  # bounds 0.25-4 x H, smoothing 0.5
 
@@ -194,7 +194,7 @@ def test_told_steps_reads_only_what_can_work() -> None:
 
 def test_demo_heterogeneous_runs_three_speeds_in_balanced_rounds_unless_told() -> None:
     from fedtrain.cli import build_parser
-    from fedtrain.demo import demo_config, speeds, steps_by_round
+    from fedtrain.cli.demo import demo_config, speeds, steps_by_round
 
     parse = build_parser().parse_args
     args = parse(["demo", "--heterogeneous"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fedtrain.coordinator.checkpoints import SPARES, CheckpointDir
+from fedtrain.coordinator.model.checkpoints import SPARES, CheckpointDir
 from fedtrain.wire import digest_chunks, iter_file
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fedtrain.config import RunConfig, load_config, outer_choice, outer_defaults, parse_config
-from fedtrain.config_changes import change_notes
+from fedtrain.config.changes import change_notes
 from fedtrain.errors import ConfigError
 from fedtrain.merge.outer_lr import recommended_outer_lr
 
@@ -105,9 +105,9 @@ def test_every_shipped_config_loads() -> None:
 
 
 def test_config_reference_doc_is_current() -> None:
-    from fedtrain.config_doc import reference
+    from fedtrain.config.doc import reference
 
     doc = (ROOT / "docs" / "config.md").read_text()
-    assert doc == reference(), "docs/config.md is stale: run `python -m fedtrain.config_doc > docs/config.md`"
+    assert doc == reference(), "docs/config.md is stale: run `python -m fedtrain.config.doc > docs/config.md`"
     for field in ("train.sync_every", "outer.algorithm", "model.n_layer", "round_timeout_s"):
         assert f"`{field}`" in doc

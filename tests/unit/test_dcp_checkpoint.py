@@ -13,8 +13,8 @@ from torch import nn
 
 from fedtrain import faults
 from fedtrain.errors import StateError
-from fedtrain.participant.dcp_checkpoint import DcpCheckpoint
-from fedtrain.participant.shards import local_tensor
+from fedtrain.participant.local.dcp_checkpoint import DcpCheckpoint
+from fedtrain.participant.ranks.shards import local_tensor
 from tests.helpers.dcp import gloo_of_one, sharded, train
 
 

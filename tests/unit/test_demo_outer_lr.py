@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from fedtrain.cli import build_parser
+from fedtrain.cli.demo import demo_config
 from fedtrain.config import outer_defaults
-from fedtrain.demo import demo_config
 
 
 @pytest.mark.parametrize(

@@ -226,7 +226,7 @@ def test_the_coordinator_moves_its_tensors_once_then_writes_them_from_memory(
     import httpx
 
     from fedtrain.coordinator import BackgroundCoordinator
-    from fedtrain.coordinator.checkpoints import CheckpointDir
+    from fedtrain.coordinator.model.checkpoints import CheckpointDir
     from tests.helpers.api import put
     from tests.helpers.config import ATOKEN, tiny_config
 
@@ -244,19 +244,19 @@ def test_the_coordinator_moves_its_tensors_once_then_writes_them_from_memory(
             base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as http:
         http.post("/v1/join", json={"name": "a"})
         for r in range(2):
-            delta = {n: torch.full_like(t, 0.01) for n, t in c.service.outer.params.items()}
+            delta = {n: torch.full_like(t, 0.01) for n, t in c.service.inspect().weights.items()}
             assert put(http, r, "a", delta).status_code == 200
             http.get(f"/v1/rounds/{r}", params={"wait": 10})
         deadline = time.monotonic() + 10
-        while c.service.committed_version < 2 and time.monotonic() < deadline:
+        while c.service.inspect().committed_version < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         got = {v: w for v, w in seen}
         assert sorted(got) == [0, 1, 2]
         assert got[0].misfits  # fresh allocations: the start's checkpoint bounced them
         assert got[1].state_misfits  # the momentum, made by the first step
         assert got[2].misfits == {} and got[2].state_misfits == {}
-        params = c.service.ckpt.load_global(2, got[2].digest)
-        for n, t in c.service.outer.params.items():
+        params = c.service.inspect().checkpoints.load_global(2, got[2].digest)
+        for n, t in c.service.inspect().weights.items():
             assert torch.equal(params[n], t)
 
 
@@ -295,10 +295,10 @@ def test_a_config_change_between_merge_and_commit_keeps_the_new_optimizers_state
         r = http.put("/v1/config", json={"changes": {"outer": {"lr": 0.5}}}).json()
         assert r["effective_round"] == 1  # in force right after round 0's merge, during its commit
         commit_round_0(c, http)
-        outer = c.service.outer
-        assert outer.hp["lr"] == 0.5 and outer.steps == 1
-        saved, _ = c.service.ckpt.load_outer(1)
-        live = outer.state_tensors()
+        inside = c.service.inspect()
+        assert c.service.status()["outer_lr"] == 0.5 and inside.outer_steps == 1
+        saved, _ = inside.checkpoints.load_outer(1)
+        live = inside.outer_state
         assert saved.keys() == live.keys()
         for k, v in saved.items():
             assert torch.equal(live[k], v), k  # the momentum survived the old optimizer's commit

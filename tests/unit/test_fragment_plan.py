@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.fragments import FragmentPlan, check_fragment, plan_for
+from fedtrain.coordinator.rounds.fragment_plan import FragmentPlan, check_fragment, plan_for
 from fedtrain.errors import ConfigError, Refused
 from fedtrain.streaming import fragments
 from fedtrain.wire.compress import SCALE_SUFFIX

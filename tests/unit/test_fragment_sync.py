@@ -1,4 +1,4 @@
-"""A streaming participant's fragments (`participant/fragments.py`, `SyncEngine.fragment`),
+"""A streaming participant's fragments (`participant/engine/sync_schedule.py`, `SyncEngine.fragment`),
 over a scripted coordinator: each round sends its fragment's Δ only and downloads only its
 tensors, the arriving weights are mixed with α, and a failed exchange puts the reference back."""
 
@@ -13,8 +13,8 @@ import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.errors import CoordinatorUnavailable, ModelMismatchError
-from fedtrain.participant.fragments import FragmentSync, plan_of
-from fedtrain.participant.sync import PieceOf, SyncEngine
+from fedtrain.participant.engine.sync import PieceOf, SyncEngine
+from fedtrain.participant.engine.sync_schedule import Exchanges, plan_of
 from fedtrain.wire import TensorSpec
 from fedtrain.wire.format import ROWS_META
 
@@ -60,64 +60,67 @@ def setup(a: float = 1.0, b: float = 2.0) -> tuple[Scripted, SyncEngine, dict[st
 
 def test_a_round_sends_and_fetches_its_fragment_only() -> None:
     client, engine, params = setup()
-    fs = FragmentSync(engine, [["a"], ["b"]])
+    fs = Exchanges(engine, [["a"], ["b"]])
     with torch.no_grad():
         params["a"].sub_(0.5)
         params["b"].sub_(0.25)
     client.model = {"a": torch.full((3,), 3.0), "b": torch.full((2,), 9.0)}
     client.version = 1
     assert fs.of(0) == 0 and fs.of(1) == 1 and fs.of(2) == 0
-    assert fs.fetch(0, "p", RunConfig(), tokens=4, retry=None) == 1
-    fs.mix(0, 0.0)
+    assert fs.engines[fs.of(0)].fetch(0, "p", RunConfig(), tokens=4, retry=None) == 1
+    fs.engines[0].mix(0.0)
     (r, up), = client.uploads
     assert r == 0 and set(up) == {"a"} and torch.equal(up["a"], torch.full((3,), 0.5))  # Δ = θ_g − θ
     assert client.downloads[-1] == ["a"]
     assert torch.equal(params["a"].detach(), torch.full((3,), 3.0))  # α = 0: the global fragment as it comes
     assert torch.equal(params["b"].detach(), torch.full((2,), 1.75))  # the other fragment keeps training
-    assert fs.bytes_up > 0 and fs.bytes_down == 3 * 4
+    assert fs.engines[0].bytes_up > 0 and fs.engines[0].bytes_down == 3 * 4 and fs.engines[1].bytes_down == 0
 
 
 def test_the_arriving_fragment_is_mixed_with_alpha_and_stays_the_reference() -> None:
     client, engine, params = setup(a=1.0)
-    fs = FragmentSync(engine, [["a"], ["b"]])
+    fs = Exchanges(engine, [["a"], ["b"]])
     with torch.no_grad():
         params["a"].copy_(torch.full((3,), 2.0))  # θ_sent = 2: Δ = -1
     client.model["a"] = torch.full((3,), 4.0)
     client.version = 1
-    fs.send(0, "p", RunConfig(), tokens=4, retry=None)
+    fs.send(0, "p", RunConfig(), tokens=4, retry=None, record={})
     with torch.no_grad():
         params["a"].add_(1.0)  # τ more steps: θ_local = 3 at the apply
-    sent, version = fs.wait()
+    version = fs.result()
+    sent = fs.take()
     assert (sent.round, sent.fragment, version) == (0, 0, 1)
-    fs.mix(0, 0.25)
+    fs.engines[0].mix(0.25)
     assert torch.allclose(params["a"].detach(), torch.full((3,), 0.75 * 4.0 + 0.25 * 3.0))
     assert torch.equal(client.uploads[0][1]["a"], torch.full((3,), -1.0))  # measured at the send
     with torch.no_grad():
         params["a"].copy_(torch.full((3,), 5.0))
     client.version = 2
-    fs.fetch(2, "p", RunConfig(), tokens=4, retry=None)  # fragment 0 again: Δ against θ_g = 4, not the mix
+    # fragment 0 again: Δ against θ_g = 4, not the mix
+    fs.engines[fs.of(2)].fetch(2, "p", RunConfig(), tokens=4, retry=None)
     assert torch.equal(client.uploads[-1][1]["a"], torch.full((3,), -1.0))
 
 
 def test_a_failed_send_puts_the_reference_back() -> None:
     client, engine, params = setup(a=1.0)
-    fs = FragmentSync(engine, [["a"], ["b"]])
+    fs = Exchanges(engine, [["a"], ["b"]])
     with torch.no_grad():
         params["a"].copy_(torch.full((3,), 1.5))
     client.fail_upload = True
-    fs.send(0, "p", RunConfig(), tokens=4, retry=None)
+    fs.send(0, "p", RunConfig(), tokens=4, retry=None, record={})
     with pytest.raises(CoordinatorUnavailable):
-        fs.wait()
+        fs.result()
+    fs.failed(fs.take(), keep_progress=False)
     assert fs.pending is None and fs.engines[0].holds == "reference"
     client.fail_upload = False
-    fs.fetch(0, "p", RunConfig(), tokens=4, retry=None)  # the next attempt: Δ against θ_g = 1 again
+    fs.engines[fs.of(0)].fetch(0, "p", RunConfig(), tokens=4, retry=None)  # the next attempt: Δ against θ_g = 1 again
     assert torch.equal(client.uploads[-1][1]["a"], torch.full((3,), -0.5))
 
 
 def test_a_fragment_naming_tensors_the_model_does_not_sync_is_refused() -> None:
     _, engine, _ = setup()
     with pytest.raises(ModelMismatchError, match="fragment"):
-        FragmentSync(engine, [["a"], ["c"]])
+        Exchanges(engine, [["a"], ["c"]])
 
 
 def test_the_plan_comes_from_the_join_answer() -> None:
@@ -132,17 +135,17 @@ def test_the_plan_comes_from_the_join_answer() -> None:
 
 def test_at_the_end_every_fragment_becomes_the_global_one_and_only_the_others_are_fetched() -> None:
     client, engine, params = setup(a=1.0, b=2.0)
-    fs = FragmentSync(engine, [["a"], ["b"]])
+    fs = Exchanges(engine, [["a"], ["b"]])
     with torch.no_grad():
         params["a"].add_(1.0)
         params["b"].add_(1.0)
     client.model = {"a": torch.full((3,), 4.0), "b": torch.full((2,), 7.0)}
     client.version = 3
-    fs.fetch(2, "p", RunConfig(), tokens=1, retry=None)
-    fs.mix(0, 0.5)  # fragment 0 mixed: not the global weights yet
+    fs.engines[fs.of(2)].fetch(2, "p", RunConfig(), tokens=1, retry=None)
+    fs.engines[0].mix(0.5)  # fragment 0 mixed: not the global weights yet
     assert not torch.equal(params["a"].detach(), torch.full((3,), 4.0))
     client.downloads.clear()
-    assert fs.take_global("p", 3, 0, retry=None) is None
+    fs.take_global("p", 3, 0, retry=None)
     assert client.downloads == [["b"]]  # fragment 0's global weights were in its snapshot already
     assert torch.equal(params["a"].detach(), torch.full((3,), 4.0))
     assert torch.equal(params["b"].detach(), torch.full((2,), 7.0))
@@ -178,13 +181,13 @@ def test_a_ranks_fragments_send_and_fetch_only_its_rows_of_each_fragment() -> No
     engine = SyncEngine(client, params, who="site.rank1", piece=piece)  # type: ignore[arg-type]
     engine.prepare({n: {"dtype": "F32", "shape": list(s)} for n, (_, s) in shapes.items()})
     engine.load_global("p")
-    fs = FragmentSync(engine, [["a"], ["b", "c"]])
+    fs = Exchanges(engine, [["a"], ["b", "c"]])
     with torch.no_grad():
         params["a"].sub_(1.0)
     client.model = {**client.model, "a": torch.full((4, 3), 7.0), "c": torch.full((2,), 8.0)}
     client.version = 1
-    assert fs.fetch(0, "p", RunConfig(), tokens=4, retry=None) == 1
-    fs.mix(0, 0.5)
+    assert fs.engines[fs.of(0)].fetch(0, "p", RunConfig(), tokens=4, retry=None) == 1
+    fs.engines[0].mix(0.5)
     (r, up), = client.uploads
     assert r == 0 and up["_piece"] == "rank1" and json.loads(up["_meta"][ROWS_META]) == {"a": [2, 4]}
     assert set(up) == {"a", "_meta", "_piece"} and torch.equal(up["a"], torch.ones(2, 3))  # Δ of our rows
@@ -193,8 +196,8 @@ def test_a_ranks_fragments_send_and_fetch_only_its_rows_of_each_fragment() -> No
     assert torch.equal(params["a"].detach(), want)
     assert torch.equal(params["c"].detach(), torch.full((2,), 5.0))  # not this round's fragment
     client.version = 2
-    assert fs.fetch(1, "p", RunConfig(), tokens=4, retry=None) == 2
-    fs.mix(1, 0.0)
+    assert fs.engines[fs.of(1)].fetch(1, "p", RunConfig(), tokens=4, retry=None) == 2
+    fs.engines[1].mix(0.0)
     assert len(client.uploads) == 1 and client.downloads[-1] == ["c"]  # rank 0 sends `c`; we take it whole
     assert torch.equal(params["c"].detach(), torch.full((2,), 8.0))
     nothing = engine.fragment(["b"])  # a fragment this rank holds no row of: it waits, and fetches nothing

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from fedtrain.config import MIN_UPLOAD_MB, RunConfig, check_upload_limit, load_config, parse_config
-from fedtrain.config_changes import apply_change
-from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.checkpoints import STATE_DIGEST_KEY, CheckpointDir
+from fedtrain.config.changes import apply_change
+from fedtrain.coordinator.members.auth import Tokens
+from fedtrain.coordinator.model.checkpoints import STATE_DIGEST_KEY, CheckpointDir
 from fedtrain.errors import ConfigError, StateError, WireError
 from fedtrain.merge import OuterOptimizer
 from fedtrain.wire import BodyReader, parse_header, write_file
@@ -142,7 +142,7 @@ def test_an_outer_file_without_a_digest_still_loads_and_is_reported(
     _, state, meta = _outer_state()
     write_file(ckpt.outer_path(1), state, meta)  # the old layout: no STATE_DIGEST_KEY
     assert STATE_DIGEST_KEY not in ckpt.outer_path(1).read_bytes().decode("latin-1")
-    with caplog.at_level(logging.WARNING, logger="fedtrain.coordinator.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="fedtrain.coordinator.model.checkpoints"):
         tensors, got_meta = ckpt.load_outer(1)
     assert got_meta == meta and torch.equal(tensors["momentum_buffer/w"], state["momentum_buffer/w"])
     assert ckpt.unverified() == ["outer-000001.safetensors"]
@@ -224,7 +224,7 @@ def test_the_upload_limit_must_hold_one_update_of_the_model() -> None:
 
 
 def test_refusal_names_a_revoked_token() -> None:
-    from fedtrain.coordinator.auth import fingerprint
+    from fedtrain.coordinator.members.auth import fingerprint
 
     tokens = Tokens(["tok-a"], "admin", revoked={fingerprint("tok-a")})
     assert tokens.identify("Bearer tok-a") is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedtrain.coordinator import policy
-from fedtrain.coordinator.auth import Holder, join_rule, key_hash, key_matches, new_participant_key, within_cap
+from fedtrain.coordinator.members.auth import Holder, join_rule, key_hash, key_matches, new_participant_key, within_cap
 from tests.helpers.config import tiny_config
 
 CFG = tiny_config(heartbeat_timeout_s=20.0, max_participants_per_token=3, eviction_cooldown_s=600.0)

@@ -2,14 +2,15 @@
 
 The graph is read from the source with `ast` (nothing is imported): an edge for every import
 at module level, relative imports resolved, and `from pkg import name` counted as an import
-of `pkg.name` when that is a module. Imports inside functions are left out: they run late,
-on purpose. Two graphs are checked:
+of `pkg.name` when that is a module. Three graphs are checked:
 
 - at run time: without the `if TYPE_CHECKING:` blocks. A circle here makes the import
   order matter; there must be none, with no exception.
 - with the type-only imports of ordinary modules too: two modules that name each other's
   types know each other, a circle all the same. Left out are the `TYPE_CHECKING` blocks of
   package `__init__`s, which only declare the names the package exports lazily (PEP 562).
+- with the imports inside functions too: an import deferred into a function still makes two
+  modules know each other, and a circle hidden that way is a circle all the same.
 """
 
 from __future__ import annotations
@@ -75,15 +76,27 @@ def _imported(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
     return [base, *(f"{base}.{alias.name}" for alias in node.names)]
 
 
-def import_graph(src: Path, *, type_only: bool) -> Graph:
+def _function_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The imports inside the functions (and methods) of a module, at any depth."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found += [n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return found
+
+
+def import_graph(src: Path, *, type_only: bool, in_functions: bool = False) -> Graph:
     """Module -> the modules of the same package it imports at module level (see the docstring);
-    `type_only` adds the `TYPE_CHECKING` imports of every module but the package `__init__`s."""
+    `type_only` adds the `TYPE_CHECKING` imports of every module but the package `__init__`s,
+    `in_functions` the imports inside functions."""
     known = modules_under(src)
     graph: Graph = {}
     for name, (path, is_package) in known.items():
         package = name if is_package else name.rpartition(".")[0]
         tree = ast.parse(path.read_text(), filename=str(path))
         nodes = _module_level_imports(tree.body, type_only and not is_package)
+        if in_functions:
+            nodes += _function_imports(tree)
         graph[name] = {m for node in nodes for m in _imported(node, package) if m in known and m != name}
     return graph
 
@@ -161,6 +174,11 @@ def test_no_import_circles_but_the_known_ones() -> None:
     assert stale == [], f"no longer circles, remove them from KNOWN_CYCLES: {stale}"
 
 
+def test_no_import_circles_counting_the_imports_inside_functions() -> None:
+    found = circles(import_graph(SRC, type_only=True, in_functions=True))
+    assert found == [], f"import circles (counting imports inside functions): {_named(found)}"
+
+
 def _write(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         path = root / rel
@@ -183,5 +201,10 @@ def test_the_check_finds_circles_and_names_them(tmp_path: Path) -> None:
     assert circles(import_graph(src, type_only=False)) == [["pkg.a", "pkg.b", "pkg.a"]]
     assert circles(import_graph(src, type_only=True)) == [
         ["pkg.a", "pkg.b", "pkg.a"],
+        ["pkg.f", "pkg.sub.e", "pkg.f"],
+    ]
+    assert circles(import_graph(src, type_only=True, in_functions=True)) == [  # c's late import counts here
+        ["pkg.a", "pkg.b", "pkg.a"],
+        ["pkg.c", "pkg.d", "pkg.c"],
         ["pkg.f", "pkg.sub.e", "pkg.f"],
     ]

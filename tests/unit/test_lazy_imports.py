@@ -28,7 +28,7 @@ PACKAGES = [
         ("import fedtrain", ()),
         ("import fedtrain.merge", ()),
         ("import fedtrain.coordinator.policy", ()),
-        ("import fedtrain.coordinator.balance", ()),
+        ("import fedtrain.coordinator.policy.balance", ()),
         ("import fedtrain.coordinator", ()),
         ("import fedtrain.wire", ()),
         ("import fedtrain.wire; fedtrain.wire.DIGEST_HEADER", ()),
@@ -49,7 +49,7 @@ def test_light_imports_stay_light(code: str, allowed: tuple[str, ...]) -> None:
         "import fedtrain",
         "import fedtrain.merge",
         "import fedtrain.coordinator.policy",
-        "import fedtrain.coordinator.balance",
+        "import fedtrain.coordinator.policy.balance",
         "import fedtrain.wire",
         # the names the merge math and the wire format export, once used
         "from fedtrain.merge import OuterOptimizer, RunningSum, weighted_mean",
@@ -73,11 +73,11 @@ def test_every_public_name_resolves(package: str) -> None:
 
 def test_public_names_are_the_classes_themselves() -> None:
     import fedtrain
-    from fedtrain.participant import retry  # a submodule, not an export: still importable
-    from fedtrain.participant.runner import Participant
+    from fedtrain.participant.client import retry  # a submodule, not an export: still importable
+    from fedtrain.participant.engine.participant import Participant
 
     assert fedtrain.Participant is Participant
     from fedtrain import Participant as again
 
     assert again is Participant
-    assert retry.__name__ == "fedtrain.participant.retry"
+    assert retry.__name__ == "fedtrain.participant.client.retry"

@@ -14,17 +14,17 @@ import pytest
 import safetensors.torch
 import torch
 
+from fedtrain.cli.report import eval_rows, format_evals
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.global_eval import version_due
+from fedtrain.coordinator.model.global_eval import version_due
 from fedtrain.errors import CoordinatorUnavailable, StateError
 from fedtrain.participant import Participant
-from fedtrain.participant.checkpoint import LocalCheckpoint
-from fedtrain.participant.client import CoordinatorClient, RetryPolicy
-from fedtrain.participant.metrics_log import MetricsLog
-from fedtrain.participant.overlap import OverlappedSync
-from fedtrain.participant.sync import SyncEngine
+from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy
+from fedtrain.participant.engine.sync import SyncEngine
+from fedtrain.participant.engine.sync_schedule import Exchanges
+from fedtrain.participant.local.checkpoint import LocalCheckpoint
+from fedtrain.participant.local.metrics_log import MetricsLog
 from fedtrain.recipes import TokenStream
-from fedtrain.report import eval_rows, format_evals
 from fedtrain.wire import TensorSpec
 
 
@@ -112,9 +112,10 @@ def test_metrics_go_to_tensorboard_when_installed(tmp_path: Path) -> None:
 )
 def test_eval_cadence(every: int, rounds: int, due: list[int]) -> None:
     cfg = RunConfig.model_validate({"rounds": rounds, "eval": {"every": every}})
-    fed = Participant("http://127.0.0.1:9", token="t", model=torch.nn.Linear(2, 2))
-    fed.config = cfg
-    assert [r for r in range(7 if rounds == 0 else rounds) if fed.eval_due(r)] == due
+    fed = Participant("http://127.0.0.1:9", token="t", model=torch.nn.Linear(2, 2), eval_fn=lambda m: 0.0)
+    fed.book.joined({"config": cfg.model_dump(mode="json"), "config_version": 1})
+    assert fed.config == cfg
+    assert [r for r in range(7 if rounds == 0 else rounds) if fed.book.eval_due(r)] == due
     # the coordinator evaluates the global model those rounds produce (version r + 1), and the initial one
     assert [v for v in range(8 if rounds == 0 else rounds + 1) if version_due(v, cfg)] == [0] + [r + 1 for r in due]
 
@@ -240,19 +241,19 @@ def test_an_overlapped_exchange_lands_as_the_global_model_plus_local_progress() 
         param.add_(1.0)  # θ_sent = 6: Δ = -1
     client.model = {"w": torch.full((3,), 10.0)}
     client.version = 2
-    overlap = OverlappedSync(engine)
+    overlap = Exchanges(engine, None)
     try:
-        overlap.start(1, "p", RunConfig(), tokens=4, record={"round": 1})
+        overlap.send(1, "p", RunConfig(), tokens=4, retry=None, record={"round": 1})
         with torch.no_grad():
             param.add_(0.5)  # training goes on meanwhile
-        assert overlap.pending and overlap.wait(10.0) and overlap.ready
-        landed = overlap.finish()
-        assert landed is not None and (landed.round, landed.version, landed.record) == (1, 2, {"round": 1})
+        assert overlap.pending is not None and overlap.result() == 2 and overlap.ready
+        landed = overlap.take()
+        assert (landed.round, landed.fragment, landed.record) == (1, 0, {"round": 1}) and landed.sent is not None
         engine.adopt(landed.sent)
     finally:
         overlap.close()
     assert torch.equal(client.uploads[0]["w"], torch.full((3,), -1.0))
-    assert torch.equal(param.detach(), torch.full((3,), 10.5)) and not overlap.pending
+    assert torch.equal(param.detach(), torch.full((3,), 10.5)) and overlap.pending is None
     assert [r for _, r in client.calls[1:]] == [None, None, None]  # the client's own policy
 
 

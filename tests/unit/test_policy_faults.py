@@ -13,7 +13,7 @@ from fedtrain.coordinator.policy import (
     decide_round,
 )
 from fedtrain.errors import AuthError, CoordinatorError, CoordinatorUnavailable
-from fedtrain.participant.outage import OutagePolicy, OutageState, is_transient, next_attempt
+from fedtrain.participant.engine.outage import OutagePolicy, OutageState, is_transient, next_attempt
 from tests.helpers.config import tiny_config
 
 ADAPTIVE = tiny_config(

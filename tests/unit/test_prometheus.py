@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from fedtrain.coordinator.prometheus import MERGE_BUCKETS, ROUND_BUCKETS, render
+from fedtrain.coordinator.http.prometheus import MERGE_BUCKETS, ROUND_BUCKETS, render
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*",?)*\})? (\S+)$')
 

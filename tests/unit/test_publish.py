@@ -1,6 +1,7 @@
-"""Serving the global model (`publish.py`): streamed chunks, the worker-thread pump, downloads
-held back until their round commits (commit first) or not (publish_first), and the committed
-model still served from memory until the weights move on."""
+"""Serving the global model (`publish.py`): streamed chunks (the plain adapter over the
+steps), the worker-thread pump, downloads held back until their round commits (commit
+first) or not (publish_first), and the committed model still served from memory until the
+weights move on."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import torch
 
 from fedtrain import faults
 from fedtrain.coordinator import Coordinator
-from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.publish import ModelStream, NotCommitted, Published, WeightsGuard
+from fedtrain.coordinator.members.auth import Tokens
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.publish import ModelStream, NotCommitted, Published, WeightsGuard, chunks_of
 from fedtrain.transport.send import SocketOut
 from fedtrain.wire import EncodedBody, write_file
 from tests.helpers.bodies import ADMIN_ID, chunked, collect, pumped, raw_body
@@ -27,16 +28,16 @@ from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 @pytest.mark.parametrize("slow_disk", [False, True])
 def test_model_stream_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_disk: bool) -> None:
     """Read in the event loop while reads are fast; after a slow one, on a worker thread."""
-    from fedtrain.coordinator import publish
+    from fedtrain.coordinator.model import publish
 
     t = {"a": torch.randn(1_000_000), "b": torch.randn(10)}  # 4 MB: 8 chunks
     digest = write_file(tmp_path / "g", t, {"version": "3"})
     data = (tmp_path / "g").read_bytes()
     hops: list[int] = []
     threaded = publish._read_chunks
-    monkeypatch.setattr(publish, "_read_chunks", lambda f, n: hops.append(n) or threaded(f, n))
-    if slow_disk:
-        monkeypatch.setattr(publish, "SLOW_READ_S", -1.0)  # every read counts as slow
+    monkeypatch.setattr(publish, "_read_chunks", lambda fd, at, end, n: hops.append(n) or threaded(fd, at, end, n))
+    # every read counts as slow, or none does (a loaded machine must not make a fast read slow)
+    monkeypatch.setattr(publish, "SLOW_READ_S", -1.0 if slow_disk else float("inf"))
     files = CheckpointDir(tmp_path)
     s = ModelStream(3, digest, len(data), tmp_path / "g", files)
     files.remove(7)  # a prune meanwhile: nothing to do with the file being read
@@ -184,7 +185,7 @@ def test_held_chunks_wait_for_the_commit(tmp_path: Path, committed: bool) -> Non
         got = bytearray()
 
         async def read() -> None:
-            async for chunk in stream.chunks():
+            async for chunk in chunks_of(stream):
                 got.extend(chunk)
 
         task = asyncio.create_task(read())
@@ -232,7 +233,7 @@ async def close_round(svc: Coordinator) -> None:
     """Both participants upload round 0; returns once round 1 is served (from memory)."""
     g = torch.Generator().manual_seed(0)
     for pid in ("a", "b"):
-        data, digest = raw_body({k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in svc.outer.params.items()})
+        data, digest = raw_body({k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in svc.inspect().weights.items()})
         await svc.receive_update(ADMIN_ID, pid, 0, 10, digest, len(data), chunked(data, 4096))
     while svc.version != 1:
         await asyncio.sleep(0.01)
@@ -240,7 +241,7 @@ async def close_round(svc: Coordinator) -> None:
 
 async def fetch(svc: Coordinator, pid: str) -> bytes:
     stream = svc.model_stream(None, pid)
-    return b"".join([c async for c in stream.chunks()])
+    return b"".join([c async for c in chunks_of(stream)])
 
 
 def test_publish_first_commits_at_once_and_downloads_end_before_it(tmp_path: Path) -> None:
@@ -253,12 +254,12 @@ def test_publish_first_commits_at_once_and_downloads_end_before_it(tmp_path: Pat
             await close_round(svc)
             assert svc.committer.published is not None and not svc.committer.published.hold
             served = await fetch(svc, "a")  # not held: done while the commit sleeps
-            assert svc.committed_version == 0  # it ended while the commit still sleeps: not held back
+            assert svc.inspect().committed_version == 0  # it ended while the commit still sleeps: not held back
             deadline = time.monotonic() + 10
-            while svc.committed_version != 1 and time.monotonic() < deadline:
+            while svc.inspect().committed_version != 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-        assert svc.committed_version == 1  # nobody else fetched it: the commit did not wait for b
-        assert served == svc.ckpt.global_path(1).read_bytes()  # what was served is what was committed
+        assert svc.inspect().committed_version == 1  # nobody else fetched it: the commit did not wait for b
+        assert served == svc.inspect().checkpoints.global_path(1).read_bytes()  # what was served is what was committed
         assert svc.model_stream(None, "b").memory is svc.committer.published  # still served from memory
         assert served == await fetch(svc, "b")
         await svc.stop()
@@ -273,18 +274,19 @@ def test_commit_first_serves_the_model_during_the_commit_and_completes_downloads
         await svc.start()  # (long-polls)
         with faults.inject("checkpoint.after_global_write", "sleep", seconds=1.0, round=0):
             await close_round(svc)  # the next round is open while the commit is under way
-            assert svc.committed_version == 0 and svc.committer.published is not None and svc.committer.published.hold
+            assert svc.inspect().committed_version == 0
+            assert svc.committer.published is not None and svc.committer.published.hold
             assert (await svc.wait_round(ADMIN_ID, "a", 0, 5))["state"] == "committing"  # a participant goes on
             observer = asyncio.create_task(svc.wait_round(ADMIN_ID, None, 0, 5))  # anyone else: until committed
             stream = svc.model_stream(None, "a")
             assert stream.memory is not None
-            chunks = stream.chunks()
+            chunks = chunks_of(stream)
             first = await anext(chunks)  # served at once, from memory
-            assert svc.committed_version == 0 and not observer.done()
+            assert svc.inspect().committed_version == 0 and not observer.done()
             rest = b"".join([c async for c in chunks])
-            assert svc.committed_version == 1  # the download ended only once the round was committed
+            assert svc.inspect().committed_version == 1  # the download ended only once the round was committed
             assert (await observer)["state"] == "closed"
-        assert first + rest == svc.ckpt.global_path(1).read_bytes()
+        assert first + rest == svc.inspect().checkpoints.global_path(1).read_bytes()
         await svc.stop()
 
     asyncio.run(scenario())
@@ -299,12 +301,12 @@ def test_commit_first_cuts_downloads_short_when_the_commit_fails(tmp_path: Path)
             await close_round(svc)  # (the commit takes long enough for round 1 to be seen open)
             stream = svc.model_stream(None, "a")
             with pytest.raises(NotCommitted):
-                async for _ in stream.chunks():
+                async for _ in chunks_of(stream):
                     pass
-            while svc.version != 0 or svc.closing:  # gone back to the last committed round
+            while svc.version != 0 or svc.status()["closing"]:  # gone back to the last committed round
                 await asyncio.sleep(0.01)
-        assert svc.committed_version == 0 and svc.model_stream(None, "a").memory is None
-        assert not svc.ckpt.global_path(1).exists()
+        assert svc.inspect().committed_version == 0 and svc.model_stream(None, "a").memory is None
+        assert not svc.inspect().checkpoints.global_path(1).exists()
         await svc.stop()
 
     asyncio.run(scenario())

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from fedtrain.coordinator.pieces import Coverage, Partial, PiecesIn
-from fedtrain.coordinator.ranks import MAX_WORLD_SIZE, check_info, describe
+from fedtrain.coordinator.intake.pieces import Coverage, Partial, PiecesIn
+from fedtrain.coordinator.members.processes import MAX_WORLD_SIZE, check_info, describe
 from fedtrain.errors import Refused
 
 

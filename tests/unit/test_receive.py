@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedtrain.coordinator.receive import SpoolFiles, Staging, receive_to_spool
+from fedtrain.coordinator.intake.receive import receive_to_spool
+from fedtrain.coordinator.intake.spool import SpoolFiles, Staging
 from fedtrain.errors import WireError
 from fedtrain.merge import RunningSum
 from fedtrain.wire import EncodedBody, StreamingDigest, write_file
@@ -130,7 +131,7 @@ def test_staging_reads_pieces_through_a_buffer_where_files_cannot_be_mapped(
     def no_mmap(*args: object, **kwargs: object) -> mmap.mmap:
         raise OSError(19, "No such device")  # what mmap says on a file system without it
 
-    monkeypatch.setattr("fedtrain.coordinator.receive.mmap.mmap", no_mmap)
+    monkeypatch.setattr("fedtrain.coordinator.intake.spool.mmap.mmap", no_mmap)
     t = tensors(1)
     write_file(tmp_path / "f", t)
     staging = Staging(100_000)
@@ -211,7 +212,7 @@ def test_spool_files_are_reused_and_a_refused_upload_leaves_the_directory_as_it_
 def test_the_participant_client_reads_responses_a_mebibyte_at_a_time() -> None:
     from httpcore._sync.http11 import HTTP11Connection
 
-    from fedtrain.participant.client import CoordinatorClient
+    from fedtrain.participant.client.coordinator_client import CoordinatorClient
     from fedtrain.transport import http_client
 
     CoordinatorClient("http://127.0.0.1:9", "t").close()  # a client tunes httpcore when it is created

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fedtrain.config import OuterConfig, RunConfig
-from fedtrain.coordinator import spool as spool_mod
+from fedtrain.coordinator.intake import spool as spool_mod
+from fedtrain.coordinator.intake.spool import RoundSpool, update_norm_of_file
 from fedtrain.coordinator.policy import keeps_every_update
-from fedtrain.coordinator.spool import RoundSpool, update_norm_of_file
 from fedtrain.errors import MergeError
 from fedtrain.merge import RunningSum, weighted_mean
 from fedtrain.merge.robust import (

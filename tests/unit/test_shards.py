@@ -1,11 +1,11 @@
-"""The rows of a tensor an FSDP2 rank holds (`participant/shards.py`): torch.chunk's split of dim 0."""
+"""The rows of a tensor an FSDP2 rank holds (`participant/ranks/shards.py`): torch.chunk's split of dim 0."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from fedtrain.participant.shards import Shard, chunk_rows, is_sharded, shard_layout
+from fedtrain.participant.ranks.shards import Shard, chunk_rows, is_sharded, shard_layout
 
 
 def test_chunk_rows_are_torch_chunk_rows_even_when_uneven_or_empty() -> None:
@@ -32,7 +32,7 @@ def test_participant_given_a_sharded_model_is_an_fsdp_participant_syncing_its_ro
     from torch.distributed.fsdp import fully_shard
 
     from fedtrain import Participant
-    from fedtrain.participant.fsdp import FsdpParticipant, piece_of
+    from fedtrain.participant.ranks.roles import piece_of
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
@@ -42,7 +42,8 @@ def test_participant_given_a_sharded_model_is_an_fsdp_participant_syncing_its_ro
         params = dict(model.named_parameters())
         assert is_sharded(params)
         fed = Participant("http://127.0.0.1:9", token="t", model=model, name="site")
-        assert isinstance(fed, FsdpParticipant) and fed.info == {"parallel": "fsdp", "world_size": 1}
+        assert type(fed) is Participant and fed.role.kind == "sharded"
+        assert fed.info == {"parallel": "fsdp", "world_size": 1}
         piece = piece_of(0, params, shard_layout(params))
         assert piece.label == "rank0" and piece.sends == frozenset(params)
         assert piece.rows_of(["0.weight"]) == {"0.weight": [0, 6]}

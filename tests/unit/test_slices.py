@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.publish import Published, WeightsGuard
-from fedtrain.coordinator.slices import SliceStream, Wanted, read_slice
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.publish import Published, WeightsGuard
+from fedtrain.coordinator.model.slices import SliceStream, Wanted, read_slice
 from fedtrain.errors import Refused
 from fedtrain.wire import EncodedBody, digest_bytes, write_file
 from tests.helpers.bodies import collect, pumped

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedtrain.coordinator.store import MIGRATIONS, ParticipantRow, Store
+from fedtrain.coordinator.state.store import MIGRATIONS, ParticipantRow, Store
 from fedtrain.errors import StateError
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from fedtrain.config import RunConfig, parse_config
-from fedtrain.config_changes import apply_change, fixed_reason
+from fedtrain.config.changes import apply_change, fixed_reason
 from fedtrain.errors import ConfigError
 
 STREAMING = {"train": {"sync_every": 30}, "streaming": {"fragments": 2, "overlap": 1, "alpha": 0.5}}

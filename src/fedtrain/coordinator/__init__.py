@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fedtrain import _lazy_exports
+from fedtrain._lazy import lazy_exports
 
 _SOURCES = {
-    "fedtrain.coordinator.auth": ("Tokens",),
-    "fedtrain.coordinator.server": ("BackgroundCoordinator",),
+    "fedtrain.coordinator.members.auth": ("Tokens",),
+    "fedtrain.coordinator.http.server": ("BackgroundCoordinator",),
     "fedtrain.coordinator.service": ("Coordinator",),
 }
 
 if TYPE_CHECKING:
-    from fedtrain.coordinator.auth import Tokens
-    from fedtrain.coordinator.server import BackgroundCoordinator
+    from fedtrain.coordinator.http.server import BackgroundCoordinator
+    from fedtrain.coordinator.members.auth import Tokens
     from fedtrain.coordinator.service import Coordinator
 else:
-    __getattr__, __dir__ = _lazy_exports(__name__, _SOURCES)
+    __getattr__, __dir__ = lazy_exports(__name__, _SOURCES)
 
 __all__ = ["BackgroundCoordinator", "Coordinator", "Tokens"]

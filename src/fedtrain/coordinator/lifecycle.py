@@ -1,14 +1,6 @@
 """Opening a run: create it in a new state directory, or resume it from a stored one.
 
-`open_run` makes every part of the coordinator (`service.py` lists them) over the state
-directory and returns them. A new run writes version 0 (the initial weights, from a file
-or the recipe's seed) and its first config version; a stored run resumes at its last
-committed round, never from a partial one: uncommitted submissions are dropped (their
-senders send them again), spool files and temp files go, and a damaged newest checkpoint
-is refused with the newest intact kept version named (or, with `recover`, that version
-committed again). With streaming on, the fragment plan is made here, once (`fragments.py`):
-an assignment that does not fit the model stops the start with a ConfigError. Runs before
-the event loop starts, on the caller's thread.
+More: docs/architecture.md, "coordinator/lifecycle.py".
 """
 
 from __future__ import annotations
@@ -25,19 +17,19 @@ from pathlib import Path
 import torch
 
 from fedtrain.config import RunConfig
-from fedtrain.coordinator.auth import Tokens
-from fedtrain.coordinator.checkpoints import CheckpointDir
-from fedtrain.coordinator.committer import Committer
-from fedtrain.coordinator.config_versions import ConfigVersions
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.fragments import plan_for
-from fedtrain.coordinator.intake import Intake
-from fedtrain.coordinator.open_round import OpenRound
-from fedtrain.coordinator.roster import Roster
-from fedtrain.coordinator.rounds import Rounds
-from fedtrain.coordinator.schedule import Schedule
-from fedtrain.coordinator.store import Store
-from fedtrain.coordinator.uploads import Uploads
+from fedtrain.coordinator.intake.flow import Intake
+from fedtrain.coordinator.intake.uploads import Uploads
+from fedtrain.coordinator.members.auth import Tokens
+from fedtrain.coordinator.members.roster import Roster
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.rounds.fragment_plan import plan_for
+from fedtrain.coordinator.rounds.open_round import OpenRound
+from fedtrain.coordinator.rounds.progress import Rounds
+from fedtrain.coordinator.rounds.schedule import Schedule
+from fedtrain.coordinator.state.config_versions import ConfigVersions
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import FedtrainError, StateError
 from fedtrain.transport import fast_io_enabled
 from fedtrain.wire import iter_file, read_tensors

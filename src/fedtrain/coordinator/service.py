@@ -1,31 +1,10 @@
 """The coordinator's service: a run's parts, put together, and every operation on the run.
 
-Routes (`routes/`) parse and authorize, then call this service. `Coordinator` is a small
-orchestrator over parts that each own their state (docs/architecture.md draws them):
+Routes (`http/routes/`) parse and authorize, then call this service; `Coordinator` hands
+each request to the part that owns what it concerns (the rooms of `coordinator/`) and
+reports the status. `Coordinator.inspect()` is the one documented look inside.
 
-- `Events` (`events.py`): the event log, the dashboard's stream, change notifications;
-- `Roster` (`roster.py`): the participants and what each last reported;
-- `ConfigVersions` (`config_versions.py`): the config in force and its live changes;
-- `Intake` (`intake.py`): the open round's updates, the running sum, the spool, the fold lock;
-- `Committer` (`committer.py`): the global model, outer optimizer, checkpoints, publishing;
-- `Rounds` (`rounds.py`) over `OpenRound` (`open_round.py`): the open round, closing,
-  merging, committing and going back; `Uploads` (`uploads.py`): taking one update;
-- `Schedule` (`schedule.py`): the inner steps each participant is told for a round.
-
-This module creates a run or resumes it from the state directory (`lifecycle.py` holds the
-steps), starts and stops it, hands each request to the part it concerns, and reports
-status. Memory is a constant number of model copies whatever the number of participants:
-the master weights and the outer optimizer state, and one running sum; uploads wait on
-disk, never in RAM.
-
-Execution contexts, in one place: the event loop runs every method of every part, but
-the folds (`Intake`, on `asyncio.to_thread` workers, under the fold lock), the merge,
-commit, reload and restore (`Rounds`' worker-thread steps, through `Committer`'s methods),
-the pruning of old checkpoints (the committer's janitor thread), the global evaluation
-(`global_eval.py`, its own daemon thread, reading only committed files and the store), and
-the transport's send pool (`fedtrain.transport`, which touches only its socket and the
-published body under the weights lock). A worker thread changes state only through the
-part that owns it, and returns what the event loop then records.
+More: docs/architecture.md, "coordinator/service.py".
 """
 
 from __future__ import annotations
@@ -37,7 +16,8 @@ import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,24 +25,26 @@ import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import lifecycle
-from fedtrain.coordinator.auth import Identity, Tokens, require_admin
-from fedtrain.coordinator.committer import Committer
-from fedtrain.coordinator.config_versions import ConfigVersions
-from fedtrain.coordinator.events import Events
-from fedtrain.coordinator.global_eval import GlobalEvaluator
-from fedtrain.coordinator.intake import Intake
-from fedtrain.coordinator.pieces import check_label
-from fedtrain.coordinator.publish import ModelStream
-from fedtrain.coordinator.roster import Live, Roster
-from fedtrain.coordinator.rounds import Rounds
-from fedtrain.coordinator.schedule import Schedule
-from fedtrain.coordinator.slices import SliceStream
-from fedtrain.coordinator.statelock import StateLock
-from fedtrain.coordinator.store import ParticipantRow, Store
-from fedtrain.coordinator.uploads import Uploads
-from fedtrain.coordinator.views import participant_view
+from fedtrain.coordinator.intake.flow import Intake
+from fedtrain.coordinator.intake.pieces import check_label
+from fedtrain.coordinator.intake.uploads import Uploads
+from fedtrain.coordinator.members.auth import Identity, Tokens, require_admin
+from fedtrain.coordinator.members.roster import Live, Roster
+from fedtrain.coordinator.members.views import participant_view
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.model.global_eval import GlobalEvaluator
+from fedtrain.coordinator.model.publish import ModelStream
+from fedtrain.coordinator.model.slices import SliceStream
+from fedtrain.coordinator.rounds.progress import Rounds
+from fedtrain.coordinator.rounds.schedule import Schedule
+from fedtrain.coordinator.state.broadcast import Broadcaster
+from fedtrain.coordinator.state.config_versions import ConfigVersions
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.statelock import StateLock
+from fedtrain.coordinator.state.store import ParticipantRow, Store
 from fedtrain.errors import Refused
-from fedtrain.merge import OuterOptimizer, RunningSum, all_finite
+from fedtrain.merge import all_finite
 from fedtrain.transport import Body
 from fedtrain.wire import DTYPE_TO_ST
 
@@ -72,6 +54,25 @@ __all__ = ["Coordinator", "Live", "Refused", "all_finite", "frozen_base_fingerpr
 
 initial_weights = lifecycle.initial_weights
 frozen_base_fingerprint = lifecycle.frozen_base_fingerprint
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """A look inside a run (`Coordinator.inspect`), documented field by field."""
+
+    weights: Mapping[str, torch.Tensor]  # the global model's master weights (the open round's base)
+    outer_state: Mapping[str, torch.Tensor]  # the outer optimizer's state tensors (e.g. momentum)
+    outer_steps: int  # outer steps the optimizer took since it was made (a change of algorithm resets it)
+    committed_version: int  # the newest version whose checkpoint is durable
+    submitted: dict[str, int]  # the open round's updates, by participant: the tokens each counts
+    late: dict[str, int]  # late updates folded into the open round, by `pid@lateR`: their tokens
+    sum_count: int  # updates in the open round's running sum
+    sum_weight: float  # their total weight
+    sum_empty: bool  # no contribution is in the sum, counted or still being received into it
+    sum_values: Mapping[str, torch.Tensor]  # the sum's accumulators as they are (stale while it is empty)
+    participants: Mapping[str, ParticipantRow]  # the roster's rows, by participant id
+    live: Mapping[str, Live]  # what each participant last reported (memory only)
+    checkpoints: CheckpointDir  # the state directory's checkpoint files
 
 
 class Coordinator:
@@ -169,21 +170,14 @@ class Coordinator:
         return self.clock()
 
     @property
-    def broadcast(self) -> Any:
+    def broadcast(self) -> Broadcaster:
+        """The event stream's fan-out (`/v1/stream` subscribes to it, `/metrics` counts it)."""
         return self.events.broadcast
 
     @property
     def config(self) -> RunConfig:
         """The config in force for the open round."""
         return self.configs.config
-
-    @property
-    def config_version(self) -> int:
-        return self.configs.version
-
-    @property
-    def latest_config_version(self) -> int:
-        return self.configs.latest_version
 
     @property
     def config_file_diff(self) -> dict[str, list[Any]]:
@@ -196,56 +190,30 @@ class Coordinator:
         return self.rounds.version
 
     @property
-    def committed_version(self) -> int:
-        return self.committer.committed_version
-
-    @property
-    def outer(self) -> OuterOptimizer:
-        """The global model and its outer optimizer state."""
-        return self.committer.model
-
-    @property
-    def ckpt(self) -> Any:
-        return self.committer.ckpt
-
-    @property
-    def acc(self) -> RunningSum:
-        """The open round's running sum."""
-        return self.intake.sum
-
-    @property
-    def participants(self) -> dict[str, ParticipantRow]:
-        return self.roster.rows
-
-    @property
-    def live(self) -> dict[str, Live]:
-        return self.roster.live
-
-    @property
-    def submitted(self) -> dict[str, int]:
-        """The open round's updates, by participant: the tokens each counts."""
-        return self.rounds.open.submitted
-
-    @property
-    def late(self) -> dict[str, int]:
-        """The late updates folded into the open round, by `pid@lateR`: the tokens each counts."""
-        return self.rounds.open.late
-
-    @property
-    def closing(self) -> bool:
-        return self.rounds.open.closing
-
-    @property
-    def reason(self) -> str:
-        return self.rounds.open.reason
-
-    @property
     def finished(self) -> bool:
         return self.rounds.finished
 
-    @property
-    def storage_full_since(self) -> float | None:
-        return self.rounds.storage_full_since
+    def inspect(self) -> Inspection:
+        """What the run holds inside, beyond its status: for a debugger, an embedding program
+        and tests that check state no API shows (the global model's master weights, the open
+        round's sum, the rows behind the status). Read only: the tensors and rows are the live
+        ones, not copies; change them and the run changes. Event loop thread."""
+        acc = self.intake.sum
+        return Inspection(
+            weights=self.committer.model.params,
+            outer_state=self.committer.model.state_tensors(),
+            outer_steps=self.committer.model.steps,
+            committed_version=self.committer.committed_version,
+            submitted=dict(self.rounds.open.submitted),
+            late=dict(self.rounds.open.late),
+            sum_count=acc.count,
+            sum_weight=acc.total_weight,
+            sum_empty=acc.is_empty,
+            sum_values=acc.peek(),
+            participants=self.roster.rows,
+            live=self.roster.live,
+            checkpoints=self.committer.ckpt,
+        )
 
     def deadline(self) -> tuple[float, str]:
         return self.rounds.deadline()
@@ -276,7 +244,7 @@ class Coordinator:
             "participant_key": issued,
             "run": self.config.name,
             "config": self.config.model_dump(mode="json"),
-            "config_version": self.config_version,
+            "config_version": self.configs.version,
             "current_round": self.version,
             "finished": self.finished,
             "model": self.model_spec(),
@@ -294,7 +262,7 @@ class Coordinator:
         if back:
             self.events.notify()
         return {"current_round": self.version, "finished": self.finished, "state": p.state,
-                "config_version": self.config_version}
+                "config_version": self.configs.version}
 
     def leave(self, ident: Identity, pid: str) -> dict[str, Any]:
         self.roster.leave(ident, pid)
@@ -364,7 +332,7 @@ class Coordinator:
     def kept_versions(self, ident: Identity) -> dict[str, Any]:
         """Admin: the committed versions whose checkpoint files are kept (a roll back's choices)."""
         require_admin(ident, "listing the kept versions")
-        return {"versions": self.committer.kept_versions(), "committed_version": self.committed_version}
+        return {"versions": self.committer.kept_versions(), "committed_version": self.committer.committed_version}
 
     async def roll_back_to(self, ident: Identity, version: int) -> dict[str, Any]:
         """Admin: put a kept version's weights and optimizer state back in force (`Rounds.roll_back_to`)."""
@@ -392,7 +360,7 @@ class Coordinator:
         takes effect at the next round boundary — at once if no one has started this round."""
         if author is None:
             require_admin(ident, "changing the config")
-        started = bool(self.submitted) or bool(self.roster.active())
+        started = bool(self.rounds.open.submitted) or bool(self.roster.active())
         result = self.configs.change(patch, author or ident.role, self.version, started)
         if result["changed"] and result["effective_round"] == self.version:
             self.rounds.enter_round()
@@ -437,22 +405,23 @@ class Coordinator:
             "rounds": self.rounds_total(),
             "rounds_configured": self.config.rounds,
             "finished": self.finished,
-            "closing": self.closing,
-            "reason": self.reason,
+            "closing": self.rounds.open.closing,
+            "reason": self.rounds.open.reason,
             "deadline_s": self.deadline()[0],
             "deadline_reason": self.deadline()[1],
-            "algorithm": self.outer.algorithm,
-            "outer_lr": self.outer.hp["lr"],  # as resolved: an unset DiLoCo lr follows M and H (outer_defaults)
+            "algorithm": self.committer.model.algorithm,
+            # as resolved: an unset DiLoCo lr follows M and H (outer_defaults)
+            "outer_lr": self.committer.model.hp["lr"],
             "schedule_mode": self.config.schedule.mode,
-            "config_version": self.config_version,
-            "latest_config_version": self.latest_config_version,
+            "config_version": self.configs.version,
+            "latest_config_version": self.configs.latest_version,
             "parameters": params,
-            "model_bytes": sum(t.numel() * t.element_size() for t in self.outer.params.values()),
+            "model_bytes": sum(t.numel() * t.element_size() for t in self.committer.model.params.values()),
             # The run's traffic: the sums of the participants' counters, which persist (a
             # download without a participant_id, such as `fedtrain export`, is not counted).
             "bytes_in": sum(p.bytes_up for p in rows.values()),
             "bytes_out": sum(p.bytes_down for p in rows.values()),
-            "submitted": sorted(self.submitted),
+            "submitted": sorted(self.rounds.open.submitted),
             "participants": [{**participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
                                                  told[p.id]), **schedule.get(p.id, {})}
                              for p in sorted(rows.values(), key=lambda p: p.id)],

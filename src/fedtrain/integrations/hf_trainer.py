@@ -13,8 +13,8 @@ At `on_train_begin` the callback joins the run with the Trainer's model and opti
 model's at once). After every optimizer step (`on_step_end`) it counts the step and its
 tokens, and every H steps it syncs: eval before, upload Δ, wait, load the new global
 weights, eval after. When the run is finished it stops the Trainer. Under torchrun (the
-Trainer's DDP) rank 0 talks to the coordinator and the others follow through
-`torch.distributed` (see `fedtrain.participant.distributed`).
+Trainer's DDP) every rank holds the `Participant`: rank 0 talks to the coordinator and the others
+take the new weights through `torch.distributed` (see `fedtrain.participant.ranks.roles`).
 
 Tokens per step come from `state.num_input_tokens_seen` when the Trainer counts them
 (`include_num_input_tokens_seen`), else from `tokens_per_step`, else each step counts as
@@ -34,9 +34,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from fedtrain.participant import CoordinatorClient, Participant, RetryPolicy
-from fedtrain.participant.distributed import DistributedParticipant
-from fedtrain.participant.metrics_log import MetricsLog
-from fedtrain.participant.runner import EvalFn
+from fedtrain.participant.engine.records import EvalFn
+from fedtrain.participant.local.metrics_log import MetricsLog
 
 __all__ = ["FedtrainCallback"]
 
@@ -72,7 +71,7 @@ class FedtrainCallback(TrainerCallback):
         self.tokens_per_step = tokens_per_step
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.info = {"integration": "transformers.Trainer", **(info or {})}
-        self.fed: Participant | DistributedParticipant | None = None
+        self.fed: Participant | None = None
         self.metrics: MetricsLog | None = None
         self._loss: float | None = None
         self._seen = 0
@@ -80,28 +79,23 @@ class FedtrainCallback(TrainerCallback):
 
     @property
     def participant(self) -> Participant | None:
-        """The rank-0 `Participant` (history, bytes, round); None on other ranks or before training."""
-        return self.fed.fed if isinstance(self.fed, DistributedParticipant) else self.fed
+        """The `Participant` (history, bytes, round; the same on every rank); None before training."""
+        return self.fed
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         model, optimizer = kwargs["model"], kwargs.get("optimizer")
 
-        def make() -> Participant:
-            return Participant(
-                self.client,
-                model=model,
-                inner_optimizer=optimizer,
-                eval_fn=self.eval_fn,
-                name=self.name,
-                info=self.info,
-                key_file=self.run_dir / KEY_FILE if self.run_dir is not None else None,  # rejoin as itself
-            )
-
         self._world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.fed = (
-            make() if self._world == 1 else DistributedParticipant(model, make_participant=make, device=model.device)
+        self.fed = Participant(
+            self.client,
+            model=model,
+            inner_optimizer=optimizer,
+            eval_fn=self.eval_fn,
+            name=self.name,
+            info=self.info,
+            key_file=self.run_dir / KEY_FILE if self.run_dir is not None else None,  # rejoin as itself
         )
         self.fed.__enter__()
         self._seen = state.num_input_tokens_seen

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fedtrain import _lazy_exports
+from fedtrain._lazy import lazy_exports as _lazy_exports
 
 _SOURCES = {
     "fedtrain.merge.aggregate": (

@@ -1,32 +1,6 @@
-"""The delayed Nesterov outer step of asynchronous mode, as a `torch.optim.Optimizer`.
-
-Liu et al., "Asynchronous Local-SGD Training for Language Modeling" (2024), found that
-Nesterov momentum applied on every asynchronous update (each one a single, possibly stale,
-pseudo-gradient) trains worse than synchronous DiLoCo, and proposed the Delayed Nesterov
-(DN) update: the momentum moves only once every N applied updates, fed their mean, while
-each update in between is applied with plain, momentum-free SGD. With outer lr η, momentum
-β, the update gₜ and a buffer Δ (the sum of gᵢ/N since the last momentum step):
-
-    Δ ← Δ + gₜ/N
-    every N-th update:  m ← β·m + Δ;   θ ← θ − η·(gₜ/N + β·m);   Δ ← 0
-    the others:                         θ ← θ − η·gₜ/N
-
-(their momentum activation c = 0: no momentum at all between the momentum steps). Over one
-cycle of N updates θ moves by η·(Σ gᵢ/N + β·m): one synchronous Nesterov step on the mean
-of the N updates, whose parts are applied as they arrive, so no update waits for the
-others. With N = 1 it is torch's Nesterov SGD, the outer step of DiLoCo.
-
-The arithmetic is torch's own (`torch.optim.sgd.sgd`, fused where DiLoCo's SGD is, else
-foreach, so that N = 1 is DiLoCo's step bit for bit): the momentum step is one
-Nesterov SGD step with gradient Δ (which gives θ − η·(Δ + β·m), m ← β·m + Δ) after one plain
-SGD step with gradient gₜ/N − Δ (so that θ moves by η·(gₜ/N + β·m) in all); a plain step
-is one SGD step with gradient gₜ/N. N is the param group's `every`, which the caller may
-change before each step (it is the number of active participants by default); a momentum
-step comes once `every` updates are buffered, so a smaller N takes effect at once.
-
-State per parameter, tensors all (so `state_dict()` round-trips it and the coordinator's
-checkpoint of the outer state holds it exactly): `momentum_buffer` (m, as in torch's SGD),
-`delay_buffer` (Δ) and `delay_count` (updates in Δ, a float32 scalar like Adam's `step`).
+"""The delayed Nesterov outer step of asynchronous mode (Liu et al. 2024), as a `torch.optim.Optimizer`:
+the momentum moves once every N applied updates, fed their mean; the updates in between are plain
+SGD steps. N = 1 is DiLoCo's Nesterov step bit for bit. The math and its state: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fedtrain import _lazy_exports
+from fedtrain._lazy import lazy_exports as _lazy_exports
 
 _SOURCES = {
     "fedtrain.recipes.build": ("base_fingerprint", "build_model", "load_data", "loss_fn", "tokenizer_of"),

@@ -1,10 +1,9 @@
 """Plumbing of the recipe's participant loop: one process or a torchrun group, and its run directory.
 
 `open_participant` gives the loop what it needs whether it runs alone or as one rank of
-a torchrun group: the object to call `step` on (a `Participant`, a
-`DistributedParticipant` whose rank 0 holds one, or, with `parallel="fsdp"`, an
-`FsdpParticipant` on every rank) and the module to run forward and backward through (the
-model, its `DistributedDataParallel` wrapper, or the `fully_shard`ed model itself).
+a torchrun group: the `Participant` to call `step` on (the same on every rank) and the module
+to run forward and backward through (the model, its `DistributedDataParallel` wrapper, or the
+`fully_shard`ed model itself).
 
 `RunDir` is the participant's local directory: the checkpoint written at every round
 boundary and restored at start (inner optimizer state, data position, counters), the
@@ -26,14 +25,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fedtrain.errors import ConfigError
 from fedtrain.participant import CoordinatorClient, Participant
-from fedtrain.participant.checkpoint import LocalCheckpoint
-from fedtrain.participant.distributed import DistributedParticipant
-from fedtrain.participant.fsdp import FsdpParticipant
-from fedtrain.participant.metrics_log import MetricsLog
-from fedtrain.participant.runner import EvalFn, sync_set
-from fedtrain.participant.shards import is_sharded, local_tensor, shard_layout
+from fedtrain.participant.engine.records import EvalFn
+from fedtrain.participant.local.checkpoint import LocalCheckpoint
+from fedtrain.participant.local.metrics_log import MetricsLog
+from fedtrain.participant.ranks.roles import sync_set
+from fedtrain.participant.ranks.shards import is_sharded, local_tensor, shard_layout
 from fedtrain.recipes.data import TokenStream
 from fedtrain.wire import write_file
 from fedtrain.wire.format import ROWS_META
@@ -41,8 +38,6 @@ from fedtrain.wire.format import ROWS_META
 __all__ = ["RoundCheckpoint", "RunDir", "open_participant", "round_line"]
 
 log = logging.getLogger("fedtrain.recipe")
-
-Fed = Participant | DistributedParticipant | FsdpParticipant
 
 
 class RoundCheckpoint(Protocol):
@@ -68,33 +63,19 @@ def open_participant(
     key_file: Path | None = None,
     parallel: str = "ddp",
     speed: float = 1.0,
-) -> tuple[Fed, nn.Module]:
+) -> tuple[Participant, nn.Module]:
     """(the participant to step, the module to train through) for one process or a torchrun group.
     `key_file` keeps the participant key, so that a restarted process rejoins as itself at once.
     `parallel="fsdp"`: `model` is `fully_shard`ed and every rank syncs its own rows. `speed`
-    below 1 throttles its inner steps (a slow site on purpose: `participant/pace.py`; not with FSDP)."""
-    if parallel == "fsdp":
-        if speed != 1.0:
-            raise ConfigError("--speed is not built for FSDP participants; run them at their own pace")
-        fsdp = FsdpParticipant(model, client=client, name=name, info=info, eval_fn=eval_fn,
-                               inner_optimizer=optimizer, key_file=key_file)
-        return fsdp, model
-
-    def make() -> Participant:
-        return Participant(client, model=model, inner_optimizer=optimizer, eval_fn=eval_fn, name=name, info=info,
-                           key_file=key_file, speed=speed)
-
-    if world_size <= 1:
-        return make(), model
+    below 1 throttles its inner steps (a slow site on purpose: `participant/engine/pace.py`)."""
+    fed = Participant(client, model=model, inner_optimizer=optimizer, eval_fn=eval_fn, name=name, info=info,
+                      key_file=key_file, speed=speed)
+    if parallel == "fsdp" or world_size <= 1:
+        return fed, model
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
-    net = DistributedDataParallel(model, device_ids=ids)
-    return DistributedParticipant(model, make_participant=make, device=device), net
-
-
-def _inner(fed: Fed) -> Participant | FsdpParticipant | None:
-    return fed.fed if isinstance(fed, DistributedParticipant) else fed
+    return fed, DistributedDataParallel(model, device_ids=ids)
 
 
 class RunDir:
@@ -128,12 +109,10 @@ class RunDir:
         )
         return saved
 
-    def restore_counters(self, fed: Fed, saved: dict[str, Any]) -> None:
-        for obj in (fed, _inner(fed)):
-            if obj is not None:
-                obj.steps, obj.tokens = int(saved["steps"]), int(saved["tokens"])
+    def restore_counters(self, fed: Participant, saved: dict[str, Any]) -> None:
+        fed.steps, fed.tokens = int(saved["steps"]), int(saved["tokens"])
 
-    def after_sync(self, fed: Fed, optimizer: torch.optim.Optimizer, stream: TokenStream) -> None:
+    def after_sync(self, fed: Participant, optimizer: torch.optim.Optimizer, stream: TokenStream) -> None:
         """At a round boundary: write the checkpoint and the round's metrics."""
         self.checkpoint.save(
             round_=fed.round,
@@ -142,9 +121,8 @@ class RunDir:
             tokens=fed.tokens,
             user_state={"data": stream.state_dict()},
         )
-        inner = _inner(fed)
-        if self.metrics is not None and inner is not None and inner.history:
-            self.metrics.write(inner.history[-1])
+        if self.metrics is not None and fed.history:
+            self.metrics.write(fed.history[-1])
 
     def finish(self, model: nn.Module) -> Path:
         """Write this rank's final weights of the sync set; returns the file. A sharded model's

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fedtrain.errors import ConfigError
-from fedtrain.participant.distributed import init_from_env
-from fedtrain.participant.shards import local_tensor
+from fedtrain.participant.ranks.shards import local_tensor
+from fedtrain.participant.ranks.torchrun import init_from_env
 from fedtrain.recipes import gpt
 
 __all__ = ["PARALLEL", "held_bytes", "init_fsdp", "shard_model", "shard_units"]

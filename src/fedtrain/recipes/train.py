@@ -24,8 +24,8 @@ import torch
 from fedtrain.config import RunConfig
 from fedtrain.errors import ConfigError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from fedtrain.participant.distributed import init_from_env
-from fedtrain.participant.pace import check_speed
+from fedtrain.participant.engine.pace import check_speed
+from fedtrain.participant.ranks.torchrun import init_from_env
 from fedtrain.recipes.build import base_fingerprint, build_model, check_fits, load_data, loss_fn, tokenizer_of
 from fedtrain.recipes.data import TokenStream, evaluate, parse_data_spec
 from fedtrain.recipes.runtime import RunDir, open_participant, round_line
@@ -99,7 +99,7 @@ def _train(url: str, token: str, paths: list[Path], data: str, *, name: str | No
 
     local = None
     if run_dir is not None:
-        from fedtrain.participant.dcp_checkpoint import DcpCheckpoint  # torch.distributed.checkpoint: FSDP only
+        from fedtrain.participant.local.dcp_checkpoint import DcpCheckpoint  # torch.distributed.checkpoint: FSDP only
 
         local = RunDir(run_dir, rank, checkpoint=DcpCheckpoint(run_dir / "dcp", model) if fsdp else None)
     saved = local.resume(opt, stream, cfg.train.lr) if local is not None else None
@@ -127,7 +127,6 @@ def _train(url: str, token: str, paths: list[Path], data: str, *, name: str | No
                 if fed.history and rank == 0:
                     log.info("%s", round_line(fed.history[-1]))
         history = fed.history
-        inner = getattr(fed, "fed", fed)
         local_bytes, model_bytes = held_bytes(model)
         summary = {
             "participant": fed.participant_id,
@@ -139,11 +138,11 @@ def _train(url: str, token: str, paths: list[Path], data: str, *, name: str | No
             "steps": fed.steps,
             "tokens": fed.tokens,
             "rounds": len(history),
-            "bytes_up": getattr(inner, "bytes_up", 0),
-            "bytes_down": getattr(inner, "bytes_down", 0),
+            "bytes_up": fed.bytes_up,
+            "bytes_down": fed.bytes_down,
             "bytes_up_per_round": history[-1].get("bytes_up") if history else None,
             "wall_s": round(time.perf_counter() - t0, 2),
-            "sync_s": round(getattr(inner, "sync_seconds", 0.0), 2),
+            "sync_s": round(fed.sync_seconds, 2),
             "final_round": fed.round,
             "speed": speed,
             "resumed_from_round": saved["round"] if saved else None,

@@ -1,38 +1,6 @@
-"""uvicorn's httptools protocol with request bodies read straight into the caller's memory
-(`ReadIntoProtocol`), responses written from worker threads (`send.SocketSink`), and bounds
-on what one connection may hold (`ServerLimits`). The fast path of the HTTP seam; with fast
-IO off, or on a uvicorn outside the tested range (`versions.py`), uvicorn's stock protocol
-serves instead and the app never sees the extensions below.
-
-Stock, each piece of an upload's body is copied four times on its way to our code: the
-event loop reads it into a fresh `bytes`, the HTTP parser copies it out as another,
-uvicorn appends it to the request's buffer and copies that into the ASGI message.
-
-`ReadIntoProtocol` is an `asyncio.BufferedProtocol` around uvicorn's `HttpToolsProtocol`:
-headers, small bodies, responses and keep-alive are all uvicorn's. A request with a
-Content-Length carries an ASGI extension, `scope["extensions"][READINTO]`, a `BodySource`:
-its `readinto(view) -> int` fills `view` with the next body bytes (fewer only at the end
-of the body; 0 once it is all read), and `abandon()` stops a `readinto` in progress at
-once (it raises `Abandoned`): no byte lands in `view` after that. Bytes the parser has
-already taken are served first; then the socket is read straight into `view`, past the
-parser, which is replaced by a fresh one when the body is complete. Do not mix `readinto`
-and `receive()` on one request; an app that only uses `receive()` never notices.
-
-An app may answer before it read the body (a refusal from the headers): nothing asked for
-the body, so no `100 Continue` goes out. After the answer the rest of the body is read and
-dropped (the client, which sends its body whole, then reads the answer) and the connection
-serves its next request; it is closed instead when the client waits for `100 Continue`
-(it holds its body back), when more is left than `ServerLimits.drop_limit_bytes` (or what
-the app allowed, `BodySource.allow_drop`; a chunked body's rest counts as it comes), or
-if a `readinto` was cancelled.
-`readinto` raises starlette's `ClientDisconnect` if the client goes away meanwhile.
-A plain-HTTP request also carries `scope["extensions"][SEND]`, a `ResponseSink` (`send.py`).
-
-What one connection may hold (`ServerLimits`): no buffer of its own (socket reads that no
-`readinto` waits for go into one buffer per event-loop thread); no longer than
-`idle_timeout_s` without a request, `body_timeout_s` of silence in a body it was asked
-for, `send_timeout_s` without taking a byte of its answer; and beyond `max_connections`
-its requests are answered 503. Threads: the event loop runs everything here.
+"""`ReadIntoProtocol`: uvicorn's httptools protocol, reading an upload's body from the socket
+straight into the caller's memory (the fast `BodySource`). The plain path beside it is uvicorn's
+stock protocol. How it hooks uvicorn and what it pins: docs/architecture.md.
 """
 
 from __future__ import annotations

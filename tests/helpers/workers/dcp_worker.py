@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from fedtrain.participant.dcp_checkpoint import DcpCheckpoint
-from fedtrain.participant.shards import chunk_rows
+from fedtrain.participant.local.dcp_checkpoint import DcpCheckpoint
+from fedtrain.participant.ranks.shards import chunk_rows
 from tests.helpers.dcp import optimizer_tensors, sharded, train
 
 

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from fedtrain.config import RunConfig
-from fedtrain.participant import CoordinatorClient
-from fedtrain.participant.fsdp import FsdpParticipant
+from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.recipes.build import build_model
 
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -54,7 +53,7 @@ def run_phase(url: str, name: str, seed: int, optimizer: str, out: Path) -> None
     opt = inner_optimizer(model, optimizer, cfg.train.lr)
     gen = torch.Generator().manual_seed(seed)
     b = cfg.train.batch_size
-    with FsdpParticipant(model, client=client, name=name, keepalive_s=0.5) as fed:
+    with Participant(client, model=model, name=name, keepalive_s=0.5) as fed:
         while not fed.finished:
             x, y = global_batch(gen, world * b, cfg.train.seq_len, cfg.model.vocab_size)
             x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]

@@ -18,10 +18,9 @@ from torch.distributed.fsdp import fully_shard
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
-from fedtrain.participant import CoordinatorClient
-from fedtrain.participant.fsdp import FsdpParticipant
-from fedtrain.participant.outage import OutagePolicy
-from fedtrain.participant.shards import local_tensor, shard_layout
+from fedtrain.participant import CoordinatorClient, Participant
+from fedtrain.participant.engine.outage import OutagePolicy
+from fedtrain.participant.ranks.shards import local_tensor, shard_layout
 from fedtrain.recipes.build import build_model
 from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
 
@@ -39,22 +38,25 @@ def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePo
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     data = TokenStream(load_tokens(parse_data_spec("stdlib:0/2")), batch_size=cfg.train.batch_size,
                        seq_len=cfg.train.seq_len, seed=100 + rank)
-    with FsdpParticipant(model, client=client, name=name, keepalive_s=1.0, key_file=key_file, outage=outage,
-                         inner_optimizer=opt) as fed:
+    sent_and_trained_on = 0
+    with Participant(client, model=model, name=name, keepalive_s=1.0, key_file=key_file, outage=outage,
+                     inner_optimizer=opt) as fed:
         while not fed.finished:
             x, y = data.next_batch()
             _, loss = model(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            fed.step(tokens=x.numel(), loss=float(loss))
+            if fed.step(tokens=x.numel(), loss=float(loss)) and fed.sync_in_flight:
+                sent_and_trained_on += 1  # an overlapped sync: sent, and back to training at once
     layout = shard_layout(dict(model.named_parameters()))
     mine = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters() if not layout[n].empty}
     rows = {n: [layout[n].start, layout[n].stop] for n in mine}
     save_file(mine, str(out / f"rank{rank}.safetensors"), metadata={"rows": json.dumps(rows)})
     (out / f"rank{rank}.json").write_text(json.dumps({"history": fed.history, "shard_bytes": fed.shard_bytes,
                                                       "participant_id": fed.participant_id, "outages": fed.outages,
-                                                      "bytes_up": fed.bytes_up}))
+                                                      "bytes_up": fed.bytes_up,
+                                                      "overlapped": sent_and_trained_on}))
     dist.destroy_process_group()
 
 

@@ -1,0 +1,59 @@
+"""The run configuration: the typed `RunConfig` and its sections (`run_config`, `sections`),
+live changes and their diff (`changes`), and the generator of docs/config.md (`doc`). The
+names of the model are re-exported here: `from fedtrain.config import RunConfig`."""
+
+from __future__ import annotations
+
+from fedtrain.config.run_config import (
+    MAX_LR,
+    MAX_SECONDS,
+    MAX_UPLOAD_MB,
+    MB,
+    MIN_HEARTBEAT_S,
+    MIN_UPLOAD_MB,
+    RECIPES_DIR,
+    SEED_RANGE,
+    Algorithm,
+    EvalConfig,
+    HFModelConfig,
+    LoraConfig,
+    ModelConfig,
+    OuterConfig,
+    RunConfig,
+    TrainConfig,
+    check_upload_limit,
+    load_config,
+    outer_choice,
+    outer_defaults,
+    parse_config,
+    recipe_path,
+)
+from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig
+
+__all__ = [
+    "MAX_LR",
+    "MAX_SECONDS",
+    "MAX_UPLOAD_MB",
+    "MB",
+    "MIN_HEARTBEAT_S",
+    "MIN_UPLOAD_MB",
+    "RECIPES_DIR",
+    "SEED_RANGE",
+    "Algorithm",
+    "AsyncConfig",
+    "EvalConfig",
+    "HFModelConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OuterConfig",
+    "RunConfig",
+    "ScheduleConfig",
+    "StreamingConfig",
+    "TrainConfig",
+    "check_upload_limit",
+    "load_config",
+    "outer_choice",
+    "outer_defaults",
+    "parse_config",
+    "recipe_path",
+]

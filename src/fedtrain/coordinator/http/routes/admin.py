@@ -1,0 +1,58 @@
+"""Admin routes: participant tokens and their revocation, evictions, kept versions, roll backs.
+
+Each one authenticates like any route; the service refuses a token that is not the admin's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity
+from fedtrain.coordinator.members.auth import Identity
+from fedtrain.coordinator.service import Coordinator
+
+router = APIRouter()
+
+
+class RevokeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token_id: str | None = Field(None, max_length=64, description="Fingerprint of the token (GET /v1/admin/tokens).")
+    participant_id: str | None = Field(None, max_length=64, description="Revoke the token this participant used.")
+
+
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(..., ge=0, le=MAX_COUNT, description="A kept version (GET /v1/admin/checkpoints).")
+
+
+@router.get("/v1/admin/tokens", summary="Admin: participant tokens by fingerprint, revoked or not, who used each")
+async def list_tokens(ident: Identity = Depends(identity),
+                      service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    return service.token_view(ident)
+
+
+@router.post("/v1/admin/tokens/revoke", summary="Admin: revoke a participant token; its participants are evicted")
+async def revoke_token(body: RevokeRequest, ident: Identity = Depends(identity),
+                       service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    return service.revoke_token(ident, body.token_id, body.participant_id)
+
+
+@router.get("/v1/admin/checkpoints", summary="Admin: the kept versions a roll back can go to")
+async def kept_versions(ident: Identity = Depends(identity),
+                        service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    return service.kept_versions(ident)
+
+
+@router.post("/v1/admin/rollback", summary="Admin: put a kept version back in force as the next version")
+async def rollback(body: RollbackRequest, ident: Identity = Depends(identity),
+                   service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    return await service.roll_back_to(ident, body.version)
+
+
+@router.post("/v1/participants/{pid}/evict", summary="Admin: evict a participant")
+async def evict(pid: str, ident: Identity = Depends(identity),
+                service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    return service.evict(ident, pid)

@@ -1,0 +1,78 @@
+"""Routes of a participant's life in the run: join, heartbeats, reported metrics, leave."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity, speaker
+from fedtrain.coordinator.members.auth import KEY_HEADER, Identity, key_cookie
+from fedtrain.coordinator.service import Coordinator
+from fedtrain.errors import Refused
+
+router = APIRouter()
+
+
+class JoinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(None, description="Stable participant name; rejoining with it resumes the identity.")
+    info: dict[str, Any] = Field(default_factory=dict, description=(
+        "Free-form facts (host, ...). Two are checked (400 invalid_info) and shown in the status: `parallel` "
+        "(single, ddp, fsdp; left out: one process) and `world_size` (its ranks, 1 to 2^20)."))
+    key_cookie: bool = Field(True, description="Also set the participant key as a cookie (`fedtrain-key-<id>`), "
+                             "for HTTP clients with a cookie jar; a client that sends the key header itself "
+                             "says false (a Set-Cookie would show the key in its HTTP debug logs).")
+
+
+class HeartbeatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(0, ge=0, le=MAX_COUNT)
+    round: int = Field(0, ge=0, le=MAX_COUNT)
+    loss: float | None = Field(None, allow_inf_nan=False)
+    tokens_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    steps_per_s: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                      description="Inner steps per second of the participant's own loop, the "
+                                      "syncs left out: what balanced rounds set its H from.")
+    config_version: int | None = Field(None, ge=1, description="The config version the participant runs.")
+
+
+class MetricsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    round: int | None = Field(None, ge=0, le=MAX_COUNT)
+    step: int | None = Field(None, ge=0, le=MAX_COUNT)
+    values: dict[str, float] = Field(..., description="Metric name to finite value.")
+
+
+@router.post("/v1/join", summary="Join the run: participant id and key, run config, current round, model spec")
+async def join(body: JoinRequest, request: Request, response: Response, ident: Identity = Depends(identity),
+               service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    key = request.headers.get(KEY_HEADER) or (request.cookies.get(key_cookie(body.name)) if body.name else None)
+    answer = service.join(ident, body.name, body.info, key)
+    if body.key_cookie:
+        response.set_cookie(key_cookie(answer["participant_id"]), answer["participant_key"], path="/v1",
+                            httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    return answer
+
+
+@router.post("/v1/participants/{pid}/heartbeat", summary="Heartbeat with progress")
+async def heartbeat(pid: str, body: HeartbeatRequest, ident: Identity = Depends(speaker),
+                    service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    return service.heartbeat(ident, pid, body.model_dump())
+
+
+@router.post("/v1/participants/{pid}/leave", summary="Leave the run")
+async def leave(pid: str, ident: Identity = Depends(speaker),
+                service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    return service.leave(ident, pid)
+
+
+@router.post("/v1/participants/{pid}/metrics", summary="Report metrics (losses, evals)")
+async def metrics(pid: str, body: MetricsRequest, ident: Identity = Depends(speaker),
+                  service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    bad = [k for k, v in body.values.items() if v != v or v in (float("inf"), float("-inf"))]
+    if bad:
+        raise Refused(422, "non_finite", f"metric values must be finite: {', '.join(bad)}")
+    service.add_metrics(ident, pid, body.round, body.step, body.values)
+    return {"stored": len(body.values)}

@@ -1,0 +1,113 @@
+"""Routes of the rounds: a round's status (long-polled), uploads of updates, model downloads
+(whole, or some rows of it: `slices.py`).
+
+Tensor bodies stream in both directions; nothing here buffers a whole body. One upload at a
+time per (participant, round): a second connection for the same one is told to come back
+(429 with Retry-After), so two copies of an update never race into the round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from fedtrain.coordinator.http.limits import UploadsInFlight
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, speaker, speaker_by_query, upload_body
+from fedtrain.coordinator.members.auth import Identity
+from fedtrain.coordinator.model.publish import ModelResponse, ModelStream
+from fedtrain.coordinator.model.slices import SliceStream
+from fedtrain.coordinator.service import Coordinator
+from fedtrain.errors import Refused
+from fedtrain.wire import DIGEST_HEADER
+
+router = APIRouter()
+
+VERSION_HEADER = "X-Fedtrain-Version"
+UPLOAD_RETRY_AFTER_S = 1.0  # what a 429 upload_in_progress asks the client to wait
+
+
+async def uploads_in_flight(request: Request) -> UploadsInFlight:
+    """The uploads in progress on the app of `request` (its own, set by `create_app`)."""
+    in_flight: UploadsInFlight = request.app.state.uploads_in_flight
+    return in_flight
+
+
+@router.get("/v1/rounds/{round_}", summary="Round status; long-polls up to `wait` seconds while it is open")
+async def round_status(
+    round_: int,
+    wait: float = Query(0.0, ge=0, le=60),
+    participant_id: str | None = None,
+    piece: str | None = Query(None, description="with participant_id: whether this piece of its update is in"),
+    ident: Identity = Depends(speaker_by_query),
+    service: Coordinator = Depends(coordinator),
+) -> dict[str, Any]:
+    return await service.wait_round(ident, participant_id, round_, wait, piece)
+
+
+@router.put(
+    "/v1/rounds/{round_}/updates/{pid}",
+    summary="Upload a pseudo-gradient (safetensors body) for a round; idempotent per (round, participant)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+)
+async def upload(
+    round_: int,
+    pid: str,
+    request: Request,
+    tokens: int = Query(..., ge=0, le=MAX_COUNT),
+    piece: str | None = Query(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                              description="this body is one piece of the update, so labelled (docs/training-jobs.md)"),
+    ident: Identity = Depends(speaker),
+    service: Coordinator = Depends(coordinator),
+    in_flight: UploadsInFlight = Depends(uploads_in_flight),
+) -> dict[str, Any]:
+    digest = request.headers.get(DIGEST_HEADER)
+    if not digest:
+        raise Refused(400, "digest_required",
+                      f"uploads need a {DIGEST_HEADER} header (xxh3-128:<hex> or sha256:<hex> of the body)")
+    length_header = request.headers.get("content-length")
+    try:
+        length = int(length_header) if length_header is not None else None
+    except ValueError:
+        raise Refused(400, "invalid_length", "Content-Length is not a number") from None
+    if not in_flight.take((pid, round_, piece)):
+        raise Refused(429, "upload_in_progress", f"an upload of {pid} for round {round_} is in progress on another "
+                      "connection; send again once it is over",
+                      {"round": round_, "retry_after_s": UPLOAD_RETRY_AFTER_S})
+    try:
+        return await service.receive_update(ident, pid, round_, tokens, digest, length, upload_body(request), piece)
+    except ClientDisconnect:
+        raise Refused(400, "client_disconnected", "the upload ended before the body was complete") from None
+    finally:
+        in_flight.give_back((pid, round_, piece))
+
+
+@router.get(
+    "/v1/model",
+    summary="Download the global model, or some rows of it (safetensors stream)",
+    responses={200: {"content": {"application/octet-stream": {}}}},
+)
+async def model(
+    version: int | None = Query(None, ge=0, le=MAX_COUNT),
+    participant_id: str | None = None,  # counted as its download: only by itself (`speaker_by_query`)
+    rows: str | None = Query(None, description="only these rows: a JSON object mapping tensor names to "
+                             "[start, stop] (rows along dimension 0) or null (whole); docs/training-jobs.md"),
+    ident: Identity = Depends(speaker_by_query),
+    service: Coordinator = Depends(coordinator),
+) -> StreamingResponse:
+    stream: ModelStream | SliceStream
+    if rows is None:
+        stream = service.model_stream(version, participant_id)
+    else:
+        stream = await service.model_slice(version, participant_id, rows)
+    headers = {
+        "Content-Length": str(stream.size), DIGEST_HEADER: stream.digest, VERSION_HEADER: str(stream.version)
+    }
+    return ModelResponse(stream, headers)

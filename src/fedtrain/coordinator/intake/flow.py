@@ -1,0 +1,467 @@
+"""The intake's one flow for the open round's updates: receive and verify each, then place it.
+
+`Intake` owns the spool files uploads stream into, the one upload being received straight
+into the sum, the folds in flight (with a wait for none, `idle`), updates still in pieces,
+and why the open round cannot be merged. Where an upload goes is the policy's decision.
+
+More: docs/architecture.md, "coordinator/intake/flow.py".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from fedtrain import faults
+from fedtrain.config import RunConfig
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.intake import pieces
+from fedtrain.coordinator.intake.direct_sum import DirectUpload, read_into
+from fedtrain.coordinator.intake.folds import MergeInputs, Pending, RoundSum
+from fedtrain.coordinator.intake.pieces import (
+    ROWS_META,
+    Coverage,
+    Partial,
+    Piece,
+    PiecesIn,
+    assemble,
+    check_label,
+    piece_rows,
+)
+from fedtrain.coordinator.intake.receive import Head, receive_to_spool
+from fedtrain.coordinator.intake.spool import SpoolFiles, Staging
+from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Ticket, Upload
+from fedtrain.coordinator.intake.values import ValueScan, non_finite
+from fedtrain.coordinator.rounds.fragment_plan import Fragment, check_fragment
+from fedtrain.errors import MergeError, Refused, WireError
+from fedtrain.merge import RunningSum, check_compatible
+from fedtrain.merge.robust import clip_scale
+from fedtrain.transport import Body, fast_io_enabled
+from fedtrain.wire import BodyReader, TensorSpec
+from fedtrain.wire.compress import expected_specs, scheme_of
+
+log = logging.getLogger("fedtrain.coordinator")
+
+#: `FEDTRAIN_DIRECT_RECEIVE=0` turns off the receive into the sum alone (every upload lands in
+#: a spool file), the other fast IO paths staying on: what `benchmarks/sync_throughput.py
+#: --direct-compare` measures the receive into the sum by (docs/benchmarks.md).
+DIRECT_RECEIVE_ENV = "FEDTRAIN_DIRECT_RECEIVE"
+
+Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Landed:
+    """An upload's bytes, verified, where they landed: a spool file (`path`; `new`: the file
+    was made for it), or the sum's memory (`direct`, with the `scan` of its values)."""
+
+    path: Path | None
+    new: bool
+    direct: DirectUpload | None
+    scan: ValueScan | None
+
+
+class Intake:
+    """The open round's updates: received, verified, then folded or kept (`RoundSum`)."""
+
+    def __init__(self, spool_dir: Path, spec: Spec, params: Mapping[str, torch.Tensor],
+                 fold_lock: threading.Lock | None = None, fast_io: bool | None = None) -> None:
+        self._model = spec  # every tensor of the sync set
+        self._spec = spec  # those the open round takes: the model's, or its fragment's (`select`)
+        self._fragment: Fragment | None = None
+        self._fast_io = fast_io_enabled(fast_io)  # off: no upload is received straight into the sum
+        self._direct_on = os.environ.get(DIRECT_RECEIVE_ENV, "").strip() != "0"
+        self.round = RoundSum(spool_dir, spec, params, fold_lock or threading.Lock())
+        self._spool_files = SpoolFiles(spool_dir)
+        self._direct: DirectUpload | None = None
+        self._in_flight = FoldsInFlight()
+        self._deferred: set[asyncio.Task[None]] = set()
+        self._failure: str | None = None  # a fold failed: the open round cannot be merged
+        self._partials: dict[tuple[str, int], Partial] = {}  # (participant, round) -> its pieces so far
+        self._assembling: dict[tuple[str, int], Partial] = {}  # complete, until placed in the round
+        self._assembled: dict[tuple[str, int], PiecesIn] = {}  # updates of the round made whole from pieces
+        self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
+
+    # -- what others may read ---------------------------------------------------------------
+
+    @property
+    def sum(self) -> RunningSum:
+        """The open round's running sum (change it only under `fold_lock`)."""
+        return self.round.acc
+
+    @property
+    def fold_lock(self) -> threading.Lock:
+        return self.round.lock
+
+    @property
+    def receiving_direct(self) -> str | None:
+        """The participant whose upload is being received straight into the sum, if any."""
+        return self._direct.pid if self._direct is not None else None
+
+    @property
+    def folds_in_flight(self) -> int:
+        return self._in_flight.count
+
+    @property
+    def failure(self) -> str | None:
+        """Why the open round cannot be merged (a fold of an accepted update failed), or None."""
+        return self._failure
+
+    def fail(self, why: str) -> None:
+        """The open round cannot be merged: an accepted update is not in the sum."""
+        self._failure = why
+
+    def pieces_in(self, round_: int) -> dict[str, PiecesIn]:
+        """The updates for `round_` that come in pieces, by participant: those still coming
+        in (the labels so far, the share of the sync set they hold) and those made whole."""
+        out = {pid: PiecesIn.of(partial) for (pid, r), partial in self._partials.items() if r == round_}
+        out.update({pid: done for (pid, r), done in self._assembled.items() if r == round_})
+        return out
+
+    def barred(self, round_: int, pid: str) -> str | None:
+        """Why `pid`'s update for `round_` is refused (its merge was not finite), or None."""
+        return self.round.barred(round_, pid)
+
+    def bar(self, round_: int, pid: str, why: str) -> None:
+        self.round.bar(round_, pid, why)
+
+    def set_piece_bytes(self, nbytes: int) -> None:
+        """Read spool files back in pieces of at most `nbytes` (tests use small pieces)."""
+        self.round.staging = Staging(nbytes)
+
+    def select(self, fragment: Fragment | None) -> None:
+        """From now on the open round takes the tensors of `fragment` only (Streaming DiLoCo;
+        None: the whole sync set). At a round boundary: the sum empty, no fold in flight. (A
+        body of the round before may still be streaming into the sum's memory: it is refused
+        when it asks for its place, and never counted.)"""
+        if self._in_flight.count:
+            raise MergeError("the tensors a round takes change only at a round boundary, with no fold in flight")
+        self._fragment = fragment
+        self._spec = self._model if fragment is None else {n: self._model[n] for n in fragment.names}
+        self.round.select(None if fragment is None else fragment.names)
+
+    async def idle(self) -> None:
+        """Wait until no fold is in flight (the folds beside a direct receive included)."""
+        await self._in_flight.wait_none()
+
+    def merge_inputs(self, cfg: RunConfig) -> MergeInputs:
+        """At the close, on a worker thread holding the fold lock, no fold in flight: the
+        whole round in the sum (`RoundSum.merge_inputs`)."""
+        return self.round.merge_inputs(cfg, self._failure)
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def receive(self, up: Upload, body: Body, head: Head | None, action: str, cfg: RunConfig,
+                      active: int, seats: Seats, may_reach: Callable[[], int]) -> Ticket | None:
+        """Receive, verify, check and fold (or keep) one upload admitted as `action`
+        (`policy.admit_upload`), with `active` participants; its ticket, None for a duplicate.
+        Raises Refused for a bad body or values, or a round that closed meanwhile.
+
+        One flow for every upload: the policy picks where its bytes land (`policy.receive_path`:
+        the empty sum's memory, or a spool file), they land there verified (`_land_in_sum`,
+        `_land_in_spool`), then the upload is placed in the round (`_place`)."""
+        plain = head is not None and scheme_of(head[1])[0] == "none"
+        empty = self._direct is None and not self._in_flight.count and self.round.is_empty()
+        fast = self._fast_io and self._direct_on
+        path = policy.receive_path(fast_io=fast, action=action, sum_empty=empty, active=active,
+                                   plain=plain, fits=head is not None and self.round.fits(head[0]), cfg=cfg)
+        self.last_path = path
+        try:
+            if path.path == "direct":
+                landed = await self._land_in_sum(up, body, seats)
+            else:
+                landed = await self._land_in_spool(up, body, self.check_header)
+            return await self._place(up, landed, cfg, seats, may_reach)
+        finally:
+            self._give_back_freed()
+
+    def check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
+        if ROWS_META in metadata:
+            raise WireError(f"a body with {ROWS_META} in its metadata is a piece of an update: send it with "
+                            "?piece=<label>")
+        scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header
+        if self._fragment is not None:
+            check_fragment(self._fragment, self._model, specs, whole=True)
+        check_compatible(expected_specs(dict(self._spec), scheme, block),
+                         {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
+
+    async def _land_in_sum(self, up: Upload, body: Body, seats: Seats) -> Landed:
+        """Land the round's first upload straight in the (empty) sum's memory: no spool file,
+        no read-back. Its bytes are verified as they land (header, length, digest, NaN and
+        Inf); anything wrong leaves the sum empty, exactly. A close of the round (or its
+        sender's failure) while the body streams in stops the writes at once (`abort_direct`)."""
+        direct = DirectUpload(up.pid, body)
+        self._direct = direct
+        targets = self.round.storage
+        try:
+            reader = BodyReader(expected_digest=up.digest, max_bytes=up.limit, expected_length=up.length,
+                                on_header=self.check_header, allocate=lambda spec: targets[spec.name])
+            scan = await direct.read(lambda: read_into(reader, body, targets), lambda: seats.refusal(up))
+            faults.hit("upload.received", who=up.pid, round=up.round)
+        except BaseException:
+            self._release(direct)  # what was written is no contribution: the sum stays empty
+            raise
+        return Landed(None, False, direct, scan)
+
+    async def _count_in_sum(self, up: Upload, direct: DirectUpload, scan: ValueScan | None,
+                            seats: Seats) -> Ticket | None:
+        """Count an upload that landed in the sum with its weight, once it has its place."""
+        try:
+            ticket = seats.reserve(up)
+            if ticket is None:
+                return None
+            self._in_flight.enter()
+            try:
+                await asyncio.to_thread(self.round.take_direct, ticket.key, ticket.weight, scan)
+            except BaseException:
+                ticket.release()
+                raise
+            finally:
+                self._in_flight.leave()
+            return ticket
+        finally:  # what was written but not taken is no contribution: the sum stays empty
+            self._release(direct)
+
+    def _release(self, direct: DirectUpload) -> None:
+        if self._direct is direct:
+            self._direct = None
+        direct.finished.set()
+
+    async def _direct_finished(self) -> None:
+        """Wait until no upload is being written straight into the sum."""
+        while self._direct is not None:
+            await self._direct.finished.wait()
+
+    def abort_direct(self, pid: str | None = None) -> None:
+        """The round is closing (or `pid`, the uploader, failed or left): an upload still
+        streaming into the sum stops writing into it now (it checks before each chunk, on
+        this same event loop) and gives the sum up, so neither the merge nor an upload that
+        waits to fold waits for the rest of its body. One already received is a fold in
+        flight, which the close waits for (`idle`)."""
+        direct = self._direct
+        if direct is not None and direct.stop(pid):
+            self._release(direct)
+
+    async def _land_in_spool(self, up: Upload, body: Body,
+                             on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None]) -> Landed:
+        """Land a body in a spool file, verified (digest, length, header by `on_header`, a
+        plain body's NaN and Inf). On failure the file goes."""
+        path, new = self._spool_files.take()
+        try:
+            try:
+                _, scan = await receive_to_spool(body, path, digest=up.digest, length=up.length, limit=up.limit,
+                                                 on_header=on_header)
+            except BaseException:
+                await body.drain()
+                raise
+            faults.hit("upload.received", who=up.pid, round=up.round)
+            if scan is not None and scan.bad is not None:
+                raise non_finite(scan.bad)
+        except BaseException:
+            self._spool_files.discard(path, new)
+            raise
+        return Landed(path, new, None, None)
+
+    async def _place(self, up: Upload, landed: Landed, cfg: RunConfig, seats: Seats,
+                     may_reach: Callable[[], int]) -> Ticket | None:
+        """Place a verified upload in the open round. Landed in the sum: counted there
+        (`RoundSum.take_direct`). In a spool file: its values checked and placed as
+        `policy.place_update` says (folded now, kept until the close, or folded after the
+        upload being received into the sum)."""
+        if landed.direct is not None:
+            return await self._count_in_sum(up, landed.direct, landed.scan, seats)
+        assert landed.path is not None
+        path, new = landed.path, landed.new
+        owned = False  # the round owns the file now (`RoundSum`, or a deferred fold)
+        try:
+            place = policy.place_update(cfg, self._direct is not None)
+            largest: float | None = None
+            if place.check_first:
+                largest = await asyncio.to_thread(self.round.check_values, path)
+            norm = await asyncio.to_thread(self.round.norm, path, cfg)
+            if place.action != "fold_after":
+                await self._direct_finished()  # (none is in progress then: a safeguard)
+                await seats.wait_seat(up)
+            ticket = seats.reserve(up)  # the round may have closed while the body streamed in
+            if ticket is None:
+                return None
+            scale = clip_scale(norm, cfg.outer.clip_norm) if place.action != "fold_after" else 1.0
+            pending = Pending(ticket.key, may_reach(), cfg.outer.max_share, scale, largest)
+            self._in_flight.enter()
+            if place.action == "fold_after":
+                self._fold_later(path, ticket.weight, pending, may_reach)
+                owned = True
+                return ticket
+            try:
+                if place.action == "keep":
+                    assert largest is not None
+                    self.round.keep(ticket.key, path, ticket.open_round, ticket.weight, norm, largest)
+                else:
+                    failure = await asyncio.to_thread(self.round.check_and_fold, path, ticket.weight, pending)
+                    if failure is not None:
+                        self._failure = failure
+            except BaseException:
+                ticket.release()
+                raise
+            finally:
+                self._in_flight.leave()
+            owned = True
+            return ticket
+        finally:
+            if not owned:
+                self._spool_files.discard(path, new)
+
+    # -- updates in pieces ----------------------------------------------------------------------
+
+    async def receive_piece(self, up: Upload, label: str, body: Body, cfg: RunConfig, seats: Seats,
+                            may_reach: Callable[[], int]) -> PieceAnswer:
+        """Receive and verify one piece of `up.pid`'s update for the open round (`pieces.py`);
+        once the pieces cover the sync set, assemble and place the update like any other."""
+        key = (up.pid, up.round)
+        if key in self._assembling:  # complete: its last piece is being assembled and placed
+            await body.drain()
+            done = self._assembling[key]
+            return PieceAnswer(None, False, True, len(done.pieces), [], done.length, done.digest())
+        self._check_piece_fits(key, label, up)
+        known = self._partials.get(key)
+        if known is not None and label in known.pieces:
+            await body.drain()
+            if known.pieces[label].digest != up.digest:
+                raise Refused(409, "piece_conflict", f"piece {label!r} of {up.pid}'s update for round {up.round} "
+                              "came before with other bytes")
+            return PieceAnswer(None, False, True, len(known.pieces), known.coverage.missing(), known.length, "")
+        rows: dict[str, tuple[int, int]] = {}
+
+        def on_header(specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
+            if self._fragment is not None:
+                check_fragment(self._fragment, self._model, specs, whole=False)
+            rows.update(piece_rows(specs, metadata, self._spec))
+
+        landed = await self._land_in_spool(up, body, on_header)
+        assert landed.path is not None
+        path, new = landed.path, landed.new
+        owned = False
+        try:
+            await asyncio.to_thread(self.round.check_values, path)  # each piece as it comes
+            self._check_piece_fits(key, label, up)  # again: others came in meanwhile
+            partial = self._partials.setdefault(key, Partial(up.tokens, Coverage(self._spec)))
+            partial.coverage.add(label, rows)
+            partial.pieces[label] = Piece(path, dict(rows), up.digest, up.length)
+            owned = True
+        finally:
+            if not owned:
+                self._spool_files.discard(path, new)
+        if not partial.coverage.complete:
+            return PieceAnswer(None, False, False, len(partial.pieces), partial.coverage.missing(), partial.length,
+                               partial.digest())
+        del self._partials[key]
+        self._assembling[key] = partial  # its pieces still count as in until the update is placed
+        try:
+            whole, whole_new = self._spool_files.take()
+            try:
+                await asyncio.to_thread(assemble, partial, self._spec, whole)
+            except BaseException:
+                self._spool_files.discard(whole, whole_new)
+                raise
+            finally:
+                for piece in partial.pieces.values():
+                    self._spool_files.give_back(piece.path)
+            ticket = await self._place(up, Landed(whole, whole_new, None, None), cfg, seats, may_reach)
+        finally:
+            del self._assembling[key]
+        if ticket is not None:
+            self._assembled[key] = PiecesIn.of(partial)
+        return PieceAnswer(ticket, True, ticket is None, len(partial.pieces), [], partial.length, partial.digest())
+
+    def drop_pieces(self, pid: str) -> list[tuple[int, int]]:
+        """Forget the pieces of `pid`'s updates still incomplete (it joined again: the process
+        that sent them is gone, and the new one sends its own). Returns (round, pieces) dropped."""
+        dropped = []
+        for key in [k for k in self._partials if k[0] == pid]:
+            partial = self._partials.pop(key)
+            for piece in partial.pieces.values():
+                self._spool_files.give_back(piece.path)
+            dropped.append((key[1], len(partial.pieces)))
+        return dropped
+
+    def has_piece(self, pid: str, round_: int, label: str) -> bool:
+        """Whether piece `label` of `pid`'s update for `round_` is in, its update not yet placed
+        in the round (complete and being assembled counts as in)."""
+        partial = self._partials.get((pid, round_)) or self._assembling.get((pid, round_))
+        return partial is not None and label in partial.pieces
+
+    def _check_piece_fits(self, key: tuple[str, int], label: str, up: Upload) -> None:
+        check_label(label)
+        partial = self._partials.get(key)
+        if partial is not None and label not in partial.pieces and len(partial.pieces) >= pieces.MAX_PIECES:
+            raise Refused(400, "too_many_pieces", f"{up.pid}'s update for round {up.round} has {len(partial.pieces)} "
+                          f"pieces in already, the most one update may come in ({pieces.MAX_PIECES}), and they do "
+                          "not cover it: send larger pieces")
+        if partial is not None and partial.tokens != up.tokens:
+            raise Refused(400, "piece_mismatch", f"piece {label!r} claims {up.tokens} tokens, the pieces before it "
+                          f"{partial.tokens}: every piece of an update carries the update's token count")
+
+    def _fold_later(self, path: Path, weight: float, pending: Pending, may_reach: Callable[[], int]) -> None:
+        """Fold a checked spool file once the direct upload in the sum is counted (or stopped);
+        the fold is in flight from now on. If it fails, the round cannot be merged without it
+        (its participant was told it is in): the merge refuses, and the round goes back."""
+        async def fold() -> None:
+            placed = False
+            try:
+                await self._direct_finished()
+                now = replace(pending, may_reach=may_reach())
+                failure = await asyncio.to_thread(self.round.check_and_fold, path, weight, now)
+                if failure is not None:
+                    self._failure = failure
+                placed = True
+            except asyncio.CancelledError:  # shutting down: the round is not merged now
+                self._failure = "the fold of an accepted upload was cancelled"
+                raise
+            except Exception as e:
+                log.exception("a deferred fold failed")
+                self._failure = f"the fold of an accepted upload failed ({e})"
+            finally:
+                self._in_flight.leave()
+                if not placed:
+                    self._spool_files.give_back(path)
+                self._give_back_freed()
+
+        task = asyncio.create_task(fold())
+        self._deferred.add(task)
+        task.add_done_callback(self._deferred.discard)
+
+    def _give_back_freed(self) -> None:
+        """Spool files whose updates were folded (on a worker thread) go back for reuse."""
+        for path in self.round.drain_freed():
+            self._spool_files.give_back(path)
+
+    # -- the end of a round (event loop) --------------------------------------------------------
+
+    def clear(self, committed: bool, oldest_round: int) -> None:
+        """The round is over (merged or gone back): kept and waiting spool files go (the caller
+        empties the sum, under the fold lock), and so does any fold failure; refusals of
+        rounds before `oldest_round` are forgotten once `committed` (`RoundSum.clear`)."""
+        for path in self.round.clear(committed, oldest_round):
+            self._spool_files.give_back(path)
+        for partial in self._partials.values():  # updates still in pieces: their round is over
+            for piece in partial.pieces.values():
+                self._spool_files.give_back(piece.path)
+        self._partials.clear()
+        self._assembled.clear()
+        self._failure = None
+
+    async def stop(self) -> None:
+        """Cancel the folds waiting for a direct upload (shutting down)."""
+        for task in list(self._deferred):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down: nothing to report
+                await task
+

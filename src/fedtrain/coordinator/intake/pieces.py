@@ -1,0 +1,204 @@
+"""Updates that arrive in pieces: several bodies covering disjoint parts of the sync set.
+
+More: docs/architecture.md, "coordinator/intake/pieces.py".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from fedtrain.errors import MergeError, Refused, WireError
+from fedtrain.merge import check_compatible
+from fedtrain.wire import DTYPE_TO_ST, TensorSpec
+from fedtrain.wire.compress import SCALE_SUFFIX, decompress, expected_specs, scheme_of
+from fedtrain.wire.format import ROWS_META, byte_view
+
+#: The most pieces one update may come in: each waits in a spool file of its own until the
+#: update is complete (a rank each for FSDP, a fragment each for Streaming DiLoCo).
+MAX_PIECES = 256
+#: The labels of an update's pieces the status lists (it counts them all).
+SHOWN_LABELS = 16
+LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+Rows = dict[str, tuple[int, int]]
+
+
+def check_label(label: str) -> None:
+    if not LABEL_RE.match(label):
+        raise Refused(400, "invalid_piece", f"piece label {label!r} must be 1-64 letters, digits, '_', '.' or '-'")
+
+
+def piece_rows(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], model: Spec) -> Rows:
+    """The rows of each model tensor a piece's header holds, checked against the model:
+    names it knows, row ranges inside each tensor, and the shapes and dtypes those rows have
+    under the body's compression. Raises WireError or MergeError (a 4xx) otherwise."""
+    raw = metadata.get(ROWS_META)
+    try:
+        given = json.loads(raw) if raw is not None else {}
+    except json.JSONDecodeError:
+        raise WireError(f"metadata {ROWS_META} is not JSON") from None
+    if not isinstance(given, dict):
+        raise WireError(f"metadata {ROWS_META} must map tensor names to [start, stop] rows")
+    names = [n for n in specs if not n.endswith(SCALE_SUFFIX)]
+    if not names:
+        raise WireError("a piece holds no tensor")
+    rows: Rows = {}
+    for name in names:
+        if name not in model:
+            raise MergeError(f"piece holds tensor {name!r}, which the model does not have")
+        _, shape = model[name]
+        span = given.get(name)
+        if span is None:
+            rows[name] = (0, shape[0] if shape else 1)
+            continue
+        if not shape:
+            raise WireError(f"{name} is a scalar: a piece holds it whole, not by rows")
+        if (not isinstance(span, list) or len(span) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                                  for v in span)
+                or not 0 <= span[0] < span[1] <= shape[0]):
+            raise WireError(f"rows of {name} in {ROWS_META} must be [start, stop] with 0 <= start < stop <= "
+                            f"{shape[0]}, got {span!r}")
+        rows[name] = (span[0], span[1])
+    unknown = sorted(set(given) - set(rows))
+    if unknown:
+        raise WireError(f"{ROWS_META} names tensors the piece does not hold: {', '.join(unknown[:5])}")
+    scheme, block = scheme_of(metadata)
+    want = expected_specs(sliced(model, rows), scheme, block)
+    check_compatible(want, {n: (s.dtype, s.shape) for n, s in specs.items()}, what="piece")
+    return rows
+
+
+def sliced(model: Spec, rows: Rows) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The specs of the tensors of a piece: each model tensor's rows [start, stop)."""
+    out = {}
+    for name, (start, stop) in rows.items():
+        dtype, shape = model[name]
+        out[name] = (dtype, (stop - start, *shape[1:]) if shape else shape)
+    return out
+
+
+class Coverage:
+    """Which rows of each model tensor the pieces in so far hold, disjoint by construction."""
+
+    def __init__(self, model: Spec) -> None:
+        self._rows = {n: (shape[0] if shape else 1) for n, (_, shape) in model.items()}
+        self._row_size = {n: math.prod(shape[1:]) for n, (_, shape) in model.items()}
+        self._held: dict[str, list[tuple[int, int, str]]] = {n: [] for n in model}
+
+    def add(self, label: str, rows: Rows) -> None:
+        """Take piece `label`'s rows; a piece that overlaps one in already is refused (409)."""
+        for name, (start, stop) in rows.items():
+            for a, b, other in self._held[name]:
+                if start < b and a < stop:
+                    raise Refused(409, "piece_overlaps", f"piece {label!r} holds rows [{start}, {stop}) of {name}, "
+                                  f"which piece {other!r} holds in part ([{a}, {b}))", {"tensor": name})
+        for name, (start, stop) in rows.items():
+            self._held[name].append((start, stop, label))
+
+    def missing(self) -> list[str]:
+        """The tensors not wholly held yet."""
+        return [n for n, held in self._held.items() if sum(b - a for a, b, _ in held) < self._rows[n]]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing()
+
+    def fraction(self) -> float:
+        """The share of the sync set's elements the pieces in hold, from 0 to 1."""
+        total = sum(rows * self._row_size[n] for n, rows in self._rows.items())
+        held = sum((b - a) * self._row_size[n] for n, spans in self._held.items() for a, b, _ in spans)
+        return held / total if total else 1.0
+
+    def order(self, name: str) -> list[tuple[int, int, str]]:
+        """The pieces holding `name`, by their first row."""
+        return sorted(self._held[name])
+
+
+@dataclass(frozen=True)
+class Piece:
+    path: Path
+    rows: Rows
+    digest: str
+    length: int
+
+
+@dataclass
+class Partial:
+    """A participant's update for a round, while its pieces come in."""
+
+    tokens: int
+    coverage: Coverage
+    pieces: dict[str, Piece] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return sum(p.length for p in self.pieces.values())
+
+    def digest(self) -> str:
+        """One digest for the whole update: its pieces', by label."""
+        return "pieces:" + ",".join(f"{label}={p.digest}" for label, p in sorted(self.pieces.items()))
+
+
+@dataclass(frozen=True)
+class PiecesIn:
+    """What the status shows of an update that comes in pieces: the labels in so far, the
+    share of the sync set they hold, and whether they made the whole update."""
+
+    labels: tuple[str, ...]
+    covered: float
+    complete: bool
+
+    @classmethod
+    def of(cls, partial: Partial) -> PiecesIn:
+        return cls(tuple(sorted(partial.pieces)), partial.coverage.fraction(), partial.coverage.complete)
+
+    def view(self) -> dict[str, object]:
+        """As the status has it (at most `SHOWN_LABELS` labels: an update may come in 256)."""
+        return {"received": len(self.labels), "labels": list(self.labels[:SHOWN_LABELS]),
+                "covered": math.floor(self.covered * 10_000) / 10_000,  # down: never 1 before it is whole
+                "complete": self.complete}
+
+
+def assemble(partial: Partial, model: Spec, out: Path) -> None:
+    """Worker thread: write the update the pieces of `partial` make, plain, in the model's
+    dtypes and tensor order, into `out` (a safetensors file). One piece's tensor is in
+    memory at a time (a compressed one decoded)."""
+    dtypes = {n: d for n, (d, _) in model.items()}
+    header: dict[str, object] = {}
+    offset = 0
+    for name, (dtype, shape) in model.items():
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    files = {label: safe_open(str(p.path), framework="pt") for label, p in partial.pieces.items()}
+    metas = {label: f.metadata() or {} for label, f in files.items()}
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, memoryview(len(raw).to_bytes(8, "little") + raw))
+        for name in model:
+            for _, _, label in partial.coverage.order(name):
+                f = files[label]
+                stored = [(k, f.get_tensor(k)) for k in (name + SCALE_SUFFIX, name) if k in f.keys()]  # noqa: SIM118
+                for _, t in decompress(stored, metas[label], {name: dtypes[name]}):
+                    if t.numel():
+                        _write_all(fd, byte_view(t.contiguous()))
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+

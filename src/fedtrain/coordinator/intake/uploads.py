@@ -1,0 +1,235 @@
+"""Taking one participant's update: admit it, hand it to the intake, count it.
+
+`Uploads` answers `POST /v1/rounds/{r}/update` and owns no state: the round's is
+`OpenRound`'s, the participants' the roster's. Event loop only.
+
+More: docs/architecture.md, "coordinator/intake/uploads.py".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fedtrain import faults
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.intake.flow import Intake
+from fedtrain.coordinator.intake.receive import peek_header
+from fedtrain.coordinator.intake.tickets import Ticket, Upload
+from fedtrain.coordinator.intake.values import POISON_CODES
+from fedtrain.coordinator.members.auth import Identity
+from fedtrain.coordinator.members.roster import Roster
+from fedtrain.coordinator.policy import async_rules
+from fedtrain.coordinator.rounds.progress import Rounds
+from fedtrain.coordinator.state import storage
+from fedtrain.coordinator.state.config_versions import ConfigVersions
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.storage import storage_full
+from fedtrain.coordinator.state.store import ParticipantRow, Store
+from fedtrain.errors import Refused
+from fedtrain.transport import Body
+
+#: Asynchronous mode: how long a verified update waits for the open round to take it (below
+#: the participant's read timeout of 90 s: its request is answered within it).
+SEAT_WAIT_S = 60.0
+
+
+class Uploads:
+    """The coordinator's side of an upload, from its headers to its place in the round."""
+
+    def __init__(self, rounds: Rounds, roster: Roster, configs: ConfigVersions, intake: Intake, store: Store,
+                 events: Events) -> None:
+        self._rounds = rounds
+        self._roster = roster
+        self._configs = configs
+        self._intake = intake
+        self._store = store
+        self._events = events
+
+    def check_open(self, round_: int) -> policy.Admission:
+        """Admit an upload for `round_` into the open round (accept or late), or refuse with 409
+        (507 while a full disk holds the run back)."""
+        rounds = self._rounds
+        if rounds.storage_full_since is not None:
+            raise Refused(507, "insufficient_storage", storage.MESSAGE, {"current_round": rounds.version})
+        admission = rounds.open.admission(round_, rounds.finished, self._configs.config)
+        if admission.action != "refuse":
+            return admission
+        if admission.code == "run_finished":
+            raise Refused(409, "run_finished", admission.reason, {"current_round": rounds.version, "finished": True})
+        if admission.code == "too_stale":
+            raise Refused(409, "too_stale", f"{admission.reason}: download the current global model and train from it",
+                          {"current_round": rounds.version, "staleness": admission.staleness})
+        raise Refused(409, "round_closed", f"{admission.reason}: download the current global model and continue",
+                      {"current_round": rounds.version})
+
+    def _is_duplicate(self, pid: str, round_: int, admission: policy.Admission) -> bool:
+        """Sent before: into the open round, as a late fold, or (late) already part of round_ when it closed."""
+        if self._rounds.open.taken(self._rounds.open.key(pid, round_, admission)):
+            return True
+        if self._async and round_ < self._rounds.version:
+            return async_rules.submitted_before(self._store.newest_submission(pid), round_)
+        return admission.action == "late" and any(s["participant_id"] == pid for s in self._store.submissions(round_))
+
+    @property
+    def _async(self) -> bool:
+        return self._configs.config.schedule.mode == "async"
+
+    def _weight(self, tokens: int, admission: policy.Admission) -> float:
+        cfg = self._configs.config
+        weight = float(tokens) if cfg.outer.weighting == "tokens" else 1.0
+        if self._async:  # its staleness scales the step instead (`async_rules.scale`): a round is one update
+            return weight
+        return weight * cfg.staleness_discount**admission.staleness
+
+    # -- the open round's places (`tickets.Seats`) ---------------------------------------------------
+
+    def reserve(self, up: Upload) -> Ticket | None:
+        """`up`'s place in the open round, now that its body is verified; None for a duplicate
+        (sent again meanwhile); Refused when the round no longer takes it."""
+        admission = self.check_open(up.round)  # the round may have closed while the body streamed in
+        if self._is_duplicate(up.pid, up.round, admission):
+            return None
+        open_ = self._rounds.open
+        staleness = None
+        if self._async:
+            if open_.occupied:
+                raise Refused(409, "round_closed", f"the global model is still applying other updates after "
+                              f"{SEAT_WAIT_S:g}s: download the current global model and continue",
+                              {"current_round": open_.version})
+            staleness = admission.staleness
+        key = open_.key(up.pid, up.round, admission)
+        open_.reserve(key, up.tokens, late=admission.action == "late", staleness=staleness)  # the close waits for it
+        return Ticket(key, admission, self._weight(up.tokens, admission), open_.version, lambda: self._release(key))
+
+    def _release(self, key: str) -> None:
+        """An upload given its place failed after all: the place is free again (updates waiting
+        for a seat are told)."""
+        self._rounds.open.release(key)
+        self._events.notify()
+
+    async def wait_seat(self, up: Upload) -> None:
+        """Asynchronous mode: wait (up to SEAT_WAIT_S) until the open round may take `up`: it
+        holds no update and is not closing. At once in the other modes, or once the run is over."""
+        rounds = self._rounds
+        deadline = time.monotonic() + SEAT_WAIT_S
+        while self._async and rounds.open.occupied and not rounds.finished:
+            if not await self._events.wait_changed(deadline - time.monotonic()):
+                return  # (then `reserve` refuses it)
+
+    def refusal(self, up: Upload) -> Refused:
+        try:
+            self.check_open(up.round)
+        except Refused as closed:
+            return closed
+        return Refused(409, "round_closed", f"round {up.round} closed while the upload streamed in")
+
+    # -- one upload ---------------------------------------------------------------------------------
+
+    async def receive_update(self, ident: Identity, pid: str, round_: int, tokens: int, digest: str,
+                             length: int | None, body: Body, piece: str | None = None) -> dict[str, Any]:
+        """Verify and fold one participant's pseudo-gradient for `round_`, or one `piece` of it
+        (`pieces.py`: counted as submitted once its pieces cover the sync set)."""
+        p = self._roster.get(ident, pid)
+        try:
+            admitted = self._admit(pid, round_, tokens, digest, length, piece)
+        except Refused:
+            await body.drain()
+            raise
+        if admitted is None:
+            await body.drain()
+            return {"accepted": True, "duplicate": True, "round": round_, **({"piece": piece} if piece else {})}
+        admission, up, clamped = admitted
+        try:
+            head, body = await peek_header(body)
+            faults.hit("upload.streaming", who=pid, round=round_)
+        except BaseException:
+            await body.drain()
+            raise
+        cfg, open_ = self._configs.config, self._rounds.open
+
+        def may_reach() -> int:
+            return open_.may_reach(self._roster.active())
+
+        answer: dict[str, Any] = {}
+        nbytes, whole_digest = up.length, up.digest
+        try:
+            if piece is None:
+                ticket = await self._intake.receive(up, body, head, admission.action, cfg,
+                                                    len(self._roster.active()), self, may_reach)
+            else:
+                got = await self._intake.receive_piece(up, piece, body, cfg, self, may_reach)
+                answer = {"piece": piece, "complete": got.complete, "pieces": got.pieces, "missing": got.missing[:20]}
+                if not got.duplicate:  # a piece's bytes count as it comes, its update's tokens once complete
+                    self._roster.counted_upload(p, round_, 0, up.length)
+                if not got.complete or got.duplicate:
+                    self._roster.store_row(p)
+                    self._events.notify()
+                    return {"accepted": True, "duplicate": got.duplicate, "round": round_, **answer}
+                ticket, nbytes, whole_digest = got.ticket, got.length, got.digest
+        except Refused as e:
+            if e.code in POISON_CODES:
+                what = f"the update of {pid}" if piece is None else f"piece {piece!r} of the update of {pid}"
+                self._events.record("refuse", f"{what} for round {round_} was refused: {e.message}", pid)
+            raise
+        if ticket is None:
+            return {"accepted": True, "duplicate": True, "round": round_, **answer}
+        self._count(p, up, ticket, clamped, nbytes, whole_digest, counted_bytes=piece is None)
+        late = ({"folded_into": self._rounds.version, "staleness": ticket.admission.staleness}
+                if ticket.admission.action == "late" else {})
+        if self._async:
+            late = {"applied_in": ticket.open_round, "staleness": ticket.admission.staleness}
+        counted = {"tokens_counted": up.tokens, "tokens_reason": clamped} if clamped is not None else {}
+        return {"accepted": True, "duplicate": False, "round": round_, **late, **counted, **answer}
+
+    def _admit(self, pid: str, round_: int, tokens: int, digest: str, length: int | None,
+               piece: str | None) -> tuple[policy.Admission, Upload, str | None] | None:
+        """The checks an upload passes before a byte of its body is read: the round takes it,
+        it is not a duplicate (None), its tokens count (bounded: the reason when clamped), its
+        length fits. Raises Refused."""
+        cfg = self._configs.config
+        admission = self.check_open(round_)
+        if self._is_duplicate(pid, round_, admission):
+            return None
+        if cfg.outer.weighting == "tokens" and tokens <= 0:
+            raise Refused(400, "invalid_tokens", "tokens must be a positive count of tokens processed this round")
+        barred = self._intake.barred(round_, pid)
+        if barred is not None:
+            raise Refused(422, "update_refused", barred, {"round": round_})
+        tokens, clamped = policy.count_tokens(tokens, self._configs.for_round(round_, self._rounds.version))
+        limit = int(cfg.max_upload_mb * 1_000_000)
+        if length is None:
+            raise Refused(411, "length_required", "uploads need a Content-Length header")
+        if length > limit:
+            raise Refused(413, "too_large", f"upload of {length:,} bytes exceeds max_upload_mb ({limit:,} bytes)")
+        if piece is not None and admission.action != "accept":
+            raise Refused(409, "round_closed", f"round {round_} is closed: the pieces of an update are taken for "
+                          "the open round only", {"current_round": self._rounds.version})
+        if piece is not None and self._async:
+            raise Refused(409, "pieces_not_async", "schedule.mode async takes whole updates only: a round closes "
+                          "with each update, so the pieces of one would be dropped with it; upload it whole")
+        return admission, Upload(pid, round_, tokens, digest, length, limit), clamped
+
+    def _count(self, p: ParticipantRow, up: Upload, ticket: Ticket, clamped: str | None, nbytes: int, digest: str,
+               counted_bytes: bool) -> None:
+        """An update is in the open round: count it (its participant's counters, unless its
+        bytes were counted piece by piece; its submission's row; the round's clock), then
+        ask whether the round closes."""
+        pid, round_ = up.pid, up.round
+        if clamped is not None:
+            self._events.record("tokens", f"{pid}'s update for round {round_}: {clamped}", pid)
+        self._roster.counted_upload(p, round_, up.tokens, nbytes if counted_bytes else 0)
+        if ticket.admission.action == "late":
+            self._events.record("late", f"{pid}'s update for round {round_}: {ticket.admission.reason}", pid)
+        else:
+            self._rounds.open.note_submission(self._rounds.clock())
+            try:  # (asynchronous mode: in the round it is applied in; else that is `round_`)
+                self._store.add_submission(ticket.open_round, pid, up.tokens, nbytes, digest)
+            except Exception as e:
+                if storage_full(e):  # folded but not recorded: the round must not commit as it is
+                    # the merge fails on it and the run goes back, once there is room (rounds.py)
+                    self._intake.fail(f"{pid}'s update for round {round_} could not be recorded: {e}")
+                raise
+        self._roster.store_row(p)
+        self._rounds.maybe_close()
+        self._events.notify()

@@ -1,0 +1,304 @@
+"""The roster: who takes part in the run, what each last reported, and the admin's
+evictions and tokens.
+
+More: docs/architecture.md, "coordinator/members/roster.py".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedtrain.config import RunConfig
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.members import processes
+from fedtrain.coordinator.members.auth import (
+    Holder,
+    Identity,
+    Tokens,
+    fingerprint,
+    join_rule,
+    key_hash,
+    key_matches,
+    new_participant_key,
+    require_admin,
+    within_cap,
+)
+from fedtrain.coordinator.policy.balance import Reported
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.store import ParticipantRow, Store
+from fedtrain.errors import Refused
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass
+class Live:
+    """What a participant last told us; kept in memory only."""
+
+    step: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    steps_per_s: float | None = None  # its own inner-step rate (balanced rounds); the last one reported
+    round: int = 0
+    config_version: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Roster:
+    """The run's participants: joins, heartbeats, departures, failures and the admin's
+    evictions and token revocations. Every change of a row is written to the store."""
+
+    def __init__(self, store: Store, events: Events, tokens: Tokens, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._events = events
+        self._tokens = tokens
+        self._clock = clock
+        self._rows: dict[str, ParticipantRow] = {p.id: p for p in store.participants()}
+        self._live: dict[str, Live] = {pid: Live() for pid in self._rows}
+        now = clock()
+        for p in self._rows.values():
+            if p.state == policy.ACTIVE:
+                p.last_seen = now  # a grace period to reconnect after a coordinator restart
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @property
+    def rows(self) -> dict[str, ParticipantRow]:
+        """Every participant by id (read only: change them through the roster's methods)."""
+        return self._rows
+
+    @property
+    def live(self) -> dict[str, Live]:
+        """What each participant last reported (read only)."""
+        return self._live
+
+    def views(self) -> list[policy.ParticipantView]:
+        """The participants as the policy sees them."""
+        return [policy.ParticipantView(p.id, p.state, p.last_seen) for p in self._rows.values()]
+
+    def active(self) -> set[str]:
+        return {p.id for p in self._rows.values() if p.state == policy.ACTIVE}
+
+    def reported(self, also: str | None = None) -> dict[str, Reported]:
+        """What each active participant (and `also`, whatever its state) last reported about its
+        speed (balanced rounds)."""
+        out = {}
+        for pid in self.active() | ({also} if also in self._rows else set()):
+            live, world = self._live.get(pid, Live()), self._rows[pid].info.get("world_size", 1)
+            out[pid] = Reported(live.steps_per_s, live.tokens_per_s, world if isinstance(world, int) else 1)
+        return out
+
+    def get(self, ident: Identity, pid: str) -> ParticipantRow:
+        """Participant `pid`, if `ident` may act on it (its token, or the admin's): else 404 or 403."""
+        p = self._rows.get(pid)
+        if p is None:
+            raise Refused(404, "unknown_participant", f"participant {pid!r} is not part of this run; join first")
+        if p.token_id != ident.token_id and not ident.is_admin:
+            raise Refused(403, "forbidden", f"participant {pid!r} joined with a different token")
+        if p.state == policy.EVICTED and not ident.is_admin:
+            raise Refused(403, "evicted", f"participant {pid!r} was evicted from this run by an admin")
+        return p
+
+    # -- a participant's own requests ---------------------------------------------------------
+
+    def join(self, ident: Identity, name: str | None, info: dict[str, Any], key: str | None, round_: int,
+             cfg: RunConfig) -> tuple[str, str]:
+        """Join as `name` (a new one when None) at round `round_`, presenting the participant
+        key of an earlier join (`key`) or not. Returns the name and the key to present from now on."""
+        if name is None:
+            name = f"p-{len(self._rows) + 1}-{int(self._clock() * 1000) % 100000:05d}"
+        if not _NAME_RE.match(name):
+            raise Refused(
+                400, "invalid_name", f"participant name {name!r} must be 1-64 letters, digits, '_', '.' or '-'"
+            )
+        processes.check_info(info)  # what it says of its processes is shown to everyone: readable, or refused
+        now = self._clock()
+        p = self._rows.get(name)
+        if p is not None and p.token_id != ident.token_id and not ident.is_admin:
+            raise Refused(409, "name_taken", f"participant name {name!r} is taken by a holder of another token")
+        if p is not None and p.state == policy.EVICTED:
+            raise Refused(403, "evicted", f"participant {name!r} was evicted from this run by an admin")
+        base = self._store.get_meta("base_fingerprint")
+        if base is not None and info.get("base") is not None and info["base"] != base:
+            # LoRA adapters trained on another base would be merged as if they fit this one.
+            raise Refused(
+                409, "base_mismatch",
+                f"participant {name!r} has a different frozen base model than the run "
+                f"(fingerprint {str(info['base'])[:12]}, the run's {base[:12]}): load the run's base weights",
+            )
+        key_ok = p is not None and key_matches(key, p.key_hash)
+        claim = self._claim(ident, name, p, key_ok, now, cfg)
+        issued = key if claim == "rejoin" and key is not None else new_participant_key()
+        if p is None:
+            p = ParticipantRow(name, name, ident.token_id, policy.ACTIVE, now, now, round_, 0, 0, 0, info)
+            self._events.record("join", f"{name} joined at round {round_}", name)
+        else:
+            was = p.state
+            p.state, p.last_seen, p.info = policy.ACTIVE, now, info or p.info
+            how = "" if claim == "rejoin" else "; a new participant key replaces the old one"
+            self._events.record("join", f"{name} rejoined at round {round_} (was {was}){how}", name)
+        p.key_hash, p.proven = key_hash(issued), True
+        self._rows[name] = p
+        self._live.setdefault(name, Live())
+        self._store.upsert_participant(p)
+        return name, issued
+
+    def _claim(self, ident: Identity, name: str, p: ParticipantRow | None, key_ok: bool, now: float,
+               cfg: RunConfig) -> str:
+        """How a join takes `name` (`auth.join_rule`: new, rejoin, take_over), or its refusal.
+        The admin's joins are not ruled: it acts for anyone."""
+        if ident.is_admin:
+            return "rejoin" if key_ok else ("new" if p is None else "take_over")
+        held = [_holder(q) for q in self._rows.values() if q.token_id == ident.token_id]
+        claim = join_rule(name, _holder(p) if p is not None else None, held, key_ok=key_ok, now=now, cfg=cfg)
+        if claim.action == "refuse":
+            details = {"retry_after_s": round(claim.retry_after_s, 1)} if claim.retry_after_s is not None else None
+            raise Refused(claim.status, claim.code, claim.reason, details)
+        return claim.action
+
+    def act_as(self, ident: Identity, pid: str, key: str | None) -> ParticipantRow:
+        """The check of every request that speaks for participant `pid`: its token (as before),
+        then its participant key; the admin token acts for anyone. Raises Refused (404 for no
+        such participant, 403 for another's, or no, key)."""
+        p = self.get(ident, pid)
+        if ident.is_admin or p.key_hash is None:  # None: it joined before keys existed, and has none to show
+            return p
+        if not key_matches(key, p.key_hash):
+            what = "carries another participant key" if key else "carries no participant key"
+            raise Refused(
+                403, "not_this_participant",
+                f"this request {what} for participant {pid!r}: a participant acts only as itself, with the "
+                "participant_key of its join answer (the X-Fedtrain-Participant-Key header)",
+            )
+        p.proven = True
+        return p
+
+    def heartbeat(self, ident: Identity, pid: str, stats: dict[str, Any],
+                  cfg: RunConfig) -> tuple[ParticipantRow, bool]:
+        """Note a heartbeat and what it reports; (the row, whether a failed participant came back)."""
+        p = self.get(ident, pid)
+        if p.state == policy.FAILED and not ident.is_admin:  # back to active: within its token's cap
+            held = [_holder(q) for q in self._rows.values() if q.token_id == p.token_id]
+            refused = within_cap(held, pid, cfg)
+            if refused is not None:
+                raise Refused(refused.status, refused.code, refused.reason)
+        p.last_seen = self._clock()
+        back = p.state == policy.FAILED
+        if back:
+            p.state = policy.ACTIVE
+            self._events.record("recover", f"{pid} is back after a heartbeat timeout", pid)
+        live = self._live.setdefault(pid, Live())
+        live.step = int(stats.get("step", live.step))
+        live.loss = stats.get("loss", live.loss)
+        live.tokens_per_s = stats.get("tokens_per_s", live.tokens_per_s)
+        if stats.get("steps_per_s") is not None:  # a heartbeat without one (a config ack) keeps the last
+            live.steps_per_s = stats["steps_per_s"]
+        live.round = int(stats.get("round", live.round))
+        if stats.get("config_version") is not None:  # versions only grow: a late heartbeat cannot undo an ack
+            p.config_version = max(int(stats["config_version"]), p.config_version or 0)
+        self._store.upsert_participant(p)
+        return p, back
+
+    def leave(self, ident: Identity, pid: str) -> None:
+        p = self.get(ident, pid)
+        p.state = policy.LEFT
+        self._store.upsert_participant(p)
+        self._events.record("leave", f"{pid} left", pid)
+
+    def add_metrics(self, ident: Identity, pid: str, round_: int | None, step: int | None,
+                    values: dict[str, float]) -> None:
+        self.get(ident, pid)
+        self._store.add_metrics(pid, round_, step, values)
+        now = time.time()  # the dashboard's charts follow this event (rows shaped like GET /v1/metrics)
+        self._events.publish("metrics", [{"ts": now, "participant_id": pid, "round": round_, "step": step,
+                                          "name": k, "value": v} for k, v in values.items()])
+
+    def counted_upload(self, p: ParticipantRow, round_: int, tokens: int, nbytes: int) -> None:
+        """An update of `p` for `round_` was taken: count it (the row is stored by `store_row`)."""
+        p.bytes_up += nbytes
+        p.tokens += tokens
+        p.round = round_
+        p.last_seen = self._clock()
+
+    def store_row(self, p: ParticipantRow) -> None:
+        self._store.upsert_participant(p)
+
+    def counted_download(self, pid: str | None, nbytes: int) -> None:
+        if pid is not None and pid in self._rows:
+            self._rows[pid].bytes_down += nbytes
+
+    def fail_silent(self, cfg: RunConfig) -> list[str]:
+        """Mark failed the participants silent for too long (`policy.stale_participants`); their ids."""
+        failed = []
+        for pid, why in policy.stale_participants(self.views(), self._clock(), cfg):
+            p = self._rows[pid]
+            p.state = policy.FAILED
+            self._store.upsert_participant(p)
+            self._events.record("fail", f"{pid} failed: {why}", pid)
+            failed.append(pid)
+        return failed
+
+    def store_all(self) -> None:
+        """Write every row (a participant's downloads since its row was last stored count too)."""
+        self._store.upsert_participants(list(self._rows.values()))
+
+    # -- admin: evictions and tokens --------------------------------------------------------
+
+    def evict(self, ident: Identity, pid: str, cfg: RunConfig) -> None:
+        """Admin: remove a participant from the run; it may not rejoin under that name."""
+        require_admin(ident, "evicting a participant")
+        p = self.get(ident, pid)
+        p.state, p.evicted_at = policy.EVICTED, self._clock()
+        self._store.upsert_participant(p)
+        self._events.record("evict", f"{pid} evicted by an admin; its token may not add participants for "
+                                     f"{cfg.eviction_cooldown_s:g}s (eviction_cooldown_s)", pid)
+
+    def token_view(self, ident: Identity) -> dict[str, Any]:
+        """Admin: the participant tokens by fingerprint, whether revoked, who joined with each."""
+        require_admin(ident, "listing tokens")
+        admin_id = fingerprint(self._tokens.admin) if self._tokens.admin else None
+        ids = {fingerprint(t) for t in self._tokens.participant} | {p.token_id for p in self._rows.values()}
+        ids |= self._tokens.revoked
+        ids.discard(admin_id)  # type: ignore[arg-type]
+        return {
+            "tokens": [
+                {
+                    "token_id": t,
+                    "revoked": t in self._tokens.revoked,
+                    "participants": sorted(p.id for p in self._rows.values() if p.token_id == t),
+                }
+                for t in sorted(ids)
+            ]
+        }
+
+    def revoke_token(self, ident: Identity, token_id: str | None, participant_id: str | None) -> dict[str, Any]:
+        """Admin: refuse a participant token from now on (kept across restarts); its participants are evicted."""
+        require_admin(ident, "revoking a token")
+        if (token_id is None) == (participant_id is None):
+            raise Refused(400, "invalid_request", "give exactly one of token_id or participant_id")
+        if participant_id is not None:
+            token_id = self.get(ident, participant_id).token_id
+        assert token_id is not None
+        if self._tokens.admin and token_id == fingerprint(self._tokens.admin):
+            raise Refused(400, "admin_token", "the admin token cannot be revoked; restart with another --admin-token")
+        if token_id not in {t["token_id"] for t in self.token_view(ident)["tokens"]}:
+            raise Refused(404, "unknown_token", f"no participant token has the fingerprint {token_id!r}")
+        self._tokens.revoked.add(token_id)
+        self._store.set_meta("revoked_tokens", json.dumps(sorted(self._tokens.revoked)))
+        evicted = []
+        for p in self._rows.values():
+            if p.token_id == token_id and p.state != policy.EVICTED:
+                p.state, p.evicted_at = policy.EVICTED, self._clock()
+                self._store.upsert_participant(p)
+                evicted.append(p.id)
+        self._events.record("revoke", f"token {token_id} revoked by an admin; evicted: {', '.join(evicted) or 'none'}")
+        return {"revoked": token_id, "evicted": evicted}
+
+
+def _holder(p: ParticipantRow) -> Holder:
+    return Holder(p.id, p.state, p.last_seen, keyed=p.key_hash is not None, proven=p.proven, evicted_at=p.evicted_at)

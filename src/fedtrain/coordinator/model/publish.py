@@ -1,0 +1,309 @@
+"""Serving the global model: from memory until the weights move on, then from the file.
+
+`ModelStream` is one download of one version, `Published` the version served from memory
+and `WeightsGuard` what orders copies of the weights against the next outer step. By
+default a download holds back its last piece until the round is committed.
+
+More: docs/architecture.md, "coordinator/model/publish.py".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, BinaryIO, Generic, Protocol, TypeVar
+
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+
+from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.transport.protocols import SEND, Hold, ModelSender, Steps
+from fedtrain.wire import EncodedBody
+
+# Below the coordinator's mmap threshold (1 MiB, see `transport.allocator.tune_allocator`): chunks come from
+# the heap and are reused, where a chunk above it would be a fresh mmap whose page faults and
+# munmap cost more than the copy.
+CHUNK = 512 << 10
+READS_PER_HOP = 8
+SEND_PIECE = 4 << 20  # most a nonblocking write from memory can take at once (the socket buffer takes less)
+SLOW_READ_S = 0.005
+
+T = TypeVar("T")
+
+
+class WeightsGuard:
+    """Orders copies of the master weights against changes to them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.epoch = 0  # bumped (under the lock) by every change of the master weights
+
+
+class NotCommitted(ConnectionAbortedError):
+    """The commit of a version served from memory failed: its downloads are cut short."""
+
+
+@dataclass
+class Published:
+    """A version served from memory: while its checkpoint is being written, and once committed
+    until the next outer step."""
+
+    version: int
+    digest: str
+    body: EncodedBody
+    epoch: int
+    hold: bool = False  # commit first: each download's last piece waits for the commit
+    durable: bool = False
+    settled: threading.Event = field(default_factory=threading.Event)  # the commit is over, either way
+    # The same, for waiters on the event loop (settle() runs there: `rounds.Rounds`).
+    settled_async: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def settle(self, durable: bool) -> None:
+        """On the event loop: the commit is over, durable or not."""
+        if not self.settled.is_set():
+            self.durable = durable
+            self.settled.set()
+            self.settled_async.set()
+
+    def check_durable(self) -> None:
+        if not (self.settled.is_set() and self.durable):
+            raise NotCommitted(f"global model version {self.version} was not committed")
+
+    def wait(self, cancelled: threading.Event) -> None:
+        """On a worker thread: until the commit is over; raises if it failed or the send was cancelled."""
+        while not self.settled.wait(0.25):
+            if cancelled.is_set():
+                raise ConnectionAbortedError("the response was cancelled")
+        self.check_durable()
+
+    async def wait_async(self) -> None:
+        """On the event loop: until the commit is over; raises if it failed."""
+        await self.settled_async.wait()
+        self.check_durable()
+
+
+@dataclass
+class ModelStream:
+    """One download of one global version: its headers' values and its bytes."""
+
+    version: int
+    digest: str
+    size: int
+    path: Path
+    files: CheckpointDir
+    memory: Published | None = None
+    guard: WeightsGuard | None = None
+
+    def __post_init__(self) -> None:
+        # Opened now (file mode), so that a later prune cannot take the file mid-stream: an
+        # open reader keeps it from being reused as a spare, and unlinking it is harmless.
+        self._file: BinaryIO | None = self.files.open_reader(self.path) if self.memory is None else None
+
+    def steps(self, out: ModelSender) -> Steps:
+        """The download's one body producer: send the whole body through `out` (the socket on
+        worker threads, `transport.ResponseSink`; or the plain path's chunks, `chunks_of`), yielding
+        whenever the socket takes no more (None) or the commit is to be waited for (a `Hold`):
+        from memory, a nonblocking write at a time under the guard lock (a slow client never
+        holds it while it waits), else or then (once the weights moved on) by `sendfile` from
+        the file. A held download waits for the commit before its last piece; raises
+        `NotCommitted` (the connection is closed) when that commit failed."""
+        offset = 0
+        if self.memory is not None and self.guard is not None:
+            offset = yield from memory_steps(self.memory.body, self.memory, self.guard, out)
+            if offset == self.size:
+                return
+            self._file = self.files.open_reader(self.path)
+        assert self._file is not None
+        yield from out.sendfile_steps(self._file.fileno(), offset, self.size - offset)
+
+    def pump(self, out: ModelSender) -> None:
+        """`steps`, taken on this thread alone: it waits for the client and the commit itself."""
+        out.run(self.steps(out))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self.files.close_reader(self.path, self._file)
+            self._file = None
+
+
+def _read_chunks(fd: int, offset: int, end: int, n: int) -> list[bytes]:
+    """Up to `n` chunks of the file from `offset` (none past `end`): one trip to a worker thread
+    reads several, since a hop costs about as much as copying one chunk from the page cache."""
+    chunks: list[bytes] = []
+    while len(chunks) < n and offset < end:
+        chunk = os.pread(fd, min(CHUNK, end - offset), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return chunks
+
+
+class Work(Generic[T]):
+    """A `Hold` that does a piece of blocking work (a read from disk) before the steps go on: on
+    the pump's thread when the steps run on one, else on a worker thread (`wait_async`)."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._result: T | None = None
+        self._done = False
+
+    @property
+    def result(self) -> T:
+        assert self._done, "the steps go on only once the work is done"
+        return self._result  # type: ignore[return-value]
+
+    def wait(self, cancelled: threading.Event) -> None:
+        if not self._done:
+            self._result, self._done = self._fn(), True
+
+    async def wait_async(self) -> None:
+        if not self._done:
+            self._result, self._done = await asyncio.to_thread(self._fn), True
+
+
+class _Chunks:
+    """The plain path's `ModelSender`: what the steps write is handed to a `StreamingResponse`
+    a chunk at a time (`chunks_of`). A file is read, not sent: from the page cache (a file
+    read recently) in the event loop, since a hop to a worker thread per batch of reads costs
+    more than the reads; after one read slower than SLOW_READ_S (a disk's: a checkpoint
+    written with O_DIRECT is not in the page cache) the rest on a worker thread, so the loop
+    waits on the disk once."""
+
+    def __init__(self) -> None:
+        self.ready: list[bytes] = []
+        self.work: Work[list[bytes]] | None = None  # reads to do on a worker thread before the next step
+
+    def write_some(self, view: memoryview) -> int:
+        if self.ready:  # the last chunk is not handed out yet: the steps yield, and it is
+            return 0
+        data = bytes(view[:CHUNK])
+        self.ready.append(data)
+        return len(data)
+
+    def sendfile_steps(self, fd: int, offset: int, count: int) -> Iterator[None]:
+        end, slow = offset + count, False
+        while offset < end:
+            if slow:
+                read = self.work = Work(partial(_read_chunks, fd, offset, end, READS_PER_HOP))
+                yield None  # the adapter does the reads (`chunks_of`, `run`)
+                chunks = read.result
+            else:
+                t0 = time.perf_counter()
+                chunks = [os.pread(fd, min(CHUNK, end - offset), offset)]
+                slow = time.perf_counter() - t0 > SLOW_READ_S
+            chunks = [c for c in chunks if c]
+            if not chunks:
+                return  # the file ended early: the response falls short of its length, as it would have
+            self.ready.extend(chunks)
+            offset += sum(len(c) for c in chunks)
+            yield None
+
+    def run(self, steps: Iterator[Hold | None]) -> None:
+        """Take the steps to their end on this thread; the chunks pile up in `ready`."""
+        never = threading.Event()
+        for hold in steps:
+            for wait in (hold, self.work):
+                if wait is not None:
+                    wait.wait(never)
+            self.work = None
+
+
+async def chunks_of(stream: Download) -> AsyncIterator[bytes]:
+    """The plain path's adapter: a download's steps (its one body producer) taken on the event
+    loop, their bytes handed out a chunk at a time, their waits (a commit, a read on a worker
+    thread) awaited on the loop. Closes the stream at the end."""
+    out = _Chunks()
+    steps = stream.steps(out)
+    try:
+        for wait in steps:
+            while out.ready:
+                yield out.ready.pop(0)
+            if wait is not None:
+                await wait.wait_async()
+            if out.work is not None:
+                work, out.work = out.work, None
+                await work.wait_async()
+        while out.ready:
+            yield out.ready.pop(0)
+    finally:
+        steps.close()
+        stream.close()
+
+
+def memory_steps(body: EncodedBody, memory: Published, guard: WeightsGuard, out: ModelSender,
+                 ) -> Generator[Hold | None, None, int]:
+    """Send `body` (over the master weights as `memory` published them) through `out`, a
+    nonblocking write at a time under the guard lock; a held body's last piece waits for the
+    commit (`NotCommitted` when it failed). Returns the bytes sent: all, or fewer when the
+    weights moved on (then the committed file holds the rest)."""
+    offset, moved = 0, False
+    for view, last in _pieces(body, SEND_PIECE):
+        if last and memory.hold:
+            if not memory.settled.is_set():
+                yield memory  # waited for on the loop, or by `pump` on its thread
+            memory.check_durable()
+        while view and not moved:
+            with guard.lock:
+                moved = guard.epoch != memory.epoch
+                n = 0 if moved else out.write_some(view)
+            if n:
+                view, offset = view[n:], offset + n
+            elif not moved:
+                yield None
+        if moved:
+            memory.check_durable()
+            break
+    return offset
+
+
+def _pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
+    """The body in pieces of at most `size` bytes, each with whether it is the last."""
+    held: memoryview | None = None
+    for view in body:
+        for start in range(0, view.nbytes, size):
+            if held is not None:
+                yield held, False
+            held = view[start : start + size]
+    if held is not None:
+        yield held, True
+
+
+class Download(Protocol):
+    """One download's bytes, produced once (`steps`) and sent by either adapter: `ModelStream`
+    (the whole model), `slices.SliceStream` (rows of it)."""
+
+    def steps(self, out: ModelSender) -> Steps: ...
+
+    def close(self) -> None: ...
+
+
+class ModelResponse(StreamingResponse):
+    """A model download: its `steps` written straight to the socket where the server offers it
+    (`transport.SEND`: plain HTTP with fast IO on), else taken on the loop and streamed in
+    chunks (`chunks_of`, the plain path)."""
+
+    def __init__(self, stream: Download, headers: dict[str, str]) -> None:
+        super().__init__(chunks_of(stream), media_type="application/octet-stream", headers=headers)
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        sink = scope.get("extensions", {}).get(SEND)
+        if sink is None:
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await sink.run(self.stream.steps)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientDisconnect:
+            pass  # the client went away: nothing to answer
+        finally:
+            self.stream.close()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # never started: nothing runs

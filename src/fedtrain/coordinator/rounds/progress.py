@@ -1,0 +1,476 @@
+"""Moving the run from round to round: close the open round, merge and commit it, or go back.
+
+`Rounds` owns the open round (`OpenRound`), the close, the background commit of the round
+before, the periodic tick and the count of roll backs. Whether to close is
+`policy.decide_round`'s decision.
+
+More: docs/architecture.md, "coordinator/rounds/progress.py".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fedtrain import faults
+from fedtrain.config import OuterConfig, RunConfig
+from fedtrain.coordinator import policy
+from fedtrain.coordinator.intake.flow import Intake, MergeInputs
+from fedtrain.coordinator.members.roster import Roster
+from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.model.publish import ModelStream, Published
+from fedtrain.coordinator.model.slices import SliceStream
+from fedtrain.coordinator.policy import async_rules
+from fedtrain.coordinator.rounds.fragment_plan import Fragment, FragmentPlan
+from fedtrain.coordinator.rounds.open_round import OpenRound
+from fedtrain.coordinator.state import storage
+from fedtrain.coordinator.state.config_versions import ConfigVersions
+from fedtrain.coordinator.state.events import Events
+from fedtrain.coordinator.state.storage import storage_full
+from fedtrain.coordinator.state.store import Store
+from fedtrain.errors import MergeError, Refused
+from fedtrain.merge import OuterOptimizer, contribution_weights
+from fedtrain.merge.outer import NonFiniteStep
+
+log = logging.getLogger("fedtrain.coordinator")
+
+#: How long an admin's roll back waits for a round that is closing when it comes.
+ROLL_BACK_WAIT_S = 30.0
+#: The newest committed rounds over which each participant's share of the applied weight is shown.
+SHARE_WINDOW = 100
+
+
+class PoisonedMerge(MergeError):
+    """A round's merge was not finite; `key` names the update refused for it (`largest_influence`)."""
+
+    def __init__(self, message: str, key: str, round_: int, why: str) -> None:
+        super().__init__(message)
+        self.key, self.round, self.why = key, round_, why
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What a merge made (worker thread), for the event loop to put in force."""
+
+    record: dict[str, Any]
+    published: Published
+    inputs: MergeInputs
+
+
+@dataclass(frozen=True)
+class Step:
+    """How a round's outer step is taken: on the mean times `scale`, with the delayed Nesterov
+    step's N `every`, and the `weights` recorded (None: `round_weights`). Asynchronous mode
+    sets them from the update's staleness (`async_rules`); the defaults are a round's."""
+
+    scale: float = 1.0
+    every: int | None = None
+    weights: dict[str, float] | None = None
+
+
+def round_weights(tokens: dict[str, int], rejected: dict[str, str], outer: OuterConfig) -> dict[str, float]:
+    """Recorded weights: normalised over the kept updates (uniform for median/trimmed mean),
+    capped at outer.max_share for the weighted mean (`policy.cap_shares`), 0 if left out."""
+    kept = {k: v for k, v in tokens.items() if k not in rejected}
+    mode = outer.weighting if outer.aggregator == "mean" else "uniform"
+    weights = contribution_weights(kept, mode) if kept else {}
+    if weights and outer.aggregator == "mean":
+        weights = policy.cap_shares(weights, outer.max_share)[0]
+    weights.update({k: 0.0 for k in tokens if k in rejected})
+    return weights
+
+
+class Rounds:
+    """The open round and the moves from one round to the next."""
+
+    def __init__(self, open_round: OpenRound, roster: Roster, configs: ConfigVersions, intake: Intake,
+                 committer: Committer, store: Store, events: Events, clock: Callable[[], float],
+                 plan: FragmentPlan | None = None) -> None:
+        self.open = open_round
+        self.plan = plan  # Streaming DiLoCo: round r syncs fragment r mod K (None: every round the whole set)
+        self._roster = roster
+        self._configs = configs
+        self._intake = intake
+        self._committer = committer
+        self._store = store
+        self._events = events
+        self.clock = clock
+        self.rollbacks = 0
+        self.storage_full_since: float | None = None  # when a full disk began to hold the run back (uploads get 507)
+        self._close_task: asyncio.Task[None] | None = None
+        self._commit_task: asyncio.Task[None] | None = None  # the commit of the open round's predecessor
+        self._tick_task: asyncio.Task[None] | None = None
+        self.staleness_of: dict[str, int] = {}  # asynchronous mode: each participant's last applied staleness
+        intake.select(self.fragment(open_round.version))
+
+    # -- reading --------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The open round's number."""
+        return self.open.version
+
+    @property
+    def finished(self) -> bool:
+        return policy.run_finished(self.open.version, self._configs.config)
+
+    def deadline(self) -> tuple[float, str]:
+        return self.open.deadline(self._configs.config)
+
+    def fragment(self, round_: int) -> Fragment | None:
+        """The Streaming DiLoCo fragment round `round_` syncs (None: streaming is off)."""
+        return self.plan.fragment(round_) if self.plan is not None else None
+
+    def decide(self) -> policy.Decision:
+        cfg = self._configs.config
+        if cfg.schedule.mode == "async":
+            return async_rules.decide(self.open.version, self.open.staleness, cfg)
+        return policy.decide_round(self.open.view(self.deadline()[0]), self._roster.views(), self.clock(),
+                                   self._configs.config)
+
+    def round_info(self, round_: int, pid: str | None = None,
+                   piece_in: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Round `round_`'s state; `submitted`: whether `pid`'s update is in the open round (or,
+        with `piece_in`, that its update is in or the piece `piece_in` asks after is)."""
+        open_ = self.open
+        state, _ = policy.round_state(round_, open_.version, self._committer.committed_version, open_.closing,
+                                      self.finished)
+        return {
+            "round": round_,
+            "state": state,
+            "current_round": open_.version,
+            "finished": self.finished,
+            "submitted": self._submitted(round_, pid, piece_in) if pid else None,
+            "n_submitted": len(open_.submitted) if round_ == open_.version else None,
+            "n_active": len(self._roster.active()),
+            "reason": open_.reason,
+            "config_version": self._configs.version,
+            "fragment": self.plan.of(round_) if self.plan is not None else None,
+        }
+
+    def _submitted(self, round_: int, pid: str, piece_in: Callable[[], bool] | None) -> bool | None:
+        if round_ != self.open.version:
+            return None
+        return pid in self.open.submitted or (piece_in is not None and piece_in())
+
+    async def wait_round(self, pid: str | None, round_: int, wait_s: float,
+                         piece_in: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Long-poll: answer as soon as round `round_` is closed (committed), or after `wait_s`.
+        A participant (`pid`) is answered as soon as the round is merged ("committing"): its
+        next step, the download of the new model, completes once the round is committed."""
+        if round_ > self.version:
+            raise Refused(409, "round_not_open", f"round {round_} has not opened; the current round is "
+                                                 f"{self.version}", {"current_round": self.version})
+
+        def pending() -> bool:
+            if round_ == self.version:
+                return not self.finished
+            return pid is None and self._committer.committed_version <= round_ < self.version  # merged, committing
+
+        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        while pending():
+            if pid is not None and not self.open.closing and self._submitted(round_, pid, piece_in) is False:
+                break  # its upload is missing (lost, or dropped by a restart): answer now so it resends
+            if not await self._events.wait_changed(deadline - time.monotonic()):
+                break
+        return self.round_info(round_, pid, piece_in)
+
+    def schedule_view(self) -> dict[str, dict[str, Any]]:
+        """Per participant: the staleness of its last applied update (asynchronous mode; None
+        when not known since the start), and its updates and share of the applied weight over
+        the last SHARE_WINDOW committed rounds (of the recorded weights: a round's shares, or in
+        asynchronous mode each update's staleness weight)."""
+        applied = self._store.applied(SHARE_WINDOW)
+        total = sum(w for _, w in applied.values())
+        return {pid: {"staleness": self.staleness_of.get(pid),
+                      "applied": applied.get(pid, (0, 0.0))[0],
+                      "share": applied[pid][1] / total if pid in applied and total > 0 else None}
+                for pid in self._roster.rows}
+
+    def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
+        """A download of global version `version` (default: the newest)."""
+        stream = self._committer.model_stream(self.version if version is None else version)
+        self._roster.counted_download(pid, stream.size)
+        return stream
+
+    async def model_slice(self, version: int | None, pid: str | None, rows: str) -> SliceStream:
+        """A download of rows `rows` of global version `version` (default: the newest)."""
+        stream = await self._committer.model_slice(self.version if version is None else version, rows)
+        self._roster.counted_download(pid, stream.size)
+        return stream
+
+    # -- the tick ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tick_task = asyncio.create_task(self._ticker())
+
+    def tick(self) -> None:
+        """Periodic duties: fail silent participants, close rounds whose deadline passed."""
+        failed = self._roster.fail_silent(self._configs.config)
+        for pid in failed:
+            self._intake.abort_direct(pid)
+        self.maybe_close()
+        if failed:
+            self._events.notify()
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("coordinator tick failed")
+
+    async def stop(self) -> None:
+        if self._commit_task is not None:  # a published round is committed before we go
+            await asyncio.gather(self._commit_task, return_exceptions=True)
+        for task in (self._tick_task, self._close_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down: nothing to report
+                    await task
+        await self._intake.stop()
+
+    # -- closing ----------------------------------------------------------------------------------
+
+    def maybe_close(self) -> None:
+        if self.open.closing or self.finished:
+            return
+        decision = self.decide()
+        self.open.reason = decision.reason
+        if decision.action == "close":
+            self.open.closing = True
+            self._intake.abort_direct()
+            self._close_task = asyncio.create_task(self._close_round(decision.reason))
+
+    def enter_round(self) -> None:
+        """At a round boundary: the newest config version meant for the open round comes into force."""
+        if self._configs.enter(self.version):
+            self._committer.reconfigure(self._configs.config)
+            self._events.publish("config", self._configs.view(None, self.version))
+
+    async def _close_round(self, reason: str) -> None:
+        await self._intake.idle()
+        if not await self._settle_commit():
+            self.open.closing = False
+            self._events.notify()
+            return
+        r = self.version
+        cfg = self._configs.config
+        tokens, staleness = dict(self.open.submitted), dict(self.open.staleness)
+        step = Step()
+        if cfg.schedule.mode == "async":
+            step = Step(async_rules.scale(tokens, staleness, cfg),
+                        async_rules.momentum_period(len(self._roster.active()), cfg)[0],
+                        {k: async_rules.weight(staleness.get(k, 0), cfg)[0] for k in tokens})
+        try:
+            merged = await asyncio.to_thread(self._merge, r, reason, tokens, cfg, step)
+        except PoisonedMerge as e:
+            pid = e.key.split("@")[0]
+            why = (f"the update of {pid} for round {e.round} was refused: the merge it took part in was not finite "
+                   f"({e.message}), and {e.why}")
+            self._intake.bar(e.round, pid, why)
+            self._events.record("refuse", why, pid)
+            await self._roll_back(f"the merge of round {r} was not finite", "merge_refused")
+            return
+        except Exception as e:
+            log.exception("merge of round %d failed", r)
+            await self._roll_back(f"merge of round {r} failed ({e})", "merge_failed")
+            return
+        record = merged.record
+        self.staleness_of.update(staleness)
+        self._committer.serve(merged.published)
+        for key, why in merged.inputs.rejected.items():
+            self._events.record("reject", f"the update of {key} for round {r} was left out: {why}", key.split("@")[0])
+        for key, why in merged.inputs.capped.items():
+            self._events.record("cap", f"the update of {key} for round {r}: {why}", key.split("@")[0])
+        # The commit writes this optimizer and the served body, whatever config the next round
+        # brings in (`enter_round` may replace the optimizer before the commit is done).
+        outer = self._committer.model
+        self._commit_task = asyncio.create_task(self._commit_in_background(r, record, merged.published, outer))
+        self._end_round(r + 1, self.clock(), committed=True)
+        self.open.closing = False
+        self.enter_round()
+        self.open.reason = "run finished" if self.finished else "round opened"
+        self._events.record(
+            "round", f"round {r} closed: {reason}; {record['n_submissions']} updates, merge {record['merge_s']:.2f}s"
+        )
+        if self.finished:
+            self._events.record("finished", f"run finished after {self.version} rounds")
+        self._events.notify()
+
+    def _merge(self, r: int, reason: str, tokens: dict[str, int], cfg: RunConfig, step: Step) -> Merged:
+        """Worker thread: aggregate the round, take the outer step (as `step` says: asynchronous
+        mode scales it) and make a body over the new weights (held back until committed unless
+        `publish_first`)."""
+        t0 = time.perf_counter()
+        intake, fragment = self._intake, self.fragment(r)
+        with intake.fold_lock:
+            faults.hit("merge.before_step", round=r)
+            inputs = intake.merge_inputs(cfg)
+            weights = round_weights(tokens, inputs.rejected, cfg.outer) if step.weights is None else step.weights
+            try:  # streaming: the fragment's parameters only, each fragment with its own optimizer state
+                self._committer.step(intake.sum, step.scale, step.every, fragment.names if fragment else None)
+            except NonFiniteStep as e:
+                key, why = policy.largest_influence(inputs.shares, inputs.largest)
+                round_ = int(key.split("@late")[1]) if "@late" in key else r
+                raise PoisonedMerge(e.message, key, round_, why) from None
+            intake.sum.reset()
+        record = {
+            "round": r,
+            "opened_at": self.open.opened_at,
+            "closed_at": self.clock(),
+            "close_reason": reason,
+            "algorithm": self._committer.model.algorithm,
+            "n_submissions": len(tokens),
+            "tokens": sum(tokens.values()),
+            "bytes_in": sum(s["bytes"] for s in self._store.submissions(r)),
+            "weights": weights,
+            **({"fragment": fragment.index} if fragment is not None else {}),
+        }
+        published = self._committer.publish(r + 1, cfg, hold=not cfg.publish_first)
+        record["merge_s"] = time.perf_counter() - t0
+        return Merged(record, published, inputs)
+
+    def _end_round(self, version: int, now: float | None, committed: bool) -> None:
+        """Round `version` is the open one now: the one before was merged (`committed`) or gone
+        back; its late folds and retained updates go, and the intake takes its fragment's tensors."""
+        self.open.next(version, now, committed)
+        cfg = self._configs.config
+        self._intake.clear(committed, oldest_round=version - max(cfg.max_staleness, cfg.asynchronous.max_staleness))
+        self._intake.select(self.fragment(version))
+
+    async def _commit_in_background(self, r: int, record: dict[str, Any], published: Published,
+                                    outer: OuterOptimizer) -> None:
+        """Commit round r while round r + 1 runs; if that fails, go back to the last committed
+        round at once (what was served of r + 1 is dropped, and held downloads of it are cut short)."""
+        keep = self._configs.config.keep_checkpoints
+        try:
+            await asyncio.to_thread(self._committer.commit, r, record, published, outer, keep)
+            self._committer.committed(r + 1)
+            published.settle(True)
+            self._events.notify()  # round r is closed now, not committing
+        except Exception as e:
+            published.settle(False)  # before the roll back moves the weights
+            log.exception("commit of round %d failed", r)
+            self.open.closing = True  # admit no upload while going back
+            self._intake.abort_direct()
+            await self._intake.idle()
+            await self._roll_back(f"the commit of round {r} failed ({e})", "commit_failed")
+        finally:
+            published.settle(False)  # cancelled: no-op once settled
+            if self._committer.published is published and not published.durable:
+                self._committer.serve(None)
+            # Committed, it stays published until the next merge: a later download of it still
+            # comes from memory (the file was written past the page cache, so reading it would
+            # go to the disk), and from the file only once the weights move on.
+
+    async def _settle_commit(self) -> bool:
+        """Before a merge: wait for the previous round's background commit. False when it failed
+        and the run went back meanwhile: the round being closed no longer exists."""
+        rollbacks = self.rollbacks
+        if self._commit_task is not None:
+            await asyncio.gather(self._commit_task, return_exceptions=True)
+            self._commit_task = None
+        return self.rollbacks == rollbacks
+
+    # -- going back -------------------------------------------------------------------------------
+
+    async def _roll_back(self, why: str, kind: str) -> None:
+        """Back to the last committed round: its weights and optimizer state, no uploads."""
+        committed = self._committer.committed_version
+        self._events.record(kind, f"{why}; reloading the last committed round {committed}, uploads must be sent again")
+        self.open.version = committed
+        self._committer.serve(None)
+        self.rollbacks += 1
+        await self._reload_when_there_is_room()
+        self._end_round(committed, None, committed=False)
+        self.open.closing = False
+        self._events.notify()
+
+    def _reload(self, version: int, keep: int) -> None:
+        """Worker thread: the committed version's weights and state in force, the sum empty."""
+        with self._intake.fold_lock:
+            self._committer.reload(version, keep)
+            self._intake.sum.reset()
+
+    async def _reload_when_there_is_room(self) -> None:
+        """Reload the last committed round; while the disk is full (its database writes fail),
+        wait and try again, answering uploads 507 meanwhile (`storage_full_since`), so the run
+        goes on by itself once there is room. Any other failure is raised as before."""
+        delay = 0.5
+        while True:
+            try:
+                await asyncio.to_thread(self._reload, self.version, self._configs.config.keep_checkpoints)
+            except Exception as e:
+                if not storage_full(e):
+                    raise
+                if self.storage_full_since is None:
+                    self.storage_full_since = self.clock()
+                    log.warning("going back to round %d waits for room on the disk: %s", self.version, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, storage.RETRY_AFTER_S)
+                continue
+            if self.storage_full_since is not None:
+                waited = self.clock() - self.storage_full_since
+                self._events.record("storage", f"room on the disk again after {waited:.0f}s: back at round "
+                                               f"{self.version}, uploads are taken again")
+                self.storage_full_since = None
+            return
+
+    async def roll_back_to(self, version: int, who: str) -> dict[str, Any]:
+        """Put kept `version`'s weights and optimizer state back in force: the open round r
+        closes with no updates (uploads sent for it are dropped; their senders find it closed
+        and fetch the new model) and version r + 1 is committed with the kept version's
+        state, durably, before this returns (`restore.py`). A round closing when it comes is
+        let finish first (up to `ROLL_BACK_WAIT_S`; then 409 `round_closing`)."""
+        self._check_kept(version)
+        deadline = time.monotonic() + ROLL_BACK_WAIT_S
+        while self.open.closing:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Refused(409, "round_closing", f"round {self.version} is still closing after "
+                              f"{ROLL_BACK_WAIT_S:g}s; try again in a moment")
+            if not await self._events.wait_changed(min(remaining, 1.0)):
+                await asyncio.sleep(0.05)  # (no notifications before start: look again shortly)
+        self._check_kept(version)  # a commit meanwhile may have pruned it
+        self.open.closing = True  # admit no upload while going back
+        self._intake.abort_direct()
+        try:
+            await self._settle_commit()
+            await self._intake.idle()
+            r = self.version
+            reason = f"rolled back to version {version} by {who}"
+            self._committer.serve(None)  # version r + 1 is served from its file
+            await asyncio.to_thread(self._restore, r, version, reason)
+        finally:
+            self.open.closing = False
+        self._committer.committed(r + 1)
+        self._end_round(r + 1, self.clock(), committed=False)
+        self.enter_round()
+        self.open.reason = "round opened"
+        self._events.record("rollback", f"{reason}: round {r} closed with no updates, version {r + 1} holds the "
+                                        f"weights of version {version}")
+        self._events.notify()
+        return {"version": r + 1, "restored": version}
+
+    def _check_kept(self, version: int) -> None:
+        kept = self._committer.kept_versions()
+        if version not in kept:
+            raise Refused(404, "version_not_kept", f"version {version} is not a kept checkpoint; kept: "
+                                                   f"{', '.join(map(str, kept)) or 'none'}")
+
+    def _restore(self, r: int, version: int, reason: str) -> None:
+        """Worker thread: kept `version` in force, committed again as version r + 1."""
+        cfg = self._configs.config
+        with self._intake.fold_lock:
+            self._committer.restore(version)
+            self._intake.sum.reset()
+            self._committer.reconfigure(cfg, locked=True)  # the config in force may name another algorithm
+        # Outside the fold lock, which the checkpoint writer takes itself; no fold runs (closing).
+        self._committer.commit_restored(r, self._committer.model, reason, cfg, self.open.opened_at)

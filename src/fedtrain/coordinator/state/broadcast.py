@@ -1,0 +1,134 @@
+"""Fan-out of run events to server-sent-event subscribers (participants and dashboards).
+
+More: docs/architecture.md, "coordinator/state/broadcast.py".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+STATUS = "status"
+KEEPALIVE = ": keep-alive\n\n"
+
+
+class Subscription:
+    """One subscriber's stream: the texts of its events in order, and a mark where the status is due."""
+
+    def __init__(self, owner: Broadcaster, maxsize: int) -> None:
+        self._owner = owner
+        self._maxsize = maxsize
+        self._queue: deque[str | None] = deque()  # None: the status as of then
+        self._status_due = False  # a None is in the queue
+        self._ready = asyncio.Event()
+        self.closed = False
+
+    def put(self, text: str) -> bool:
+        """Queue an event; False when the queue is full (the publisher then drops this subscriber)."""
+        if len(self._queue) >= self._maxsize:
+            return False
+        self._queue.append(text)
+        self._ready.set()
+        return True
+
+    def status_changed(self) -> bool:
+        """Mark the status due, once until it is read; False when the queue is full."""
+        if self._status_due:
+            return True
+        if len(self._queue) >= self._maxsize:
+            return False
+        self._status_due = True
+        self._queue.append(None)
+        self._ready.set()
+        return True
+
+    @property
+    def pending(self) -> int:
+        """Events queued and not yet read (a due status counts as one)."""
+        return len(self._queue)
+
+    def close(self) -> None:
+        """End the stream (at its next read) and leave the broadcaster."""
+        self.closed = True
+        self._queue.clear()
+        self._ready.set()
+        self._owner.unsubscribe(self)
+
+    async def events(self, keepalive_s: float, status: Callable[[], Any]) -> AsyncIterator[str]:
+        """The texts to send, as they come, each time all that is queued in one piece;
+        `KEEPALIVE` after `keepalive_s` without any; the status built by `status()` (once per
+        change, for every subscriber). Ends once closed."""
+        loop = asyncio.get_running_loop()
+        while not self.closed:
+            if not self._queue:
+                self._ready.clear()
+                timer = loop.call_later(keepalive_s, self._ready.set)
+                try:
+                    await self._ready.wait()
+                finally:
+                    timer.cancel()
+                if not self._queue and not self.closed:
+                    yield KEEPALIVE
+                continue
+            texts = []
+            while self._queue:
+                text = self._queue.popleft()
+                if text is None:
+                    self._status_due = False
+                    text = self._owner.status_text(status)
+                texts.append(text)
+            yield "".join(texts)
+
+
+class Broadcaster:
+    """The run's SSE subscribers, and the status snapshot they share."""
+
+    def __init__(self, maxsize: int = 1000) -> None:
+        self.maxsize = maxsize
+        self._subscribers: set[Subscription] = set()
+        self._changes = 0  # status changes published so far
+        self._snapshot: tuple[int, str] | None = None  # (changes when built, its event text)
+
+    def subscribe(self) -> Subscription:
+        subscription = Subscription(self, self.maxsize)
+        self._subscribers.add(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self._subscribers.discard(subscription)
+
+    def publish(self, kind: str, data: Any) -> None:
+        """Send an event to every subscriber (`kind` "status": the status changed; `data` unused)."""
+        if kind == STATUS:
+            self._changes += 1
+            for subscription in list(self._subscribers):
+                if not subscription.status_changed():
+                    subscription.close()  # too slow to keep up: it reconnects
+            return
+        text = sse(kind, data)
+        for subscription in list(self._subscribers):
+            if not subscription.put(text):
+                subscription.close()
+
+    def status_text(self, build: Callable[[], Any]) -> str:
+        """The status event as of the last change: built by `build()` the first time it is
+        asked for after a change, the same text for every subscriber until the next."""
+        if self._snapshot is None or self._snapshot[0] != self._changes:
+            self._snapshot = (self._changes, sse(STATUS, build()))
+        return self._snapshot[1]
+
+    def close_all(self) -> None:
+        for subscription in list(self._subscribers):
+            subscription.close()
+
+    @property
+    def count(self) -> int:
+        return len(self._subscribers)
+
+
+def sse(kind: str, data: Any) -> str:
+    """One server-sent event."""
+    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"

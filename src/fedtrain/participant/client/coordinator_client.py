@@ -1,0 +1,392 @@
+"""HTTP client of a participant: every call to the coordinator, with named timeouts and bounded
+retries, and the one place where httpx errors become fedtrain errors. A participant acts only as
+itself (the participant key of its join). No torch at module level: `fedtrain status` uses this
+client. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import ssl
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, WireError
+from fedtrain.participant.client.answers import (
+    RETRY_STATUS,
+    Address,
+    Failure,
+    error_body,
+    gave_up,
+    not_a_coordinator,
+    refusal,
+    tls_context,
+    transport_failure,
+)
+from fedtrain.participant.client.retry import RetryPolicy, Timeouts
+from fedtrain.transport import direct_http as fetch
+from fedtrain.transport.direct_http import VERSION_HEADER, ModelBody, direct_request, is_direct
+from fedtrain.transport.http_client import tune_httpcore
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedtrain.wire.encode import EncodedBody
+    from fedtrain.wire.format import TensorSpec
+
+__all__ = ["VERSION_HEADER", "CoordinatorClient", "RetryPolicy", "Timeouts", "tls_context"]
+
+log = logging.getLogger("fedtrain.participant")
+
+KEY_HEADER = "X-Fedtrain-Participant-Key"  # the coordinator's `auth.KEY_HEADER`
+
+
+class CoordinatorClient:
+    """Talks to one coordinator with one bearer token, as the participants it joined."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeouts: Timeouts = Timeouts(),
+        retry: RetryPolicy = RetryPolicy(),
+        verify: bool | str = True,
+    ) -> None:
+        self._address = Address.parse(url)
+        self.url = self._address.url
+        self.retry = retry  # the default of every call; a call that wants another passes retry=
+        self._token, self._timeouts, self._verify = token, timeouts, verify
+        # Has the coordinator ever answered this client (or the one it was cloned from)? Only ever
+        # goes from False to True, so the threads that share a client need no lock for it.
+        self._reached = False
+        # Participant id -> its participant key (the join answer's). Shared with clones; a key
+        # is only ever replaced whole, so the threads that share it need no lock.
+        self._keys: dict[str, str] = {}
+        self._tls = tls_context(verify)
+        tune_httpcore()
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=timeouts.httpx(),
+            verify=self._tls,
+            headers={"Authorization": f"Bearer {token}", "User-Agent": "fedtrain-participant"},
+        )
+
+    @functools.cached_property
+    def _direct_tls(self) -> ssl.SSLContext:
+        """The httpx client's TLS trust as a context for `fetch.direct_request`, built on the
+        first download (loading certifi's CAs takes a moment) and kept."""
+        return fetch.ssl_context(self._tls)
+
+    @property
+    def reached(self) -> bool:
+        """Whether the coordinator has answered this client once: from then on a refused
+        connection is an outage (retried for `retry.max_elapsed_s`), before it a likely wrong
+        address (retried for `retry.first_contact_s`)."""
+        return self._reached
+
+    def close(self) -> None:
+        self._http.close()
+
+    def clone(self, retry: RetryPolicy | None = None) -> CoordinatorClient:
+        """A second client to the same coordinator (its own connections), e.g. for heartbeats."""
+        other = CoordinatorClient(
+            self.url, self._token, timeouts=self._timeouts, retry=retry or self.retry, verify=self._verify
+        )
+        other._reached = self._reached  # the same coordinator: what this one learnt holds for both
+        other._keys = self._keys  # and it speaks for the same participants
+        return other
+
+    def participant_key(self, pid: str) -> str | None:
+        """The participant key this client holds for participant `pid` (never log it)."""
+        return self._keys.get(pid)
+
+    def remember_key(self, pid: str, key: str) -> None:
+        """Hold `key` as participant `pid`'s: presented on its calls, and at a join as `pid`
+        (e.g. a key kept on disk by a participant that restarts, to rejoin as itself)."""
+        self._keys[pid] = key
+
+    def _as(self, pid: str | None) -> dict[str, str]:
+        """The header that lets a call speak for participant `pid` (none when no key is held)."""
+        key = self._keys.get(pid) if pid is not None else None
+        return {KEY_HEADER: key} if key else {}
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the retry boundary ------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], Any], also_retry: frozenset[str] = frozenset(),
+              retry: RetryPolicy | None = None) -> Any:
+        """`fn()`, retried under `retry` (else the client's policy) on transient failures and on
+        refusals whose code is in `also_retry` (raised as they are once the budget is spent)."""
+        policy = retry or self.retry
+        attempt, spent = 0, 0.0
+        while True:
+            hint: float | None = None
+            try:
+                result = fn()
+                self._reached = True
+                return result
+            except CoordinatorError as e:
+                if e.status not in RETRY_STATUS and e.code not in also_retry:
+                    raise
+                failure, hint, refused = Failure(e.message), e.details.get("retry_after_s"), e
+            except (httpx.TransportError, WireError) as e:
+                # raises at once what retrying cannot fix
+                failure = transport_failure(self._address, what, e, connect_timeout_s=self._timeouts.connect,
+                                            speaks_tls=self._wants_tls)
+                refused = None
+            first_contact = not self._reached
+            delay = policy.next_delay(attempt, spent, first_contact=first_contact,
+                                      hint_s=float(hint) if isinstance(hint, (int, float)) else None)
+            if delay is None:
+                if refused is not None and refused.code in also_retry:
+                    raise refused
+                budget = policy.budget_s(first_contact)
+                why = gave_up(self._address, what, failure, budget, reached=self._reached)
+                raise CoordinatorUnavailable(why, status=0, code="unavailable")
+            log.warning("%s failed (%s); retrying in %.1fs", what, failure.what, delay)
+            time.sleep(delay)
+            attempt, spent = attempt + 1, spent + delay
+
+    def _wants_tls(self) -> bool:
+        """At first contact over http://, after the other end hung up without an answer: does
+        that port speak TLS? (A TLS server hangs up on plain HTTP; mid-run this is a restart.)"""
+        a = self._address
+        if self._reached or a.scheme != "http" or not is_direct(self.url):
+            return False
+        return fetch.speaks_tls(a.host, a.port, timeout_s=min(self._timeouts.connect, 2.0))
+
+    def _refusal(self, response: httpx.Response, where: str) -> CoordinatorError:
+        """The error an answer of 400 or more stands for (see `answers.refusal`)."""
+        body = error_body(response)
+        if body is not None:  # the coordinator's own JSON: it has answered
+            self._reached = True
+        return refusal(self._address, response, where, body)
+
+    def _answer(self, response: httpx.Response, where: str) -> Any:
+        """The JSON of a (small) answer, or the error it stands for."""
+        if response.status_code >= 400:
+            raise self._refusal(response, where)
+        try:
+            return response.json()
+        except ValueError:
+            kind = response.headers.get("content-type", "no content type").split(";")[0]
+            why = f"its answer to {where} is not JSON but {kind}"
+            raise not_a_coordinator(self._address, why, response.status_code) from None
+
+    def _json(self, method: str, path: str, *, also_retry: frozenset[str] = frozenset(),
+              retry: RetryPolicy | None = None, **kwargs: Any) -> Any:
+        what = f"{method} {path}"
+        return self._call(what, lambda: self._answer(self._http.request(method, path, **kwargs), what), also_retry,
+                          retry)
+
+    # -- the routes (each takes `retry=`: its own policy instead of the client's) --------------
+
+    def health(self, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        return self._expect(self._json("GET", "/v1/healthz", retry=retry), "GET /v1/healthz", "ok")
+
+    def join(self, name: str | None, info: dict[str, Any] | None = None, *,
+             retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """Join as `name` (presenting its participant key when this client holds one: a rejoin
+        as itself); from then on this client speaks for the participant the answer names.
+        A name whose earlier holder is still active is waited for (`name_in_use`)."""
+        body = {"name": name, "info": info or {}, "key_cookie": False}  # the key goes in a header: no cookie
+        joined = self._json("POST", "/v1/join", json=body, headers=self._as(name),
+                            also_retry=frozenset({"name_in_use"}), retry=retry)
+        joined = self._expect(joined, "POST /v1/join", "participant_id")
+        if isinstance(joined.get("participant_key"), str):
+            self._keys[str(joined["participant_id"])] = joined["participant_key"]
+        return joined
+
+    def _expect(self, answer: Any, where: str, key: str) -> dict[str, Any]:
+        """`answer` when it is the JSON object a coordinator gives (it has `key`)."""
+        if not isinstance(answer, dict) or key not in answer:
+            raise not_a_coordinator(self._address, f"its answer to {where} has no {key!r}")
+        return answer
+
+    def get_config(self, round_: int | None = None, *, participant_id: str | None = None,
+                   retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """The config in force now, or at round `round_`: {"version", "config", ...}; with
+        `participant_id` (speaking for it) also its inner steps for the round ("assignment")."""
+        params: dict[str, Any] = {} if round_ is None else {"round": round_}
+        if participant_id is None:
+            return self._json("GET", "/v1/config", params=params, retry=retry)
+        return self._json("GET", "/v1/config", params={**params, "participant_id": participant_id},
+                          headers=self._as(participant_id), retry=retry)
+
+    def change_config(self, changes: dict[str, Any], *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """Admin token: change the run config live (in force from the next round boundary)."""
+        return self._json("PUT", "/v1/config", json={"changes": changes}, retry=retry)
+
+    def validate_config(self, changes: dict[str, Any], *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """Admin token: dry run of a change: {"valid", "error", "diff"}; nothing is applied."""
+        return self._json("POST", "/v1/config/validate", json={"changes": changes}, retry=retry)
+
+    def config_history(self, limit: int = 50, *, retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
+        """Accepted config versions, newest first: version, created_at, author, diff, effective_round."""
+        return self._json("GET", "/v1/config/history", params={"limit": limit}, retry=retry)["versions"]
+
+    def kept_versions(self, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """Admin: the kept versions a roll back can go to, newest first, and the committed version."""
+        return self._json("GET", "/v1/admin/checkpoints", retry=retry)
+
+    def roll_back(self, version: int, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """Admin: put kept `version` back in force; answers the new version that holds it."""
+        return self._json("POST", "/v1/admin/rollback", json={"version": version}, retry=retry)
+
+    def events(self, stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, Any]]:
+        """Server-sent events of the run as (kind, data), one connection, no retry: the caller
+        reconnects. Ends when the server closes the stream or `stop()` is true at an event."""
+        with self._http.stream("GET", "/v1/stream", timeout=httpx.Timeout(5.0, read=60.0)) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise self._refusal(r, "GET /v1/stream")
+            kind, data = "message", ""
+            for line in r.iter_lines():
+                if stop is not None and stop():
+                    return
+                if line.startswith("event:"):
+                    kind = line[6:].strip()
+                elif line.startswith("data:"):
+                    data += line[5:].strip()
+                elif line == "" and data:
+                    yield kind, json.loads(data)
+                    kind, data = "message", ""
+
+    def status(self, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        return self._json("GET", "/v1/status", retry=retry)
+
+    def recent_events(self, limit: int = 100, *, retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
+        """The run's last `limit` events (kind, message, ...), oldest first."""
+        return self._json("GET", "/v1/events", params={"limit": limit}, retry=retry)["events"]
+
+    def metrics(self, name: str | None = None, limit: int = 10000, *,
+                retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
+        """Reported metrics, oldest first: participants' train loss and evals, the global evals."""
+        params: dict[str, Any] = {"limit": limit}
+        if name is not None:
+            params["name"] = name
+        return self._json("GET", "/v1/metrics", params=params, retry=retry)["metrics"]
+
+    def heartbeat(self, pid: str, *, retry: RetryPolicy | None = None, **stats: Any) -> dict[str, Any]:
+        return self._json("POST", f"/v1/participants/{pid}/heartbeat", json=stats, headers=self._as(pid),
+                          retry=retry)
+
+    def leave(self, pid: str, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        return self._json("POST", f"/v1/participants/{pid}/leave", headers=self._as(pid), retry=retry)
+
+    def report(
+        self, pid: str, values: dict[str, float], *, round_: int | None = None, step: int | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> dict[str, Any]:
+        return self._json(
+            "POST", f"/v1/participants/{pid}/metrics", json={"round": round_, "step": step, "values": values},
+            headers=self._as(pid), retry=retry,
+        )
+
+    def wait_round(self, round_: int, pid: str | None = None, wait_s: float = 25.0, *,
+                   retry: RetryPolicy | None = None, piece: str | None = None) -> dict[str, Any]:
+        """Round `round_`'s state, long-polled up to `wait_s` while it is open. With `pid` the
+        answer says whether its update is in (`submitted`), or with `piece`, that piece of it:
+        the poll returns at once when it is not, so that it is sent again."""
+        params: dict[str, Any] = {"wait": wait_s}
+        if pid is not None:
+            params["participant_id"] = pid
+        if piece is not None:
+            params["piece"] = piece
+        return self._json("GET", f"/v1/rounds/{round_}", params=params, headers=self._as(pid), retry=retry)
+
+    def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int, *,
+               retry: RetryPolicy | None = None, piece: str | None = None) -> dict[str, Any]:
+        """PUT one pseudo-gradient; RoundClosedError (409) when the round is already over.
+        `piece`: the body is that piece of the update (its metadata names its rows)."""
+        from fedtrain.wire.digest import DIGEST_HEADER
+
+        path = f"/v1/rounds/{round_}/updates/{pid}"
+        headers = {
+            DIGEST_HEADER: body.digest(),
+            "Content-Length": str(body.content_length),
+            "Content-Type": "application/octet-stream",
+            **self._as(pid),
+        }
+
+        params: dict[str, Any] = {"tokens": tokens} if piece is None else {"tokens": tokens, "piece": piece}
+
+        def once() -> Any:
+            if is_direct(self.url):
+                return self._upload_direct(path, params, headers, body)
+            r = self._http.put(path, params=params, content=iter(body), headers=headers)  # type: ignore[arg-type]
+            return self._answer(r, f"PUT {path}")
+
+        return self._call(f"upload of round {round_}", once, retry=retry)
+
+    def download(
+        self,
+        *,
+        version: int | None = None,
+        pid: str | None = None,
+        allocate: Callable[[TensorSpec], torch.Tensor] | None = None,
+        on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None = None,
+        retry: RetryPolicy | None = None,
+        rows: Mapping[str, Sequence[int] | None] | None = None,
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """Stream the global model; returns (version, tensors). Each tensor is read straight
+        into the storage `allocate` gives (e.g. a parameter), one copy per byte. With `rows`
+        (tensor name -> its [start, stop) rows along dimension 0, or None: whole), only those
+        tensors come, each only those rows (a rank's shard: docs/training-jobs.md)."""
+        params: dict[str, Any] = {}
+        if version is not None:
+            params["version"] = version
+        if pid is not None:
+            params["participant_id"] = pid
+        if rows is not None:
+            params["rows"] = json.dumps({n: None if r is None else list(r) for n, r in rows.items()},
+                                        separators=(",", ":"))
+
+        def once() -> tuple[int, dict[str, torch.Tensor]]:
+            if is_direct(self.url):
+                return self._download_direct(params, allocate, on_header, self._as(pid))
+            with self._http.stream("GET", "/v1/model", params=params, headers=self._as(pid)) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise self._refusal(r, "GET /v1/model")
+                with ModelBody(r.headers, allocate, on_header) as body:
+                    # No chunk size: httpx would re-chunk through a BytesIO (three more copies
+                    # per byte); a socket read is at most httpcore's read size (see `tune_httpcore`).
+                    for chunk in r.iter_raw():
+                        body.feed(chunk)
+                    return body.finish()
+
+        return self._call("download of the global model", once, retry=retry)
+
+    def _upload_direct(self, path: str, params: dict[str, Any], headers: dict[str, str], body: EncodedBody) -> Any:
+        """`upload` over `fetch.direct_request`: the body's chunks go to the socket as they are."""
+        fields = {**headers, "Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant"}
+        with direct_request("PUT", self.url, path, params, fields, body=body, connect_timeout=self._timeouts.connect,
+                            read_timeout=self._timeouts.read, write_timeout=self._timeouts.write,
+                            tls=self._direct_tls) as r:
+            answer = r.as_httpx()
+        return self._answer(answer, f"PUT {path}")
+
+    def _download_direct(
+        self, params: dict[str, Any], allocate: Callable[[TensorSpec], torch.Tensor] | None,
+        on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None, speaks_for: dict[str, str],
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """`download` over `fetch.direct_request`: socket reads land in the tensors' storage."""
+        headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant", **speaks_for}
+        with direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
+                            read_timeout=self._timeouts.read, tls=self._direct_tls) as r:
+            if r.status >= 400:
+                raise self._refusal(r.as_httpx(), "GET /v1/model")
+            with ModelBody(r.headers, allocate, on_header) as body:
+                return body.read_from(r)
