@@ -135,3 +135,13 @@ def test_a_stored_info_that_cannot_be_read_shows_as_unknown(tmp_path: Path) -> N
         metrics = scrape(http)
         assert metrics['fedtrain_participant_world_size{participant="many",parallel="unknown"}'] == 8
         assert not any('participant="odd"' in k for k in metrics if k.startswith("fedtrain_participant_world_size"))
+
+
+def test_the_control_channel_is_a_gloo_group_of_its_own() -> None:
+    """Two ranks: the control collectives agree, on a group that is not the training group."""
+    from tests.helpers.torchrun import launch
+
+    group = launch(str(Path(__file__).resolve().parents[1] / "helpers" / "workers" / "control_worker.py"))
+    out, _ = group.communicate(timeout=120)
+    assert group.returncode == 0, out[-3000:]
+    assert out.count("control ok") == 2, out[-3000:]

@@ -254,6 +254,7 @@ class Participant:
                 if not isinstance(exc[1], faults.InjectedCrash):  # a crashed process says no goodbye
                     self._say_goodbye(self.participant_id)
             self.client.close()
+            self.ranks.close()
 
     def _say_goodbye(self, pid: str) -> None:
         try:

@@ -30,19 +30,11 @@ from fedtrain.participant.engine.outage import is_transient
 
 __all__ = ["DistributedSyncError", "Outcome", "RankGroup", "control_group"]
 
-_CONTROL: dict[tuple[int, ...], Any] = {}  # the gloo group of each set of ranks, made once per process
-_CONTROL_LOCK = threading.Lock()
-
-
 def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
-    """The gloo process group over the ranks of `group` (None: every rank) that control messages
-    travel on; made on first use (every rank of the job must make it at the same point)."""
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-    with _CONTROL_LOCK:
-        made = _CONTROL.get(ranks)
-        if made is None:
-            made = _CONTROL[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
-        return made
+    """A gloo process group over the ranks of `group` (None: every rank) for control messages.
+    Making one is collective: every rank of the job must make it at the same point."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks=ranks, backend="gloo")
 
 
 class DistributedSyncError(FedtrainError):
@@ -85,10 +77,18 @@ class RankGroup:
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.control: Any = control_group(group) if self.world_size > 1 else None
 
+    def close(self) -> None:
+        """Destroy the control group while the interpreter is whole: a gloo group left to the
+        interpreter's teardown can abort the process ("terminate called without an active
+        exception"). Idempotent; the training group is the caller's."""
+        control, self.control = self.control, None
+        if control is not None and dist.is_initialized():
+            dist.destroy_process_group(control)
+
     @property
     def solo(self) -> bool:
         """One rank: every collective is the identity."""
-        return self.control is None
+        return self.world_size == 1
 
     @property
     def lead(self) -> bool:
