@@ -109,8 +109,8 @@ class Participant:
                                   stats=self._heartbeat_stats) if self.ranks.lead else None
         self.book = RoundBook(self.ranks, self.client, model, eval_fn=eval_fn,
                               everywhere=self.role.evaluates_everywhere, inner_optimizer=inner_optimizer,
-                              presence=self._presence, retry=self._attempt_retry, stats=self._heartbeat_stats)
-        self.book.settle = self.role.settle
+                              presence=self._presence, retry=self._attempt_retry, stats=self._heartbeat_stats,
+                              settle=self.role.settle)
         self.changed: list[str] | None = None  # the tensors the last landing changed (a fragment's), None: all
         self._record: dict[str, Any] | None = None  # the blocking round's record, kept over its attempts
 
@@ -400,15 +400,16 @@ class Participant:
         r + 1 (rounds went on without us) or at the run's end, streaming: the whole global model."""
         ex = self._exchanges
         engine = ex.engines[sent.fragment] if ex.engines else None
+        end = self.config.rounds > 0 and version >= self.config.rounds
         if engine is not None and engine.last_answer is not None and self.role.pieces:
             sent.record["piece"] = engine.last_answer  # the coordinator's answer to our piece
+        self.changed = None
         if ex.streaming:
             sent.record["fragment"] = sent.fragment
             alpha = self.config.streaming.alpha if self.config.streaming is not None else 0.0
             if engine is not None:
                 engine.mix(alpha)
-            self.changed = sorted(engine.params) if engine is not None else None
-            end = self.config.rounds > 0 and version >= self.config.rounds
+                self.changed = sorted(engine.params)
             if version not in (r, r + 1) or end:
                 if not end:
                     log.warning("round %d ended at version %d: rounds went on without us; taking the global "
@@ -417,13 +418,10 @@ class Participant:
                     self.participant_id, version, sent.fragment if end else None, retry=self._attempt_retry))
                 self.ranks.raise_failed(outcomes, error)
                 self.changed = None
-            if self.role.kind == "replicated":
+            if self.role.kind == "replicated":  # the other ranks have no engine: rank 0 names the tensors
                 self.changed = self.ranks.broadcast_json(self.changed)
-        else:
-            self._enter_round(version)
-            if engine is not None:
-                engine.adopt(None if self.finished or sent.sent is None else sent.sent)
-            self.changed = None
+        elif engine is not None:  # the run's end lands on the global model itself
+            engine.adopt(None if end else sent.sent)
         self.role.landed(self.changed)
         self._enter_round(version)
         ended, self._outage = self._outage.ended(r, quiet=not self.ranks.lead), OutageState()

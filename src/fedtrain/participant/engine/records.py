@@ -40,7 +40,8 @@ class RoundBook:
 
     def __init__(self, ranks: RankGroup, client: CoordinatorClient, model: nn.Module, *, eval_fn: EvalFn | None,
                  everywhere: bool, inner_optimizer: torch.optim.Optimizer | None, presence: Presence | None,
-                 retry: RetryPolicy, stats: Callable[[], dict[str, Any]]) -> None:
+                 retry: RetryPolicy, stats: Callable[[], dict[str, Any]],
+                 settle: Callable[[], None] = lambda: None) -> None:
         self.ranks = ranks
         self.client = client
         self.model = model
@@ -62,7 +63,7 @@ class RoundBook:
         self._loss = [0.0, 0.0]  # the round's loss sum and count (the group's)
         self._first_tokens: tuple[int, int] | None = None  # (round, tokens) of a round's first attempt
         self._callbacks: list[ConfigCallback] = []
-        self.settle: Callable[[], None] = lambda: None  # after an eval: the model as the sync needs it
+        self.settle = settle  # after an eval: the model as the sync needs it (FSDP: resharded)
 
     def joined(self, answer: dict[str, Any]) -> None:
         self.config = RunConfig.model_validate(answer["config"])
