@@ -1,7 +1,5 @@
 """`python -m fedtrain` is the `fedtrain` command."""
 
-import sys
+from fedtrain.cli import run
 
-from fedtrain.cli import main
-
-sys.exit(main())
+run()

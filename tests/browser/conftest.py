@@ -70,7 +70,9 @@ def _site(run: LiveRun, i: int, name: str) -> TinyParticipant:
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
     """A run with no end (rounds=0) and three participants training until the module is done."""
-    cfg = tiny_config(rounds=0, name="browser-test")
+    # Rounds commit about once a second here; keeping 30 versions keeps the one a test chose while
+    # it clicks through a confirm, even on a loaded machine (with 3, CI once saw it pruned first).
+    cfg = tiny_config(rounds=0, name="browser-test", keep_checkpoints=30)
     with BackgroundCoordinator(tmp_path_factory.mktemp("dashboard") / "state", cfg) as c:
         run = LiveRun(c)
         run.participants = {name: _site(run, i, name).start() for i, name in enumerate(SITES)}

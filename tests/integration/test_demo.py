@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,29 +11,14 @@ from pathlib import Path
 import pytest
 
 
-def test_short_demo_writes_summary(tmp_path: Path) -> None:
-    summary = tmp_path / "summary.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fedtrain",
-            "demo",
-            "--participants",
-            "2",
-            "--rounds",
-            "3",
-            "--sync-every",
-            "10",
-            "--summary",
-            str(summary),
-            "--state-dir",
-            str(tmp_path / "demo"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_short_demo_writes_summary_and_removes_its_temp_dir(tmp_path: Path) -> None:
+    """Without --state-dir the demo's state goes to a temp dir, removed once the run finished
+    (the streaming demo below keeps it with --keep)."""
+    summary, tmp = tmp_path / "summary.json", tmp_path / "tmp"
+    tmp.mkdir()
+    argv = [sys.executable, "-m", "fedtrain", "demo", "--participants", "2", "--rounds", "3", "--sync-every", "10",
+            "--summary", str(summary)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stdout + r.stderr
     s = json.loads(summary.read_text())
     assert s["participants"] == 2 and s["rounds"] == 3
@@ -50,10 +36,11 @@ def test_short_demo_writes_summary(tmp_path: Path) -> None:
     assert s["evals"][-1]["global_after"]["loss"] == pytest.approx(s["final_eval_loss"], abs=1e-3)
     assert s["bytes_per_round"]["upload_per_participant"] >= s["bytes_per_round"]["sync_set_bytes"]
     assert "evals around each sync" in r.stdout and "before sync" in r.stdout
+    assert "removed at the end unless --keep" in r.stdout and "state and logs: removed" in r.stdout
+    assert not list(tmp.glob("fedtrain-demo-*")), "the demo left its temp dir behind"
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    import os
     import signal
     import time
 
@@ -83,34 +70,16 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     assert not alive, "the coordinator survived Ctrl+C of the demo"
 
 
-def test_demo_removes_its_temp_dir_unless_kept(tmp_path: Path) -> None:
-    """Without --state-dir the demo's state goes to a temp dir, removed once the run finished;
-    --keep keeps it (and a failed run keeps it too, tested through the same flag's absence)."""
-    import os
-
-    argv = [sys.executable, "-m", "fedtrain", "demo", "--participants", "1", "--rounds", "1", "--sync-every", "2"]
-    removed, keep = tmp_path / "removed", tmp_path / "keep"  # the two runs at once, each its own TMPDIR
-    runs = {}
-    for tmp, extra in ((removed, []), (keep, ["--keep"])):
-        tmp.mkdir()
-        runs[tmp] = subprocess.Popen([*argv, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "TMPDIR": str(tmp)})
-    out = {tmp: proc.communicate(timeout=300) for tmp, proc in runs.items()}
-    assert runs[removed].returncode == 0, out[removed]
-    assert "removed at the end unless --keep" in out[removed][0] and "state and logs: removed" in out[removed][0]
-    assert not list(removed.glob("fedtrain-demo-*")), "the demo left its temp dir behind"
-    assert runs[keep].returncode == 0, out[keep]
-    kept = list(keep.glob("fedtrain-demo-*"))
-    assert len(kept) == 1 and (kept[0] / "state" / "run.db").is_file()
-    assert f"state and logs: {kept[0] / 'state'}" in out[keep][0]
-
-
 def test_a_streaming_demo_syncs_a_fragment_per_round(tmp_path: Path) -> None:
-    summary = tmp_path / "summary.json"
+    """... and --keep keeps the demo's temp dir (state and logs) after the run."""
+    summary, tmp = tmp_path / "summary.json", tmp_path / "tmp"
+    tmp.mkdir()
     argv = [sys.executable, "-m", "fedtrain", "demo", "--participants", "2", "--streaming", "2", "--rounds", "4",
-            "--sync-every", "10", "--summary", str(summary), "--state-dir", str(tmp_path / "demo")]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+            "--sync-every", "10", "--summary", str(summary), "--keep"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stdout + r.stderr
+    [kept] = tmp.glob("fedtrain-demo-*")
+    assert (kept / "state" / "run.db").is_file() and f"state and logs: {kept / 'state'}" in r.stdout
     s = json.loads(summary.read_text())
     assert s["streaming"]["fragments"] == 2 and s["rounds"] == 4
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.3, s

@@ -10,13 +10,16 @@ More: docs/architecture.md, "cli/commands.py".
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import fedtrain
 import fedtrain.cli.admin_commands as cli_admin
@@ -264,6 +267,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun's arguments, as torchrun takes them")
     return parser
+
+
+def run() -> NoReturn:
+    """The console script (`fedtrain`, `python -m fedtrain`): `main`, then the process ends.
+
+    A process that imported torch spends ~0.6 s of CPU tearing its modules down at a normal
+    exit, after everything of ours is closed. So once the only thread left is this one, the
+    exit handlers run (logging's flush, multiprocessing's reaping, temp dirs) and the process
+    ends at once; with another thread still running, the exit is the normal one (it waits).
+    """
+    code = main()
+    if threading.active_count() > 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,6 +144,10 @@ class Coordinator:
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_config_file)
 
+    def stop_waiting(self) -> None:
+        """The server is stopping: long polls answer at once and event streams end (on the event loop)."""
+        self.events.stop_waiting()
+
     async def stop(self) -> None:
         try:
             await self._stop()

@@ -14,10 +14,8 @@ import shlex
 import socket
 from pathlib import Path
 
-import uvicorn
-
 from fedtrain.config import load_config
-from fedtrain.coordinator.http.server import bind, uvicorn_config
+from fedtrain.coordinator.http.server import CoordinatorServer, bind, uvicorn_config
 from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.coordinator.state.statelock import StateLock
@@ -127,7 +125,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         # The socket listens already: a participant started from these lines waits in its
         # backlog until uvicorn accepts it a moment later.
         print("\n".join(next_steps(scheme, host, port, tokens_file)), flush=True)
-        server = uvicorn.Server(uvicorn_config(service, args.log_level, args.tls_cert, args.tls_key))
+        server = CoordinatorServer(uvicorn_config(service, args.log_level, args.tls_cert, args.tls_key), service)
         server.run(sockets=[sock])
     finally:
         sock.close()

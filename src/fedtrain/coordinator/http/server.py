@@ -33,6 +33,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class CoordinatorServer(uvicorn.Server):
+    """uvicorn's server, with one step before it waits for the requests in flight at a stop:
+    the coordinator's long polls and event streams are told to answer now, so a stop (Ctrl-C,
+    SIGTERM) takes as long as the uploads in flight, not as long as a participant's `wait`."""
+
+    def __init__(self, config: uvicorn.Config, service: Coordinator) -> None:
+        super().__init__(config)
+        self.service = service
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.service.stop_waiting()
+        await super().shutdown(sockets)
+
+
 def uvicorn_config(
     service: Coordinator,
     log_level: str = "warning",
@@ -93,8 +107,8 @@ class BackgroundCoordinator:
         self.service.open()
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn_config(self.service, tls_cert=tls_cert, tls_key=tls_key, limits=limits,
-                                                    fast_io=self.fast_io))
+        self.server = CoordinatorServer(uvicorn_config(self.service, tls_cert=tls_cert, tls_key=tls_key,
+                                                       limits=limits, fast_io=self.fast_io), self.service)
         self.server.config.timeout_graceful_shutdown = graceful_shutdown_s
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -28,6 +28,7 @@ class Events:
         self.broadcast = broadcast or Broadcaster()
         self._store: Store | None = None
         self._changed: asyncio.Event | None = None  # made on the event loop, by `start`
+        self._stopping = False
 
     def attach(self, store: Store) -> None:
         """The store events are written to (opened after this object is made)."""
@@ -36,6 +37,7 @@ class Events:
     def start(self) -> None:
         """On the event loop: from now on changes wake waiters and go out on the stream."""
         self._changed = asyncio.Event()
+        self._stopping = False
 
     def record(self, kind: str, message: str, pid: str | None = None) -> None:
         """Log, store and stream one event. A full disk does not stop what reports it (a
@@ -67,13 +69,21 @@ class Events:
         """Wait for the next `notify` for at most `timeout` seconds; False when none came
         (or the events have not started)."""
         changed = self._changed
-        if changed is None or timeout <= 0:
+        if changed is None or timeout <= 0 or self._stopping:
             return False
         try:
             await asyncio.wait_for(changed.wait(), timeout)
         except asyncio.TimeoutError:
             return False
         return True
+
+    def stop_waiting(self) -> None:
+        """The server is stopping: every long poll answers now, and no new one waits; every
+        stream ends. Without this a stop would wait for each open long poll (up to 60 s)."""
+        self._stopping = True
+        if self._changed is not None:
+            self._changed.set()
+        self.broadcast.close_all()
 
     def close(self) -> None:
         self.broadcast.close_all()
