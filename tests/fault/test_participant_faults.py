@@ -103,7 +103,7 @@ def test_lost_upload_is_sent_again(tmp_path: Path) -> None:
         with faults.inject("participant.upload", "drop", who="p0", round=1) as rule:
             _run(c)
         assert rule.fired == 1
-        rounds = {r["round"]: r for r in c.service.store.rounds()}
+        rounds = {r["round"]: r for r in c.service.round_history()}
         assert rounds[1]["n_submissions"] == 2 and "all 2 active" in rounds[1]["close_reason"]
 
 
@@ -115,7 +115,7 @@ def test_slow_upload_past_the_deadline_moves_on(tmp_path: Path) -> None:
         with faults.inject("participant.upload", "sleep", seconds=4.5, who="p0", round=1) as rule:
             runners = _run(c)
         assert rule.fired == 1
-        rounds = {r["round"]: r for r in c.service.store.rounds()}
+        rounds = {r["round"]: r for r in c.service.round_history()}
         assert [s["participant_id"] for s in rounds[1]["submissions"]] == ["p1"]
         assert "deadline" in rounds[1]["close_reason"] and "p0" in rounds[1]["close_reason"]
         assert [h["round"] for h in runners[0].fed.history] == [0, 1, 2]  # p0 moved on to round 2
@@ -127,9 +127,9 @@ def test_failed_merge_is_redone_from_resent_uploads(tmp_path: Path) -> None:
         with faults.inject("merge.before_step", "raise", round=1) as rule:
             _run(c)
         assert rule.fired == 1
-        kinds = [e["kind"] for e in c.service.store.events(100)]
+        kinds = [e["kind"] for e in c.service.event_log(100)]
         assert "merge_failed" in kinds
-        assert sorted(r["round"] for r in c.service.store.rounds()) == [0, 1, 2]
+        assert sorted(r["round"] for r in c.service.round_history()) == [0, 1, 2]
 
 
 def test_endless_outage_ends_the_participant_in_bounded_time(tmp_path: Path) -> None:
@@ -169,5 +169,5 @@ def test_server_errors_during_sync_are_ridden_out(tmp_path: Path, status: int) -
         assert failures["left"] == 0
         # Whether the client's own retries absorbed the errors or the participant rode them
         # out as an outage (that depends on the backoff's jitter), p0's update landed in round 1.
-        rounds = {r["round"]: r for r in c.service.store.rounds()}
+        rounds = {r["round"]: r for r in c.service.round_history()}
         assert rounds[1]["n_submissions"] == 2

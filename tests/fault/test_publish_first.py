@@ -94,8 +94,8 @@ def test_participants_follow_a_lost_round_back_and_finish(tmp_path: Path, publis
             results = train_all(c.url, 2)
             wait_for(lambda: c.service.inspect().committed_version == 4, "the run's last round never committed")
             final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-            rounds = c.service.store.rounds()
-            kinds = [e["kind"] for e in c.service.store.events(limit=200)]
+            rounds = c.service.round_history()
+            kinds = [e["kind"] for e in c.service.event_log(limit=200)]
     finally:
         faults.disarm()
     assert rule.fired == 1

@@ -56,7 +56,7 @@ def fail_round_one_pieces(c: BackgroundCoordinator, out: Path, hold_s: float) ->
     with faults.inject("upload.streaming", "raise", who="group", round=1, after=1, times=0):
         group = fsdp_group(c.url, "group", out, "--attempt-s", "1", "--budget-s", "120")
         deadline = time.monotonic() + 120
-        while not any(c.service.intake.has_piece("group", 1, f"rank{k}") for k in (0, 1)):
+        while not any(c.service.has_piece("group", 1, f"rank{k}") for k in (0, 1)):
             assert group.poll() is None and time.monotonic() < deadline, "round 1's first piece never came"
             time.sleep(0.05)
         time.sleep(hold_s)

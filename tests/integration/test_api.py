@@ -184,8 +184,8 @@ def test_a_lone_participants_upload_goes_straight_into_the_sum_with_the_same_res
             if delta is None:
                 delta = {n: torch.randn(t.shape, generator=g) * 1e-3 for n, t in c.service.inspect().weights.items()}
             assert put(http, 0, "solo", delta, tokens=7).json()["accepted"]
-            assert c.service.intake.last_path is not None and c.service.intake.last_path.path == (
-                "direct" if mode == "direct" else "spool")
+            path = c.service.last_receive_path()
+            assert path is not None and path.path == ("direct" if mode == "direct" else "spool")
             assert http.get("/v1/rounds/0", params={"wait": 10}).json()["state"] == "closed"
             if mode == "direct":
                 assert not [p for p in c.service.spool.rglob("*") if p.is_file()]

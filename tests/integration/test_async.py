@@ -179,7 +179,7 @@ def test_a_run_switches_from_rounds_to_async_at_a_round_boundary(tmp_path: Path)
             r = http.put("/v1/config", json={"changes": {"schedule": ASYNC}}).json()
         join_all(*runners)
         status = c.service.status()
-        events = [e["message"] for e in c.service.store.events(500)]
+        events = [e["message"] for e in c.service.event_log(500)]
     switch = r["effective_round"]
     assert any("schedule.mode rounds -> async" in n for n in checked.get("notes", [])), checked
     by_round = {x["round"]: x for x in status["recent_rounds"]}

@@ -33,12 +33,12 @@ def test_participants_train_and_agree(tmp_path: Path, algorithm: str, publish_fi
             assert time.monotonic() < deadline, "the last published round never committed"
             time.sleep(0.05)
         final_global = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
         assert all(r["digest"].startswith(digest + ":") for r in rounds)  # the run's choice, end to end
-        assert all(x["digest"].startswith(digest + ":") for x in c.service.store.submissions(5))
+        assert all(x["digest"].startswith(digest + ":") for x in c.service.submissions(5))
         # every committed checkpoint holds what was served
         checkpoints = c.service.inspect().checkpoints
-        assert torch.equal(checkpoints.load_global(6, c.service.store.get_meta("digest/6"))["wte.weight"],
+        assert torch.equal(checkpoints.load_global(6, c.service.version_digest(6))["wte.weight"],
                            final_global["wte.weight"])
     assert sorted(r["round"] for r in rounds) == list(range(6))
     assert all(r["n_submissions"] == n for r in rounds)
@@ -56,7 +56,7 @@ def test_compressed_deltas_train_and_agree(tmp_path: Path, compression: str) -> 
         results = train_all(c.url, n)
         final_global = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         model_bytes = sum(t.numel() * t.element_size() for t in final_global.values())
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
     per_upload = rounds[0]["bytes_in"] / rounds[0]["n_submissions"]
     assert per_upload <= model_bytes * {"bf16": 0.51, "int8": 0.27}[compression] + 4096, (per_upload, model_bytes)
     assert_all_on(results, final_global)
@@ -71,7 +71,7 @@ def test_overlapped_sync_trains_and_ends_on_the_global_model(tmp_path: Path) -> 
         results = train_all(c.url, n)
         assert c.service.finished
         final_global = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
     assert sorted(r["round"] for r in rounds) == list(range(5))
     # Each overlapped upload carries its round's tokens (sync_every steps of batch x seq_len),
     # not the count after the training thread reset it for the next round.

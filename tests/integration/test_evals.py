@@ -26,10 +26,10 @@ def test_eval_cadence_global_eval_and_status_table(tmp_path: Path, capsys: pytes
         join_all(*(TrainingThread(run_participant, c.url, PTOKEN, f"stdlib:{i}/2", name=f"p{i}",
                                   run_dir=tmp_path / f"p{i}").start() for i in range(2)), timeout=120)
         deadline = time.monotonic() + 30
-        while not any(m["name"] == "global_eval/loss" and m["round"] == 4 for m in c.service.store.metrics()):
+        while not any(m["name"] == "global_eval/loss" and m["round"] == 4 for m in c.service.metrics()):
             assert time.monotonic() < deadline, "the coordinator did not evaluate the final global model"
             time.sleep(0.1)
-        metrics = c.service.store.metrics()
+        metrics = c.service.metrics()
         assert fedtrain_main(["status", "--coordinator", c.url, "--token", PTOKEN]) == 0
         text = capsys.readouterr().out
         assert fedtrain_main(["status", "--coordinator", c.url, "--token", PTOKEN, "--json"]) == 0

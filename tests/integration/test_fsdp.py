@@ -23,7 +23,7 @@ def test_two_rank_fsdp_participant_beside_a_single_process_one(tmp_path: Path) -
         group = fsdp_group(c.url, "group", out)
         finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
         final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
         roster = c.service.status()["participants"]
         assert c.service.finished and c.service.version == 4
     assert sorted(p["id"] for p in roster) == ["group", "single"]  # one entry for the 2 ranks
@@ -64,7 +64,7 @@ def test_an_fsdp_group_syncs_overlapped_and_ends_on_the_global_rows(tmp_path: Pa
         group = fsdp_group(c.url, "group", out)
         text, _ = group.communicate(timeout=240)
         final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
         assert c.service.finished and c.service.version == 4
     assert group.returncode == 0, text[-3000:]
     assert all([s["participant_id"] for s in r["submissions"]] == ["group"] for r in rounds)

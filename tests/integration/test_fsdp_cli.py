@@ -53,7 +53,7 @@ def test_fsdp_participant_from_the_cli(tmp_path: Path) -> None:
         summaries = rank_summaries(finished(fsdp_cli_group(c.url, "group", run_dir, via="fedtrain")))
         final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         roster = c.service.status()["participants"]
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
         assert c.service.finished
     assert [p["id"] for p in roster] == ["group"]  # the 2 ranks are one participant
     assert all([s["participant_id"] for s in r["submissions"]] == ["group"] for r in rounds)

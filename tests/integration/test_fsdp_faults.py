@@ -30,16 +30,16 @@ def test_a_rank_killed_mid_sync_leaves_no_half_update_and_the_group_comes_back_w
         assert first.returncode != 0, text[-3000:]  # torchrun ends the group when a rank dies
         service = c.service
         assert service.version == 1 and not service.finished  # round 1 is not merged with half an update
-        assert [s["participant_id"] for s in service.store.submissions(1)] == ["single"]
-        assert service.intake.has_piece("group", 1, "rank0"), text[-3000:]  # the dead group's half is held...
+        assert [s["participant_id"] for s in service.submissions(1)] == ["single"]
+        assert service.has_piece("group", 1, "rank0"), text[-3000:]  # the dead group's half is held...
         second = fsdp_group(c.url, "group", out, "--key-file", str(key))  # ...until the group joins again
         text, _ = second.communicate(timeout=240)
         assert second.returncode == 0, text[-3000:]
         out_single, _ = single.communicate(timeout=60)
         assert single.returncode == 0, out_single[-3000:]
         final = {k: v.clone() for k, v in service.inspect().weights.items()}
-        rounds = service.store.rounds()
-        events = [e["message"] for e in service.store.events() if e["kind"] == "pieces"]
+        rounds = service.round_history()
+        events = [e["message"] for e in service.event_log() if e["kind"] == "pieces"]
         assert service.finished and service.version == 3
     assert len(events) == 1 and "round 1" in events[0], events  # the half update from before is dropped
     for r in rounds:  # every round merged one whole update of each participant
@@ -58,7 +58,7 @@ def test_the_group_rides_out_a_coordinator_that_fails_one_of_its_pieces(tmp_path
         service = c.service
         fail_round_one_pieces(c, out, hold_s=4)
         final = {k: v.clone() for k, v in service.inspect().weights.items()}
-        rounds = service.store.rounds()
+        rounds = service.round_history()
         assert service.finished and service.version == 3
     reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
     rode = [[(o["round"], o["attempts"]) for o in rep["outages"]] for rep in reports]  # seconds: each rank's clock

@@ -121,7 +121,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             assert group.returncode == 0, out[-3000:]
             assert c.service.finished and all(f.service.finished for f in fedavg.values())
             updates = {n: {k: theta0[k] - v for k, v in params(f).items()} for n, f in fedavg.items()}
-            tokens = [{s["participant_id"]: s["tokens"] for s in r["submissions"]} for r in c.service.store.rounds()]
+            tokens = [{s["participant_id"]: s["tokens"] for s in r["submissions"]} for r in c.service.round_history()]
             result = Runs(theta0, updates, params(c), tokens,
                           {p.stem: json.loads(p.read_text()) for p in tmp.glob("*-rank*.json")})
         finally:

@@ -56,10 +56,10 @@ def test_trainer_script_federates_with_a_callback(tmp_path: Path) -> None:
         trainer.train()
         assert c.service.finished and c.service.version == 2
         assert trainer.state.global_step == 6
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
         final = c.service.inspect().weights
         assert all(torch.equal(p.detach(), final[n]) for n, p in model.named_parameters() if p.requires_grad)
-        names = {m["name"] for m in c.service.store.metrics()}
+        names = {m["name"] for m in c.service.metrics()}
     assert [r["submissions"][0]["tokens"] for r in rounds] == [3 * 4 * 32] * 2  # tokens counted by the Trainer
     assert {"eval_before/loss", "eval_after/loss", "train_loss"} <= names
     fed = callback.participant

@@ -83,7 +83,7 @@ def test_with_a_shared_token_a_participant_cannot_act_as_another(tmp_path: Path)
                     err = assert_error(http.request(method, path, json=data), 403, "not_this_participant")
                     assert "acts only as itself" in err["message"]
         assert c.service.inspect().participants["b"].state == "active" and not c.service.inspect().submitted
-        assert c.service.store.metrics() == []
+        assert c.service.metrics() == []
         # the real participants still act as themselves, and the admin for anyone
         assert a.post("/v1/participants/a/heartbeat", json={"step": 1}).status_code == 200
         with client(c, key=key_b) as b_by_header:
@@ -147,7 +147,7 @@ def test_a_participant_restarted_with_the_coordinator_takes_its_name_back_withou
         assert new != old
         assert fresh.post("/v1/participants/a/heartbeat", json={}).status_code == 200
         assert_error(stale.post("/v1/participants/a/heartbeat", json={}), 403, "not_this_participant")
-        assert any("a new participant key replaces the old one" in e["message"] for e in c.service.store.events(20))
+        assert any("a new participant key replaces the old one" in e["message"] for e in c.service.event_log(20))
 
 
 def test_300_joins_from_one_token_stop_at_its_cap(tmp_path: Path) -> None:

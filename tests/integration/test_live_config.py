@@ -127,7 +127,7 @@ def test_outer_algorithm_switch_starts_fresh_state(tmp_path: Path) -> None:
             assert put(http, 1, "a", ones).status_code == 200
             http.get("/v1/rounds/1", params={"wait": 10})
             assert svc.version == 2 and svc.status()["algorithm"] == "fedadam" and svc.inspect().outer_steps == 0
-            events = [e["message"] for e in svc.store.events()]
+            events = [e["message"] for e in svc.event_log()]
             assert any("switched to fedadam with fresh state" in m for m in events), events
     # Version 2 is the outcome of round 1, merged by DiLoCo: its checkpoint holds DiLoCo's
     # state, and the model file the bytes that were served (the switch came in force between

@@ -34,7 +34,7 @@ def test_only_adapters_travel_and_are_stored(tmp_path: Path) -> None:
         assert set(c.service.inspect().weights) == set(adapters)  # the coordinator holds and merges adapters only
         results = run_two(c.url, tmp_path)
         status = c.service.status()
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
         assert c.service.finished
     assert status["model_bytes"] == adapter_bytes
     for r in results.values():

@@ -60,7 +60,7 @@ def test_killed_participant_resumes_where_it_was(tmp_path: Path) -> None:
         out, err = second.communicate(timeout=120)
         assert second.returncode == 0, err[-3000:]
         assert c.service.finished
-        events = [e["message"] for e in c.service.store.events(1000)]
+        events = [e["message"] for e in c.service.event_log(1000)]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["resumed_from_round"] == before["round"]
     assert f"joined as a at round {rejoin_round}" in err

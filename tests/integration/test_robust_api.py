@@ -42,7 +42,7 @@ def test_median_is_taken_from_spooled_updates(tmp_path: Path) -> None:
         med = aggregate(ds, "median")
         for n, t in c.service.inspect().weights.items():
             torch.testing.assert_close(t, theta0[n] - med[n])
-        weights = {s["participant_id"]: s["weight"] for s in c.service.store.rounds()[0]["submissions"]}
+        weights = {s["participant_id"]: s["weight"] for s in c.service.round_history()[0]["submissions"]}
         assert weights == {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}
 
 
@@ -59,9 +59,9 @@ def test_norm_outlier_is_left_out_and_reported(tmp_path: Path) -> None:
         for n, t in c.service.inspect().weights.items():
             want = theta0[n] - (ds["a"][n] + ds["b"][n] + ds["c"][n]) / 3
             torch.testing.assert_close(t, want)
-        events = [e for e in c.service.store.events(50) if e["kind"] == "reject"]
+        events = [e for e in c.service.event_log(50) if e["kind"] == "reject"]
         assert len(events) == 1 and events[0]["participant_id"] == "d" and "median norm" in events[0]["message"]
-        weights = {s["participant_id"]: s["weight"] for s in c.service.store.rounds()[0]["submissions"]}
+        weights = {s["participant_id"]: s["weight"] for s in c.service.round_history()[0]["submissions"]}
         assert weights["d"] == 0.0 and abs(sum(weights.values()) - 1.0) < 1e-9
 
 

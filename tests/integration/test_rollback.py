@@ -65,7 +65,7 @@ def test_an_admin_rolls_the_run_back_to_a_kept_version(tmp_path: Path) -> None:
         now = model_at(c, 4)
         for n, t in kept_model.items():
             torch.testing.assert_close(now[n], t, rtol=0, atol=0)
-        assert "rolled back to version 2" in c.service.store.rounds(1)[0]["close_reason"]
+        assert "rolled back to version 2" in c.service.round_history(1)[0]["close_reason"]
         run_rounds(c, 4, 1)  # the run goes on from the restored weights
     with BackgroundCoordinator(state, cfg, tokens=TOKENS) as c:  # and it was durable
         assert c.service.version == 5
@@ -87,7 +87,7 @@ def test_a_roll_back_that_comes_while_a_round_closes_waits_for_it(tmp_path: Path
             r = admin.post("/v1/admin/rollback", json={"version": 1})
             assert r.status_code == 200, r.text
             assert r.json() == {"version": 3, "restored": 1}  # round 1 committed as version 2 first
-        assert [row["round"] for row in c.service.store.rounds(3)] == [2, 1, 0]
+        assert [row["round"] for row in c.service.round_history(3)] == [2, 1, 0]
         now, kept = model_at(c, 3), model_at(c, 1)
         for n, t in kept.items():
             torch.testing.assert_close(now[n], t, rtol=0, atol=0)
@@ -146,7 +146,7 @@ def test_a_damaged_newest_checkpoint_names_the_intact_one_and_recover_resumes_fr
         assert svc.version == 3 and svc.inspect().committed_version == 3
         for n, t in intact.items():
             torch.testing.assert_close(svc.inspect().weights[n], t, rtol=0, atol=0)
-        events = svc.store.events(20)
+        events = svc.event_log(20)
         assert any(e["kind"] == "recover" and "version 1" in e["message"] for e in events)
     finally:
         svc.store.close()

@@ -28,7 +28,7 @@ def test_late_upload_is_folded_into_the_next_round_with_a_discount(tmp_path: Pat
         da0, db0, da1, db1 = (rand_like(c, i) for i in range(4))
         assert put(http, 0, "a", da0).status_code == 200
         info = wait_round(http, 0)  # b straggles: round 0 closes at its 1 s deadline with a alone
-        assert "deadline" in c.service.store.rounds()[0]["close_reason"]
+        assert "deadline" in c.service.round_history()[0]["close_reason"]
         theta1 = {n: t.clone() for n, t in c.service.inspect().weights.items()}
         late = put(http, 0, "b", db0).json()
         assert late == {"accepted": True, "duplicate": False, "round": 0, "folded_into": 1, "staleness": 1}
@@ -42,7 +42,7 @@ def test_late_upload_is_folded_into_the_next_round_with_a_discount(tmp_path: Pat
         for n, t in c.service.inspect().weights.items():  # FedAvg: θ2 = θ1 − Σ wΔ / Σ w, late weight 100 × 0.5
             want = theta1[n] - (100 * da1[n] + 100 * db1[n] + 50 * db0[n]) / 250
             torch.testing.assert_close(t, want)
-        events = c.service.store.events(50)
+        events = c.service.event_log(50)
         assert any(e["kind"] == "late" and "folded into round 1" in e["message"] for e in events)
         # two rounds late is more than max_staleness (1): refused like any closed round
         assert_error(put(http, 0, "b", db0), 409, "round_closed")
@@ -66,7 +66,7 @@ def test_adaptive_deadline_closes_a_stalled_round_early(tmp_path: Path) -> None:
         assert deadline_s == pytest.approx(max(0.5, 2.0 * typical), abs=0.1)  # the reason rounds to 0.1 s
         put(http, 1, "a", rand_like(c, 2))  # b stalls; the fixed deadline would wait 120 s
         wait_round(http, 1, timeout=60)
-        reason = c.service.store.rounds()[0]["close_reason"]
+        reason = c.service.round_history()[0]["close_reason"]
         assert f"deadline of {deadline_s:g}s passed" in reason and "b" in reason
 
 
@@ -80,7 +80,7 @@ def test_silent_participant_fails_then_recovers_on_heartbeat(tmp_path: Path) -> 
             time.sleep(0.1)
         r = http.post("/v1/participants/quiet/heartbeat", json={"step": 3}).json()
         assert r["state"] == "active"
-        kinds = [e["kind"] for e in c.service.store.events(20)]
+        kinds = [e["kind"] for e in c.service.event_log(20)]
         assert "fail" in kinds and "recover" in kinds
 
 
@@ -109,7 +109,7 @@ def test_participant_fails_at_round_and_rejoins_with_current_weights(tmp_path: P
         runners[2].join(timeout=60)
         assert rule.fired == 1 and runners[2].crashed
         assert c.service.inspect().participants["p2"].state == "failed"
-        rounds = {r["round"]: r for r in c.service.store.rounds()}
+        rounds = {r["round"]: r for r in c.service.round_history()}
         assert rounds[1]["n_submissions"] == 2  # round 1 closed without the failed participant
         back = _straggler(c.url, "p2").start()
         assert back.joined.wait(30), back.error
@@ -126,13 +126,13 @@ def test_participant_fails_at_round_and_rejoins_with_current_weights(tmp_path: P
         for n in final:
             for r in (*runners[:2], back):  # everyone ends on the global weights
                 assert torch.equal(r.weights[n], final[n]), (r.name, n)
-        events = [(e["kind"], e["message"]) for e in c.service.store.events(200)]
+        events = [(e["kind"], e["message"]) for e in c.service.event_log(200)]
         assert any(k == "fail" and "p2" in m for k, m in events)
         assert any(k == "join" and "p2 rejoined" in m and "failed" in m for k, m in events)
         last = max(rounds) + 1
         assert any(
             s["participant_id"] == "p2"
-            for r in c.service.store.rounds()
+            for r in c.service.round_history()
             if r["round"] >= last
             for s in r["submissions"]
         )

@@ -171,7 +171,7 @@ def test_a_torchrun_group_streams_beside_a_single_process(tmp_path: Path) -> Non
         group = participant_group(c.url, "group", "--run-dir", str(tmp_path / "group"))
         finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
         final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
         assert c.service.finished and c.service.version == 4
     assert [r["fragment"] for r in sorted(rounds, key=lambda r: r["round"])] == [0, 1, 0, 1]
     for r in rounds:  # both took part in every round, each with the round's fragment only
@@ -198,7 +198,7 @@ def test_lora_streams_its_adapters_a_fragment_at_a_time(tmp_path: Path) -> None:
     body = [EncodedBody({n: adapters[n] for n in names}).content_length for names in plan]
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         results = run_two(c.url, tmp_path)
-        rounds = sorted(c.service.store.rounds(), key=lambda r: r["round"])
+        rounds = sorted(c.service.round_history(), key=lambda r: r["round"])
         assert c.service.finished
     assert all(r["rounds"] == 4 for r in results.values())
     assert all(len(names) > 0 and all(".layers." in n for n in names) for names in plan)

@@ -18,7 +18,7 @@ def test_two_rank_torchrun_participant_beside_a_single_process_one(tmp_path: Pat
         group = participant_group(c.url, "group", "--run-dir", str(tmp_path / "group"))
         out_group = finish(group, participant(c.url, "single", "--run-dir", str(tmp_path / "single")))
         final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
         ranks = {p["id"]: (p["parallel"], p["world_size"]) for p in c.service.status()["participants"]}
         assert c.service.finished and c.service.version == 3
     assert ranks == {"group": ("ddp", 2), "single": ("single", 1)}  # the coordinator sees what each one is
@@ -61,7 +61,7 @@ def test_a_ddp_group_syncs_overlapped_and_every_rank_ends_on_the_global_weights(
         group = participant_group(c.url, "group", "--run-dir", str(tmp_path / "group"))
         out, _ = group.communicate(timeout=240)
         final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        rounds = c.service.store.rounds()
+        rounds = c.service.round_history()
         assert c.service.finished and c.service.version == 3
     assert group.returncode == 0, out[-3000:]
     assert all([s["participant_id"] for s in r["submissions"]] == ["group"] for r in rounds)

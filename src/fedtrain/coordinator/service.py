@@ -36,6 +36,7 @@ from fedtrain.coordinator.model.committer import Committer
 from fedtrain.coordinator.model.global_eval import GlobalEvaluator
 from fedtrain.coordinator.model.publish import ModelStream
 from fedtrain.coordinator.model.slices import SliceStream
+from fedtrain.coordinator.policy import ReceivePath
 from fedtrain.coordinator.rounds.progress import Rounds
 from fedtrain.coordinator.rounds.schedule import Schedule
 from fedtrain.coordinator.state.broadcast import Broadcaster
@@ -446,6 +447,27 @@ class Coordinator:
     def config_history(self, limit: int = 50) -> list[dict[str, Any]]:
         """The newest `limit` accepted config versions: when, by whom, the diff."""
         return self.store.config_history(limit)
+
+    def has_piece(self, pid: str, round_: int, label: str) -> bool:
+        """Whether piece `label` of `pid`'s update for round `round_` is in (held until its update is whole)."""
+        return self.intake.has_piece(pid, round_, label)
+
+    def last_receive_path(self) -> ReceivePath | None:
+        """Where the latest upload was received (spooled, or straight into the sum), and why."""
+        return self.intake.last_path
+
+    def round_history(self, limit: int = 50) -> list[dict[str, Any]]:
+        """The newest `limit` committed rounds, newest first: when, why they closed, and each
+        submission with its weight."""
+        return self.store.rounds(limit)
+
+    def submissions(self, round_: int) -> list[dict[str, Any]]:
+        """The updates received for round `round_`, in the order they came: who, tokens, digest."""
+        return self.store.submissions(round_)
+
+    def version_digest(self, version: int) -> str | None:
+        """The digest of committed version `version`'s global model (None: not known)."""
+        return self.store.get_meta(f"digest/{version}")
 
     def event_log(self, limit: int = 100) -> list[dict[str, Any]]:
         """The newest `limit` events of the run, oldest first."""
