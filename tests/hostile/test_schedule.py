@@ -11,17 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from fedtrain import faults
+from fedtrain.config import MAX_UPDATE_TOKENS
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.coordinator.policy import MAX_SUM, pair_cap
+from fedtrain.coordinator.policy import MAX_SUM, bounded_sum, count_tokens, pair_cap
 from fedtrain.coordinator.policy.balance import MAX_RATE
 from fedtrain.participant import CoordinatorClient, RetryPolicy
-from tests.helpers.api import assert_error, client, close_round, put, wait_round
+from tests.helpers.api import assert_error, client, close_round, put, wait_round, zero_update
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
-HUGE = 2**62  # the largest count the upload route takes: two of them overflow an int64 sum
+HUGE = 2**53 - 1  # a claim past any schedule (the issue used 2^62; the route may bound counts at 2^53)
 BALANCED = {"mode": "balanced"}
 
 
@@ -77,6 +79,17 @@ def test_a_balanced_sync_every_that_overflows_is_refused_and_joins_go_on(tmp_pat
         assert part.post("/v1/join", json={"name": "x"}).status_code == 200  # a rejoin with its key
 
 
+def test_counted_tokens_and_their_sums_stay_below_2_to_the_53() -> None:
+    # the largest schedule the config takes counts one update within 2^40; sums saturate at 2^53 - 1
+    edge = tiny_config(train={"sync_every": 10_000, "batch_size": 20_000, "seq_len": 32},
+                       schedule={"mode": "balanced", "max_steps_factor": 2})
+    counted, why = count_tokens(HUGE, edge, told=20_000)
+    assert counted == 20_000 * 20_000 * 32 * 16 <= MAX_UPDATE_TOKENS and why is not None and "told H 20000" in why
+    assert count_tokens(HUGE, edge, told=10**9)[0] == MAX_UPDATE_TOKENS  # whatever a stored H says
+    assert bounded_sum([MAX_UPDATE_TOKENS] * 8192) == MAX_SUM == 2**53 - 1
+    assert bounded_sum([HUGE, HUGE]) == MAX_SUM and bounded_sum([3, -5, 4]) == 7
+
+
 def _ids(http: httpx.Client) -> dict[str, str]:
     return {p["id"]: p["state"] for p in http.get("/v1/status").json()["participants"]}
 
@@ -107,10 +120,12 @@ def test_a_join_that_fails_leaves_nothing_in_the_roster(tmp_path: Path) -> None:
 # -- a balanced-mode liar ---------------------------------------------------------------------------
 
 
-def test_a_balanced_liar_cannot_take_the_merge_of_two(tmp_path: Path) -> None:
+@pytest.mark.parametrize("liar_first", [False, True], ids=["honest-first", "liar-first"])
+def test_a_balanced_liar_cannot_take_the_merge_of_two(tmp_path: Path, liar_first: bool) -> None:
     """Was: with two participants, steps_per_s 1e300 and a claim of 2^62 gave the liar 4xH, the
     honest site the floor and the liar 0.996 of the merge. Now: the honest site keeps H, the
-    liar's claim counts up to its own schedule, and its share is capped at `pair_cap` (0.75)."""
+    liar's claim counts up to its own schedule, and its share is capped at `pair_cap` (0.75),
+    whichever update comes first (the first is summed alone; the other waits for the close)."""
     h, batch, seq = 8, 8, 32
     cfg = tiny_config(rounds=0, train={"sync_every": h, "batch_size": batch, "seq_len": seq}, schedule=BALANCED)
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, \
@@ -123,10 +138,12 @@ def test_a_balanced_liar_cannot_take_the_merge_of_two(tmp_path: Path) -> None:
         assert told["honest"] >= h, told  # not floored: the liar cannot pull the reference above it
         assert told["liar"] <= 4 * h, told
         honest_tokens = told["honest"] * batch * seq
-        from tests.helpers.api import zero_update
         body = zero_update(joined["honest"]["model"])
-        cl.upload(1, "honest", body, tokens=honest_tokens)
+        if not liar_first:
+            cl.upload(1, "honest", body, tokens=honest_tokens)
         answer = cl.upload(1, "liar", body, tokens=HUGE)
+        if liar_first:
+            cl.upload(1, "honest", body, tokens=honest_tokens)
         assert answer["tokens_counted"] == told["liar"] * batch * seq * 16  # its own H x batch x seq x slack
         assert cl.wait_round(1, wait_s=10)["state"] in ("closed", "committing")
         weights = {s["participant_id"]: s["weight"] for s in last_round(http)["submissions"]}
