@@ -40,6 +40,7 @@ log = logging.getLogger("fedtrain.faults")
 ENV = "FEDTRAIN_FAULTS"
 
 POINTS: dict[str, str] = {
+    "join.answer": "coordinator: the roster took a join, its answer (config, model, assignment) not built yet",
     "upload.streaming": "coordinator: the first bytes of an upload are on disk, the rest still streaming",
     "upload.received": "coordinator: an upload is verified and spooled, not yet folded",
     "merge.before_step": "coordinator: a round is closing, before the outer optimizer step",

@@ -64,15 +64,16 @@ def test_no_throughput_yet_and_one_participant_run_h() -> None:
     assert one["solo"].sync_every == 20 and "the only participant with a measured throughput" in one["solo"].reason
     assert one["new"].sync_every == 20 and "no throughput measured yet" in one["new"].reason
     assert plan(20, {}) == {}
-    # a participant without a rate does not count in the median
-    assert plan(20, {"fast": 4.0, "slow": 1.0, "new": None}) == {"fast": 32, "slow": 8, "new": 20}
+    # a participant without a rate does not count in the median; of two, the reference is the slower
+    # (the lower median: one participant's claim cannot pull it above the other's rate)
+    assert plan(20, {"fast": 4.0, "slow": 1.0, "new": None}) == {"fast": 80, "slow": 20, "new": 20}
 
 
 @pytest.mark.parametrize("bad", [0.0, -5.0, math.nan, math.inf, -math.inf, None, "fast", True])
 def test_a_bad_rate_counts_as_unknown_and_never_crashes(bad: object) -> None:
     assert clean_rate(bad) is None
     steps = plan(20, {"a": 4.0, "b": 1.0, "liar": bad})  # type: ignore[dict-item]
-    assert steps["liar"] == 20 and steps["a"] == 32 and steps["b"] == 8
+    assert steps["liar"] == 20 and steps["a"] == 80 and steps["b"] == 20
 
 
 def test_an_absurd_rate_is_clamped_and_moves_the_median_by_one_rank_at_most() -> None:
@@ -112,17 +113,29 @@ def test_steps_per_second_from_tokens_when_a_client_reports_only_those() -> None
     assert measured_rate(Reported(steps_per_s=-1.0, tokens_per_s=math.nan), 256) is None
 
 
-def test_token_claims_are_bounded_by_the_most_steps_a_balanced_round_may_tell() -> None:
+def test_token_claims_are_bounded_by_the_steps_the_participant_was_told() -> None:
     from fedtrain.config import RunConfig
     from fedtrain.coordinator.policy import count_tokens, token_bound
 
     lockstep = RunConfig()
     balanced = RunConfig.model_validate({"schedule": {"mode": "balanced", "max_steps_factor": 4}})
-    assert token_bound(balanced)[0] == 4 * token_bound(lockstep)[0]
-    assert "schedule.max_steps_factor 4" in token_bound(balanced)[1]
+    assert token_bound(balanced)[0] == token_bound(lockstep)[0]  # not told: train.sync_every
+    assert token_bound(balanced, told=60)[0] == 3 * token_bound(lockstep)[0]  # its own H, 3 x sync_every 20
+    assert "its told H 60" in token_bound(balanced, told=60)[1]
     claim = 3 * token_bound(lockstep)[0]  # the fast site of a balanced round honestly trained this much
-    assert count_tokens(claim, balanced) == (claim, None)
+    assert count_tokens(claim, balanced, told=60) == (claim, None)
+    assert count_tokens(claim, balanced, told=5)[0] == token_bound(balanced, told=5)[0] < claim  # a slow site's
     assert count_tokens(claim, lockstep)[0] == token_bound(lockstep)[0]
+
+
+def test_the_lower_median_keeps_an_honest_site_at_h_against_a_liar_of_two() -> None:
+    # was: the mean of the two middle rates followed the liar to MAX_RATE and floored the honest site
+    fast_liar = plan(20, {"honest": 2.0, "liar": 1e300})
+    assert fast_liar == {"honest": 20, "liar": 80}
+    slow_liar = plan(20, {"honest": 2.0, "liar": 1e-300})  # it can only raise the honest H, to the cap
+    assert slow_liar == {"honest": 80, "liar": 20}
+    # of four, one liar moves the reference by one place: the honest sites stay within their own spread
+    assert plan(20, {"a": 1.0, "b": 2.0, "c": 4.0, "liar": 1e300}) == {"a": 10, "b": 20, "c": 40, "liar": 80}
 
 
 # -- the participant's side ---------------------------------------------------------------------------

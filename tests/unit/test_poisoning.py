@@ -155,8 +155,14 @@ def test_cap_shares_hand_computed() -> None:
     assert "3 updates cannot all stay under it" in reasons["a"]
 
 
-def test_cap_shares_leaves_pairs_small_rounds_and_a_cap_of_one_alone() -> None:
-    assert policy.cap_shares({"a": 9, "b": 1}, 0.5) == ({"a": 0.9, "b": 0.1}, {})  # 2 < MIN_FOR_CAP
+def test_cap_shares_leaves_one_update_and_a_cap_of_one_alone_and_caps_a_pair_at_the_pair_cap() -> None:
+    assert policy.cap_shares({"a": 9}, 0.5) == ({"a": 1.0}, {})  # 1 < MIN_FOR_CAP
+    # a round of two: (1 + 0.5) / 2 = 0.75, so that neither takes the merge by claiming tokens
+    shares, reasons = policy.cap_shares({"a": 9, "b": 1}, 0.5)
+    assert shares == pytest.approx({"a": 0.75, "b": 0.25}) and policy.pair_cap(0.5) == 0.75
+    assert list(reasons) == ["a"] and "a round of two: (1 + max_share 0.5) / 2" in reasons["a"]
+    assert policy.cap_shares({"a": 2, "b": 1}, 0.5) == ({"a": 2 / 3, "b": 1 / 3}, {})  # under it
+    assert policy.cap_shares({"a": 9, "b": 1}, 1.0) == ({"a": 0.9, "b": 0.1}, {})  # 1 turns it off
     assert policy.cap_shares({"a": 8, "b": 1, "c": 1}, 1.0) == ({"a": 0.8, "b": 0.1, "c": 0.1}, {})
     assert policy.cap_shares({"a": 1, "b": 1, "c": 2}, 0.5) == ({"a": 0.25, "b": 0.25, "c": 0.5}, {})  # at it
 
@@ -181,8 +187,11 @@ def test_to_fold_keeps_the_sum_reweighable() -> None:
     # a safe sum takes the safe ones; the one that could be capped waits
     assert policy.to_fold({"a": c(1, True), "b": c(1, True), "c": c(9, False)}, 0.5, 4) == []
     assert policy.to_fold({"a": c(1, True), "b": c(1, True), "d": c(1, False), "c": c(9, False)}, 0.5, 4) == ["d"]
-    # no cap can apply: a pair, or max_share 1
-    assert policy.to_fold({"a": c(6, True), "b": c(1, False)}, 0.5, 2) == ["b"]
+    # a round that can reach two only: the pair cap (0.75) applies, so 6 of 7 waits for it
+    assert policy.to_fold({"a": c(6, True), "b": c(1, False)}, 0.5, 2) == []
+    assert policy.to_fold({"a": c(2, True), "b": c(1, False)}, 0.5, 2) == ["b"]  # 2 of 3: under it
+    # no cap can apply: one update, or max_share 1
+    assert policy.to_fold({"a": c(6, False)}, 0.5, 1) == ["a"]
     assert policy.to_fold({"a": c(6, True), "b": c(1, False)}, 1.0, 9) == ["b"]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from fedtrain.config.run_config import (
     MAX_LR,
     MAX_SECONDS,
+    MAX_UPDATE_TOKENS,
     MAX_UPLOAD_MB,
     MB,
     MIN_HEARTBEAT_S,
@@ -33,6 +34,7 @@ from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfi
 __all__ = [
     "MAX_LR",
     "MAX_SECONDS",
+    "MAX_UPDATE_TOKENS",
     "MAX_UPLOAD_MB",
     "MB",
     "MIN_HEARTBEAT_S",

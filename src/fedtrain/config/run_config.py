@@ -42,6 +42,17 @@ MAX_LR = 10.0
 """The largest learning rate, inner or outer: above it every step diverges."""
 SEED_RANGE = (-(2**63), 2**63 - 2)
 """Seeds `torch.manual_seed` takes, with the `seed + 1` a recipe derives from it."""
+MAX_UPDATE_TOKENS = 2**40
+"""The most tokens one update may count for (~1.1e12): a round's schedule times
+`outer.token_slack` beyond it is refused, so that token sums stay far below 2^53 (exact as
+floats, and in SQLite's 64-bit integers) for 8,192 of the largest updates."""
+MAX_STEPS = 1_000_000
+"""The most inner steps (train.sync_every) and the most sequences per step (batch_size)."""
+MAX_TOKENS = 2**20
+"""The longest sequence, and the longest context of the built-in GPT: 1,048,576 tokens."""
+MAX_COUNT = 1_000_000
+"""The largest count a config field takes where no other bound applies (participants, batches,
+windows, staleness): far beyond any run, far below the 2^53 where sums stop being exact."""
 
 
 class HFModelConfig(_Strict):
@@ -96,8 +107,8 @@ def _non_finite(value: Any, path: str = "") -> str | None:
 class LoraConfig(_Strict):
     """LoRA adapters (through `peft`): only the adapter weights train, travel and are merged."""
 
-    r: int = Field(8, ge=1, description="Rank of each adapter.")
-    alpha: float = Field(16.0, gt=0, description="Scaling numerator: adapters are scaled by alpha / r.")
+    r: int = Field(8, ge=1, le=65_536, description="Rank of each adapter.")
+    alpha: float = Field(16.0, gt=0, le=1e6, description="Scaling numerator: adapters are scaled by alpha / r.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="Names (suffixes) of the Linear modules that get adapters, or `all-linear`."
@@ -111,11 +122,11 @@ class ModelConfig(_Strict):
     `transformers` causal LM described by `hf` (the GPT fields are then unused)."""
 
     recipe: Literal["gpt", "hf"] = Field("gpt", description="gpt: the built-in GPT; hf: a transformers causal LM.")
-    vocab_size: int = Field(256, ge=2, description="Vocabulary size (256: raw UTF-8 bytes).")
-    block_size: int = Field(128, ge=8, description="Longest context, in tokens.")
-    n_layer: int = Field(4, ge=1, description="Transformer blocks.")
-    n_head: int = Field(4, ge=1, description="Attention heads per block.")
-    n_embd: int = Field(128, ge=8, description="Width of the residual stream.")
+    vocab_size: int = Field(256, ge=2, le=10_000_000, description="Vocabulary size (256: raw UTF-8 bytes).")
+    block_size: int = Field(128, ge=8, le=MAX_TOKENS, description="Longest context, in tokens.")
+    n_layer: int = Field(4, ge=1, le=1024, description="Transformer blocks.")
+    n_head: int = Field(4, ge=1, le=1024, description="Attention heads per block.")
+    n_embd: int = Field(128, ge=8, le=65_536, description="Width of the residual stream.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
     hf: HFModelConfig | None = Field(None, description="recipe hf: the transformers model to build.")
     lora: LoraConfig | None = Field(None, description="LoRA adapters; when set only they form the sync set.")
@@ -132,29 +143,30 @@ class ModelConfig(_Strict):
 class EvalConfig(_Strict):
     """Evaluations around the syncs (participants) and of the global model (coordinator)."""
 
-    every: int = Field(1, ge=1, description="Evaluate before and after the sync of every k-th round (and the last).")
+    every: int = Field(1, ge=1, le=MAX_COUNT,
+                       description="Evaluate before and after the sync of every k-th round (and the last).")
     global_data: str | None = Field(
         None,
         description="Eval set of the coordinator's own evaluation of each new global model (a data spec: a path, "
         "stdlib:heldout, ...); off when unset.",
     )
-    global_batches: int = Field(8, ge=1, description="Batches of the coordinator's global evaluation.")
+    global_batches: int = Field(8, ge=1, le=100_000, description="Batches of the coordinator's global evaluation.")
 
 
 class TrainConfig(_Strict):
     """What each participant does between two syncs (the inner loop)."""
 
-    sync_every: int = Field(20, ge=1, description="H: inner steps between two syncs.")
+    sync_every: int = Field(20, ge=1, le=MAX_STEPS, description="H: inner steps between two syncs.")
     lr: float = Field(3e-3, gt=0, le=MAX_LR, description="Inner optimizer (AdamW) learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="Inner AdamW weight decay.")
-    batch_size: int = Field(16, ge=1, description="Sequences per inner step.")
-    seq_len: int = Field(128, ge=2, description="Tokens per sequence (at most model.block_size).")
-    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 turns it off).")
-    eval_batches: int = Field(8, ge=1, description="Batches in one held-out evaluation.")
+    weight_decay: float = Field(0.0, ge=0, le=10, description="Inner AdamW weight decay.")
+    batch_size: int = Field(16, ge=1, le=MAX_STEPS, description="Sequences per inner step.")
+    seq_len: int = Field(128, ge=2, le=MAX_TOKENS, description="Tokens per sequence (at most model.block_size).")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clip (0 turns it off).")
+    eval_batches: int = Field(8, ge=1, le=100_000, description="Batches in one held-out evaluation.")
     compression: Literal["none", "bf16", "int8"] = Field(
         "none", description="How participants send pseudo-gradients: fp32 as is, bf16, or int8 with per-block scales."
     )
-    compression_block: int = Field(256, ge=8, description="Values per int8 scale.")
+    compression_block: int = Field(256, ge=8, le=MAX_TOKENS, description="Values per int8 scale.")
     overlap: bool = Field(
         False,
         description="Keep training while the upload, merge and download run in the background, then apply "
@@ -178,7 +190,7 @@ class OuterConfig(_Strict):
     nesterov: bool | None = Field(None, description="Nesterov momentum (default: on for diloco).")
     beta1: float = Field(0.9, ge=0, lt=1, description="FedAdam/FedYogi first-moment decay.")
     beta2: float = Field(0.99, ge=0, lt=1, description="FedAdam/FedYogi second-moment decay.")
-    eps: float = Field(1e-3, gt=0, description="FedAdam/FedYogi adaptivity tau (Reddi et al.).")
+    eps: float = Field(1e-3, gt=0, le=10, description="FedAdam/FedYogi adaptivity tau (Reddi et al.).")
     weighting: Literal["tokens", "uniform"] = Field(
         "tokens", description="Weigh each participant by tokens processed, or equally."
     )
@@ -192,11 +204,13 @@ class OuterConfig(_Strict):
         0.1, ge=0, lt=0.5, description="trimmed_mean: fraction of the updates cut from each end, per coordinate."
     )
     clip_norm: float | None = Field(
-        None, gt=0, description="Scale each update down to this L2 norm (over all its tensors) if it is larger."
+        None, gt=0, le=1e12,
+        description="Scale each update down to this L2 norm (over all its tensors) if it is larger."
     )
     outlier_factor: float | None = Field(
         None,
         gt=1,
+        le=1e6,
         description="Reject an update whose L2 norm exceeds this many times the median norm of the round's "
         "updates (needs 3 or more updates); each rejection is reported as an event. Off when unset.",
     )
@@ -205,16 +219,20 @@ class OuterConfig(_Strict):
         gt=0,
         le=1,
         description="Largest share of a round's weighted mean any one update may have, when the round has 3 or "
-        "more updates (with two, any cap of one half or less would be uniform weighting); the rest of a larger "
-        "share goes to the others in proportion to their weights, and the round's record shows the capped "
-        "weights. 1 turns it off.",
+        "more updates; in a round of two (where a cap of one half would be uniform weighting) the cap is "
+        "(1 + max_share) / 2, 0.75 by default, so that neither of two participants takes the merge by claiming "
+        "tokens. The rest of a larger share goes to the others in proportion to their weights, and the round's "
+        "record shows the capped weights. 1 turns it off.",
     )
     token_slack: float = Field(
         16.0,
         ge=1,
-        description="An update's token claim counts up to train.sync_every x batch_size x seq_len x this; a larger "
-        "claim counts as that bound (an event says so). The slack covers torchrun groups (their ranks' tokens "
-        "summed), gradient accumulation and steps trained on through an outage.",
+        le=1024,
+        description="An update's token claim counts up to the inner steps its participant was told (balanced "
+        "rounds: its own H; else train.sync_every) x batch_size x seq_len x this; a larger claim counts as that "
+        "bound (an event says so). The slack covers torchrun groups (their ranks' tokens summed), gradient "
+        "accumulation and steps trained on through an outage. The bound of the largest schedule "
+        f"(x schedule.max_steps_factor in balanced rounds) must stay within {MAX_UPDATE_TOKENS:,} (2^40) tokens.",
     )
 
 
@@ -223,7 +241,7 @@ class RunConfig(_Strict):
 
     name: str = Field("fedtrain-run", min_length=1, description="Human name of the run.")
     seed: int = Field(0, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="Seed of the initial global weights.")
-    rounds: int = Field(10, ge=0, description="Rounds until the run is finished (0: no end).")
+    rounds: int = Field(10, ge=0, le=1_000_000_000, description="Rounds until the run is finished (0: no end).")
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
@@ -233,7 +251,7 @@ class RunConfig(_Strict):
     streaming: StreamingConfig | None = Field(
         None, description="Streaming DiLoCo: sync the model in K fragments, one per round (null: off)."
     )
-    min_participants: int = Field(1, ge=1, description="Submissions needed to close at the deadline.")
+    min_participants: int = Field(1, ge=1, le=MAX_COUNT, description="Submissions needed to close at the deadline.")
     round_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Deadline of a round after it opens.")
     deadline: Literal["fixed", "adaptive"] = Field(
         "fixed",
@@ -241,11 +259,13 @@ class RunConfig(_Strict):
         "time participants took to submit in the last deadline_window rounds, within "
         "[deadline_min_s, round_timeout_s].",
     )
-    deadline_factor: float = Field(3.0, ge=1, description="adaptive deadline: multiple of the median submit time.")
+    deadline_factor: float = Field(3.0, ge=1, le=1000,
+                                   description="adaptive deadline: multiple of the median submit time.")
     deadline_min_s: float = Field(
         10.0, gt=0, le=MAX_SECONDS, description="adaptive deadline: never shorter than this."
     )
-    deadline_window: int = Field(5, ge=1, description="adaptive deadline: closed rounds whose submit times count.")
+    deadline_window: int = Field(5, ge=1, le=10_000,
+                                 description="adaptive deadline: closed rounds whose submit times count.")
     late_uploads: Literal["refuse", "fold"] = Field(
         "refuse",
         description="An upload for a round that already closed: refuse (409, the participant moves on) or fold "
@@ -254,7 +274,8 @@ class RunConfig(_Strict):
     staleness_discount: float = Field(
         0.5, gt=0, le=1, description="late_uploads=fold: weight factor per round an update is late."
     )
-    max_staleness: int = Field(1, ge=1, description="late_uploads=fold: older updates are refused with 409.")
+    max_staleness: int = Field(1, ge=1, le=MAX_COUNT,
+                               description="late_uploads=fold: older updates are refused with 409.")
     heartbeat_interval_s: float = Field(
         5.0, ge=MIN_HEARTBEAT_S, le=MAX_SECONDS, description="How often participants heartbeat."
     )
@@ -264,6 +285,7 @@ class RunConfig(_Strict):
     keep_checkpoints: int = Field(
         3,
         ge=1,
+        le=10_000,
         description="Committed rounds kept on disk. The files of the last version pruned stay as two hidden "
         "spares (`.spare-*.tmp`) that the next checkpoint is written over, which is faster than a fresh file.",
     )
@@ -311,11 +333,31 @@ class RunConfig(_Strict):
             raise ValueError(f"train.seq_len ({self.train.seq_len}) exceeds model.block_size ({self.model.block_size})")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
+        if self.deadline == "adaptive" and self.deadline_min_s > self.round_timeout_s:
+            raise ValueError(f"deadline adaptive: deadline_min_s ({self.deadline_min_s:g}) exceeds round_timeout_s "
+                             f"({self.round_timeout_s:g}); the deadline is kept within [deadline_min_s, "
+                             "round_timeout_s]")
+        _check_token_bound(self)
         if self.schedule.mode == "async":
             _check_async(self)
         if self.streaming is not None:
             _check_streaming(self)
         return self
+
+
+def _check_token_bound(cfg: RunConfig) -> None:
+    """The token bound of the largest update the schedule allows (the most inner steps a
+    participant may be told x batch_size x seq_len x outer.token_slack) must stay within
+    MAX_UPDATE_TOKENS: token sums then stay exact and within SQLite's integers."""
+    t, s = cfg.train, cfg.schedule
+    factor = s.max_steps_factor if s.mode == "balanced" else 1.0
+    steps = max(1, math.floor(t.sync_every * factor + 1e-9))
+    bound = steps * t.batch_size * t.seq_len * cfg.outer.token_slack
+    if bound > MAX_UPDATE_TOKENS:
+        most = f" x schedule.max_steps_factor {factor:g}" if s.mode == "balanced" else ""
+        raise ValueError(f"train.sync_every {t.sync_every}{most} x train.batch_size {t.batch_size} x train.seq_len "
+                         f"{t.seq_len} x outer.token_slack {cfg.outer.token_slack:g} = {bound:.3g} tokens per update, "
+                         f"more than {MAX_UPDATE_TOKENS:,} (2^40): token sums would overflow; lower one of them")
 
 
 def _check_async(cfg: RunConfig) -> None:

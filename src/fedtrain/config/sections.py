@@ -40,7 +40,7 @@ class ScheduleConfig(Strict):
         ge=1,
         le=16,
         description="balanced: the most inner steps a participant is told, as a multiple of train.sync_every; "
-        "token claims are bounded by this many times a round's schedule (outer.token_slack). Live.",
+        "a participant's token claim is bounded by the steps it was told (outer.token_slack). Live.",
     )
     smoothing: float = Field(
         0.5,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import lifecycle
 from fedtrain.coordinator.intake.flow import Intake
@@ -239,24 +240,28 @@ class Coordinator:
     def join(self, ident: Identity, name: str | None, info: dict[str, Any], key: str | None = None) -> dict[str, Any]:
         """Join as `name` (a new one when None), presenting the participant key of an earlier
         join (`key`) or not; the answer carries the key to present from now on."""
-        name, issued = self.roster.join(ident, name, info, key, self.version, self.config)
+        # The join is done only once its answer is built: one that fails leaves no roster row behind.
+        with self.roster.joining(ident, name, info, key, self.version, self.config) as (name, issued):
+            faults.hit("join.answer", who=name)
+            answer = {
+                "participant_id": name,
+                "participant_key": issued,
+                "run": self.config.name,
+                "config": self.config.model_dump(mode="json"),
+                "config_version": self.configs.version,
+                "current_round": self.version,
+                "finished": self.finished,
+                "model": self.model_spec(),
+                "assignment": self.schedule.tell(name, self.version, self.version, self.config,
+                                                 self.roster.reported(name)),
+                # Streaming DiLoCo: the tensors of each fragment (round r syncs fragment r mod k); None: off
+                "streaming": self.rounds.plan.view() if self.rounds.plan is not None else None,
+            }
         for round_, n in self.intake.drop_pieces(name):  # sent by the process that joined before this one
             self.events.record("pieces", f"{name} joined again: the {n} piece(s) of its update for round {round_} "
                                "that came before are dropped; its update comes whole from the new process", name)
         self.events.notify()
-        return {
-            "participant_id": name,
-            "participant_key": issued,
-            "run": self.config.name,
-            "config": self.config.model_dump(mode="json"),
-            "config_version": self.configs.version,
-            "current_round": self.version,
-            "finished": self.finished,
-            "model": self.model_spec(),
-            "assignment": self.schedule.tell(name, self.version, self.version, self.config, self.roster.reported(name)),
-            # Streaming DiLoCo: the tensors of each fragment (round r syncs fragment r mod k); None: off
-            "streaming": self.rounds.plan.view() if self.rounds.plan is not None else None,
-        }
+        return answer
 
     def act_as(self, ident: Identity, pid: str, key: str | None) -> ParticipantRow:
         """The check of every request that speaks for participant `pid` (`Roster.act_as`)."""

@@ -196,7 +196,9 @@ class Uploads:
         barred = self._intake.barred(round_, pid)
         if barred is not None:
             raise Refused(422, "update_refused", barred, {"round": round_})
-        tokens, clamped = policy.count_tokens(tokens, self._configs.for_round(round_, self._rounds.version))
+        told = self._store.assignments(round_).get(pid)  # balanced rounds: its own H bounds its claim
+        tokens, clamped = policy.count_tokens(tokens, self._configs.for_round(round_, self._rounds.version),
+                                              told["sync_every"] if told is not None else None)
         limit = int(cfg.max_upload_mb * 1_000_000)
         if length is None:
             raise Refused(411, "length_required", "uploads need a Content-Length header")

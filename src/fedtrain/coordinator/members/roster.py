@@ -6,10 +6,12 @@ More: docs/architecture.md, "coordinator/members/roster.py".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,8 +112,39 @@ class Roster:
              cfg: RunConfig) -> tuple[str, str]:
         """Join as `name` (a new one when None) at round `round_`, presenting the participant
         key of an earlier join (`key`) or not. Returns the name and the key to present from now on."""
+        with self.joining(ident, name, info, key, round_, cfg) as taken:
+            return taken
+
+    @contextmanager
+    def joining(self, ident: Identity, name: str | None, info: dict[str, Any], key: str | None, round_: int,
+                cfg: RunConfig) -> Iterator[tuple[str, str]]:
+        """`join`, for a caller that has more to do before the join is done (build its answer):
+        inside the block the participant is in the roster in memory only; it is stored, and its
+        join recorded, when the block ends without an error. A join that fails leaves the roster
+        as it was: no half-written row whose key nobody was given, which would lock the name
+        out (409 name_in_use) until the heartbeat timeout."""
         if name is None:
             name = f"p-{len(self._rows) + 1}-{int(self._clock() * 1000) % 100000:05d}"
+        had_live, before = name in self._live, self._rows.get(name)
+        snapshot = dataclasses.replace(before) if before is not None else None
+        issued, p, message = self._take(ident, name, info, key, round_, cfg)
+        try:
+            yield name, issued
+            self._store.upsert_participant(p)
+        except BaseException:
+            if snapshot is not None:  # the same object others may hold (an upload in flight): its fields back
+                for f in dataclasses.fields(p):
+                    setattr(p, f.name, getattr(snapshot, f.name))
+            else:
+                self._rows.pop(name, None)
+            if not had_live:
+                self._live.pop(name, None)
+            raise
+        self._events.record("join", message, name)
+
+    def _take(self, ident: Identity, name: str, info: dict[str, Any], key: str | None, round_: int,
+              cfg: RunConfig) -> tuple[str, ParticipantRow, str]:
+        """The join's checks and its row, in memory only: (key issued, row, event message)."""
         if not _NAME_RE.match(name):
             raise Refused(
                 400, "invalid_name", f"participant name {name!r} must be 1-64 letters, digits, '_', '.' or '-'"
@@ -136,17 +169,16 @@ class Roster:
         issued = key if claim == "rejoin" and key is not None else new_participant_key()
         if p is None:
             p = ParticipantRow(name, name, ident.token_id, policy.ACTIVE, now, now, round_, 0, 0, 0, info)
-            self._events.record("join", f"{name} joined at round {round_}", name)
+            message = f"{name} joined at round {round_}"
         else:
             was = p.state
             p.state, p.last_seen, p.info = policy.ACTIVE, now, info or p.info
             how = "" if claim == "rejoin" else "; a new participant key replaces the old one"
-            self._events.record("join", f"{name} rejoined at round {round_} (was {was}){how}", name)
+            message = f"{name} rejoined at round {round_} (was {was}){how}"
         p.key_hash, p.proven = key_hash(issued), True
         self._rows[name] = p
         self._live.setdefault(name, Live())
-        self._store.upsert_participant(p)
-        return name, issued
+        return issued, p, message
 
     def _claim(self, ident: Identity, name: str, p: ParticipantRow | None, key_ok: bool, now: float,
                cfg: RunConfig) -> str:
@@ -220,8 +252,8 @@ class Roster:
 
     def counted_upload(self, p: ParticipantRow, round_: int, tokens: int, nbytes: int) -> None:
         """An update of `p` for `round_` was taken: count it (the row is stored by `store_row`)."""
-        p.bytes_up += nbytes
-        p.tokens += tokens
+        p.bytes_up = policy.bounded_sum((p.bytes_up, nbytes))  # sums saturate at 2^53 - 1: within SQLite's
+        p.tokens = policy.bounded_sum((p.tokens, tokens))  # integers, and exact as floats
         p.round = round_
         p.last_seen = self._clock()
 
@@ -230,7 +262,8 @@ class Roster:
 
     def counted_download(self, pid: str | None, nbytes: int) -> None:
         if pid is not None and pid in self._rows:
-            self._rows[pid].bytes_down += nbytes
+            p = self._rows[pid]
+            p.bytes_down = policy.bounded_sum((p.bytes_down, nbytes))
 
     def fail_silent(self, cfg: RunConfig) -> list[str]:
         """Mark failed the participants silent for too long (`policy.stale_participants`); their ids."""

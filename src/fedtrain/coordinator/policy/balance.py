@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from fedtrain.config import ScheduleConfig
 
 __all__ = ["MAX_RATE", "MIN_RATE", "Assignment", "Reported", "bounds", "clean_rate", "measured_rate",
-           "plan_steps", "smoothed"]
+           "plan_steps", "reference_rate", "smoothed"]
 
 MIN_RATE = 1e-6
 """The slowest rate counted: one inner step in ~12 days. Slower claims count as this."""
@@ -82,10 +82,15 @@ def bounds(base: int, cfg: ScheduleConfig) -> tuple[int, int]:
     return low, max(low, math.floor(cfg.max_steps_factor * base + 1e-9))
 
 
-def _median(values: list[float]) -> float:
+def reference_rate(values: list[float]) -> float:
+    """The rate a base H is meant for: the lower median (with an even count, the slower of
+    the two middle rates). One participant's claim moves it by at most one place among the
+    others' rates: with two, a liar that claims to be faster leaves the reference at the honest
+    rate (the honest site keeps H), and one that claims to be slower only raises the honest
+    site's H (to max_steps_factor x H at most). The mean of the two middle rates would follow
+    the liar's claim to MAX_RATE and floor everyone else."""
     ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def plan_steps(base: int, measured: Mapping[str, float | None], previous: Mapping[str, float | None],
@@ -100,7 +105,7 @@ def plan_steps(base: int, measured: Mapping[str, float | None], previous: Mappin
     unknown = f"no throughput measured yet -> H={base} (train.sync_every)"
     if not known:
         return {pid: Assignment(base, None, f"{pid}: {unknown}") for pid in measured}
-    reference = _median(known)
+    reference = reference_rate(known)
     out: dict[str, Assignment] = {}
     for pid, rate in sorted(rates.items()):
         if rate is None:

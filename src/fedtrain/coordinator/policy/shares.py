@@ -5,15 +5,37 @@ See docs/architecture.md (policy)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from fedtrain.config import RunConfig
+from fedtrain.config import MAX_UPDATE_TOKENS, RunConfig
 
 # -- what one participant's update may weigh ----------------------------------------------------
 
-MIN_FOR_CAP = 3  # with two updates a cap of one half is uniform weighting: token weighting would be gone
+MIN_FOR_CAP = 2  # one update alone is the whole merge: nothing to cap it against
 _TOLERANCE = 1e-12
+MAX_SUM = 2**53 - 1
+"""Token sums (a round's, a participant's over the run) stop here: every integer below it is
+exact as a float too, and it is far below SQLite's 2^63 - 1. One update counts at most
+`MAX_UPDATE_TOKENS` (2^40), so a sum reaches it only after 8,192 largest updates."""
+
+
+def bounded_sum(counts: Iterable[int]) -> int:
+    """The sum of token counts, saturated at `MAX_SUM` (a count is never negative)."""
+    return min(MAX_SUM, sum(max(0, int(c)) for c in counts))
+
+
+def pair_cap(max_share: float) -> float:
+    """The largest share either update of a round of two may have: halfway between `max_share`
+    and 1 (0.75 for the default of one half: one update weighs at most 3x the other). With two,
+    a cap of one half or less would be uniform weighting; without a cap, one participant that
+    claims more tokens than it trained takes the merge. `max_share` 1 turns it off."""
+    return (1.0 + max_share) / 2 if max_share < 1 else 1.0
+
+
+def cap_for(n: int, max_share: float) -> float:
+    """The share cap of a round of `n` updates: none for one, `pair_cap` for two, else `max_share`."""
+    return 1.0 if n < MIN_FOR_CAP else pair_cap(max_share) if n == 2 else max_share
 
 
 def _normalised(weights: Mapping[str, float]) -> dict[str, float]:
@@ -38,14 +60,17 @@ def cap_shares(weights: Mapping[str, float], max_share: float,
 
     Water-filling: an update whose share is above the cap gets the cap, and what is left
     (1 − cap per capped update) goes to the others in proportion to their weights; repeat
-    until no share is above it. With fewer than `min_count` updates nothing is capped; when
-    the cap cannot be met (fewer than 1 / max_share updates) every update gets 1 / n, as
-    close to it as shares summing to 1 can be.
+    until no share is above it. With fewer than `min_count` updates nothing is capped; a round
+    of two is capped at `pair_cap(max_share)` (`cap_for`); when the cap cannot be met (fewer
+    than 1 / max_share updates) every update gets 1 / n, as close to it as shares summing to 1
+    can be.
     """
     shares = _normalised(weights)
-    if max_share >= 1 or len(shares) < min_count:
-        return shares, {}
     n = len(shares)
+    rule = f"max_share {max_share:g}" if n != 2 else f"a round of two: (1 + max_share {max_share:g}) / 2"
+    max_share = cap_for(n, max_share)
+    if max_share >= 1 or n < min_count:
+        return shares, {}
     capped: set[str] = set()
     out = {k: 1.0 / n for k in shares}  # what is left when the cap cannot be met
     while len(capped) < n:
@@ -61,7 +86,7 @@ def cap_shares(weights: Mapping[str, float], max_share: float,
     how = ("the rest went to the other updates in proportion to their weights" if max_share * n >= 1
            else f"{n} updates cannot all stay under it, so each has 1/{n}")
     reasons = {
-        k: f"share {shares[k]:.3g} capped at {out[k]:.3g} (max_share {max_share:g}); {how}"
+        k: f"share {shares[k]:.3g} capped at {out[k]:.3g} ({rule}); {how}"
         for k in sorted(shares) if out[k] < shares[k] * (1 - _TOLERANCE)
     }
     return out, reasons
@@ -79,24 +104,26 @@ def largest_influence(shares: Mapping[str, float], max_abs: Mapping[str, float])
 
 
 
-def token_bound(cfg: RunConfig) -> tuple[int, str]:
-    """The most tokens one update may count for: a round's schedule (H inner steps of
-    batch_size sequences of seq_len tokens; in balanced rounds the most steps a participant
-    may be told, max_steps_factor x H) times `outer.token_slack`, and how it is made."""
-    t, s = cfg.train, cfg.schedule
-    factor = s.max_steps_factor if s.mode == "balanced" else 1.0
-    bound = math.ceil(t.sync_every * factor * t.batch_size * t.seq_len * cfg.outer.token_slack)
-    most = f" x schedule.max_steps_factor {factor:g}" if s.mode == "balanced" else ""
-    return bound, (f"train.sync_every {t.sync_every}{most} x batch_size {t.batch_size} x seq_len {t.seq_len} x "
+def token_bound(cfg: RunConfig, told: int | None = None) -> tuple[int, str]:
+    """The most tokens one update may count for: what its participant was told to do (`told`:
+    its own inner steps for the round in balanced rounds; else train.sync_every) of batch_size
+    sequences of seq_len tokens, times `outer.token_slack`, never above `MAX_UPDATE_TOKENS`
+    (the config refuses a schedule beyond it); and how it is made."""
+    t = cfg.train
+    steps = f"train.sync_every {t.sync_every}" if told is None else f"its told H {told}"
+    exact = (t.sync_every if told is None else max(1, told)) * t.batch_size * t.seq_len * cfg.outer.token_slack
+    bound = min(MAX_UPDATE_TOKENS, math.ceil(exact))
+    return bound, (f"{steps} x batch_size {t.batch_size} x seq_len {t.seq_len} x "
                    f"outer.token_slack {cfg.outer.token_slack:g} = {bound:,}")
 
 
-def count_tokens(claimed: int, cfg: RunConfig) -> tuple[int, str | None]:
+def count_tokens(claimed: int, cfg: RunConfig, told: int | None = None) -> tuple[int, str | None]:
     """How many of a participant's `claimed` tokens count (they set its weight), and why when
-    not all: a claim above `token_bound` counts as the bound. Counted, not refused: a
-    torchrun group, or a participant that trained on through an outage, honestly claims more
-    than one rank's schedule, and a refusal would stop its training."""
-    bound, why = token_bound(cfg)
+    not all: a claim above `token_bound` (of what it was told, `told`) counts as the bound.
+    Counted, not refused: a torchrun group, or a participant that trained on through an
+    outage, honestly claims more than one rank's schedule, and a refusal would stop its
+    training."""
+    bound, why = token_bound(cfg, told)
     if claimed <= bound:
         return claimed, None
     return bound, f"claimed {claimed:,} tokens, more than a round's schedule allows ({why}); counted as {bound:,}"
@@ -123,12 +150,15 @@ def to_fold(entries: Mapping[str, Contribution], max_share: float, may_reach: in
     capped the others wait. Nothing waits when no cap can apply: max_share 1, or a round
     that cannot reach MIN_FOR_CAP updates (`may_reach`: the updates in, plus the active
     participants yet to send one). Below one half (more than one update can be capped)
-    the coordinator keeps every update until the close instead (`retain_all`).
+    the coordinator keeps every update until the close instead (`retain_all`). The cap
+    checked is the smallest the round may end with (`cap_for`): `max_share` if it may reach
+    three updates, the pair cap if it may reach two only.
     """
     waiting = [k for k, e in entries.items() if not e.folded]
-    if max_share >= 1 or may_reach < MIN_FOR_CAP:
+    cap = cap_for(may_reach, max_share)
+    if cap >= 1:
         return waiting
-    risky = over_share({k: e.weight for k, e in entries.items()}, max_share)
+    risky = over_share({k: e.weight for k, e in entries.items()}, cap)
     folded = [k for k, e in entries.items() if e.folded]
     if any(k in risky for k in folded):
         return []

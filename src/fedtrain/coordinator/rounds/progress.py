@@ -328,8 +328,8 @@ class Rounds:
             "close_reason": reason,
             "algorithm": self._committer.model.algorithm,
             "n_submissions": len(tokens),
-            "tokens": sum(tokens.values()),
-            "bytes_in": sum(s["bytes"] for s in self._store.submissions(r)),
+            "tokens": policy.bounded_sum(tokens.values()),
+            "bytes_in": policy.bounded_sum(s["bytes"] for s in self._store.submissions(r)),
             "weights": weights,
             **({"fragment": fragment.index} if fragment is not None else {}),
         }
