@@ -11,8 +11,8 @@ coordinator runs in a subprocess (that tree's `src` first on its path) on a free
 over a temporary state directory and a 32 MB model; it is stopped at the end of the scenario.
 Every step is bounded in count and time. Issue #30's scenarios, each in a fresh coordinator:
 
-- `pieces`: `--pieces` pieces of one participant's update (labels p0, p1, ...), each half sent
-  and stalled: RSS and spool bytes;
+- `pieces`: `--pieces` pieces of `--piece-mb` of one participant's update (labels p0, p1, ...),
+  each half sent and stalled: RSS and spool bytes;
 - `rows`: `--stalled-rows` downloads of all rows of version 0 whose clients stopped reading: RSS;
 - `info`: `--cycles` joins (each with `--info-kb` of info) and departures under new names, and
   heartbeats of a participant with that info: RSS, run.db bytes, the heartbeat's time;
@@ -272,18 +272,19 @@ def measure(tree: Path, args: argparse.Namespace, model: Path) -> dict[str, str]
 
 
 def scenario_pieces(c: Coordinator, args: argparse.Namespace) -> dict[str, str]:
-    """`--pieces` pieces of one participant's update, each half sent and then stalled."""
+    """`--pieces` pieces of `--piece-mb` of one participant's update, each half sent, then stalled."""
     import torch
 
     from fedtrain.wire import DIGEST_HEADER, EncodedBody
 
-    rows = args.model_mb * 250_000 // args.pieces
+    rows = min(args.piece_mb, args.model_mb) * 250_000
+    spans = args.model_mb * 250_000 // rows  # pieces of disjoint rows, as far as the model goes
     with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
         _, key = join_as(http, "pieces")
     before, socks, refused = c.rss_mb(), [], 0
     try:
         for i in range(args.pieces):
-            span = json.dumps({"w": [i * rows, (i + 1) * rows]})
+            span = json.dumps({"w": [i % spans * rows, (i % spans + 1) * rows]})
             body = EncodedBody({"w": torch.zeros(rows)}, {"fedtrain.rows": span})
             data = b"".join(bytes(v) for v in body)
             s = connect(c.port)
@@ -300,7 +301,7 @@ def scenario_pieces(c: Coordinator, args: argparse.Namespace) -> dict[str, str]:
     finally:
         close_all(socks)
     return {"RSS": f"+{during - before:.0f} MB", "spool": f"{spool / 2**20:.0f} MB",
-            "note": f"{args.pieces} half-sent pieces, {refused} cut off while sending"}
+            "note": f"{args.pieces} half-sent pieces of {args.piece_mb} MB, {refused} cut off while sending"}
 
 
 def scenario_rows(c: Coordinator, args: argparse.Namespace) -> dict[str, str]:
@@ -439,6 +440,7 @@ def main() -> None:
     p.add_argument("--wait", type=float, default=20.0, help="longest wait for one download (default 20 s)")
     p.add_argument("--model-mb", type=int, default=32, help="size of the model (default 32 MB)")
     p.add_argument("--pieces", type=int, default=100, help="half-sent pieces of one update (default 100)")
+    p.add_argument("--piece-mb", type=int, default=4, help="size of each piece (default 4 MB)")
     p.add_argument("--stalled-rows", type=int, default=40, help="stalled downloads of all rows (default 40)")
     p.add_argument("--cycles", type=int, default=50, help="joins and departures with a large info (default 50)")
     p.add_argument("--info-kb", type=int, default=900, help="info of each join, KB (default 900)")
