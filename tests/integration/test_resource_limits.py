@@ -158,8 +158,13 @@ def test_a_connection_that_sends_no_request_is_closed_after_the_idle_timeout(tmp
 
 
 def test_a_connection_beyond_the_cap_is_answered_503_and_closed(tmp_path: Path) -> None:
+    """When every connection is in a request (an idle one would be closed to make room instead:
+    tests/hostile/test_resources.py)."""
     with coordinator(tmp_path, ServerLimits(max_connections=4)) as c:
-        idle = [connect(c) for _ in range(4)]
+        busy = [connect(c) for _ in range(4)]
+        for s in busy:  # each in a request: its body is awaited
+            s.sendall(request("POST", "/v1/join", "content-type: application/json\r\ncontent-length: 100\r\n"))
+        time.sleep(0.2)
         try:
             with connect(c) as s:
                 s.sendall(request("GET", "/v1/healthz"))
@@ -167,7 +172,7 @@ def test_a_connection_beyond_the_cap_is_answered_503_and_closed(tmp_path: Path) 
                 assert status == 503 and json.loads(body)["error"]["code"] == "over_capacity"
                 assert headers["connection"] == "close" and closed(s)
         finally:
-            for s in idle:
+            for s in busy:
                 s.close()
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:  # the server sees them go
@@ -316,7 +321,7 @@ def test_a_subscriber_that_never_reads_is_cut_off_and_the_run_goes_on(tmp_path: 
         pid = join(c, "a")
         deaf = subscribe(c, rcvbuf=1 << 12)
         with deaf, httpx.Client(base_url=c.url, headers=as_(pid)) as http:
-            values = {f"m{i}": float(i) for i in range(2000)}  # ~100 kB per event
+            values = {f"m{i}": float(i) for i in range(1000)}  # ~50 kB per event, as many as a report may hold
             deadline = time.monotonic() + WAIT_S
             while c.service.broadcast.count and time.monotonic() < deadline:
                 assert http.post(f"/v1/participants/{pid}/metrics", json={"values": values}).status_code == 200

@@ -12,7 +12,7 @@ import torch
 
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.coordinator.model.publish import Published, WeightsGuard
-from fedtrain.coordinator.model.slices import SliceStream, Wanted, read_slice
+from fedtrain.coordinator.model.slices import SliceStream, Wanted, slice_metadata, views
 from fedtrain.errors import Refused
 from fedtrain.wire import EncodedBody, digest_bytes, write_file
 from tests.helpers.bodies import collect, pumped
@@ -28,8 +28,9 @@ def served(tmp_path: Path) -> tuple[dict[str, torch.Tensor], Published, WeightsG
     published = Published(1, body.digest(), body, guard.epoch)
     write_file(tmp_path / "g", t, {"version": "1", "run": "r"})
     published.settle(True)
-    with open(tmp_path / "g", "rb") as f:
-        expected = b"".join(bytes(v) for v in read_slice(f, WANTED, "xxh3-128"))
+    # The reference: the same rows encoded from a copy of the weights, before any moved.
+    copy = {n: v.clone() for n, v in t.items()}
+    expected = b"".join(bytes(v) for v in EncodedBody(views(copy, WANTED), slice_metadata(body.metadata, WANTED)))
     return t, published, guard, expected
 
 

@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from fedtrain.errors import error_body
+from fedtrain.transport.connections import ConnectionBook, client_address
 from fedtrain.transport.protocols import READINTO, SEND, Abandoned
 from fedtrain.transport.send import SocketSink
 from fedtrain.transport.server_limits import ServerLimits
@@ -28,6 +29,9 @@ log = logging.getLogger("fedtrain.coordinator")
 
 # The loop reads the socket into this buffer when no `readinto` waits: headers, small bodies.
 BUFFER = 256 << 10
+# A connection refused at its address's cap: the longest its request's head may take to come
+# (then answered 503), so that refused connections do not pile up.
+REFUSED_HEAD_S = 1.0
 
 _local = threading.local()
 
@@ -66,8 +70,19 @@ class SocketBodySource:
 
 async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
     """The answer on a connection beyond `ServerLimits.max_connections`."""
-    body = json.dumps(error_body(503, "over_capacity", "the coordinator has as many connections open as it "
-                                 "takes; try again shortly")).encode()
+    await _answer_503(send, "over_capacity", "the coordinator has as many connections open as it takes; try again "
+                      "shortly")
+
+
+async def _over_address_cap(scope: Any, receive: Any, send: Any) -> None:
+    """The answer on a connection beyond `ServerLimits.max_connections_per_address`."""
+    await _answer_503(send, "too_many_connections", "this client address holds as many connections as the "
+                      "coordinator takes from one address (max_connections_per_address), all in requests; "
+                      "try again shortly")
+
+
+async def _answer_503(send: Any, code: str, message: str) -> None:
+    body = json.dumps(error_body(503, code, message)).encode()
     await send({"type": "http.response.start", "status": 503,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"retry-after", b"1"), (b"connection", b"close")]})
@@ -80,8 +95,12 @@ class ReadIntoProtocol(asyncio.BufferedProtocol):
     for the next request's head, for body bytes, or for the client to take the answer."""
 
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None, limits: ServerLimits | None = None) -> None:
+                 _loop: asyncio.AbstractEventLoop | None = None, limits: ServerLimits | None = None,
+                 book: ConnectionBook | None = None) -> None:
         self.limits = limits or ServerLimits()
+        # The server's connections, shared by all of them (`http_server.fast_protocol`).
+        self.book = book if book is not None else ConnectionBook(self.limits)
+        self.refused = False  # beyond its address's cap: its request is answered 503
         self.http = _Http(self, config=config, server_state=server_state, app_state=app_state, _loop=_loop)
         self._target: memoryview | None = None  # where the socket's bytes go while a readinto waits
         self._got = 0
@@ -98,9 +117,11 @@ class ReadIntoProtocol(asyncio.BufferedProtocol):
     # asyncio's side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.http.connection_made(transport)  # type: ignore[arg-type]
+        self.refused = not self.book.admit(self, client_address(transport))
         self.idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.book.gone(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -173,12 +194,21 @@ class ReadIntoProtocol(asyncio.BufferedProtocol):
     def request_began(self) -> None:
         """A request's head is in: a client that does not wait for 100 Continue sends its body now."""
         self._heard = self.http.loop.time()
+        self.book.busy(self)
         self._watch_soon()
 
     def idle(self) -> None:
-        """No request in progress from now: the next one's head is due within the idle timeout."""
+        """No request in progress from now: the next one's head is due within the idle timeout; the
+        book may close this connection to make room for a new one."""
         self._idle_since = self.http.loop.time()
+        self.book.idle(self)
         self._watch_soon()
+
+    def reclaim(self) -> None:
+        """Closed by the book to make room (idle: no request in progress, nothing to send)."""
+        transport = self.http.transport
+        if transport is not None and not transport.is_closing():
+            transport.close()
 
     # the watch over the connection's one wait
     def _deadline(self) -> tuple[float, str] | None:
@@ -193,7 +223,8 @@ class ReadIntoProtocol(asyncio.BufferedProtocol):
         if self._dropping or self._waiter is not None or http.waits_for_body():
             due.append((self._heard + limits.body_timeout_s, "sent no byte of its body"))
         elif not http.in_request():
-            due.append((self._idle_since + limits.idle_timeout_s, "sent no request"))
+            wait = min(limits.idle_timeout_s, REFUSED_HEAD_S) if self.refused else limits.idle_timeout_s
+            due.append((self._idle_since + wait, "sent no request"))
         return min(due, default=None)
 
     def _watch_soon(self) -> None:
@@ -275,8 +306,11 @@ class _Http(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         previous = self.cycle
-        over = len(self.connections) > self.outer.limits.max_connections
-        self.app = _over_capacity if over else self.config.loaded_app  # read by uvicorn's on_headers_complete
+        # The book's count, not uvicorn's: a connection the book closed to make room is out of it at once.
+        over = self.outer.book.count() > self.outer.limits.max_connections
+        refused = self.outer.refused
+        # read by uvicorn's on_headers_complete
+        self.app = _over_address_cap if refused else _over_capacity if over else self.config.loaded_app
         super().on_headers_complete()
         self.direct = self.chunked = self.continued = False
         self.expect = self.expect_100_continue
@@ -285,9 +319,9 @@ class _Http(HttpToolsProtocol):
         self.outer.request_began()
         if self.cycle is previous or self.cycle.scope is not self.scope:
             return  # an upgrade: no request cycle of ours
-        if over:
-            log.warning("%d connections open, more than max_connections (%d): answered 503",
-                        len(self.connections), self.outer.limits.max_connections)
+        if over and not refused:
+            log.warning("%d connections open, more than max_connections (%d), none idle: answered 503",
+                        self.outer.book.count(), self.outer.limits.max_connections)
         extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
         if self.scheme == "http":  # not through TLS, which must encrypt every byte itself
             extensions[SEND] = SocketSink(self.outer, self.cycle)

@@ -2,7 +2,7 @@
 
 The fast protocol (`readinto.ReadIntoProtocol`) enforces them all; with the stock protocol
 (fast IO off) only uvicorn's keep-alive timeout and concurrency limit, set from them in
-`server.uvicorn_config`, hold.
+`server.uvicorn_config`, and the cap per client address (`http_server.stock_protocol`) hold.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ class ServerLimits:
     """A connection without a request in progress (new, or between requests): the head of its next
     request must be in within this, else it is closed."""
     max_connections: int = 1000
-    """Open connections at most: a request on one beyond them is answered 503, and that connection closed."""
+    """Open connections at most. A new one beyond them first closes the oldest idle one (no request in
+    progress); when none is idle, its request is answered 503 and the connection closed."""
+    max_connections_per_address: int = 256
+    """Open connections of one client address at most. A new one beyond them first closes that address's
+    oldest idle one; when none is idle, it is refused (answered 503 and closed)."""
     drop_limit_bytes: int = 64 << 20
     """Body bytes left unread once the answer is out: read and dropped if at most this many (so that a
     client sending its body whole reads the answer), else the connection is closed."""
@@ -34,5 +38,6 @@ class ServerLimits:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"ServerLimits.{name} must be a positive number of seconds, not {value!r}")
-        if self.max_connections < 1 or self.drop_limit_bytes < 0:
-            raise ValueError(f"ServerLimits: max_connections must be at least 1, drop_limit_bytes at least 0: {self}")
+        if self.max_connections < 1 or self.max_connections_per_address < 1 or self.drop_limit_bytes < 0:
+            raise ValueError("ServerLimits: max_connections and max_connections_per_address must be at least 1, "
+                             f"drop_limit_bytes at least 0: {self}")

@@ -18,7 +18,7 @@ from fedtrain.config import RunConfig
 from fedtrain.coordinator.http.app import create_app
 from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.coordinator.service import Coordinator
-from fedtrain.transport.http_server import STOCK, fast_protocol
+from fedtrain.transport.http_server import fast_protocol, stock_protocol
 from fedtrain.transport.server_limits import ServerLimits
 from fedtrain.transport.setting import fast_io_enabled
 
@@ -63,7 +63,7 @@ def uvicorn_config(
     return uvicorn.Config(
         create_app(service),
         log_level=log_level,
-        http=ours or STOCK,  # type: ignore[arg-type]  # a BufferedProtocol factory; uvicorn only calls it
+        http=ours or stock_protocol(limits),  # type: ignore[arg-type]  # a protocol factory; uvicorn only calls it
         loop="auto",
         access_log=False,
         timeout_keep_alive=math.ceil(limits.idle_timeout_s),

@@ -36,6 +36,11 @@ from fedtrain.coordinator.state.store import ParticipantRow, Store
 from fedtrain.errors import Refused
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: Rows of participants that left, kept at most (the oldest departures beyond it are forgotten).
+MAX_DEPARTED = 1000
+#: One metrics report: at most this many values, each name at most MAX_METRIC_NAME characters.
+MAX_METRIC_VALUES = 1000
+MAX_METRIC_NAME = 200
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Roster:
         self._clock = clock
         self._rows: dict[str, ParticipantRow] = {p.id: p for p in store.participants()}
         self._live: dict[str, Live] = {pid: Live() for pid in self._rows}
+        self._prune_departed()
         now = clock()
         for p in self._rows.values():
             if p.state == policy.ACTIVE:
@@ -233,18 +239,35 @@ class Roster:
         live.round = int(stats.get("round", live.round))
         if stats.get("config_version") is not None:  # versions only grow: a late heartbeat cannot undo an ack
             p.config_version = max(int(stats["config_version"]), p.config_version or 0)
-        self._store.upsert_participant(p)
+        self._store.update_participants([p])  # not its info: written once, by its join
         return p, back
 
     def leave(self, ident: Identity, pid: str) -> None:
         p = self.get(ident, pid)
         p.state = policy.LEFT
+        p.info = processes.kept_after_leaving(p.info)  # what the status shows; a rejoin says the rest again
         self._store.upsert_participant(p)
         self._events.record("leave", f"{pid} left", pid)
+        self._prune_departed()
+
+    def _prune_departed(self) -> None:
+        """Forget the rows of the participants that left longest ago beyond MAX_DEPARTED, so that
+        joins and departures under new names cannot grow the roster without end. Evicted and
+        failed rows stay (an eviction's cool-down, a failed participant's return)."""
+        departed = [p for p in self._rows.values() if p.state == policy.LEFT]
+        if len(departed) <= MAX_DEPARTED:
+            return
+        departed.sort(key=lambda p: p.last_seen)
+        gone = [p.id for p in departed[: len(departed) - MAX_DEPARTED]]
+        for pid in gone:
+            del self._rows[pid]
+            self._live.pop(pid, None)
+        self._store.forget_participants(gone)
 
     def add_metrics(self, ident: Identity, pid: str, round_: int | None, step: int | None,
                     values: dict[str, float]) -> None:
         self.get(ident, pid)
+        check_metrics(values)
         self._store.add_metrics(pid, round_, step, values)
         now = time.time()  # the dashboard's charts follow this event (rows shaped like GET /v1/metrics)
         self._events.publish("metrics", [{"ts": now, "participant_id": pid, "round": round_, "step": step,
@@ -258,7 +281,7 @@ class Roster:
         p.last_seen = self._clock()
 
     def store_row(self, p: ParticipantRow) -> None:
-        self._store.upsert_participant(p)
+        self._store.update_participants([p])
 
     def counted_download(self, pid: str | None, nbytes: int) -> None:
         if pid is not None and pid in self._rows:
@@ -271,14 +294,14 @@ class Roster:
         for pid, why in policy.stale_participants(self.views(), self._clock(), cfg):
             p = self._rows[pid]
             p.state = policy.FAILED
-            self._store.upsert_participant(p)
+            self._store.update_participants([p])
             self._events.record("fail", f"{pid} failed: {why}", pid)
             failed.append(pid)
         return failed
 
     def store_all(self) -> None:
         """Write every row (a participant's downloads since its row was last stored count too)."""
-        self._store.upsert_participants(list(self._rows.values()))
+        self._store.update_participants(list(self._rows.values()))
 
     # -- admin: evictions and tokens --------------------------------------------------------
 
@@ -287,7 +310,7 @@ class Roster:
         require_admin(ident, "evicting a participant")
         p = self.get(ident, pid)
         p.state, p.evicted_at = policy.EVICTED, self._clock()
-        self._store.upsert_participant(p)
+        self._store.update_participants([p])
         self._events.record("evict", f"{pid} evicted by an admin; its token may not add participants for "
                                      f"{cfg.eviction_cooldown_s:g}s (eviction_cooldown_s)", pid)
 
@@ -327,10 +350,23 @@ class Roster:
         for p in self._rows.values():
             if p.token_id == token_id and p.state != policy.EVICTED:
                 p.state, p.evicted_at = policy.EVICTED, self._clock()
-                self._store.upsert_participant(p)
+                self._store.update_participants([p])
                 evicted.append(p.id)
         self._events.record("revoke", f"token {token_id} revoked by an admin; evicted: {', '.join(evicted) or 'none'}")
         return {"revoked": token_id, "evicted": evicted}
+
+
+def check_metrics(values: dict[str, float]) -> None:
+    """Refuse a metrics report larger than its bounds: each is stored and sent to every stream
+    subscriber (413 `metrics_too_large`: more than MAX_METRIC_VALUES values; 422
+    `invalid_metric_name`: a name longer than MAX_METRIC_NAME)."""
+    if len(values) > MAX_METRIC_VALUES:
+        raise Refused(413, "metrics_too_large", f"a metrics report holds {len(values):,} values, more than "
+                      f"{MAX_METRIC_VALUES:,}: report them in several", {"field": "values"})
+    long = next((k for k in values if len(k) > MAX_METRIC_NAME), None)
+    if long is not None:
+        raise Refused(422, "invalid_metric_name", f"metric name {long[:40]!r}... is {len(long):,} characters long, "
+                      f"more than {MAX_METRIC_NAME}", {"field": "values"})
 
 
 def _holder(p: ParticipantRow) -> Holder:

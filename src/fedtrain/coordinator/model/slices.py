@@ -8,18 +8,19 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
-from fedtrain.coordinator.model.publish import SEND_PIECE, Published, WeightsGuard, Work, memory_steps
+from fedtrain.coordinator.model.publish import Published, WeightsGuard, memory_steps
 from fedtrain.errors import Refused, StateError
 from fedtrain.transport.protocols import ModelSender, Steps
 from fedtrain.wire import EncodedBody
-from fedtrain.wire.format import PREFIX_BYTES, ROWS_META, byte_view, parse_header
+from fedtrain.wire.digest import StreamingDigest
+from fedtrain.wire.format import DTYPE_TO_ST, PREFIX_BYTES, ROWS_META, parse_header
 
 #: The longest `rows` query accepted (a few thousand tensor names).
 MAX_ROWS_CHARS = 1 << 16
@@ -77,30 +78,82 @@ def views(params: Mapping[str, torch.Tensor], wanted: Wanted) -> dict[str, torch
     return {n: params[n] if span is None else params[n][span[0]:span[1]] for n, span in wanted.items()}
 
 
-def read_slice(file: BinaryIO, wanted: Wanted, digest_algorithm: str) -> EncodedBody:
-    """The slice of a model file: only the rows asked for are read, each into a tensor of its own."""
-    fd = file.fileno()
-    prefix = os.pread(fd, PREFIX_BYTES, 0)
-    if len(prefix) != PREFIX_BYTES:
-        raise StateError(f"model file {file.name} is shorter than its header")
-    length = int.from_bytes(prefix, "little")
-    specs, meta = parse_header(os.pread(fd, length, PREFIX_BYTES))
-    where, offset = {}, PREFIX_BYTES + length
-    for spec in specs:  # in offset order, back to back (`parse_header` checked)
-        where[spec.name] = (spec, offset)
-        offset += spec.nbytes
-    out: dict[str, torch.Tensor] = {}
-    for name, span in wanted.items():
-        if name not in where:
-            raise StateError(f"model file {file.name} has no tensor {name!r}")
-        spec, begin = where[name]
-        start, stop = span if span is not None else (0, spec.shape[0] if spec.shape else 1)
-        row = math.prod(spec.shape[1:]) * spec.dtype.itemsize
-        t = torch.empty((stop - start, *spec.shape[1:]) if spec.shape else (), dtype=spec.dtype)
-        if t.numel():
-            _pread_into(fd, byte_view(t), begin + start * row, file.name)
-        out[name] = t
-    return EncodedBody(out, slice_metadata(meta, wanted), digest_algorithm=digest_algorithm)
+HASH_BUFFER = 1 << 20
+"""Bytes of a file read at once to hash a slice (one buffer per hash, reused across its reads)."""
+
+
+class FileRows:
+    """The rows of a committed model file one download sends: its header, built here, and where
+    each tensor's rows lie in the file. The bytes are hashed through one small buffer and sent
+    from the file (`ModelSender.sendfile_steps`): a download never holds a copy of its rows,
+    however many ask for the same ones, so stalled downloads pin no more than their sockets."""
+
+    def __init__(self, file: BinaryIO, wanted: Wanted, digest_algorithm: str) -> None:
+        fd, self.name = file.fileno(), file.name
+        prefix = os.pread(fd, PREFIX_BYTES, 0)
+        if len(prefix) != PREFIX_BYTES:
+            raise StateError(f"model file {file.name} is shorter than its header")
+        length = int.from_bytes(prefix, "little")
+        specs, meta = parse_header(os.pread(fd, length, PREFIX_BYTES))
+        where, offset = {}, PREFIX_BYTES + length
+        for spec in specs:  # in offset order, back to back (`parse_header` checked)
+            where[spec.name] = (spec, offset)
+            offset += spec.nbytes
+        self.ranges: list[tuple[int, int]] = []  # (offset in the file, bytes), in the body's order
+        entries: dict[str, Any] = {}
+        metadata = slice_metadata(meta, wanted)
+        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+        at = 0
+        for name, span in wanted.items():
+            if name not in where:
+                raise StateError(f"model file {file.name} has no tensor {name!r}")
+            spec, begin = where[name]
+            start, stop = span if span is not None else (0, spec.shape[0] if spec.shape else 1)
+            row = math.prod(spec.shape[1:]) * spec.dtype.itemsize
+            shape = [stop - start, *spec.shape[1:]] if span is not None else list(spec.shape)
+            nbytes = (stop - start) * row
+            entries[name] = {"dtype": DTYPE_TO_ST[spec.dtype], "shape": shape, "data_offsets": [at, at + nbytes]}
+            if nbytes:
+                self.ranges.append((begin + start * row, nbytes))
+            at += nbytes
+        header.update(entries)
+        # As `EncodedBody` writes it, so that a download moving from memory to the file goes on byte for byte.
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self.header = len(raw).to_bytes(PREFIX_BYTES, "little") + raw
+        self.content_length = len(self.header) + at
+        self.digest_algorithm = digest_algorithm
+
+    def digest(self, fd: int) -> str:
+        """The body's digest, read from `fd` (this file, open) a buffer at a time."""
+        state = StreamingDigest(self.digest_algorithm)
+        state.update(self.header)
+        buffer = memoryview(bytearray(min(HASH_BUFFER, max((n for _, n in self.ranges), default=1))))
+        for begin, nbytes in self.ranges:
+            offset, end = begin, begin + nbytes
+            while offset < end:
+                view = buffer[: min(len(buffer), end - offset)]
+                _pread_into(fd, view, offset, self.name)
+                state.update(view)
+                offset += len(view)
+        return state.digest()
+
+    def steps(self, fd: int, out: ModelSender, offset: int = 0) -> Steps:
+        """Send the body from byte `offset` on: the header from memory, the rows from the file."""
+        head = memoryview(self.header)[offset:]
+        while head:
+            n = out.write_some(head)
+            if n:
+                head = head[n:]
+            else:
+                yield None
+        offset = max(0, offset - len(self.header))
+        for begin, nbytes in self.ranges:
+            if offset >= nbytes:
+                offset -= nbytes
+                continue
+            yield from out.sendfile_steps(fd, begin + offset, nbytes - offset)
+            offset = 0
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
@@ -113,9 +166,9 @@ def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
 
 class SliceStream:
     """One download of rows of one global version: from views of the master weights (`memory`
-    and `params`: the published version's) or from its committed file (`path`). Made on the
-    event loop; `prepare` (a worker thread) reads the rows from the file if need be and hashes
-    the body, after which `size` and `digest` are the headers' values."""
+    and `params`: the published version's) or from its committed file (`path`), never from a
+    copy of its own. Made on the event loop; `prepare` (a worker thread) hashes the body, after
+    which `size` and `digest` are the headers' values."""
 
     def __init__(self, version: int, wanted: Wanted, path: Path, files: CheckpointDir, *,
                  digest_algorithm: str | None = None, memory: Published | None = None,
@@ -123,7 +176,8 @@ class SliceStream:
         self.version, self.wanted, self.path, self.files = version, wanted, path, files
         self.memory, self.guard = memory, guard
         self.digest = ""
-        self.body: EncodedBody | None = None
+        self.body: EncodedBody | None = None  # from memory
+        self.rows: FileRows | None = None  # from the file
         self._file: BinaryIO | None = None
         if memory is not None:
             assert params is not None and guard is not None
@@ -133,18 +187,21 @@ class SliceStream:
         else:
             assert digest_algorithm is not None
             self._algorithm = digest_algorithm
-            # Opened now, on the event loop, so that a prune cannot take the file before it is read.
+            # Opened now, on the event loop, so that a prune cannot take the file before it is sent;
+            # held open (a reader: never a spare) until the download ends (`close`).
             self._file = files.open_reader(path)
 
     @property
     def size(self) -> int:
-        assert self.body is not None, "prepare() first"
-        return self.body.content_length
+        if self.body is not None:
+            return self.body.content_length
+        assert self.rows is not None, "prepare() first"
+        return self.rows.content_length
 
     def prepare(self) -> None:
-        """Worker thread: the body (read from the file when not served from memory) and its
-        digest. A version whose weights moved on since it was published is read from its file,
-        or is no longer available (404) when its commit failed."""
+        """Worker thread: the body's digest. A version whose weights moved on since it was published
+        is sent from its file, or is no longer available (404) when its commit failed. Closes the
+        stream when it fails."""
         try:
             if self.memory is not None and self.guard is not None and self.body is not None:
                 # Hashed without the guard lock, so that the slices of several ranks are hashed at
@@ -158,13 +215,14 @@ class SliceStream:
                         return
                 if not (self.memory.settled.is_set() and self.memory.durable):
                     raise Refused(404, "version_not_kept", f"global model version {self.version} was not committed")
-                self.memory = None
+                self.memory, self.body = None, None
                 self._file = self.files.open_reader(self.path)
             assert self._file is not None
-            self.body = read_slice(self._file, self.wanted, self._algorithm)
-            self.digest = self.body.digest()
-        finally:
+            self.rows = FileRows(self._file, self.wanted, self._algorithm)
+            self.digest = self.rows.digest(self._file.fileno())
+        except BaseException:
             self.close()
+            raise
 
     def _current(self) -> bool:
         """Whether the master weights are still those `memory` published."""
@@ -172,33 +230,18 @@ class SliceStream:
         with self.guard.lock:
             return self.guard.epoch == self.memory.epoch
 
-    def _committed(self) -> EncodedBody:
-        """The slice read from the committed file (the weights moved on mid-stream)."""
-        file = self.files.open_reader(self.path)
-        try:
-            return read_slice(file, self.wanted, self._algorithm)
-        finally:
-            self.files.close_reader(self.path, file)
-
     def steps(self, out: ModelSender) -> Steps:
-        """As `ModelStream.steps`; what is not sent from the master weights goes from memory of
-        its own (the rows read from the file)."""
-        assert self.body is not None
-        body, offset = self.body, 0
-        if self.memory is not None and self.guard is not None:
-            offset = yield from memory_steps(body, self.memory, self.guard, out)
+        """As `ModelStream.steps`: from the master weights, and what they no longer hold (they
+        moved on mid-stream) from the committed file, as is a download from the file."""
+        offset = 0
+        if self.memory is not None and self.guard is not None and self.body is not None:
+            offset = yield from memory_steps(self.body, self.memory, self.guard, out)
             if offset == self.size:
                 return
-            load = Work(self._committed)  # read on the pump's thread, or on a worker thread
-            yield load
-            body = load.result
-        for view in _views_from(body, offset, SEND_PIECE):
-            while view:
-                n = out.write_some(view)
-                if n:
-                    view = view[n:]
-                else:
-                    yield None
+            self._file = self.files.open_reader(self.path)
+            self.rows = FileRows(self._file, self.wanted, self._algorithm)
+        assert self._file is not None and self.rows is not None
+        yield from self.rows.steps(self._file.fileno(), out, offset)
 
     def pump(self, out: ModelSender) -> None:
         """`steps`, taken on this thread alone: it waits for the client and the commit itself."""
@@ -208,14 +251,3 @@ class SliceStream:
         if self._file is not None:
             self.files.close_reader(self.path, self._file)
             self._file = None
-
-
-def _views_from(body: EncodedBody, offset: int, size: int) -> Iterator[memoryview]:
-    """The bytes of `body` from `offset` on, in pieces of at most `size`."""
-    for _, view in body.segments():
-        if offset >= view.nbytes:
-            offset -= view.nbytes
-            continue
-        view, offset = view[offset:], 0
-        for start in range(0, view.nbytes, size):
-            yield view[start:start + size]

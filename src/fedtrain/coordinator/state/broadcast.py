@@ -13,24 +13,33 @@ from typing import Any
 
 STATUS = "status"
 KEEPALIVE = ": keep-alive\n\n"
+#: A subscriber's queue at most, in events and in bytes of their text: one that falls this far
+#: behind is dropped (it reconnects, and its `hello` brings it up to date).
+MAX_QUEUED = 1000
+MAX_QUEUED_BYTES = 4 << 20
+#: What one send of a stream takes off its queue at most (an event larger than it goes alone).
+BATCH_BYTES = 64 << 10
 
 
 class Subscription:
     """One subscriber's stream: the texts of its events in order, and a mark where the status is due."""
 
-    def __init__(self, owner: Broadcaster, maxsize: int) -> None:
+    def __init__(self, owner: Broadcaster, maxsize: int, maxbytes: int) -> None:
         self._owner = owner
-        self._maxsize = maxsize
+        self._maxsize, self._maxbytes = maxsize, maxbytes
         self._queue: deque[str | None] = deque()  # None: the status as of then
+        self._bytes = 0  # the length of the texts queued (a status, shared by all, counts none)
         self._status_due = False  # a None is in the queue
         self._ready = asyncio.Event()
         self.closed = False
 
     def put(self, text: str) -> bool:
-        """Queue an event; False when the queue is full (the publisher then drops this subscriber)."""
-        if len(self._queue) >= self._maxsize:
+        """Queue an event; False when the queue is full, in events or bytes (the publisher then
+        drops this subscriber)."""
+        if len(self._queue) >= self._maxsize or self._bytes + len(text) > self._maxbytes:
             return False
         self._queue.append(text)
+        self._bytes += len(text)
         self._ready.set()
         return True
 
@@ -50,15 +59,22 @@ class Subscription:
         """Events queued and not yet read (a due status counts as one)."""
         return len(self._queue)
 
+    @property
+    def pending_bytes(self) -> int:
+        """The length of the event texts queued and not yet read (a due status not counted)."""
+        return self._bytes
+
     def close(self) -> None:
         """End the stream (at its next read) and leave the broadcaster."""
         self.closed = True
         self._queue.clear()
+        self._bytes = 0
         self._ready.set()
         self._owner.unsubscribe(self)
 
     async def events(self, keepalive_s: float, status: Callable[[], Any]) -> AsyncIterator[str]:
-        """The texts to send, as they come, each time all that is queued in one piece;
+        """The texts to send, as they come, each time what is queued in one piece of at most
+        BATCH_BYTES (or one larger event alone), so that a send holds no copy of a long queue;
         `KEEPALIVE` after `keepalive_s` without any; the status built by `status()` (once per
         change, for every subscriber). Ends once closed."""
         loop = asyncio.get_running_loop()
@@ -73,27 +89,31 @@ class Subscription:
                 if not self._queue and not self.closed:
                     yield KEEPALIVE
                 continue
-            texts = []
-            while self._queue:
+            texts: list[str] = []
+            size = 0
+            while self._queue and (not texts or size + len(self._queue[0] or "") <= BATCH_BYTES):
                 text = self._queue.popleft()
                 if text is None:
                     self._status_due = False
                     text = self._owner.status_text(status)
+                else:
+                    self._bytes -= len(text)
                 texts.append(text)
+                size += len(text)
             yield "".join(texts)
 
 
 class Broadcaster:
     """The run's SSE subscribers, and the status snapshot they share."""
 
-    def __init__(self, maxsize: int = 1000) -> None:
-        self.maxsize = maxsize
+    def __init__(self, maxsize: int = MAX_QUEUED, maxbytes: int = MAX_QUEUED_BYTES) -> None:
+        self.maxsize, self.maxbytes = maxsize, maxbytes
         self._subscribers: set[Subscription] = set()
         self._changes = 0  # status changes published so far
         self._snapshot: tuple[int, str] | None = None  # (changes when built, its event text)
 
     def subscribe(self) -> Subscription:
-        subscription = Subscription(self, self.maxsize)
+        subscription = Subscription(self, self.maxsize, self.maxbytes)
         self._subscribers.add(subscription)
         return subscription
 

@@ -233,6 +233,28 @@ class Store:
                 ],
             )
 
+    def update_participants(self, rows: list[ParticipantRow]) -> None:
+        """Store what changes of these participants' rows after their join (state, counters, key),
+        in one transaction: not their `info`, written once by the join (`upsert_participants`), so
+        that a heartbeat costs the same whatever the participant said of itself. A row that is
+        not stored (pruned meanwhile) is not written back."""
+        with self.write() as db:
+            db.executemany(
+                """UPDATE participants SET state = ?, last_seen = ?, round = ?, tokens = ?, bytes_up = ?,
+                       bytes_down = ?, config_version = ?, key_hash = ?, evicted_at = ?
+                   WHERE id = ?""",
+                [
+                    (row.state, row.last_seen, row.round, row.tokens, row.bytes_up, row.bytes_down,
+                     row.config_version, row.key_hash, row.evicted_at, row.id)
+                    for row in rows
+                ],
+            )
+
+    def forget_participants(self, ids: list[str]) -> None:
+        """Delete these participants' rows (departed long ago: `Roster` prunes them)."""
+        with self.write() as db:
+            db.executemany("DELETE FROM participants WHERE id = ?", [(pid,) for pid in ids])
+
     # -- rounds and submissions ---------------------------------------------------------------
 
     def add_submission(self, round_: int, participant_id: str, tokens: int, nbytes: int, digest: str) -> None:
