@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import torch
 from safetensors import safe_open
 
 from fedtrain.coordinator import BackgroundCoordinator
-from tests.helpers.config import tiny_config
+from tests.helpers.config import ATOKEN, tiny_config
 from tests.helpers.fsdp import fsdp_group, shards_match
+from tests.helpers.processes import wait_for
 from tests.helpers.torchrun import finish, participant, weights
 
 
@@ -74,3 +76,38 @@ def test_an_fsdp_group_syncs_overlapped_and_ends_on_the_global_rows(tmp_path: Pa
         assert [h["piece"]["piece"] for h in report["history"]] == [f"rank{k}"] * 4
         assert report["overlapped"] == 4  # every round was sent and trained on while it was in flight
     shards_match(out, final)  # the run's end: every rank's rows are the global model's
+
+
+def test_an_fsdp_group_in_balanced_rounds_is_paced_as_one_and_sees_a_live_config_change_on_every_rank(
+        tmp_path: Path) -> None:
+    """Balanced rounds with a group throttled by `speed` beside a single process: the group is
+    told fewer steps than the faster site, both of its ranks train the same H, and a config changed
+    live reaches `on_config_change` on every rank at the same round."""
+    h, rows = 8, 8 * 32  # tiny_config: sync_every 8 here, batches of 8 x 32 tokens
+    cfg = tiny_config(rounds=5, min_participants=2, train={"sync_every": h}, schedule={"mode": "balanced"},
+                      heartbeat_interval_s=0.2)
+    out = tmp_path / "fsdp"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c, \
+            httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as admin:
+        group = fsdp_group(c.url, "group", out, "--speed", "0.25")
+        single = participant(c.url, "single", "--run-dir", str(tmp_path / "single"))
+        wait_for(lambda: c.service.version >= 1 or group.poll() is not None or single.poll() is not None, 240)
+        changed = admin.put("/v1/config", json={"changes": {"train": {"lr": 0.002}}})
+        assert changed.status_code == 200, changed.text
+        effective = changed.json()["effective_round"]
+        finish(group, single)
+        rounds = sorted(c.service.round_history(), key=lambda r: r["round"])
+        assert c.service.finished
+    reports = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
+    told = [[r["sync_every"] for r in rep["history"]] for rep in reports]
+    assert told[0] == told[1] and len(told[0]) == 5, told  # a group trains one H, on every rank
+    for r in rounds:
+        tokens = {s["participant_id"]: s["tokens"] for s in r["submissions"]}
+        assert tokens["group"] == 2 * rows * told[0][r["round"]], (r["round"], tokens)  # both ranks' tokens
+        if r["round"] >= 1:  # measured by then: the throttled group is told fewer steps than the single site
+            assert told[0][r["round"]] < tokens["single"] // rows, (r["round"], told[0], tokens)
+    changes = [rep["config_changes"] for rep in reports]
+    assert changes[0] == changes[1] and len(changes[0]) == 1, changes  # once, on every rank, alike
+    [seen] = changes[0]
+    assert seen["lr"] == 0.002 and seen["round"] == effective and any("lr" in f for f in seen["fields"]), seen

@@ -2,7 +2,10 @@
 `fully_shard` per block then the root, trained on stdlib:0/2 (each rank its own batches);
 writes its rows of the final weights and its history to OUT/rank<k>.*
 
-    fsdp_worker.py URL NAME OUT [--key-file F] [--attempt-s S] [--budget-s S]"""
+    fsdp_worker.py URL NAME OUT [--key-file F] [--attempt-s S] [--budget-s S] [--speed X]
+
+Each rank also records the config changes its `on_config_change` callback saw (round, config
+version, train.lr, the changed fields)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from fedtrain.recipes.build import build_model
 from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
 
 
-def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePolicy) -> None:
+def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePolicy, speed: float) -> None:
     faults.arm_from_env()  # FEDTRAIN_FAULTS: kill a rank at a named point
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -39,8 +42,15 @@ def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePo
     data = TokenStream(load_tokens(parse_data_spec("stdlib:0/2")), batch_size=cfg.train.batch_size,
                        seq_len=cfg.train.seq_len, seed=100 + rank)
     sent_and_trained_on = 0
+    changes: list[dict] = []
     with Participant(client, model=model, name=name, keepalive_s=1.0, key_file=key_file, outage=outage,
-                     inner_optimizer=opt) as fed:
+                     inner_optimizer=opt, speed=speed) as fed:
+
+        @fed.on_config_change
+        def seen(old: RunConfig, new: RunConfig, diff: dict) -> None:
+            changes.append({"round": fed.round, "version": fed.config_version, "lr": new.train.lr,
+                            "fields": sorted(diff)})
+
         while not fed.finished:
             x, y = data.next_batch()
             _, loss = model(x, y)
@@ -56,7 +66,8 @@ def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePo
     (out / f"rank{rank}.json").write_text(json.dumps({"history": fed.history, "shard_bytes": fed.shard_bytes,
                                                       "participant_id": fed.participant_id, "outages": fed.outages,
                                                       "bytes_up": fed.bytes_up,
-                                                      "overlapped": sent_and_trained_on}))
+                                                      "overlapped": sent_and_trained_on,
+                                                      "config_changes": changes}))
     dist.destroy_process_group()
 
 
@@ -68,6 +79,7 @@ if __name__ == "__main__":
     cli.add_argument("--key-file", type=Path, default=None)
     cli.add_argument("--attempt-s", type=float, default=10.0)
     cli.add_argument("--budget-s", type=float, default=None)
+    cli.add_argument("--speed", type=float, default=1.0)
     a = cli.parse_args()
     main(a.url, a.name, a.out, a.key_file, OutagePolicy(budget_s=a.budget_s, attempt_s=a.attempt_s,
-                                                       backoff_initial_s=0.2, backoff_max_s=1.0))
+                                                       backoff_initial_s=0.2, backoff_max_s=1.0), a.speed)

@@ -32,7 +32,7 @@ from fedtrain.participant.client.coordinator_client import CoordinatorClient, Re
 from fedtrain.participant.client.keys import join_as
 from fedtrain.participant.client.presence import Presence, TokenRate
 from fedtrain.participant.engine.outage import OutagePolicy, OutageState, next_attempt
-from fedtrain.participant.engine.pace import Pace
+from fedtrain.participant.engine.pace import Pace, check_speed
 from fedtrain.participant.engine.records import ConfigCallback, EvalFn, RoundBook
 from fedtrain.participant.engine.sync_schedule import Exchanges, InFlight, Plan, decide, plan_of
 from fedtrain.participant.ranks.control import Outcome, RankGroup
@@ -101,7 +101,11 @@ class Participant:
         self._unsent_tokens = 0  # the group's tokens since the last Δ was taken
         self._last_loss: float | None = None
         self._rate = TokenRate()
-        self._pace = Pace(speed)  # the loop's own step rate; `speed` < 1 throttles it on purpose
+        # The loop's own step rate; `speed` < 1 throttles it on purpose. In a group only rank 0
+        # sleeps: the other ranks wait for it in the step's collectives, so the group runs at its
+        # pace. If every rank slept for its own step's time, each would also count the time it
+        # waited for the others' sleep, and the pauses would grow without end (x1/speed a step).
+        self._pace = Pace(check_speed(speed) if self.ranks.lead else 1.0)
         self._engine = self.role.engine(self.client, who=name or "participant", patience_s=budget,
                                         keepalive_s=keepalive_s)
         self._exchanges = Exchanges(None, None)  # made again from the join answer (its plan)
