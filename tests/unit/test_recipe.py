@@ -281,3 +281,22 @@ def test_parse_data_spec_variants(tmp_path: Path) -> None:
 def test_parse_data_spec_errors(spec: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         parse_data_spec(spec)
+
+
+def test_warmup_raises_the_lr_linearly_then_leaves_it_to_the_config() -> None:
+    from fedtrain.config import TrainConfig
+    from fedtrain.recipes.train import warm_up
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    train = TrainConfig(lr=0.01, warmup_steps=4)
+    lrs = []
+    for done in range(7):
+        warm_up(opt, done, train)
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01, 0.01, 0.01])
+    opt.param_groups[0]["lr"] = 0.02  # a live change of train.lr after the warmup is kept
+    warm_up(opt, 10, train)
+    assert opt.param_groups[0]["lr"] == 0.02
+    none = TrainConfig(lr=0.01)  # warmup_steps 0: the lr as configured from the first step
+    warm_up(opt, 0, none)
+    assert opt.param_groups[0]["lr"] == 0.01

@@ -158,6 +158,12 @@ class TrainConfig(_Strict):
 
     sync_every: int = Field(20, ge=1, le=MAX_STEPS, description="H: inner steps between two syncs.")
     lr: float = Field(3e-3, gt=0, le=MAX_LR, description="Inner optimizer (AdamW) learning rate.")
+    warmup_steps: int = Field(
+        0, ge=0, le=MAX_STEPS,
+        description="The built-in recipes' loop: over a participant's first k inner steps its lr rises linearly "
+        "to `lr` (a fresh AdamW takes large early steps; a loss spike then lands in the evals around a sync). "
+        "Counted from the participant's first step; one that resumes from its run dir goes on from its count.",
+    )
     weight_decay: float = Field(0.0, ge=0, le=10, description="Inner AdamW weight decay.")
     batch_size: int = Field(16, ge=1, le=MAX_STEPS, description="Sequences per inner step.")
     seq_len: int = Field(128, ge=2, le=MAX_TOKENS, description="Tokens per sequence (at most model.block_size).")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fedtrain.config import RunConfig
+from fedtrain.config import RunConfig, TrainConfig
 from fedtrain.errors import ConfigError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant.engine.pace import check_speed
@@ -119,6 +119,7 @@ def _train(url: str, token: str, paths: list[Path], data: str, *, name: str | No
             loss.backward()
             if cfg.train.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(trainable, cfg.train.grad_clip)
+            warm_up(opt, fed.steps, fed.config.train)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if fed.step(tokens=x.numel(), loss=loss.item()):
@@ -151,3 +152,14 @@ def _train(url: str, token: str, paths: list[Path], data: str, *, name: str | No
         summary["final_weights"] = str(local.finish(model))
         local.close()
     return summary
+
+
+def warm_up(opt: torch.optim.Optimizer, steps_done: int, train: TrainConfig) -> None:
+    """The lr of the next inner step under `train.warmup_steps`: `lr` x (steps_done + 1) / k over
+    the first k steps; `lr` itself at step k (after it, a live change of `train.lr` sets it)."""
+    k = train.warmup_steps
+    if steps_done > k:
+        return
+    lr = train.lr * min(1.0, (steps_done + 1) / k) if k > 0 else train.lr
+    for group in opt.param_groups:
+        group["lr"] = lr
