@@ -44,8 +44,9 @@ def test_mismatched_model_is_told_exactly_what_differs(tmp_path: Path) -> None:
                 pass
         msg = info.value.message
         assert "lin.weight" in msg and "(5, 3)" in msg and "(4, 3)" in msg and "head.weight" in msg
-        roster = {p["id"]: p["state"] for p in c.service.status()["participants"]}
-        assert roster.get("wide") != "active", roster  # it left: no participant that never submits
+        # refused at the join (#31): no participant that never submits, not even a failed one
+        assert c.service.status()["participants"] == []
+        assert [e["kind"] for e in c.service.event_log()] == ["run"]
 
 
 def test_orphan_checkpoint_of_uncommitted_round_is_removed(tmp_path: Path) -> None:

@@ -45,10 +45,10 @@ from fedtrain.coordinator.state.config_versions import ConfigVersions
 from fedtrain.coordinator.state.events import Events
 from fedtrain.coordinator.state.statelock import StateLock
 from fedtrain.coordinator.state.store import ParticipantRow, Store
-from fedtrain.errors import Refused
-from fedtrain.merge import all_finite
+from fedtrain.errors import MergeError, Refused
+from fedtrain.merge import all_finite, check_compatible
 from fedtrain.transport import Body
-from fedtrain.wire import DTYPE_TO_ST
+from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE
 
 log = lifecycle.log
 
@@ -237,9 +237,14 @@ class Coordinator:
 
     # -- participants ------------------------------------------------------------------------------
 
-    def join(self, ident: Identity, name: str | None, info: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+    def join(self, ident: Identity, name: str | None, info: dict[str, Any], key: str | None = None,
+             model: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         """Join as `name` (a new one when None), presenting the participant key of an earlier
-        join (`key`) or not; the answer carries the key to present from now on."""
+        join (`key`) or not; the answer carries the key to present from now on. `model`: the
+        tensors the participant syncs (name -> dtype, shape); one that differs from the run's is
+        refused (409 model_mismatch), before anything is added to the roster."""
+        if model is not None:
+            self.check_model(model)
         # The join is done only once its answer is built: one that fails leaves no roster row behind.
         with self.roster.joining(ident, name, info, key, self.version, self.config) as (name, issued):
             faults.hit("join.answer", who=name)
@@ -262,6 +267,17 @@ class Coordinator:
                                "that came before are dropped; its update comes whole from the new process", name)
         self.events.notify()
         return answer
+
+    def check_model(self, model: dict[str, dict[str, Any]]) -> None:
+        """Refuse (409 model_mismatch, every difference listed) a participant's sync set that is
+        not the run's model: a participant that cannot submit must not join and hold rounds up."""
+        given: dict[str, tuple[torch.dtype | str, tuple[int, ...]]] = {
+            n: (ST_TO_DTYPE.get(s["dtype"], s["dtype"]), tuple(s["shape"])) for n, s in model.items()}
+        try:
+            check_compatible(self.spec, given, what="your model")  # type: ignore[arg-type]
+        except MergeError as e:
+            raise Refused(409, "model_mismatch", f"your model does not match the run's: {e.message}",
+                          e.details) from None
 
     def act_as(self, ident: Identity, pid: str, key: str | None) -> ParticipantRow:
         """The check of every request that speaks for participant `pid` (`Roster.act_as`)."""

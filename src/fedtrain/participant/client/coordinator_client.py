@@ -196,11 +196,15 @@ class CoordinatorClient:
         return self._expect(self._json("GET", "/v1/healthz", retry=retry), "GET /v1/healthz", "ok")
 
     def join(self, name: str | None, info: dict[str, Any] | None = None, *,
-             retry: RetryPolicy | None = None) -> dict[str, Any]:
+             model: dict[str, dict[str, Any]] | None = None, retry: RetryPolicy | None = None) -> dict[str, Any]:
         """Join as `name` (presenting its participant key when this client holds one: a rejoin
         as itself); from then on this client speaks for the participant the answer names.
-        A name whose earlier holder is still active is waited for (`name_in_use`)."""
-        body = {"name": name, "info": info or {}, "key_cookie": False}  # the key goes in a header: no cookie
+        A name whose earlier holder is still active is waited for (`name_in_use`). `model`: the
+        tensors we sync (name -> {"dtype", "shape"}): a run whose model differs refuses the join
+        (CoordinatorError model_mismatch) and keeps nothing of it."""
+        body: dict[str, Any] = {"name": name, "info": info or {}, "key_cookie": False}  # the key: a header
+        if model is not None:
+            body["model"] = model
         joined = self._json("POST", "/v1/join", json=body, headers=self._as(name),
                             also_retry=frozenset({"name_in_use"}), retry=retry)
         joined = self._expect(joined, "POST /v1/join", "participant_id")

@@ -16,14 +16,14 @@ log = logging.getLogger("fedtrain.participant")
 
 
 def join_as(client: CoordinatorClient, name: str | None, info: dict[str, Any],
-            key_file: Path | None) -> dict[str, Any]:
+            key_file: Path | None, model: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Join the run; with `key_file`, as the participant whose key it keeps (and keep the
-    key of this join there). Returns the join answer."""
+    key of this join there); `model` as `CoordinatorClient.join`'s. Returns the join answer."""
     saved = _read_key_file(key_file) if key_file is not None else None
     if saved is not None and name in (None, saved[0]):  # rejoin as itself, under the name it had
         name = saved[0]
         client.remember_key(*saved)
-    joined = client.join(name, info)
+    joined = client.join(name, info, model=model)
     pid = joined["participant_id"]
     key = client.participant_key(pid)
     if key_file is not None and key is not None and saved != (pid, key):

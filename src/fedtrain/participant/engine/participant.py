@@ -27,7 +27,7 @@ from torch import nn
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
-from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, FedtrainError
+from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, FedtrainError, ModelMismatchError
 from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.participant.client.keys import join_as
 from fedtrain.participant.client.presence import Presence, TokenRate
@@ -234,9 +234,14 @@ class Participant:
 
     def _join(self) -> dict[str, Any]:
         """Rank 0: join (as the participant of the key file, if any) and check the run's model."""
-        joined = join_as(self.client, self.name, self.info, self.key_file)
-        pid = joined["participant_id"]
         assert self._engine is not None
+        try:
+            joined = join_as(self.client, self.name, self.info, self.key_file, model=self._engine.sync_spec())
+        except CoordinatorError as e:
+            if e.code == "model_mismatch":  # refused at the join: nothing of us is in the roster
+                raise ModelMismatchError(e.message, details=e.details) from None
+            raise
+        pid = joined["participant_id"]
         try:
             self._engine.prepare(joined["model"])
         except FedtrainError:

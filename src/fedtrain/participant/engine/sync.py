@@ -22,7 +22,7 @@ from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
-from fedtrain.wire import ST_TO_DTYPE, EncodedBody, TensorSpec
+from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
 from fedtrain.wire.compress import ErrorFeedback, compress
 from fedtrain.wire.format import ROWS_META
 
@@ -330,6 +330,13 @@ class SyncEngine:
         self._holds = "reference"
 
     # -- checks ----------------------------------------------------------------------------------
+
+    def sync_spec(self) -> dict[str, dict[str, Any]]:
+        """The tensors we sync, as a join presents them (name -> {"dtype", "shape"}; a piece of a
+        sharded model: the whole tensors), so the coordinator can refuse a model that does not match."""
+        ours = dict(self.piece.shapes) if self.piece is not None else \
+            {n: (p.dtype, tuple(p.shape)) for n, p in self.params.items()}
+        return {n: {"dtype": DTYPE_TO_ST[d], "shape": list(shape)} for n, (d, shape) in ours.items()}
 
     def check_model(self, spec: dict[str, dict[str, Any]]) -> None:
         """Refuse a run whose model (name -> {"dtype", "shape"}) differs from our sync set."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,12 +15,23 @@ from fedtrain.errors import Refused
 router = APIRouter()
 
 
+class TensorShape(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dtype: str = Field(..., max_length=16, description="safetensors dtype name (F32, BF16, ...).")
+    shape: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] = Field(..., max_length=8)
+
+
 class JoinRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, description="Stable participant name; rejoining with it resumes the identity.")
     info: dict[str, Any] = Field(default_factory=dict, description=(
         "Free-form facts (host, ...). Two are checked (400 invalid_info) and shown in the status: `parallel` "
         "(single, ddp, fsdp; left out: one process) and `world_size` (its ranks, 1 to 2^20)."))
+    model: dict[Annotated[str, Field(max_length=512)], TensorShape] | None = Field(
+        None, max_length=100_000, description=(
+            "The tensors this participant syncs (name -> dtype and shape; an FSDP group: the whole tensors). "
+            "When given, a model that does not match the run's is refused here (409 model_mismatch, the "
+            "differences listed) and nothing is added to the roster."))
     key_cookie: bool = Field(True, description="Also set the participant key as a cookie (`fedtrain-key-<id>`), "
                              "for HTTP clients with a cookie jar; a client that sends the key header itself "
                              "says false (a Set-Cookie would show the key in its HTTP debug logs).")
@@ -49,7 +60,8 @@ class MetricsRequest(BaseModel):
 async def join(body: JoinRequest, request: Request, response: Response, ident: Identity = Depends(identity),
                service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
     key = request.headers.get(KEY_HEADER) or (request.cookies.get(key_cookie(body.name)) if body.name else None)
-    answer = service.join(ident, body.name, body.info, key)
+    model = None if body.model is None else {n: t.model_dump() for n, t in body.model.items()}
+    answer = service.join(ident, body.name, body.info, key, model=model)
     if body.key_cookie:
         response.set_cookie(key_cookie(answer["participant_id"]), answer["participant_key"], path="/v1",
                             httponly=True, samesite="strict", secure=request.url.scheme == "https")
