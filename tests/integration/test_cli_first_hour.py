@@ -66,7 +66,8 @@ def closed_port_url() -> str:
 
 
 class CoordinatorProcess:
-    """`fedtrain coordinator --port 0` with no tokens given (so it generates tokens.json), and
+    """`fedtrain coordinator --port 0` with no tokens given (so it generates an admin token and
+    mints a first site's token), and
     the lines it printed once it serves."""
 
     def __init__(self, root: Path, **config: object) -> None:
@@ -98,7 +99,9 @@ class CoordinatorProcess:
         return self.out.read_text()
 
     def tokens(self) -> dict:
-        return json.loads((self.state / "tokens.json").read_text())
+        """The tokens it generated: the admin's, and the first site's (issue 31: apart)."""
+        site = (self.state / "participant-tokens" / "site-1.token").read_text().strip()
+        return {"participant": [site], "admin": (self.state / "admin-token").read_text().strip()}
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +155,9 @@ def test_status_and_config_without_a_coordinator_stay_light(tmp_path: Path) -> N
 def test_commands_against_a_live_coordinator_stay_light(
     tmp_path: Path, live: CoordinatorProcess, args: list[str]
 ) -> None:
-    seen, r = probe(tmp_path, *args, "--coordinator", live.url, "--token-file", str(live.token_file))
+    # an admin command takes the admin token: with --state-dir, from the coordinator's state dir
+    given = ["--state-dir", str(live.state)] if "validate" in args else ["--token-file", str(live.token_file)]
+    seen, r = probe(tmp_path, *args, "--coordinator", live.url, *given)
     assert seen == {"code": 0, "heavy": []}, r.stderr
     assert r.stdout.strip()
 
@@ -369,7 +374,9 @@ def test_coordinator_says_how_to_join_without_printing_a_token(live: Coordinator
     tokens = live.tokens()
     for token in [*tokens["participant"], tokens["admin"]]:
         assert token not in out
-    assert live.token_file == (live.state / "tokens.json").absolute()
+    assert live.token_file == (live.state / "participant-tokens" / "site-1.token").absolute()
+    assert live.token_file.read_text().strip() == tokens["participant"][0]  # that site's token alone
+    assert not (live.state / "tokens.json").exists()
     assert live.participant_line == (
         f"fedtrain participant --coordinator {live.url} --token-file {live.token_file} --data stdlib:0/4"
     )

@@ -77,7 +77,8 @@ def test_every_mutating_route_has_a_role_check(coordinator: BackgroundCoordinato
             for method in sorted(set(route.methods) & MUTATING):
                 assert_error(anon.request(method, path, params={"tokens": 1}), 401, "unauthorized")
                 if (route.summary or "").startswith("Admin:"):
-                    bodies = {"tokens/revoke": {"participant_id": "p"}, "rollback": {"version": 0}}
+                    bodies = {"tokens/revoke": {"participant_id": "p"}, "admin/tokens": {"name": "site-x"},
+                              "rollback": {"version": 0}}
                     body = next((v for k, v in bodies.items() if k in path), {"changes": {"rounds": 5}})
                     r = part.request(method, path, json=body)
                     assert_error(r, 403)
@@ -185,6 +186,8 @@ def test_tls_from_the_command_line(tmp_path: Path) -> None:
             str(cert),
             "--tls-key",
             str(key),
+            "--ca-cert",
+            str(ca),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -198,7 +201,14 @@ def test_tls_from_the_command_line(tmp_path: Path) -> None:
             time.sleep(0.1)
         url = json.loads(endpoint.read_text())["url"]
         assert url.startswith("https://")
-        token = json.loads((state / "tokens.json").read_text())["participant"][0]
+        deadline = time.monotonic() + 60
+        while "dashboard:" not in (printed := (tmp_path / "coordinator.log").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, printed
+            time.sleep(0.1)
+        site = state / "participant-tokens" / "site-1.token"
+        token = site.read_text().strip()
+        # the printed command verifies the coordinator with the CA (issue 31, defect 3)
+        assert f"--coordinator {url} --token-file {site} --ca-cert {ca} --data" in printed
 
         def status(*extra: str) -> subprocess.CompletedProcess:
             return subprocess.run(
@@ -214,6 +224,10 @@ def test_tls_from_the_command_line(tmp_path: Path) -> None:
         refused = status()
         assert refused.returncode == 2 and "cannot be verified" in refused.stderr and "Traceback" not in refused.stderr
         assert status("--insecure").returncode == 0
+        # an admin's command on this machine: the URL, admin token and CA from the state dir
+        admin = subprocess.run([sys.executable, "-m", "fedtrain", "token", "list", "--state-dir", str(state)],
+                               capture_output=True, text=True, timeout=60, env=env)
+        assert admin.returncode == 0 and "site-1" in admin.stdout, admin.stderr
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import fedtrain
 import fedtrain.cli.admin_commands as cli_admin
+from fedtrain.cli import profile
 from fedtrain.errors import ConfigError, FedtrainError
 
 if TYPE_CHECKING:
@@ -49,26 +50,19 @@ def _add_token_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--coordinator", required=True, metavar="URL", help="coordinator URL, e.g. http://HOST:8000")
+    p.add_argument("--coordinator", default=None, metavar="URL",
+                   help="coordinator URL, e.g. http://HOST:8000 (default $FEDTRAIN_COORDINATOR)")
     _add_token_args(p)
-    p.add_argument("--ca-cert", default=None, metavar="PEM", help="CA bundle to verify the coordinator's TLS cert")
+    p.add_argument("--ca-cert", default=None, metavar="PEM",
+                   help="CA bundle to verify the coordinator's TLS cert (default $FEDTRAIN_CA_CERT)")
     p.add_argument("--insecure", action="store_true", help="do not verify TLS certificates (testing only)")
 
 
 def _token(args: argparse.Namespace, *, admin: bool = False) -> str:
-    """--token, else --token-file, else the environment. Admin commands look for the admin token
-    first (in the file and the environment), the others for a participant token."""
-    if args.token:
-        return str(args.token)
-    if getattr(args, "token_file", None) is not None:
-        return read_token_file(args.token_file, admin=admin)
-    participant = os.environ.get("FEDTRAIN_TOKEN", "").split(",")[0].strip()
-    admin_token = os.environ.get("FEDTRAIN_ADMIN_TOKEN", "").strip()
-    token = (admin_token or participant) if admin else (participant or admin_token)
-    if not token:
-        wanted = "FEDTRAIN_ADMIN_TOKEN" if admin else "FEDTRAIN_TOKEN"
-        raise FedtrainError(f"no token: pass --token-file PATH (or --token) or set {wanted}")
-    return token
+    """--token, else --token-file, else the environment, else a state dir's admin token
+    (`profile.token`). Admin commands look for the admin token first, the others for a
+    participant token."""
+    return profile.token(args, read_token_file, admin=admin)
 
 
 def read_token_file(path: Path, *, admin: bool = False) -> str:
@@ -98,7 +92,7 @@ def read_token_file(path: Path, *, admin: bool = False) -> str:
 def _verify(args: argparse.Namespace) -> bool | str:
     if args.insecure:
         return False
-    return args.ca_cert or True
+    return profile.ca_cert(args) or True
 
 
 def _speed(text: str) -> float:
@@ -122,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fedtrain {fedtrain.__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    client_parent = argparse.ArgumentParser(add_help=False)  # --coordinator, the token, TLS
+    client_parent = argparse.ArgumentParser(add_help=False)  # --coordinator, the token, TLS, --state-dir
     _add_client_args(client_parent)
+    profile.add_state_dir_arg(client_parent)
 
     c = sub.add_parser("coordinator", help="serve a run: hold the global model, merge updates")
     c.add_argument("--config", type=Path, default=None, help="run config (YAML or JSON); default: built-in recipe")
@@ -156,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--init-weights", type=Path, default=None, help="initial global weights (.safetensors)")
     c.add_argument("--tls-cert", type=Path, default=None, help="TLS certificate (PEM)")
     c.add_argument("--tls-key", type=Path, default=None, help="TLS private key (PEM)")
+    c.add_argument("--ca-cert", type=Path, default=None, metavar="PEM",
+                   help="with TLS: the CA certificate participants verify --tls-cert with, printed into their "
+                   "command line and DIR/endpoint.json (default: --tls-cert itself, right for a self-signed one)")
 
     p = sub.add_parser(
         "participant",
@@ -224,9 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--config", type=Path, default=None, help="start from this run config instead of the demo's")
     d.add_argument("--keep", action="store_true", help="keep the temp state dir and logs of a finished run")
 
-    s = sub.add_parser("status", help="print a run's state", epilog=ENV_HELP)
+    s = sub.add_parser("status", help="print a run's state", epilog=profile.PROFILE_HELP)
     _add_client_args(s)
+    profile.add_state_dir_arg(s)
     s.add_argument("--json", action="store_true", help="print the raw JSON")
+    s.add_argument("--watch", type=cli_admin.watch_interval, default=None, metavar="SECONDS",
+                   help="print it again every SECONDS (at least 0.2) until the run finishes (exit 0) or Ctrl+C "
+                   "(exit 130)")
 
     cli_admin.add_config_parser(sub, client_parent)
 
@@ -258,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("name", nargs="?", default=None, help="print this recipe's YAML")
 
     cli_admin.add_rollback_parser(sub, client_parent)
+    cli_admin.add_evict_parser(sub, client_parent)
+    cli_admin.add_token_parser(sub, client_parent)
 
     t = sub.add_parser(
         "torchrun",
@@ -379,7 +383,7 @@ def cmd_participant(args: argparse.Namespace) -> int:
     from fedtrain.recipes.train import run_participant
 
     result = run_participant(
-        args.coordinator,
+        profile.coordinator_url(args),
         _token(args),
         args.data,
         name=args.name,
@@ -404,6 +408,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from fedtrain.cli.report import eval_rows, format_status
 
+    if args.watch is not None:
+        return cli_admin.run_status_watch(args, _client(args))
     with _client(args) as client:
         status = client.status()
         status["evals"] = eval_rows(client.metrics())
@@ -418,7 +424,8 @@ def _client(args: argparse.Namespace, *, admin: bool = False) -> CoordinatorClie
     if args.log_level != "debug":  # its retries are not news here: the one line at the end says what failed
         logging.getLogger("fedtrain.participant").setLevel(logging.ERROR)
     return CoordinatorClient(
-        args.coordinator, _token(args, admin=admin), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=5)
+        profile.coordinator_url(args), _token(args, admin=admin), verify=_verify(args),
+        retry=RetryPolicy(max_elapsed_s=5),
     )
 
 
@@ -428,6 +435,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     return cli_admin.run_rollback(args, _client(args, admin=True))
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    return cli_admin.run_evict(args, _client(args, admin=True))
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    return cli_admin.run_token(args, _client(args, admin=True))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -465,6 +480,8 @@ COMMANDS = {
     "config": cmd_config,
     "export": cmd_export,
     "rollback": cmd_rollback,
+    "evict": cmd_evict,
+    "token": cmd_token,
     "recipes": cmd_recipes,
 }
 

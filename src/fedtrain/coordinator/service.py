@@ -312,9 +312,25 @@ class Coordinator:
         """Admin: the participant tokens by fingerprint, whether revoked, who joined with each."""
         return self.roster.token_view(ident)
 
-    def revoke_token(self, ident: Identity, token_id: str | None, participant_id: str | None) -> dict[str, Any]:
+    def mint_token(self, ident: Identity, name: str) -> dict[str, Any]:
+        """Admin: a new participant token for site `name`, stored as its sha256 only; the answer
+        is the one time the token is shown (`SiteTokens.mint`)."""
+        result = self.roster.mint_token(ident, name)
+        self.events.notify()
+        return result
+
+    def adopt_tokens(self, name: str, tokens: list[str]) -> list[str]:
+        """Keep tokens given in a legacy tokens.json as named tokens `name`, `name-2`, ..."""
+        return self.roster.adopt_tokens(name, tokens)
+
+    def named_tokens(self) -> int:
+        """How many named participant tokens the run holds (revoked ones too)."""
+        return self.roster.named_tokens()
+
+    def revoke_token(self, ident: Identity, token_id: str | None, participant_id: str | None,
+                     name: str | None = None) -> dict[str, Any]:
         """Admin: refuse a participant token from now on (kept across restarts); its participants are evicted."""
-        result = self.roster.revoke_token(ident, token_id, participant_id)
+        result = self.roster.revoke_token(ident, token_id, participant_id, name)
         self.rounds.maybe_close()
         self.events.notify()
         return result

@@ -4,6 +4,9 @@ Tokens are compared in constant time and never logged; a participant is bound to
 fingerprint (a hash prefix) of the token it joined with, never to the token itself.
 A participant token can be revoked by its fingerprint (`Tokens.revoked`): from then on
 it identifies no one, and the coordinator keeps the revocation across restarts.
+Participant tokens are either given at start (flags, environment, a legacy tokens.json:
+`Tokens.participant`) or named, one per site, minted at run time (`Tokens.named`, kept as
+their sha256 only: `site_tokens.py`).
 
 More: docs/architecture.md, "coordinator/members/auth.py".
 """
@@ -20,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import policy
+from fedtrain.coordinator.state.store import TokenRow
 from fedtrain.errors import Refused
 
 PARTICIPANT = "participant"
@@ -47,8 +51,14 @@ def role_check(fn: F) -> F:
     return fn
 
 
+def token_digest(token: str) -> str:
+    """What the store keeps of a named participant token: its sha256 (a minted token has 192
+    random bits, so a fast hash is enough, and no salt is needed for a secret nobody chose)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 def fingerprint(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()[:12]
+    return token_digest(token)[:12]
 
 
 @dataclass
@@ -56,6 +66,9 @@ class Tokens:
     participant: list[str] = field(default_factory=list)
     admin: str | None = None
     revoked: set[str] = field(default_factory=set)  # fingerprints of revoked participant tokens
+    # Named participant tokens by their sha256 (`site_tokens.SiteTokens` owns them: it replaces
+    # the dict whole, so a request that reads it meanwhile sees the old one or the new one).
+    named: dict[str, TokenRow] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls, participant: list[str] | None = None, admin: str | None = None) -> Tokens:
@@ -84,6 +97,10 @@ class Tokens:
         for candidate in self.participant:
             if hmac.compare_digest(token.encode(), candidate.encode()) and found is None:
                 found = Identity(PARTICIPANT, fingerprint(token))
+        # A named token is found by its sha256: a lookup that learns nothing of the token from timing.
+        named = self.named.get(token_digest(token))
+        if named is not None and found is None:
+            found = Identity(PARTICIPANT, named.token_id)
         if found is not None and not found.is_admin and found.token_id in self.revoked:
             return None
         return found

@@ -30,6 +30,7 @@ from fedtrain.coordinator.members.auth import (
     require_admin,
     within_cap,
 )
+from fedtrain.coordinator.members.site_tokens import SiteTokens
 from fedtrain.coordinator.policy.balance import Reported
 from fedtrain.coordinator.state.events import Events
 from fedtrain.coordinator.state.store import ParticipantRow, Store
@@ -64,6 +65,7 @@ class Roster:
         self._store = store
         self._events = events
         self._tokens = tokens
+        self._sites = SiteTokens(store, tokens, clock)  # the named participant tokens, loaded from the store
         self._clock = clock
         self._rows: dict[str, ParticipantRow] = {p.id: p for p in store.participants()}
         self._live: dict[str, Live] = {pid: Live() for pid in self._rows}
@@ -306,44 +308,87 @@ class Roster:
     # -- admin: evictions and tokens --------------------------------------------------------
 
     def evict(self, ident: Identity, pid: str, cfg: RunConfig) -> None:
-        """Admin: remove a participant from the run; it may not rejoin under that name."""
+        """Admin: remove a participant from the run; it may not rejoin under that name, and its
+        token (its site's, when tokens are per site) may not add participants for a while."""
         require_admin(ident, "evicting a participant")
         p = self.get(ident, pid)
         p.state, p.evicted_at = policy.EVICTED, self._clock()
         self._store.update_participants([p])
-        self._events.record("evict", f"{pid} evicted by an admin; its token may not add participants for "
-                                     f"{cfg.eviction_cooldown_s:g}s (eviction_cooldown_s)", pid)
+        self._events.record("evict", f"{pid} evicted by an admin; its token ({self._token_label(p.token_id)}) may "
+                                     f"not add participants for {cfg.eviction_cooldown_s:g}s (eviction_cooldown_s); "
+                                     "other tokens are not affected", pid)
+
+    def _token_label(self, token_id: str) -> str:
+        row = self._sites.by_id(token_id)
+        return f"{row.name!r}, {token_id}" if row is not None else token_id
 
     def token_view(self, ident: Identity) -> dict[str, Any]:
-        """Admin: the participant tokens by fingerprint, whether revoked, who joined with each."""
+        """Admin: the participant tokens by fingerprint: name (named ones), where each came from,
+        whether revoked, who joined with each."""
         require_admin(ident, "listing tokens")
         admin_id = fingerprint(self._tokens.admin) if self._tokens.admin else None
-        ids = {fingerprint(t) for t in self._tokens.participant} | {p.token_id for p in self._rows.values()}
+        given = {fingerprint(t) for t in self._tokens.participant}
+        ids = given | {p.token_id for p in self._rows.values()} | {r.token_id for r in self._sites.rows()}
         ids |= self._tokens.revoked
         ids.discard(admin_id)  # type: ignore[arg-type]
-        return {
-            "tokens": [
-                {
-                    "token_id": t,
-                    "revoked": t in self._tokens.revoked,
-                    "participants": sorted(p.id for p in self._rows.values() if p.token_id == t),
-                }
-                for t in sorted(ids)
-            ]
-        }
+        out = []
+        for t in sorted(ids, key=lambda i: self._order(i)):
+            row = self._sites.by_id(t)
+            out.append({
+                "token_id": t,
+                "name": row.name if row is not None else None,
+                "source": "minted" if row is not None else ("given at start" if t in given else "no longer given"),
+                "created_at": row.created_at if row is not None else None,
+                "revoked": t in self._tokens.revoked,
+                "participants": sorted(p.id for p in self._rows.values() if p.token_id == t),
+            })
+        return {"tokens": out}
 
-    def revoke_token(self, ident: Identity, token_id: str | None, participant_id: str | None) -> dict[str, Any]:
-        """Admin: refuse a participant token from now on (kept across restarts); its participants are evicted."""
+    def _order(self, token_id: str) -> tuple[float, str]:
+        """Tokens given at start first, then named ones as they were minted."""
+        row = self._sites.by_id(token_id)
+        return (row.created_at if row is not None else 0.0, token_id)
+
+    def mint_token(self, ident: Identity, name: str) -> dict[str, Any]:
+        """Admin: a new participant token for site `name`; the answer is the one time it is shown."""
+        require_admin(ident, "minting a token")
+        row, token = self._sites.mint(name)
+        self._events.record("token", f"participant token {row.name!r} ({row.token_id}) minted by an admin")
+        return {"name": row.name, "token_id": row.token_id, "token": token, "created_at": row.created_at}
+
+    def adopt_tokens(self, name: str, tokens: list[str]) -> list[str]:
+        """Keep these tokens (a legacy tokens.json's) as named tokens `name`, `name-2`, ... unless
+        they are already; the names of those added."""
+        added = [row.name for row in (self._sites.adopt(name, t) for t in tokens) if row is not None]
+        if added:
+            self._events.record("token", f"participant tokens of tokens.json kept as named tokens: {', '.join(added)}")
+        return added
+
+    def named_tokens(self) -> int:
+        """How many named participant tokens the run holds (revoked ones too)."""
+        return len(self._sites.rows())
+
+    def revoke_token(self, ident: Identity, token_id: str | None, participant_id: str | None,
+                     name: str | None = None) -> dict[str, Any]:
+        """Admin: refuse a participant token from now on (kept across restarts); its participants
+        are evicted. The token is given by its fingerprint, a participant that joined with it,
+        or its name (a live named token)."""
         require_admin(ident, "revoking a token")
-        if (token_id is None) == (participant_id is None):
-            raise Refused(400, "invalid_request", "give exactly one of token_id or participant_id")
+        if sum(x is not None for x in (token_id, participant_id, name)) != 1:
+            raise Refused(400, "invalid_request", "give exactly one of token_id, participant_id or name")
         if participant_id is not None:
             token_id = self.get(ident, participant_id).token_id
+        if name is not None:
+            row = self._sites.live_named(name)
+            if row is None:
+                raise Refused(404, "unknown_token", f"no live participant token is named {name!r}")
+            token_id = row.token_id
         assert token_id is not None
         if self._tokens.admin and token_id == fingerprint(self._tokens.admin):
             raise Refused(400, "admin_token", "the admin token cannot be revoked; restart with another --admin-token")
         if token_id not in {t["token_id"] for t in self.token_view(ident)["tokens"]}:
             raise Refused(404, "unknown_token", f"no participant token has the fingerprint {token_id!r}")
+        self._sites.revoke(token_id)
         self._tokens.revoked.add(token_id)
         self._store.set_meta("revoked_tokens", json.dumps(sorted(self._tokens.revoked)))
         evicted = []
@@ -352,7 +397,8 @@ class Roster:
                 p.state, p.evicted_at = policy.EVICTED, self._clock()
                 self._store.update_participants([p])
                 evicted.append(p.id)
-        self._events.record("revoke", f"token {token_id} revoked by an admin; evicted: {', '.join(evicted) or 'none'}")
+        self._events.record("revoke", f"token {self._token_label(token_id)} revoked by an admin; evicted: "
+                                      f"{', '.join(evicted) or 'none'}")
         return {"revoked": token_id, "evicted": evicted}
 
 

@@ -74,6 +74,12 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE rounds ADD COLUMN fragment INTEGER;
     """,
+    # 6: named participant tokens, one per site, minted at run time: only each token's sha256 is kept
+    """
+    CREATE TABLE participant_tokens (
+        token_id TEXT PRIMARY KEY, name TEXT NOT NULL, digest TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL, revoked_at REAL);
+    """,
 ]
 
 
@@ -95,6 +101,17 @@ class ParticipantRow:
     evicted_at: float | None = None
     # Not stored: whether this coordinator process has heard from it with its key (`auth.join_rule`).
     proven: bool = field(default=False, compare=False)
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    """A named participant token as stored: its sha256 (`digest`), never the token itself."""
+
+    token_id: str  # the token's fingerprint (the first 12 hex digits of `digest`), as participants record it
+    name: str  # the site it was minted for, e.g. "site-a"
+    digest: str
+    created_at: float
+    revoked_at: float | None = None
 
 
 class Store:
@@ -254,6 +271,27 @@ class Store:
         """Delete these participants' rows (departed long ago: `Roster` prunes them)."""
         with self.write() as db:
             db.executemany("DELETE FROM participants WHERE id = ?", [(pid,) for pid in ids])
+
+    # -- named participant tokens -------------------------------------------------------------
+
+    def participant_tokens(self) -> list[TokenRow]:
+        """Every named participant token, revoked ones too, oldest first."""
+        rows = self._query("SELECT * FROM participant_tokens ORDER BY created_at, token_id")
+        return [TokenRow(**dict(r)) for r in rows]
+
+    def add_participant_token(self, row: TokenRow) -> None:
+        with self.write() as db:
+            db.execute(
+                "INSERT INTO participant_tokens (token_id, name, digest, created_at, revoked_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (row.token_id, row.name, row.digest, row.created_at, row.revoked_at),
+            )
+
+    def revoke_participant_token(self, token_id: str, at: float) -> None:
+        """Mark a named token revoked (the first revocation's time stays)."""
+        with self.write() as db:
+            db.execute("UPDATE participant_tokens SET revoked_at = COALESCE(revoked_at, ?) WHERE token_id = ?",
+                       (at, token_id))
 
     # -- rounds and submissions ---------------------------------------------------------------
 

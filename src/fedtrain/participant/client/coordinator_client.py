@@ -248,6 +248,25 @@ class CoordinatorClient:
         """Admin: put kept `version` back in force; answers the new version that holds it."""
         return self._json("POST", "/v1/admin/rollback", json={"version": version}, retry=retry)
 
+    def mint_token(self, name: str, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """Admin: a new participant token for site `name` (the answer is the one time it is shown)."""
+        return self._json("POST", "/v1/admin/tokens", json={"name": name}, retry=retry)
+
+    def list_tokens(self, *, retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
+        """Admin: the run's participant tokens (name, fingerprint, revoked, participants)."""
+        return self._json("GET", "/v1/admin/tokens", retry=retry)["tokens"]
+
+    def revoke_token(self, *, name: str | None = None, token_id: str | None = None,
+                     participant_id: str | None = None, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """Admin: revoke a participant token (by name, fingerprint, or a participant that used it)."""
+        body = {k: v for k, v in {"name": name, "token_id": token_id, "participant_id": participant_id}.items()
+                if v is not None}
+        return self._json("POST", "/v1/admin/tokens/revoke", json=body, retry=retry)
+
+    def evict(self, pid: str, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+        """Admin: evict participant `pid` from the run."""
+        return self._json("POST", f"/v1/participants/{pid}/evict", retry=retry)
+
     def events(self, stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, Any]]:
         """Server-sent events of the run as (kind, data), one connection, no retry: the caller
         reconnects. Ends when the server closes the stream or `stop()` is true at an event."""

@@ -1,4 +1,4 @@
-"""Admin routes: participant tokens and their revocation, evictions, kept versions, roll backs.
+"""Admin routes: participant tokens (minted per site, listed, revoked), evictions, kept versions, roll backs.
 
 Each one authenticates like any route; the service refuses a token that is not the admin's.
 """
@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity
 from fedtrain.coordinator.members.auth import Identity
+from fedtrain.coordinator.members.site_tokens import NAME_PATTERN
 from fedtrain.coordinator.service import Coordinator
 
 router = APIRouter()
@@ -21,6 +22,13 @@ class RevokeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     token_id: str | None = Field(None, max_length=64, description="Fingerprint of the token (GET /v1/admin/tokens).")
     participant_id: str | None = Field(None, max_length=64, description="Revoke the token this participant used.")
+    name: str | None = Field(None, min_length=1, max_length=64, description="Revoke the live token of this name.")
+
+
+class MintRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, max_length=64, pattern=NAME_PATTERN,
+                      description="The site's name, e.g. site-a: 1-64 letters, digits, '_', '.' or '-'.")
 
 
 class RollbackRequest(BaseModel):
@@ -34,10 +42,16 @@ async def list_tokens(ident: Identity = Depends(identity),
     return service.token_view(ident)
 
 
+@router.post("/v1/admin/tokens", summary="Admin: mint a named participant token for a site (shown this once)")
+async def mint_token(body: MintRequest, ident: Identity = Depends(identity),
+                     service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    return service.mint_token(ident, body.name)
+
+
 @router.post("/v1/admin/tokens/revoke", summary="Admin: revoke a participant token; its participants are evicted")
 async def revoke_token(body: RevokeRequest, ident: Identity = Depends(identity),
                        service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
-    return service.revoke_token(ident, body.token_id, body.participant_id)
+    return service.revoke_token(ident, body.token_id, body.participant_id, body.name)
 
 
 @router.get("/v1/admin/checkpoints", summary="Admin: the kept versions a roll back can go to")
