@@ -88,6 +88,7 @@ async function signIn(token) {
   S.timers.push(setInterval(tickAges, 1000));
   S.timers.push(setInterval(() => api("v1/status").then(setStatus).catch(() => {}), STATUS_REFRESH_MS));
   S.timers.push(setInterval(loadGlobalEval, GLOBAL_EVAL_REFRESH_MS));
+  if (who.role === "admin") S.timers.push(startTokens()); // tokens.js: the site tokens panel
 }
 
 function stop() {
