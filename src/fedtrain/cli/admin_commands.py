@@ -23,9 +23,15 @@ if TYPE_CHECKING:
 
 CHANGE_HELP = "a dotted field and its value, e.g. train.sync_every=30 outer.lr=0.5 (JSON, else YAML)"
 ENV_HELP = (
-    "Without --token or --token-file: $FEDTRAIN_TOKEN (the first, if comma-separated), else $FEDTRAIN_ADMIN_TOKEN."
+    "Without --token or --token-file: $FEDTRAIN_TOKEN_FILE or $FEDTRAIN_TOKEN (the first, if comma-separated), "
+    "else the admin's ($FEDTRAIN_ADMIN_TOKEN_FILE, $FEDTRAIN_ADMIN_TOKEN; with --state-dir DIR, DIR/admin-token). "
+    "--coordinator defaults to $FEDTRAIN_COORDINATOR (else DIR/endpoint.json), --ca-cert to $FEDTRAIN_CA_CERT."
 )
-ADMIN_ENV_HELP = "Without --token or --token-file: $FEDTRAIN_ADMIN_TOKEN, else $FEDTRAIN_TOKEN."
+ADMIN_ENV_HELP = (
+    "Without --token or --token-file: $FEDTRAIN_ADMIN_TOKEN_FILE or $FEDTRAIN_ADMIN_TOKEN, else --state-dir DIR's "
+    "admin-token, else $FEDTRAIN_TOKEN_FILE / $FEDTRAIN_TOKEN. --coordinator defaults to $FEDTRAIN_COORDINATOR, "
+    "else DIR/endpoint.json (DIR: --state-dir or $FEDTRAIN_STATE_DIR); docs/security.md."
+)
 
 
 def is_admin_action(args: argparse.Namespace) -> bool:
