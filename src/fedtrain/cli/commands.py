@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import fedtrain
 import fedtrain.cli.admin_commands as cli_admin
-from fedtrain.cli import profile
+import fedtrain.cli.profile as profile
 from fedtrain.errors import ConfigError, FedtrainError
 
 if TYPE_CHECKING:
