@@ -170,7 +170,7 @@ def test_wrong_round_and_unknown_participant_on_every_route(coord: BackgroundCoo
     zeros = zeros_like_model(coord)
     with client(coord) as http:
         assert_error(put(http, 1, "a", zeros), 409, "round_closed")
-        assert_error(put(http, -1, "a", zeros), 409, "round_closed")
+        assert_error(put(http, -1, "a", zeros), 422, "invalid_request")  # no round is below 0
         assert_error(http.get("/v1/rounds/3"), 409, "round_not_open")
         for method, path, body in [
             ("POST", "/v1/participants/ghost/heartbeat", {}),

@@ -48,7 +48,7 @@ class Uploads:
 
     def check_open(self, round_: int) -> policy.Admission:
         """Admit an upload for `round_` into the open round (accept or late), or refuse with 409
-        (507 while a full disk holds the run back)."""
+        (422 for a base version below 0, 507 while a full disk holds the run back)."""
         rounds = self._rounds
         if rounds.storage_full_since is not None:
             raise Refused(507, "insufficient_storage", storage.MESSAGE, {"current_round": rounds.version})
@@ -57,6 +57,8 @@ class Uploads:
             return admission
         if admission.code == "run_finished":
             raise Refused(409, "run_finished", admission.reason, {"current_round": rounds.version, "finished": True})
+        if admission.code == "invalid_version":
+            raise Refused(422, "invalid_version", admission.reason, {"current_round": rounds.version})
         if admission.code == "too_stale":
             raise Refused(409, "too_stale", f"{admission.reason}: download the current global model and train from it",
                           {"current_round": rounds.version, "staleness": admission.staleness})

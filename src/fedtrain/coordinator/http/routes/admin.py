@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, Pid, coordinator, identity
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.service import Coordinator
 
@@ -53,6 +53,6 @@ async def rollback(body: RollbackRequest, ident: Identity = Depends(identity),
 
 
 @router.post("/v1/participants/{pid}/evict", summary="Admin: evict a participant")
-async def evict(pid: str, ident: Identity = Depends(identity),
+async def evict(pid: Pid, ident: Identity = Depends(identity),
                 service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
     return service.evict(ident, pid)

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity, speaker_by_query
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, PID_PATTERN, coordinator, identity, speaker_by_query
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.service import Coordinator
 
@@ -23,7 +23,8 @@ class ConfigChange(BaseModel):
             "`participant_id`, also that participant's inner steps for the round (`assignment`)")
 async def get_config(
     round: int | None = Query(None, ge=0, le=MAX_COUNT),
-    participant_id: str | None = Query(None, description="A participant this request speaks for (its key): the "
+    participant_id: str | None = Query(None, min_length=1, max_length=64, pattern=PID_PATTERN,
+                                       description="A participant this request speaks for (its key): the "
                                        "answer's `assignment` is its H for the round, fixed once told."),
     ident: Identity = Depends(speaker_by_query), service: Coordinator = Depends(coordinator),
 ) -> dict[str, Any]:

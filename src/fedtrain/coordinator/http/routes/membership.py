@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity, speaker
-from fedtrain.coordinator.members.auth import KEY_HEADER, Identity, key_cookie
+from fedtrain.coordinator.http.routes.deps import MAX_COUNT, ParticipantKey, Pid, coordinator, identity, speaker
+from fedtrain.coordinator.members.auth import Identity, key_cookie
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused
 
@@ -35,7 +35,7 @@ class HeartbeatRequest(BaseModel):
     steps_per_s: float | None = Field(None, ge=0, allow_inf_nan=False,
                                       description="Inner steps per second of the participant's own loop, the "
                                       "syncs left out: what balanced rounds set its H from.")
-    config_version: int | None = Field(None, ge=1, description="The config version the participant runs.")
+    config_version: int | None = Field(None, ge=1, le=MAX_COUNT, description="The config version the participant runs.")
 
 
 class MetricsRequest(BaseModel):
@@ -46,9 +46,9 @@ class MetricsRequest(BaseModel):
 
 
 @router.post("/v1/join", summary="Join the run: participant id and key, run config, current round, model spec")
-async def join(body: JoinRequest, request: Request, response: Response, ident: Identity = Depends(identity),
-               service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
-    key = request.headers.get(KEY_HEADER) or (request.cookies.get(key_cookie(body.name)) if body.name else None)
+async def join(body: JoinRequest, request: Request, response: Response, key: ParticipantKey = None,
+               ident: Identity = Depends(identity), service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    key = key or (request.cookies.get(key_cookie(body.name)) if body.name else None)
     answer = service.join(ident, body.name, body.info, key)
     if body.key_cookie:
         response.set_cookie(key_cookie(answer["participant_id"]), answer["participant_key"], path="/v1",
@@ -57,19 +57,19 @@ async def join(body: JoinRequest, request: Request, response: Response, ident: I
 
 
 @router.post("/v1/participants/{pid}/heartbeat", summary="Heartbeat with progress")
-async def heartbeat(pid: str, body: HeartbeatRequest, ident: Identity = Depends(speaker),
+async def heartbeat(pid: Pid, body: HeartbeatRequest, ident: Identity = Depends(speaker),
                     service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
     return service.heartbeat(ident, pid, body.model_dump())
 
 
 @router.post("/v1/participants/{pid}/leave", summary="Leave the run")
-async def leave(pid: str, ident: Identity = Depends(speaker),
+async def leave(pid: Pid, ident: Identity = Depends(speaker),
                 service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
     return service.leave(ident, pid)
 
 
 @router.post("/v1/participants/{pid}/metrics", summary="Report metrics (losses, evals)")
-async def metrics(pid: str, body: MetricsRequest, ident: Identity = Depends(speaker),
+async def metrics(pid: Pid, body: MetricsRequest, ident: Identity = Depends(speaker),
                   service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
     bad = [k for k, v in body.values.items() if v != v or v in (float("inf"), float("-inf"))]
     if bad:
