@@ -17,6 +17,7 @@ from fedtrain.coordinator.intake.flow import Intake
 from fedtrain.coordinator.intake.receive import peek_header
 from fedtrain.coordinator.intake.tickets import Ticket, Upload
 from fedtrain.coordinator.intake.values import POISON_CODES
+from fedtrain.coordinator.members import processes
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.members.roster import Roster
 from fedtrain.coordinator.policy import async_rules
@@ -142,6 +143,22 @@ class Uploads:
             await body.drain()
             return {"accepted": True, "duplicate": True, "round": round_, **({"piece": piece} if piece else {})}
         admission, up, clamped = admitted
+        if piece is None:
+            return await self._receive(p, up, admission, clamped, body, None)
+        try:  # counted as streaming in before a byte is read: bounded per participant (`Intake.hold_piece`)
+            self._intake.hold_piece(up, piece, processes.describe(p.info)[1])
+        except Refused:
+            await body.drain()
+            raise
+        try:
+            return await self._receive(p, up, admission, clamped, body, piece)
+        finally:
+            self._intake.release_piece(up, piece)
+
+    async def _receive(self, p: ParticipantRow, up: Upload, admission: policy.Admission, clamped: str | None,
+                       body: Body, piece: str | None) -> dict[str, Any]:
+        """The body of an admitted upload (or piece): read, verified, placed in the round, counted."""
+        pid, round_ = up.pid, up.round
         try:
             head, body = await peek_header(body)
             faults.hit("upload.streaming", who=pid, round=round_)
