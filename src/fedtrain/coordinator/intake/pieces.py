@@ -79,7 +79,7 @@ def piece_rows(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], mod
                                                                   for v in span)
                 or not 0 <= span[0] < span[1] <= shape[0]):
             raise WireError(f"rows of {name} in {ROWS_META} must be [start, stop] with 0 <= start < stop <= "
-                            f"{shape[0]}, got {span!r}")
+                            f"{shape[0]}, got {_shown(span)}")
         rows[name] = (span[0], span[1])
     unknown = sorted(set(given) - set(rows))
     if unknown:
@@ -88,6 +88,15 @@ def piece_rows(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], mod
     want = expected_specs(sliced(model, rows), scheme, block)
     check_compatible(want, {n: (s.dtype, s.shape) for n, s in specs.items()}, what="piece")
     return rows
+
+
+def _shown(value: object) -> str:
+    """`value` as an error message shows it: at most 60 characters (a row may have 4,000 digits)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = "a number of too many digits"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def in_flight_cap(ranks: int | None) -> int:
