@@ -18,13 +18,13 @@ router = APIRouter()
 
 
 class RevokeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
     token_id: str | None = Field(None, max_length=64, description="Fingerprint of the token (GET /v1/admin/tokens).")
     participant_id: str | None = Field(None, max_length=64, description="Revoke the token this participant used.")
 
 
 class RollbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
     version: int = Field(..., ge=0, le=MAX_COUNT, description="A kept version (GET /v1/admin/checkpoints).")
 
 

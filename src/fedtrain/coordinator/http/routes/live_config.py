@@ -15,7 +15,7 @@ router = APIRouter()
 
 
 class ConfigChange(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
     changes: dict[str, Any] = Field(..., description="Fields to change, nested like the config (a merge patch).")
 
 

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedtrain.coordinator.http.routes.deps import MAX_COUNT, ParticipantKey, Pid, coordinator, identity, speaker
+from fedtrain.coordinator.http.routes.links import JOIN_LINKS
 from fedtrain.coordinator.members.auth import Identity, key_cookie
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused
@@ -16,7 +17,7 @@ router = APIRouter()
 
 
 class JoinRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
     name: str | None = Field(None, description="Stable participant name; rejoining with it resumes the identity.")
     info: dict[str, Any] = Field(default_factory=dict, description=(
         "Free-form facts (host, ...). Two are checked (400 invalid_info) and shown in the status: `parallel` "
@@ -27,7 +28,7 @@ class JoinRequest(BaseModel):
 
 
 class HeartbeatRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
     step: int = Field(0, ge=0, le=MAX_COUNT)
     round: int = Field(0, ge=0, le=MAX_COUNT)
     loss: float | None = Field(None, allow_inf_nan=False)
@@ -39,13 +40,14 @@ class HeartbeatRequest(BaseModel):
 
 
 class MetricsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
     round: int | None = Field(None, ge=0, le=MAX_COUNT)
     step: int | None = Field(None, ge=0, le=MAX_COUNT)
     values: dict[str, float] = Field(..., description="Metric name to finite value.")
 
 
-@router.post("/v1/join", summary="Join the run: participant id and key, run config, current round, model spec")
+@router.post("/v1/join", summary="Join the run: participant id and key, run config, current round, model spec",
+             responses=JOIN_LINKS)
 async def join(body: JoinRequest, request: Request, response: Response, key: ParticipantKey = None,
                ident: Identity = Depends(identity), service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
     key = key or (request.cookies.get(key_cookie(body.name)) if body.name else None)

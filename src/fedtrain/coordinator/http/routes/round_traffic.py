@@ -26,6 +26,7 @@ from fedtrain.coordinator.http.routes.deps import (
     speaker_by_query,
     upload_body,
 )
+from fedtrain.coordinator.http.routes.links import ROUND_LINKS, UPLOAD_LINKS
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.model.publish import ModelResponse, ModelStream
 from fedtrain.coordinator.model.slices import MAX_ROWS_CHARS, SliceStream
@@ -46,7 +47,8 @@ async def uploads_in_flight(request: Request) -> UploadsInFlight:
     return in_flight
 
 
-@router.get("/v1/rounds/{round_}", summary="Round status; long-polls up to `wait` seconds while it is open")
+@router.get("/v1/rounds/{round_}", summary="Round status; long-polls up to `wait` seconds while it is open",
+            responses=ROUND_LINKS)
 async def round_status(
     round_: Round,
     wait: float = Query(0.0, ge=0, le=60),
@@ -62,6 +64,7 @@ async def round_status(
 @router.put(
     "/v1/rounds/{round_}/updates/{pid}",
     summary="Upload a pseudo-gradient (safetensors body) for a round; idempotent per (round, participant)",
+    responses=UPLOAD_LINKS,
     openapi_extra={
         "requestBody": {
             "required": True,
