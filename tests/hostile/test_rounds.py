@@ -116,3 +116,23 @@ def test_every_path_and_query_parameter_has_declared_bounds(coordinator: Backgro
             elif kind not in ("integer", "number", "string", "boolean"):
                 unbounded.append(f"{where} ({kind})")
     assert not unbounded, f"parameters without declared bounds: {unbounded}"
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/admin/rollback", {"version": False}, "version"),  # lax pydantic took false for version 0
+    ("/v1/admin/rollback", {"version": "0"}, "version"),
+    ("/v1/config/validate", {"changes": {}, "extra": 1}, "extra"),
+])
+def test_body_numbers_are_json_numbers(coordinator: BackgroundCoordinator, path: str, body: dict, field: str) -> None:
+    with client(coordinator, ATOKEN) as http:
+        err = assert_error(http.post(path, json=body), 422, "invalid_request")
+        assert field in err["message"], err
+
+
+def test_heartbeat_numbers_are_json_numbers(coordinator: BackgroundCoordinator) -> None:
+    with client(coordinator, ATOKEN) as http:
+        assert http.post("/v1/join", json={"name": "h"}).status_code == 200
+        for body, field in (({"round": True}, "round"), ({"step": "3"}, "step"), ({"config_version": 2**53}, "config")):
+            err = assert_error(http.post("/v1/participants/h/heartbeat", json=body), 422, "invalid_request")
+            assert field in err["message"], err
+        assert http.post("/v1/participants/h/heartbeat", json={"round": 0, "step": 3, "loss": 1}).status_code == 200

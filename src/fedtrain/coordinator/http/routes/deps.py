@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Header, Path, Query, Request
+from pydantic import ConfigDict
 
 from fedtrain.coordinator.members.auth import KEY_HEADER, Identity, key_cookie, role_check
 from fedtrain.coordinator.service import Coordinator
@@ -25,6 +26,9 @@ MAX_COUNT = 2**53 - 1
 #: The largest token count an upload may claim (beyond: 422): a claim counts as at most the
 #: round's schedule (`policy.count_tokens`) before anything sums it.
 MAX_TOKEN_CLAIM = 2**62
+#: The config of every request body's model: no field it does not name, and JSON types as the
+#: schema says them (strict: `false` or "5" is no integer; lax pydantic took `false` for 0).
+BODY = ConfigDict(extra="forbid", strict=True)
 #: A participant id (its name: `members/roster.py` refuses others at join with 400 invalid_name).
 PID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 #: The longest `?token=` of an event stream (tokens of the run are far shorter).

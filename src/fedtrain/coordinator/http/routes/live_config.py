@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from fedtrain.coordinator.http.routes.deps import MAX_COUNT, PID_PATTERN, coordinator, identity, speaker_by_query
+from fedtrain.coordinator.http.routes.deps import BODY, MAX_COUNT, PID_PATTERN, coordinator, identity, speaker_by_query
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.service import Coordinator
 
@@ -15,7 +15,7 @@ router = APIRouter()
 
 
 class ConfigChange(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
+    model_config = BODY
     changes: dict[str, Any] = Field(..., description="Fields to change, nested like the config (a merge patch).")
 
 

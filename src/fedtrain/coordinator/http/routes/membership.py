@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from fedtrain.coordinator.http.routes.deps import MAX_COUNT, ParticipantKey, Pid, coordinator, identity, speaker
+from fedtrain.coordinator.http.routes.deps import BODY, MAX_COUNT, ParticipantKey, Pid, coordinator, identity, speaker
 from fedtrain.coordinator.http.routes.links import JOIN_LINKS
 from fedtrain.coordinator.members.auth import Identity, key_cookie
 from fedtrain.coordinator.service import Coordinator
@@ -17,7 +17,7 @@ router = APIRouter()
 
 
 class JoinRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
+    model_config = BODY
     name: str | None = Field(None, description="Stable participant name; rejoining with it resumes the identity.")
     info: dict[str, Any] = Field(default_factory=dict, description=(
         "Free-form facts (host, ...). Two are checked (400 invalid_info) and shown in the status: `parallel` "
@@ -28,7 +28,7 @@ class JoinRequest(BaseModel):
 
 
 class HeartbeatRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
+    model_config = BODY
     step: int = Field(0, ge=0, le=MAX_COUNT)
     round: int = Field(0, ge=0, le=MAX_COUNT)
     loss: float | None = Field(None, allow_inf_nan=False)
@@ -40,7 +40,7 @@ class HeartbeatRequest(BaseModel):
 
 
 class MetricsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no "5" for 5
+    model_config = BODY
     round: int | None = Field(None, ge=0, le=MAX_COUNT)
     step: int | None = Field(None, ge=0, le=MAX_COUNT)
     values: dict[str, float] = Field(..., description="Metric name to finite value.")
