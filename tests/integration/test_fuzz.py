@@ -124,36 +124,6 @@ def call(case: Any, token: str, server: BackgroundCoordinator) -> Any:
     return response
 
 
-FUZZ = settings(
-    max_examples=max(1, EXAMPLES // 2),  # each mode half: the default run's time stays what it was
-    deadline=None,
-    derandomize=DERANDOMIZE,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
-
-
-@positive.parametrize()
-@FUZZ
-def test_no_server_errors_with_participant_token(case: Any, fuzz_server: BackgroundCoordinator) -> None:
-    call(case, PTOKEN, fuzz_server)
-
-
-@positive.parametrize()
-@FUZZ
-def test_no_server_errors_with_admin_token(case: Any, fuzz_server: BackgroundCoordinator) -> None:
-    call(case, ATOKEN, fuzz_server)
-
-
-@negative.parametrize()
-@FUZZ
-def test_inputs_that_violate_the_schema_are_a_4xx(case: Any, fuzz_server: BackgroundCoordinator) -> None:
-    """As the admin (who may call every route: a 403 would hide what the validation does)."""
-    response = call(case, ATOKEN, fuzz_server)
-    if response.status_code != 400 or response.text != LINE_TOO_LONG:  # (a 400 too, from the HTTP server)
-        case.validate_response(response, checks=[negative_data_rejection])
-
-
 @pytest.fixture(scope="module")
 def zero_update(fuzz_server: BackgroundCoordinator) -> tuple[bytes, str]:
     enc = EncodedBody({n: torch.zeros_like(t) for n, t in fuzz_server.service.inspect().weights.items()})
@@ -168,6 +138,8 @@ def life_schema(fuzz_spec: dict[str, Any]) -> Any:
     return _schema({**fuzz_spec, "paths": {p: fuzz_spec["paths"][p] for p in life}}, "positive")
 
 
+# First of the module: the admin's fuzz cases after it may change the run (a config change, a
+# roll back), which the walk's uploads would then be refused by.
 def test_a_stateful_walk_joins_uploads_polls_and_leaves(life_schema: Any, fuzz_server: BackgroundCoordinator,
                                                         zero_update: tuple[bytes, str]) -> None:
     """Schemathesis' state machine from the OpenAPI links; an upload that follows a join
@@ -221,6 +193,36 @@ def test_a_stateful_walk_joins_uploads_polls_and_leaves(life_schema: Any, fuzz_s
             "POST /v1/participants/{pid}/leave"]
     whole = [w for w in WALKS if _in_order(flow, [op for op, status in w if status == 200])]
     assert whole, f"no walk went join -> upload -> round status -> leave: {WALKS}"
+
+
+FUZZ = settings(
+    max_examples=max(1, EXAMPLES // 2),  # each mode half: the default run's time stays what it was
+    deadline=None,
+    derandomize=DERANDOMIZE,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+@positive.parametrize()
+@FUZZ
+def test_no_server_errors_with_participant_token(case: Any, fuzz_server: BackgroundCoordinator) -> None:
+    call(case, PTOKEN, fuzz_server)
+
+
+@positive.parametrize()
+@FUZZ
+def test_no_server_errors_with_admin_token(case: Any, fuzz_server: BackgroundCoordinator) -> None:
+    call(case, ATOKEN, fuzz_server)
+
+
+@negative.parametrize()
+@FUZZ
+def test_inputs_that_violate_the_schema_are_a_4xx(case: Any, fuzz_server: BackgroundCoordinator) -> None:
+    """As the admin (who may call every route: a 403 would hide what the validation does)."""
+    response = call(case, ATOKEN, fuzz_server)
+    if response.status_code != 400 or response.text != LINE_TOO_LONG:  # (a 400 too, from the HTTP server)
+        case.validate_response(response, checks=[negative_data_rejection])
 
 
 def _in_order(wanted: list[str], seen: list[str]) -> bool:
