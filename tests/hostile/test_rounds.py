@@ -122,8 +122,11 @@ def test_every_path_and_query_parameter_has_declared_bounds(coordinator: Backgro
     ("/v1/admin/rollback", {"version": False}, "version"),  # lax pydantic took false for version 0
     ("/v1/admin/rollback", {"version": "0"}, "version"),
     ("/v1/config/validate", {"changes": {}, "extra": 1}, "extra"),
+    ("/v1/join", {"name": "x" * 65}, "name"),
+    ("/v1/join", {"name": "bad name!"}, "name"),
 ])
-def test_body_numbers_are_json_numbers(coordinator: BackgroundCoordinator, path: str, body: dict, field: str) -> None:
+def test_body_fields_out_of_bounds_are_a_422_naming_the_field(coordinator: BackgroundCoordinator, path: str,
+                                                               body: dict, field: str) -> None:
     with client(coordinator, ATOKEN) as http:
         err = assert_error(http.post(path, json=body), 422, "invalid_request")
         assert field in err["message"], err
@@ -136,3 +139,19 @@ def test_heartbeat_numbers_are_json_numbers(coordinator: BackgroundCoordinator) 
             err = assert_error(http.post("/v1/participants/h/heartbeat", json=body), 422, "invalid_request")
             assert field in err["message"], err
         assert http.post("/v1/participants/h/heartbeat", json={"round": 0, "step": 3, "loss": 1}).status_code == 200
+
+
+def test_every_integer_and_string_of_a_request_body_has_declared_bounds(coordinator: BackgroundCoordinator) -> None:
+    spec = httpx.get(f"{coordinator.url}/v1/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    bodies = [name for name in schemas if name.endswith("Request") or name == "ConfigChange"]
+    assert len(bodies) >= 6, bodies
+    unbounded = []
+    for model in bodies:
+        for field, schema in schemas[model]["properties"].items():
+            for leaf in _leaves(schema):
+                kind = leaf.get("type")
+                number = kind == "integer" and ("minimum" not in leaf or leaf.get("maximum", MAX_ROUND + 1) > MAX_ROUND)
+                if number or (kind == "string" and "maxLength" not in leaf):
+                    unbounded.append(f"{model}.{field}")
+    assert not unbounded, f"body fields without declared bounds: {unbounded}"

@@ -7,7 +7,16 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, Field
 
-from fedtrain.coordinator.http.routes.deps import BODY, MAX_COUNT, ParticipantKey, Pid, coordinator, identity, speaker
+from fedtrain.coordinator.http.routes.deps import (
+    BODY,
+    MAX_COUNT,
+    PID_PATTERN,
+    ParticipantKey,
+    Pid,
+    coordinator,
+    identity,
+    speaker,
+)
 from fedtrain.coordinator.http.routes.links import JOIN_LINKS
 from fedtrain.coordinator.members.auth import Identity, key_cookie
 from fedtrain.coordinator.service import Coordinator
@@ -18,7 +27,9 @@ router = APIRouter()
 
 class JoinRequest(BaseModel):
     model_config = BODY
-    name: str | None = Field(None, description="Stable participant name; rejoining with it resumes the identity.")
+    name: str | None = Field(None, min_length=1, max_length=64, pattern=PID_PATTERN,
+                             description="Stable participant name (1-64 letters, digits, '_', '.' or '-'); "
+                             "rejoining with it resumes the identity.")
     info: dict[str, Any] = Field(default_factory=dict, description=(
         "Free-form facts (host, ...). Two are checked (400 invalid_info) and shown in the status: `parallel` "
         "(single, ddp, fsdp; left out: one process) and `world_size` (its ranks, 1 to 2^20)."))
