@@ -26,7 +26,7 @@ MODEL = {"n_embd": 128, "n_layer": 2, "n_head": 2, "block_size": 32}  # an updat
 # An update of 6.6 MB: half of it is more than the receive batches hold (`receive.BATCH`), so
 # a half-sent piece has bytes in its spool file.
 LARGER = {"n_embd": 256, "n_layer": 2, "n_head": 2, "block_size": 32}
-ATTEMPTS = 48
+ATTEMPTS = 32  # connections from one address, kept well below a per-address cap of the server
 RANKS = 6
 
 
@@ -115,7 +115,7 @@ def test_many_pieces_at_once_hold_one_per_rank_and_bounded_memory(group: tuple[B
         held, grown = spool_bytes(c) - spool0, rss_bytes() - rss0
         print(f"\n{ATTEMPTS} pieces of {len(body):,} bytes started, half sent: {len(streaming)} streaming, "
               f"spool +{held / 1e6:.1f} MB, RSS +{grown / 1e6:.1f} MB")
-        assert held <= RANKS * half  # (without the bound: every attempt's half, 8x more)
+        assert held <= RANKS * half  # (without the bound: every attempt's half, 5x more)
         assert grown < RANKS * (len(body) + 2 * (2 << 20)) + (16 << 20)
     finally:
         for s in socks:
