@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -45,10 +46,11 @@ def render(template: str, **values: str) -> str:
     return PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
-def site_config(*, upstream: str, listen: str, server_name: str, cert: Path, key: Path, max_body: str) -> str:
+def site_config(*, upstream: str, listen: str, server_name: str, cert: Path, key: Path, max_body: str,
+                access_log: Path) -> str:
     """The shipped site config, filled in."""
     return render(SITE_TEMPLATE.read_text(), UPSTREAM=upstream, LISTEN=listen, SERVER_NAME=server_name,
-                  TLS_CERT=str(cert), TLS_KEY=str(key), MAX_BODY=max_body)
+                  TLS_CERT=str(cert), TLS_KEY=str(key), MAX_BODY=max_body, ACCESS_LOG=str(access_log))
 
 
 def main_config(prefix: Path, site: Path) -> str:
@@ -63,7 +65,7 @@ pid {prefix}/nginx.pid;
 error_log {prefix}/error.log info;
 events {{ worker_connections 256; }}
 http {{
-    access_log {prefix}/access.log;
+    access_log off;  # the site config names its own log
     client_body_temp_path {prefix}/client_body;
     proxy_temp_path {prefix}/proxy;
     fastcgi_temp_path {prefix}/fastcgi;
@@ -76,22 +78,22 @@ http {{
 
 class Nginx:
     """nginx serving the shipped site config over TLS on a free 127.0.0.1 port, proxying to
-    `upstream` (a coordinator's http:// URL); `url` is its https:// address. A context manager:
-    it starts nginx, waits (bounded) until it accepts connections, and stops it on exit.
-    `site_text` replaces the shipped site config (to see what a setting changes)."""
+    `upstream` (a coordinator's http:// URL); `url` is its https:// address, `access_log` its
+    log. A context manager: it starts nginx, waits (bounded) until it accepts connections, and
+    stops it on exit. `edit` changes the filled-in site config (to see what a setting does)."""
 
     def __init__(self, prefix: Path, *, upstream: str, cert: Path, key: Path, max_body: str,
-                 site_text: str | None = None) -> None:
+                 edit: Callable[[str], str] = lambda text: text) -> None:
         binary = nginx_binary()
         if binary is None:
             raise FileNotFoundError("nginx is not installed (apt-get install -y nginx)")
         self.binary, self.prefix = binary, prefix
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}"
+        self.access_log = prefix / "access.log"
         host = upstream.split("://", 1)[-1].rstrip("/")
-        self.site_text = site_text if site_text is not None else site_config(
-            upstream=host, listen=f"127.0.0.1:{self.port}", server_name="localhost", cert=cert, key=key,
-            max_body=max_body)
+        self.site_text = edit(site_config(upstream=host, listen=f"127.0.0.1:{self.port}", server_name="localhost",
+                                          cert=cert, key=key, max_body=max_body, access_log=self.access_log))
         self.proc: subprocess.Popen | None = None
 
     def config_path(self) -> Path:
