@@ -27,10 +27,10 @@ import os
 import re
 import shlex
 import shutil
+import sqlite3
 import ssl
 import stat
 import subprocess
-import sqlite3
 import sys
 import tempfile
 import threading
@@ -53,7 +53,6 @@ from tests.helpers.api import download, upload
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 from tests.helpers.nginx import SITE_TEMPLATE, Nginx, nginx_binary
 from tests.helpers.tiny import Regression, Small, TinyParticipant, TrainingThread, init_file, run_all
-from tests.helpers.tls import make_tls
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -78,6 +77,16 @@ def nginx() -> str:
     return found
 
 
+def make_certs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(ca.pem, server.pem, server.key) for 127.0.0.1, made by deploy/make-certs.sh (the commands
+    docs/deploy.md shows)."""
+    out = tmp_path / "certs"
+    made = subprocess.run(["sh", str(DEPLOY / "make-certs.sh"), "localhost", "IP:127.0.0.1", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    return out / "ca.pem", out / "server.pem", out / "server.key"
+
+
 def sse_events(response: httpx.Response) -> Iterator[tuple[str, Any]]:
     """The server-sent events of a streamed response, as (kind, data); comments (keep-alives) skipped."""
     kind, data = "message", ""
@@ -94,7 +103,7 @@ def sse_events(response: httpx.Response) -> Iterator[tuple[str, Any]]:
 
 
 def test_a_run_goes_through_nginx_with_the_shipped_config(tmp_path: Path, nginx: str) -> None:
-    ca, cert, key = make_tls(tmp_path / "tls")
+    ca, cert, key = make_certs(tmp_path)
     cfg = tiny_config(rounds=3, train={"sync_every": 2}, max_upload_mb=UPLOAD_MB, outer={"algorithm": "fedavg"})
     wide = functools.partial(Small, WIDTH)
     trust = ssl.create_default_context(cafile=str(ca))
@@ -102,7 +111,8 @@ def test_a_run_goes_through_nginx_with_the_shipped_config(tmp_path: Path, nginx:
         BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, wide())) as c,
         Nginx(tmp_path / "nginx", upstream=c.url, cert=cert, key=key, max_body=f"{UPLOAD_MB}m") as proxy,
         httpx.Client(base_url=proxy.url, verify=trust, timeout=30) as browser,
-        httpx.Client(base_url=proxy.url, verify=trust, timeout=30, headers={"Authorization": f"Bearer {PTOKEN}"}) as http,
+        httpx.Client(base_url=proxy.url, verify=trust, timeout=30,
+                     headers={"Authorization": f"Bearer {PTOKEN}"}) as http,
     ):
         # The dashboard: its page and what the page loads.
         page = browser.get("/")
@@ -139,8 +149,8 @@ def test_a_run_goes_through_nginx_with_the_shipped_config(tmp_path: Path, nginx:
         assert http.post("/v1/participants/probe/leave").status_code == 200
 
         # Two real participants over TLS through nginx: join, upload, long poll, download.
-        sites = [TinyParticipant(proxy.url, f"site-{i}", Regression(rows=8, seed=i, lr=1e-5, model=wide), verify=str(ca))
-                 for i in range(2)]
+        sites = [TinyParticipant(proxy.url, f"site-{i}", Regression(rows=8, seed=i, lr=1e-5, model=wide),
+                                 verify=str(ca)) for i in range(2)]
         run_all(sites, timeout=120)
         assert c.service.version == 3
         final = c.service.inspect().weights
@@ -155,9 +165,10 @@ def test_a_run_goes_through_nginx_with_the_shipped_config(tmp_path: Path, nginx:
 
     # All of it went through nginx, not around it, and the log holds no token.
     log = proxy.access_log.read_text()
-    for seen in ("PUT /v1/rounds/1/updates/site-0", "PUT /v1/rounds/2/updates/site-1", "GET /v1/model",
-                 "GET /v1/stream", "POST /v1/join", "GET /v1/rounds/2"):
+    for seen in ("GET /v1/model", "GET /v1/stream", "POST /v1/join", "GET /v1/rounds/0"):
         assert seen in log, seen
+    for site in sites:  # which rounds a site's updates went to depends on when it joined
+        assert re.search(rf"PUT /v1/rounds/\d+/updates/{site.name} HTTP/1.1\" 200 ", log), site.name
     assert ATOKEN not in log and PTOKEN not in log
 
 
@@ -165,7 +176,7 @@ def test_a_run_goes_through_nginx_with_the_shipped_config(tmp_path: Path, nginx:
 def test_the_longest_long_poll_goes_through_nginx(tmp_path: Path, nginx: str) -> None:
     """The API's longest wait (60 s) is answered through the shipped config: nginx's default
     read timeout (60s) answers it with a 504 instead."""
-    ca, cert, key = make_tls(tmp_path / "tls")
+    ca, cert, key = make_certs(tmp_path)
     with (
         BackgroundCoordinator(tmp_path / "state", tiny_config(), init_weights=init_file(tmp_path, Small())) as c,
         Nginx(tmp_path / "nginx", upstream=c.url, cert=cert, key=key, max_body="4m") as proxy,
@@ -177,10 +188,12 @@ def test_the_longest_long_poll_goes_through_nginx(tmp_path: Path, nginx: str) ->
 
 
 def test_the_doc_shows_the_nginx_config_the_tests_run() -> None:
-    """One source: docs/deploy.md quotes deploy/nginx/fedtrain.conf whole, and the Ingress'
-    annotations carry the same settings."""
+    """One source: docs/deploy.md quotes deploy/nginx/fedtrain.conf and deploy/make-certs.sh
+    whole (the tests run both), and the Ingress' annotations carry the nginx file's settings."""
     template = SITE_TEMPLATE.read_text()
-    assert f"```nginx\n{template}```" in DOC.read_text()
+    doc = DOC.read_text()
+    assert f"```nginx\n{template}```" in doc
+    assert f"```sh\n{(DEPLOY / 'make-certs.sh').read_text()}```" in doc
     directives = dict(re.findall(r"^\s*(proxy_\w+|client_max_body_size)\s+([^;]+);", template, re.M))
     ingress = yaml.safe_load((DEPLOY / "k8s" / "ingress.yaml").read_text())
     notes = {k.removeprefix("nginx.ingress.kubernetes.io/"): v for k, v in ingress["metadata"]["annotations"].items()}
@@ -288,7 +301,7 @@ def _healthcheck_default() -> str:
 
 
 def test_the_health_check_script_against_a_coordinator(tmp_path: Path) -> None:
-    ca, cert, key = make_tls(tmp_path / "tls")
+    _, cert, key = make_certs(tmp_path)
     script = [sys.executable, str(DEPLOY / "healthcheck.py")]
 
     def check(url: str) -> subprocess.CompletedProcess:
@@ -353,7 +366,8 @@ def test_the_image_builds_with_podman_from_a_stub_base(tmp_path: Path) -> None:
         return subprocess.run([podman, *store, *args], capture_output=True, text=True, timeout=120)
 
     try:
-        assert pod("import", str(_write_stub_base(tmp_path / "rootfs")), "localhost/fedtrain-stub-base:1").returncode == 0
+        base = _write_stub_base(tmp_path / "rootfs")
+        assert pod("import", str(base), "localhost/fedtrain-stub-base:1").returncode == 0
         index = "https://example.org/whl/cu124"
         # chroot isolation: RUN steps without an OCI runtime (crun cannot set up cgroups in this sandbox).
         built = pod("build", "--isolation", "chroot", "--layers=false", "--format", "docker",
@@ -417,7 +431,8 @@ def test_compose_starts_a_coordinator_and_two_participants() -> None:
     entry = exec_form(steps, "ENTRYPOINT")
     (volume,) = [a for k, a in steps if k == "VOLUME"]
     for svc in services.values():
-        assert svc["build"]["dockerfile"] == "deploy/Containerfile" and (DEPLOY / svc["build"]["context"]).resolve() == ROOT
+        assert svc["build"]["dockerfile"] == "deploy/Containerfile"
+        assert (DEPLOY / svc["build"]["context"]).resolve() == ROOT
         assert set(svc["build"]["args"]) <= set(args_of(steps))
     coordinator = parse_fedtrain(entry + services["coordinator"]["command"])
     assert coordinator.command == "coordinator" and str(coordinator.state_dir) == volume
@@ -579,7 +594,7 @@ def test_a_live_state_dir_backed_up_and_restored(tmp_path: Path) -> None:
             weights = restored.service.inspect().weights
             assert weights.keys() == saved.keys() and all(torch.equal(weights[n], saved[n]) for n in saved)
         versions.append(version)
-    assert versions == sorted(versions) and versions[0] > 1
+    assert versions == sorted(versions) and versions[0] >= 1
     not_state = subprocess.run([*script, str(tmp_path), str(tmp_path / "x")], capture_output=True, text=True)
     assert not_state.returncode == 1 and "not a coordinator's state directory" in not_state.stderr
 
