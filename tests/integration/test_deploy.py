@@ -174,8 +174,9 @@ def test_a_run_goes_through_nginx_with_the_shipped_config(tmp_path: Path, nginx:
 
 @pytest.mark.slow
 def test_the_longest_long_poll_goes_through_nginx(tmp_path: Path, nginx: str) -> None:
-    """The API's longest wait (60 s) is answered through the shipped config: nginx's default
-    read timeout (60s) answers it with a 504 instead."""
+    """The API's longest wait (60 s) is answered through the shipped config. Under nginx's
+    default read timeout (60 s) it is a race between the answer and nginx's 504 (the answer won
+    when it was tried here); a read timeout under the wait gives the 504 every time."""
     ca, cert, key = make_certs(tmp_path)
     with (
         BackgroundCoordinator(tmp_path / "state", tiny_config(), init_weights=init_file(tmp_path, Small())) as c,
