@@ -379,7 +379,7 @@ def test_the_image_builds_with_podman_from_a_stub_base(tmp_path: Path) -> None:
         config = image["Config"]
         steps = containerfile()
         assert config["User"] == expand(dict(steps)["USER"], args_of(steps))
-        assert list(config["Volumes"]) == ["/var/lib/fedtrain"]
+        assert list(config["Volumes"]) == ["/var/lib/fedtrain"] and config["WorkingDir"] == "/var/lib/fedtrain"
         assert config["Entrypoint"] + config["Cmd"] == exec_form(steps, "ENTRYPOINT") + exec_form(steps, "CMD")
         assert image["Healthcheck"]["Test"] == ["CMD", "python", "/usr/local/bin/fedtrain-healthcheck"]
         made = pod("create", "localhost/fedtrain-test")
