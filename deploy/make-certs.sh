@@ -8,6 +8,7 @@
 # certificates every site trusts), DIR/server.pem and DIR/server.key (the coordinator's
 # --tls-cert/--tls-key, or nginx's ssl_certificate/ssl_certificate_key). EC P-256, SHA-256;
 # the CA for 10 years, the server certificate for 825 days (what browsers accept).
+# Run it again on the same DIR to renew the server certificate: the CA (ca.key, ca.pem) stays.
 # With a public name, a public CA (e.g. Let's Encrypt at the proxy) needs none of this, and
 # participants need no --ca-cert.
 set -eu
@@ -18,10 +19,12 @@ dir=${3:-fedtrain-certs}
 mkdir -p "$dir"
 cd "$dir"
 umask 077
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -sha256 -days 3650 \
-  -subj "/CN=fedtrain CA for $host" -keyout ca.key -out ca.pem \
-  -addext "basicConstraints=critical,CA:TRUE,pathlen:0" \
-  -addext "keyUsage=critical,keyCertSign,cRLSign"
+if [ ! -e ca.key ]; then  # run again to renew the server certificate: the CA stays
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -sha256 -days 3650 \
+    -subj "/CN=fedtrain CA for $host" -keyout ca.key -out ca.pem \
+    -addext "basicConstraints=critical,CA:TRUE,pathlen:0" \
+    -addext "keyUsage=critical,keyCertSign,cRLSign"
+fi
 openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -sha256 \
   -subj "/CN=$host" -keyout server.key -out server.csr
 cat > server.ext <<EXT

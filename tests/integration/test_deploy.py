@@ -78,12 +78,17 @@ def nginx() -> str:
 
 
 def make_certs(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """(ca.pem, server.pem, server.key) for 127.0.0.1, made by deploy/make-certs.sh (the commands
-    docs/deploy.md shows)."""
+    """(ca.pem, server.pem, server.key) for 127.0.0.1, made by deploy/make-certs.sh (the script
+    docs/deploy.md shows), run twice: the certificates used are a renewal's."""
     out = tmp_path / "certs"
-    made = subprocess.run(["sh", str(DEPLOY / "make-certs.sh"), "localhost", "IP:127.0.0.1", str(out)],
-                          capture_output=True, text=True, timeout=60)
-    assert made.returncode == 0, made.stderr
+    for renewal in (False, True):  # the second run renews the server certificate under the same CA
+        made = subprocess.run(["sh", str(DEPLOY / "make-certs.sh"), "localhost", "IP:127.0.0.1", str(out)],
+                              capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        if not renewal:
+            ca_first, server_first = (out / "ca.pem").read_bytes(), (out / "server.pem").read_bytes()
+    assert (out / "ca.pem").read_bytes() == ca_first and (out / "server.pem").read_bytes() != server_first
+    assert stat.S_IMODE((out / "ca.key").stat().st_mode) == stat.S_IMODE((out / "server.key").stat().st_mode) == 0o600
     return out / "ca.pem", out / "server.pem", out / "server.key"
 
 
