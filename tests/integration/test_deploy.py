@@ -281,6 +281,9 @@ def test_the_containerfile_steps_match_the_repository() -> None:
     assert steps.index(("COPY", "constraints.txt ./")) < first_pip
     assert f"--index-url {args['TORCH_INDEX']}" in pips[0] and pips[0].endswith(" torch")
     assert pips[1].endswith(" .")
+    second_pip = [i for i, (k, a) in enumerate(steps) if k == "RUN" and "pip install" in a][1]
+    for what_pip_reads in ("pyproject.toml README.md ./", "src ./src"):
+        assert steps.index(("COPY", what_pip_reads)) < second_pip
     # The services run as a user that is not root, numeric (Kubernetes' runAsNonRoot checks it).
     (user,) = [expand(a, args) for k, a in steps if k == "USER"]
     uid, gid = (int(x) for x in user.split(":"))
@@ -374,7 +377,9 @@ def test_the_image_builds_with_podman_from_a_stub_base(tmp_path: Path) -> None:
 
     try:
         base = _write_stub_base(tmp_path / "rootfs")
-        assert pod("import", str(base), "localhost/fedtrain-stub-base:1").returncode == 0
+        imported = pod("import", str(base), "localhost/fedtrain-stub-base:1")
+        if imported.returncode != 0:  # e.g. rootless podman without subuids: the machine, not the Containerfile
+            pytest.skip(f"podman cannot store an image here: {imported.stderr.strip()[-300:]}")
         index = "https://example.org/whl/cu124"
         # chroot isolation: RUN steps without an OCI runtime (crun cannot set up cgroups in this sandbox).
         built = pod("build", "--isolation", "chroot", "--layers=false", "--format", "docker",
