@@ -19,6 +19,8 @@ from fedtrain.coordinator.http.routes.deps import (
 )
 from fedtrain.coordinator.http.routes.links import JOIN_LINKS
 from fedtrain.coordinator.members.auth import Identity, key_cookie
+from fedtrain.coordinator.members.processes import MAX_INFO_BYTES, MAX_INFO_DEPTH, MAX_INFO_KEYS
+from fedtrain.coordinator.members.roster import MAX_METRIC_NAME, MAX_METRIC_VALUES
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused
 
@@ -36,7 +38,11 @@ class JoinRequest(BaseModel):
     name: str | None = Field(None, min_length=1, max_length=64, pattern=PID_PATTERN,
                              description="Stable participant name (1-64 letters, digits, '_', '.' or '-'); "
                              "rejoining with it resumes the identity.")
-    info: dict[str, Any] = Field(default_factory=dict, description=(
+    # The bounds are declared for the schema's readers (and the fuzzer) and checked by the roster,
+    # which answers in its own words: 413 info_too_large, 400 invalid_info (`processes.check_info`).
+    info: dict[str, Any] = Field(default_factory=dict, json_schema_extra={
+        "maxProperties": MAX_INFO_KEYS, "x-max-json-bytes": MAX_INFO_BYTES, "x-max-depth": MAX_INFO_DEPTH},
+        description=(
         "Free-form facts (host, ...). Two are checked (400 invalid_info) and shown in the status: `parallel` "
         "(single, ddp, fsdp; left out: one process) and `world_size` (its ranks, 1 to 2^20)."))
     model: dict[Annotated[str, Field(max_length=512)], TensorShape] | None = Field(
@@ -65,7 +71,8 @@ class MetricsRequest(BaseModel):
     model_config = BODY
     round: int | None = Field(None, ge=0, le=MAX_COUNT)
     step: int | None = Field(None, ge=0, le=MAX_COUNT)
-    values: dict[str, float] = Field(..., description="Metric name to finite value.")
+    values: dict[str, float] = Field(..., description="Metric name to finite value.", json_schema_extra={
+        "maxProperties": MAX_METRIC_VALUES, "propertyNames": {"maxLength": MAX_METRIC_NAME}})  # checked: roster.py
 
 
 @router.post("/v1/join", summary="Join the run: participant id and key, run config, current round, model spec",
