@@ -1,7 +1,8 @@
-"""The dashboard's first seconds and its cards, on a run with no participant yet: while the
-event stream connects the participants panel says so (not "No participant has joined yet.",
-which is news only once a status came), and the outer optimizer shows the lr in force, the
-number the coordinator resolved, where the config leaves it unset."""
+"""The dashboard's first seconds and its cards, on a custom model's run with no participant yet:
+while the event stream connects the participants panel says so (not "No participant has joined
+yet.", which is news only once a status came), the outer optimizer shows the lr in force (the
+number the coordinator resolved, where the config leaves it unset), and the config panel shows
+the custom model as the coordinator knows it, not the GPT defaults of the `model` section."""
 
 from __future__ import annotations
 
@@ -49,5 +50,9 @@ def test_connecting_then_empty_and_the_outer_lr_in_force(page: Page, tmp_path: P
         shown = f"{lr:.4g}"
         expect(pg.locator("#c-alg-sub")).to_contain_text(f"lr {shown}")
         expect(pg.locator("#f-outer-lr")).to_have_attribute("placeholder", f"{shown} (default)")
+        # a custom model's run (--init-weights): the config panel shows that model, not GPT defaults
+        expect(pg.locator("#config-json")).to_contain_text('"custom": true')
+        expect(pg.locator("#config-json")).to_contain_text('"init_weights": "init.safetensors"')
+        expect(pg.locator("#config-json")).not_to_contain_text("n_layer")
         pg.goto("about:blank")  # the page's event stream ends before the coordinator stops
     assert not page.errors, page.errors

@@ -26,7 +26,7 @@ const QUICK_FIELDS = [
 
 const S = {
   token: null, role: null, offset: 0, source: null, timers: [],
-  status: null, config: null, history: [], events: [], metrics: [],
+  status: null, config: null, model: null, history: [], events: [], metrics: [],
   evictArmed: null, kept: [], keptInForce: null, keptRound: null, keptSeq: 0, rollingBack: false,
   validateTimer: null, validateSeq: 0, chartsQueued: false,
   eventKind: localStorage.getItem(EVENT_KIND_KEY) || "all",
@@ -113,6 +113,7 @@ function openStream() {
   on("hello", (d) => {
     setConn("live", "live");
     S.config = d.config;
+    S.model = d.config.model || null; // what the model is (custom: from --init-weights); fixed for the run
     S.keptRound = null; // (re)opened: fetch the kept versions whatever the round
     setStatus(d.status);
     renderConfig();
@@ -524,7 +525,12 @@ function setPath(obj, path, value) {
 function renderConfig() {
   const view = S.config;
   if (!view) return;
-  $("config-json").textContent = JSON.stringify(view.config, null, 2);
+  // A custom model's run (--init-weights): the config's `model` section (GPT defaults) describes nothing;
+  // the coordinator's description of the model takes its place, as in `fedtrain config show`.
+  const m = S.model;
+  const shown = m && m.source === "custom" ? { ...view.config, model: { custom: true, init_weights: m.init_weights,
+    tensors: m.tensors, parameters: m.parameters, dtypes: m.dtypes } } : view.config;
+  $("config-json").textContent = JSON.stringify(shown, null, 2);
   if (!$("quick-fields").childElementCount) buildQuickFields();
   renderPlaceholders();
   renderConfigVersions();
