@@ -12,7 +12,9 @@ over a temporary state directory and a 32 MB model; it is stopped at the end of 
 Every step is bounded in count and time. Issue #30's scenarios, each in a fresh coordinator:
 
 - `pieces`: `--pieces` pieces of `--piece-mb` of one participant's update (labels p0, p1, ...),
-  each half sent and stalled: RSS and spool bytes;
+  each half sent and stalled: RSS, spool bytes, and the answers given while they stall (a piece
+  still streaming in has none); half a piece of 4 MB (2.0 MB) is less than one 2 MiB receive
+  batch, held in memory until full, so spool shows only from `--piece-mb 5`;
 - `rows`: `--stalled-rows` downloads of all rows of version 0 whose clients stopped reading: RSS;
 - `info`: `--cycles` joins (each with `--info-kb` of info) and departures under new names, and
   heartbeats of a participant with that info: RSS, run.db bytes, the heartbeat's time;
@@ -38,6 +40,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -156,6 +159,20 @@ class PeakRss:
 def close_all(socks: list[socket.socket]) -> None:
     for s in socks:
         s.close()
+
+
+def answered(socks: list[socket.socket]) -> str:
+    """The status codes already answered on `socks` (a socket with nothing to read has none yet)."""
+    ready, _, _ = select.select(socks, [], [], 0)
+    codes: dict[str, int] = {}
+    for s in ready:
+        try:
+            code = s.recv(1024).split(b" ", 2)[1].decode()
+        except (OSError, IndexError):
+            code = "closed"
+        codes[code] = codes.get(code, 0) + 1
+    none = len(socks) - len(ready)
+    return ", ".join([f"{n}x {code}" for code, n in sorted(codes.items())] + [f"{none} unanswered"] * bool(none))
 
 
 def join_as(http: httpx.Client, name: str, info: dict | None = None) -> tuple[int, dict[str, str]]:
@@ -297,10 +314,10 @@ def scenario_pieces(c: Coordinator, args: argparse.Namespace) -> dict[str, str]:
                 refused += 1
             socks.append(s)
         time.sleep(1.0)
-        during, spool = c.rss_mb(), c.bytes_under("spool")
+        during, spool, answers = c.rss_mb(), c.bytes_under("spool"), answered(socks)
     finally:
         close_all(socks)
-    return {"RSS": f"+{during - before:.0f} MB", "spool": f"{spool / 2**20:.0f} MB",
+    return {"RSS": f"+{during - before:.0f} MB", "spool": f"{spool / 2**20:.0f} MB", "answers": answers,
             "note": f"{args.pieces} half-sent pieces of {args.piece_mb} MB, {refused} cut off while sending"}
 
 
@@ -405,7 +422,7 @@ def scenario_addresses(c: Coordinator, args: argparse.Namespace) -> dict[str, st
 
 SCENARIOS = {"pieces": scenario_pieces, "rows": scenario_rows, "info": scenario_info,
              "metrics": scenario_metrics, "addresses": scenario_addresses}
-COLUMNS = ("RSS", "spool", "run.db", "heartbeat", "healthz", "note")
+COLUMNS = ("RSS", "spool", "answers", "run.db", "heartbeat", "healthz", "note")
 
 
 def measure_issue30(tree: Path, args: argparse.Namespace, model: Path, names: list[str]) -> dict[str, dict[str, str]]:

@@ -3,7 +3,8 @@
 
     # a coordinator serving a transformers model (here a tiny GPT-2 on raw bytes):
     fedtrain coordinator --config recipe:hf-gpt2-tiny --state-dir ./run --port 8000
-    # then, at each site, with the participant token the coordinator wrote to ./run/tokens.json:
+    # then, at each site, with a participant token of its own (./run/participant-tokens/site-1.token, or
+    # one from `fedtrain token add NAME --state-dir run`):
     FEDTRAIN_TOKEN=... python examples/hf_trainer.py --coordinator http://HOST:8000 --data stdlib:0/2 --name site-a
 
 The Trainer trains as usual (its optimizer, its schedule, its data collator); every H

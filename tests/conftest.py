@@ -16,7 +16,7 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.transport import FAST_IO_ENV
 from tests.helpers import processes
 from tests.helpers.api import client
-from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.config import tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -77,13 +77,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _fuzz_cases() -> dict[str, int]:
-    """The API fuzzers' case counts in this process, by token (empty if test_fuzz did not run here)."""
+    """The API fuzzers' case counts in this process, by mode (empty if test_fuzz did not run here)."""
     fuzz = sys.modules.get("tests.integration.test_fuzz")
     return dict(getattr(fuzz, "CASES", None) or {})
 
 
 FUZZ_CASES = pytest.StashKey[dict[str, int]]()
-"""The fuzzers' case counts the xdist workers reported to the controller, by token."""
+"""The fuzzers' case counts the xdist workers reported to the controller, by mode."""
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -108,6 +108,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     process or under xdist (whose workers report their counts to the controller)."""
     counts = _fuzz_cases() or terminalreporter.config.stash.get(FUZZ_CASES, {})
     if counts and any(counts.values()):
-        ran = ", ".join(f"{counts.get(token, 0)} with the {who} token"
-                        for who, token in (("participant", PTOKEN), ("admin", ATOKEN)))
-        terminalreporter.write_line(f"schemathesis ran {ran} (each case: no 5xx, or the test failed)")
+        ran = ", ".join(f"{counts.get(mode, 0)} {mode}" for mode in ("positive", "negative", "stateful"))
+        terminalreporter.write_line(f"schemathesis ran {ran} cases (positive and stateful: no 5xx; negative: a 4xx; "
+                                    "or the test failed)")

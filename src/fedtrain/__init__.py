@@ -38,6 +38,7 @@ _SOURCES = {
         "RetryPolicy",
         "Timeouts",
     ),
+    "fedtrain.recipes.load": ("load_model",),
 }
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
         RetryPolicy,
         Timeouts,
     )
+    from fedtrain.recipes.load import load_model
 else:
     __getattr__, __dir__ = lazy_exports(__name__, _SOURCES)
 
@@ -87,5 +89,6 @@ __all__ = [
     "WireError",
     "__version__",
     "load_config",
+    "load_model",
 ]
 

@@ -7,6 +7,11 @@ the same seed or the same local files) and loads the global weights into it:
 `PeftModel.from_pretrained(base, DIR)`); `--merged` writes the base with the adapter merged
 in (or the whole model of a full run): a transformers directory (`from_pretrained(DIR)`)
 for hf runs, one safetensors file for the built-in GPT.
+
+Every export of a recipe run carries what rebuilds its model (the run's `model` config and
+seed: the safetensors metadata `fedtrain.model`, or `fedtrain-model.json` in an adapter
+directory), so that `fedtrain.load_model(path)` returns it loaded. A custom model's run
+(`--init-weights`) has no recipe: its file says so, and loads into the user's own module.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from fedtrain.config import RunConfig, parse_config
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import ConfigError, StateError
+from fedtrain.recipes.load import MODEL_FILE, MODEL_KEY, describe_model
 from fedtrain.wire import digest_chunks, iter_file, read_tensors, write_file
 
 if TYPE_CHECKING:
@@ -35,27 +41,36 @@ def export_model(args: argparse.Namespace, connect: Callable[[], CoordinatorClie
     whole = bool(getattr(args, "adapter", False) or getattr(args, "merged", False))
     if args.state_dir is not None:
         version, tensors = _from_state_dir(args.state_dir, args.version)
-        config = _config_of_state_dir(args.state_dir) if whole else None
+        config, custom = _config_of_state_dir(args.state_dir)
     else:
         with connect() as client:
             version, tensors = client.download(version=args.version)
-            config = parse_config(client.get_config()["config"], source="the run's config") if whole else None
-    if config is not None:
+            view = client.get_config()
+            config = parse_config(view["config"], source="the run's config")
+            custom = (view.get("model") or {}).get("source") == "custom"
+    if whole:
+        if custom:
+            raise ConfigError("--adapter and --merged rebuild the run's recipe model, and this run federates a model "
+                              "of its own (--init-weights): export without them, and load the file into your module "
+                              "with fedtrain.load_model(PATH, model=YourModel())")
         n, digest = write_model(config, tensors, args.out, adapter_only=bool(args.adapter))
         return version, n, digest
-    digest = write_file(args.out, tensors, {"version": str(version), "exported_by": "fedtrain"})
+    about = describe_model(None if custom else config.model, config.seed, "sync_set")
+    digest = write_file(args.out, tensors, {"version": str(version), "exported_by": "fedtrain", MODEL_KEY: about})
     return version, len(tensors), digest
 
 
-def _config_of_state_dir(state_dir: Path) -> RunConfig:
+def _config_of_state_dir(state_dir: Path) -> tuple[RunConfig, bool]:
+    """The run's newest config, and whether it federates a custom model (--init-weights)."""
     store = Store(state_dir / "run.db")
     try:
         found = store.latest_config()
+        custom = store.get_meta("model_source") == "init_weights"
     finally:
         store.close()
     if found is None:
         raise StateError(f"{state_dir} holds no run config")
-    return parse_config(found[1], source=f"the run config in {state_dir}")
+    return parse_config(found[1], source=f"the run config in {state_dir}"), custom
 
 
 def write_model(
@@ -76,11 +91,14 @@ def write_model(
             p.copy_(tensors[name])
     if adapter_only:
         model.save_pretrained(str(out), safe_serialization=True)  # type: ignore[operator]
+        # what rebuilds the frozen base: load_model(out) puts the adapter back on it
+        (out / MODEL_FILE).write_text(describe_model(config.model, config.seed, "adapter"))
         return len(params), _digest_of(out / "adapter_model.safetensors")
     plain = unwrap_lora(model, merge=True)
     if config.model.recipe == "gpt":
         state = {k: v.detach().contiguous() for k, v in plain.state_dict().items()}
-        return len(state), write_file(out, state, {"exported_by": "fedtrain", "merged": "true"})
+        about = describe_model(config.model.model_copy(update={"lora": None}), config.seed, "whole")
+        return len(state), write_file(out, state, {"exported_by": "fedtrain", "merged": "true", MODEL_KEY: about})
     plain.save_pretrained(str(out), safe_serialization=True)  # type: ignore[operator]
     tokenizer: Any = tokenizer_of(config.model)
     if tokenizer is not None:

@@ -61,6 +61,13 @@ def test_page_loads_and_fills_from_a_live_run(page: Page, live_run: LiveRun) -> 
     expect(pg.locator("#rounds tbody tr[data-round]").first.locator(".chip")).to_have_count(len(SITES))
     expect(pg.locator("#events li[data-kind=join]")).to_have_count(len(SITES))
     expect(pg.locator("#events li[data-kind=round]").first).to_contain_text("closed")
+    # a 1400 px window shows the participants table whole, up to its Admin column (no hidden scroll)
+    pg.set_viewport_size({"width": 1400, "height": 900})
+    fits = pg.evaluate("""() => { const wrap = document.querySelector('#participants').parentElement;
+        const evict = document.querySelector('#participants tbody button[data-evict]').getBoundingClientRect();
+        return {scroll: wrap.scrollWidth, width: wrap.clientWidth,
+                evictRight: evict.right, wrapRight: wrap.getBoundingClientRect().right}; }""")
+    assert fits["scroll"] <= fits["width"] and fits["evictRight"] <= fits["wrapRight"], fits
     assert not page.errors, page.errors
 
 

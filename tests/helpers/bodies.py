@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 import torch
 
 from fedtrain.coordinator.members.auth import ADMIN, Identity
-from fedtrain.coordinator.model.publish import ModelStream, chunks_of
+from fedtrain.coordinator.model.publish import ModelStream
+from fedtrain.transport.chunks import chunks_of
 from fedtrain.transport.send import SocketOut
 from fedtrain.wire.digest import digest_bytes
 from fedtrain.wire.format import DTYPE_TO_ST

@@ -27,6 +27,11 @@ def test_short_demo_writes_summary_and_removes_its_temp_dir(tmp_path: Path) -> N
     assert abs(sum(p["weight"] for p in s["per_participant"]) - 1.0) < 1e-3
     assert s["bytes_up"] > 0 and s["bytes_down"] > 0 and s["dp_equivalent_bytes"] > s["bytes_up"]
     assert "global eval loss (held-out)" in r.stdout and "round 3/3" in r.stdout
+    # the first seconds say what happens, phase by phase, before the first progress line
+    phases = ["starting the coordinator", "evaluating the initial global model", "starting 2 participants"]
+    where = [next((i for i, line in enumerate(r.stdout.splitlines()) if p in line), -1) for p in phases]
+    first_round = next(i for i, line in enumerate(r.stdout.splitlines()) if "round 0/3" in line)
+    assert -1 not in where and where == sorted(where) and where[-1] < first_round, r.stdout
     # before/after evals per round and participant, and the coordinator's own eval of each global model
     assert [(e["round"], e["participant"]) for e in s["evals"]] == [(-1, "(initial)")] + [
         (r_, p) for r_ in range(3) for p in ("p0", "p1")

@@ -240,6 +240,17 @@ def test_a_web_server_answering_html_is_not_a_coordinator(status: int, why: str)
     assert not is_transient(info.value)  # mid-run too: a participant stops instead of training on alone
 
 
+def test_a_proxy_s_own_413_names_its_body_limit() -> None:
+    """A reverse proxy's HTML 413 (nginx at its default client_max_body_size) is not the
+    coordinator's refusal: the message says where to raise the limit (docs/deploy.md)."""
+    with serve_page(413, b"<html><body>413 Request Entity Too Large</body></html>") as url:
+        with CoordinatorClient(url, PTOKEN, retry=SHORT) as client:
+            with pytest.raises(NotACoordinatorError) as info:
+                client.status()
+    assert info.value.code == "proxy_body_limit" and "client_max_body_size" in info.value.message
+    assert "does not look like" not in info.value.message and "<" not in info.value.message
+
+
 def test_another_json_api_is_not_a_coordinator() -> None:
     with serve_page(200, b'{"hello": "world"}', "application/json") as url:
         with CoordinatorClient(url, PTOKEN, retry=SHORT) as client:

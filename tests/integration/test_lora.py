@@ -10,7 +10,7 @@ import torch
 from fedtrain.cli import main as fedtrain_main
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.recipes import build_model
+from fedtrain.recipes import build_model, load_model
 from fedtrain.wire import EncodedBody, iter_file, read_tensors
 from tests.helpers.config import PTOKEN, tiny_config
 from tests.helpers.runs import LLAMA, run_two
@@ -80,6 +80,12 @@ def test_export_adapter_and_merged(tmp_path: Path) -> None:
         merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
         assert torch.allclose(loaded(input_ids=x).logits, want, atol=1e-5)
         assert torch.allclose(merged(input_ids=x).logits, want, atol=1e-4)
+        # fedtrain.load_model: the transformers directory, and the adapter on its base rebuilt from the run's seed
+        assert torch.allclose(load_model(tmp_path / "merged")(input_ids=x).logits, want, atol=1e-4)
+        assert torch.allclose(load_model(tmp_path / "adapter")(input_ids=x).logits, want, atol=1e-5)
+        bare = tmp_path / "adapters.safetensors"  # the sync set as stored: the base comes from the run's seed
+        assert fedtrain_main(["export", "--state-dir", state, "--out", str(bare)]) == 0
+        assert torch.allclose(load_model(bare)(input_ids=x).logits, want, atol=1e-6)
         plain = build_model(cfg.model.model_copy(update={"lora": None}), seed=cfg.seed)  # (peft wrapped `base`)
         assert not torch.allclose(plain(input_ids=x).logits, want, atol=1e-4)  # the adapters did change the model
     assert not any("lora" in n for n, _ in merged.named_parameters())

@@ -18,7 +18,8 @@ from fedtrain import faults
 from fedtrain.coordinator import Coordinator
 from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
-from fedtrain.coordinator.model.publish import ModelStream, NotCommitted, Published, WeightsGuard, chunks_of
+from fedtrain.coordinator.model.publish import ModelStream, NotCommitted, Published, WeightsGuard
+from fedtrain.transport.chunks import chunks_of
 from fedtrain.transport.send import SocketOut
 from fedtrain.wire import EncodedBody, write_file
 from tests.helpers.bodies import ADMIN_ID, chunked, collect, pumped, raw_body
@@ -28,16 +29,16 @@ from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 @pytest.mark.parametrize("slow_disk", [False, True])
 def test_model_stream_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_disk: bool) -> None:
     """Read in the event loop while reads are fast; after a slow one, on a worker thread."""
-    from fedtrain.coordinator.model import publish
+    from fedtrain.transport import chunks
 
     t = {"a": torch.randn(1_000_000), "b": torch.randn(10)}  # 4 MB: 8 chunks
     digest = write_file(tmp_path / "g", t, {"version": "3"})
     data = (tmp_path / "g").read_bytes()
     hops: list[int] = []
-    threaded = publish._read_chunks
-    monkeypatch.setattr(publish, "_read_chunks", lambda fd, at, end, n: hops.append(n) or threaded(fd, at, end, n))
+    threaded = chunks.read_chunks
+    monkeypatch.setattr(chunks, "read_chunks", lambda fd, at, end, n: hops.append(n) or threaded(fd, at, end, n))
     # every read counts as slow, or none does (a loaded machine must not make a fast read slow)
-    monkeypatch.setattr(publish, "SLOW_READ_S", -1.0 if slow_disk else float("inf"))
+    monkeypatch.setattr(chunks, "SLOW_READ_S", -1.0 if slow_disk else float("inf"))
     files = CheckpointDir(tmp_path)
     s = ModelStream(3, digest, len(data), tmp_path / "g", files)
     files.remove(7)  # a prune meanwhile: nothing to do with the file being read

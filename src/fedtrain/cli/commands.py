@@ -430,6 +430,10 @@ def _client(args: argparse.Namespace, *, admin: bool = False) -> CoordinatorClie
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.action == "show":  # the config in force, and what the run's model really is (cli/config_show.py)
+        from fedtrain.cli.config_show import show_config
+
+        return show_config(args, _client(args))
     return cli_admin.run_config(args, _client(args, admin=cli_admin.is_admin_action(args)))
 
 

@@ -212,8 +212,16 @@ class Demo:
                 proc.wait()
 
 
+def _phase(t0: float, text: str) -> None:
+    """One line saying what the demo does now, stamped like the progress lines: its first seconds
+    (processes starting, torch loading, the first H steps) are otherwise silent."""
+    print(f"[{time.monotonic() - t0:5.0f}s] {text}", flush=True)
+
+
 def _progress_line(status: dict[str, Any], t0: float) -> str:
     parts = [f"[{time.monotonic() - t0:5.0f}s] round {status['current_round']}/{status['rounds']}"]
+    if not status["participants"]:
+        parts.append("waiting for the participants to join")
     k = (status.get("streaming") or {}).get("k") or 1  # Streaming DiLoCo: a round is H/K of a fragment's H
     for p in status["participants"]:
         loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
@@ -374,10 +382,13 @@ def run_demo(args: argparse.Namespace) -> int:
     demo = Demo(args)
     t0 = time.monotonic()
     try:
+        _phase(t0, "starting the coordinator (a process of its own, as on a server)...")
         demo.start_coordinator()
         where = f"{demo.dir}, removed at the end unless --keep" if demo.temporary else str(demo.dir)
         print(f"coordinator: {demo.url}  (state and logs in {where})", flush=True)
         with CoordinatorClient(demo.url, demo.token, retry=RetryPolicy(max_elapsed_s=30)) as client:
+            _phase(t0, f"evaluating the initial global model on held-out text ({demo.cfg.eval.global_batches} "
+                   "batches)...")
             initial = global_eval(client, demo.cfg, version=0)
             if any(speed < 1 for speed in demo.speeds):
                 sites = ", ".join(f"p{i} {speed:g}x" for i, speed in enumerate(demo.speeds))
@@ -390,7 +401,10 @@ def run_demo(args: argparse.Namespace) -> int:
             if demo.cfg.outer.algorithm == "diloco":
                 print(f"outer lr {demo.cfg.outer.lr:g} (Nesterov, momentum 0.9), recommended for M={demo.n}, "
                       f"H={demo.cfg.train.sync_every} (docs/quality.md; --config sets your own)", flush=True)
-            print(f"initial global eval loss: {initial:.3f}; starting {demo.n} participants", flush=True)
+            print(f"initial global eval loss: {initial:.3f}", flush=True)
+            _phase(t0, f"starting {demo.n} participants (a process each: it loads torch and its data, joins, and "
+                   f"trains {demo.cfg.train.sync_every} inner steps before its first sync; a line per round "
+                   "follows, and one every 10 s)...")
             demo.start_participants()
             status = monitor(demo, client, t0)
             for name, proc in demo.procs.items():

@@ -129,6 +129,11 @@ def _create(store: Store, configs: ConfigVersions, committer: Committer, given: 
         store.set_meta("global_version", "0", db)
         store.set_meta("digest/0", digest, db)
         store.set_meta("created_at", str(time.time()), db)
+        # What the model is, for `config show` and `export`: the recipe of the config, or a model of
+        # the user's own whose version 0 came from a file (the config's `model` section is then unused).
+        store.set_meta("model_source", "recipe" if given.init_weights is None else "init_weights", db)
+        if given.init_weights is not None:
+            store.set_meta("init_weights", given.init_weights.name, db)
         base = frozen_base_fingerprint(cfg, given.init_weights)
         if base is not None:
             store.set_meta("base_fingerprint", base, db)

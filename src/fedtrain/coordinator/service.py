@@ -388,10 +388,24 @@ class Coordinator:
         participant `pid` (already authorized) also its inner steps for that round (`assignment`,
         `Schedule.tell`: in balanced rounds fixed once told)."""
         view = self.configs.view(round_, self.version)
+        view["model"] = self.model_view()
         if pid is not None:
             cfg = self.configs.for_round(view["round"], self.version)
             view["assignment"] = self.schedule.tell(pid, view["round"], self.version, cfg, self.roster.reported(pid))
         return view
+
+    def model_view(self) -> dict[str, Any]:
+        """What the run's model is: `source` "recipe" (the config's `model` section builds it) or
+        "custom" (version 0 came from --init-weights: a model of the user's own, which the `model`
+        section does not describe), with its sync set's tensor count, parameters and dtypes."""
+        custom = self.store.get_meta("model_source") == "init_weights"
+        return {
+            "source": "custom" if custom else "recipe",
+            "init_weights": self.store.get_meta("init_weights") if custom else None,
+            "tensors": len(self.spec),
+            "parameters": sum(math.prod(s) for _, s in self.spec.values()),
+            "dtypes": sorted({DTYPE_TO_ST[d] for d, _ in self.spec.values()}),
+        }
 
     def validate_config(self, ident: Identity, patch: Any) -> dict[str, Any]:
         """Dry run of a change: valid or not, the reason, and the diff it would make."""

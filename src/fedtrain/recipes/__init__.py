@@ -23,6 +23,7 @@ _SOURCES = {
         "stdlib_shards",
     ),
     "fedtrain.recipes.gpt": ("GPT", "count_parameters"),
+    "fedtrain.recipes.load": ("load_model",),
 }
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
         stdlib_shards,
     )
     from fedtrain.recipes.gpt import GPT, count_parameters
+    from fedtrain.recipes.load import load_model
 else:
     __getattr__, __dir__ = _lazy_exports(__name__, _SOURCES)
 
@@ -51,6 +53,7 @@ __all__ = [
     "evaluate",
     "heldout_paths",
     "load_data",
+    "load_model",
     "load_tokens",
     "loss_fn",
     "parse_data_spec",

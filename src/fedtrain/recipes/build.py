@@ -79,6 +79,15 @@ def unwrap_lora(model: nn.Module, merge: bool) -> nn.Module:
     if not hasattr(model, "merge_and_unload"):
         return model
     with hf.quiet():
+        if merge and not hasattr(getattr(model.get_base_model(), "config", None), "to_dict"):  # type: ignore[operator]
+            # The built-in GPT: peft's merge_and_unload reads `model.config` as a transformers config
+            # (a dict of it) and fails on our pydantic ModelConfig; merging layer by layer is the same sum.
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for layer in model.modules():
+                if isinstance(layer, BaseTunerLayer):
+                    layer.merge()
+            return model.unload()  # type: ignore[operator]
         return model.merge_and_unload() if merge else model.unload()  # type: ignore[operator]
 
 

@@ -33,15 +33,24 @@ __all__ = ["build_hf_model", "context_length", "encode_files", "load_tokenizer",
 log = logging.getLogger("fedtrain.recipe")
 
 
+_IMPORT = threading.Lock()
+
+
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError(
-            "the hf recipe needs `transformers` (and `peft` for LoRA): pip install 'fedtrain[hf]'"
-        ) from None
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()  # per-tensor bars would flood participants' logs
+    # transformers is a lazy module: its first lookup of AutoConfig imports submodules, and lookups
+    # on several threads at once (participants built in one process) can see the attribute missing.
+    # The names the recipe uses are resolved once, on one thread; afterwards they are plain attributes.
+    with _IMPORT:
+        try:
+            import transformers
+        except ImportError:
+            raise ConfigError(
+                "the hf recipe needs `transformers` (and `peft` for LoRA): pip install 'fedtrain[hf]'"
+            ) from None
+        for name in ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer"):
+            getattr(transformers, name)
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()  # per-tensor bars would flood participants' logs
     return transformers
 
 

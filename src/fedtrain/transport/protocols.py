@@ -64,8 +64,9 @@ class ModelSender(Protocol):
         """Write what the socket takes now of `view` (0 when it takes nothing); never blocks."""
         ...
 
-    def sendfile_steps(self, fd: int, offset: int, count: int) -> Iterator[None]:
-        """Send `count` bytes of the file `fd` from `offset`, yielding whenever the socket takes nothing."""
+    def sendfile_steps(self, fd: int, offset: int, count: int) -> Iterator[Hold | None]:
+        """Send `count` bytes of the file `fd` from `offset`, yielding whenever the socket takes
+        nothing (None), or a `Hold` to wait for first (the plain path's read on a worker thread)."""
         ...
 
     def run(self, steps: Iterator[Hold | None]) -> None:

@@ -88,6 +88,7 @@ class Intake:
         self._partials: dict[tuple[str, int], Partial] = {}  # (participant, round) -> its pieces so far
         self._assembling: dict[tuple[str, int], Partial] = {}  # complete, until placed in the round
         self._assembled: dict[tuple[str, int], PiecesIn] = {}  # updates of the round made whole from pieces
+        self._streaming: dict[tuple[str, int], dict[str, int]] = {}  # (participant, round) -> label -> bytes
         self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
 
     # -- what others may read ---------------------------------------------------------------
@@ -380,6 +381,32 @@ class Intake:
         if ticket is not None:
             self._assembled[key] = PiecesIn.of(partial)
         return PieceAnswer(ticket, True, ticket is None, len(partial.pieces), [], partial.length, partial.digest())
+
+    def hold_piece(self, up: Upload, label: str, ranks: int | None) -> None:
+        """Count piece `label` of `up` as streaming in, before a byte of it is read; refuse it
+        (`pieces.room_for_piece`: 429 or 413) when its update has as many pieces streaming in
+        as its participant has ranks, or its pieces would hold more bytes than the update sent
+        whole may. `release_piece` once its request is over, whatever became of it."""
+        key = (up.pid, up.round)
+        partial = self._partials.get(key)
+        streaming = self._streaming.get(key, {})
+        if key in self._assembling or (partial is not None and label in partial.pieces):
+            refusal = None  # complete, or a piece in already: answered without a byte spooled
+        else:
+            held, count = (partial.length, len(partial.pieces)) if partial is not None else (0, 0)
+            refusal = pieces.room_for_piece(f"{up.pid}'s update for round {up.round}", label, up.length, held, count,
+                                            streaming, ranks, up.limit, pieces.header_allowance(self._spec))
+        if refusal is not None:
+            raise refusal
+        self._streaming.setdefault(key, {})[label] = up.length
+
+    def release_piece(self, up: Upload, label: str) -> None:
+        key = (up.pid, up.round)
+        streaming = self._streaming.get(key)
+        if streaming is not None:
+            streaming.pop(label, None)
+            if not streaming:
+                del self._streaming[key]
 
     def drop_pieces(self, pid: str) -> list[tuple[int, int]]:
         """Forget the pieces of `pid`'s updates still incomplete (it joined again: the process

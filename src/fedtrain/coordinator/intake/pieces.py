@@ -28,6 +28,15 @@ MAX_PIECES = 256
 #: The labels of an update's pieces the status lists (it counts them all).
 SHOWN_LABELS = 16
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: Pieces of one participant's update streaming in at once: one per rank of its group (join
+#: `info.world_size`), at least MIN (a process may send a few at once) and at most MAX. Each
+#: holds a connection, up to two receive batches of memory (`receive.BATCH`) and a spool file.
+MIN_PIECES_IN_FLIGHT = 4
+MAX_PIECES_IN_FLIGHT = 64
+#: What a 429 pieces_in_flight asks the client to wait.
+PIECE_RETRY_AFTER_S = 1.0
+#: The longest `fedtrain.rows` metadata value of a piece (a few thousand tensor names).
+MAX_ROWS_META_CHARS = 1 << 16
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 Rows = dict[str, tuple[int, int]]
@@ -43,10 +52,13 @@ def piece_rows(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], mod
     names it knows, row ranges inside each tensor, and the shapes and dtypes those rows have
     under the body's compression. Raises WireError or MergeError (a 4xx) otherwise."""
     raw = metadata.get(ROWS_META)
+    if raw is not None and len(raw) > MAX_ROWS_META_CHARS:
+        raise WireError(f"metadata {ROWS_META} is {len(raw):,} characters long, more than {MAX_ROWS_META_CHARS:,}")
     try:
         given = json.loads(raw) if raw is not None else {}
-    except json.JSONDecodeError:
-        raise WireError(f"metadata {ROWS_META} is not JSON") from None
+    except (ValueError, RecursionError):  # not JSON, an integer of too many digits, nested too deep
+        raise WireError(f"metadata {ROWS_META} must be a JSON object mapping tensor names to [start, stop] "
+                        "rows") from None
     if not isinstance(given, dict):
         raise WireError(f"metadata {ROWS_META} must map tensor names to [start, stop] rows")
     names = [n for n in specs if not n.endswith(SCALE_SUFFIX)]
@@ -67,7 +79,7 @@ def piece_rows(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], mod
                                                                   for v in span)
                 or not 0 <= span[0] < span[1] <= shape[0]):
             raise WireError(f"rows of {name} in {ROWS_META} must be [start, stop] with 0 <= start < stop <= "
-                            f"{shape[0]}, got {span!r}")
+                            f"{shape[0]}, got {_shown(span)}")
         rows[name] = (span[0], span[1])
     unknown = sorted(set(given) - set(rows))
     if unknown:
@@ -76,6 +88,55 @@ def piece_rows(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], mod
     want = expected_specs(sliced(model, rows), scheme, block)
     check_compatible(want, {n: (s.dtype, s.shape) for n, s in specs.items()}, what="piece")
     return rows
+
+
+def _shown(value: object) -> str:
+    """`value` as an error message shows it: at most 60 characters (a row may have 4,000 digits)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = "a number of too many digits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def in_flight_cap(ranks: int | None) -> int:
+    """How many pieces of one participant's update may stream in at once: one per rank of its
+    group (`ranks`, None when it did not say), within [MIN_PIECES_IN_FLIGHT, MAX_PIECES_IN_FLIGHT]."""
+    return max(MIN_PIECES_IN_FLIGHT, min(ranks or 1, MAX_PIECES_IN_FLIGHT))
+
+
+def header_allowance(model: Spec) -> int:
+    """The most header bytes one honest piece needs: every tensor of the sync set named twice
+    (a compressed tensor and its scales), each entry with its rows, and the metadata."""
+    return 4096 + sum(2 * (2 * len(name) + 160) for name in model)
+
+
+def room_for_piece(update: str, label: str, length: int, held: int, pieces_in: int, in_flight: Mapping[str, int],
+                   ranks: int | None, limit: int, header: int) -> Refused | None:
+    """Whether piece `label` (`length` bytes) of `update` (its words) may start streaming in, it
+    holding `pieces_in` pieces of `held` bytes so far and `in_flight` (label: bytes) streaming:
+    None, else why not. At most `in_flight_cap(ranks)` at once (429: one finishes soon), and
+    the pieces together at most `limit` (max_upload_mb: what the update sent whole may hold)
+    plus `header` per piece: 429 while some stream in, else 413."""
+    cap = in_flight_cap(ranks)
+    wait = {"retry_after_s": PIECE_RETRY_AFTER_S, "limit": cap}
+    if len(in_flight) >= cap:
+        return Refused(429, "pieces_in_flight", f"{len(in_flight)} pieces of {update} are streaming in, the most "
+                       f"at once ({cap}: one per rank of the participant's group, world_size in its join info, "
+                       f"{MIN_PIECES_IN_FLIGHT} to {MAX_PIECES_IN_FLIGHT}); send piece {label!r} again once one is "
+                       f"in, in {PIECE_RETRY_AFTER_S:g}s", wait)
+    total = held + sum(in_flight.values()) + length
+    budget = limit + header * (pieces_in + len(in_flight) + 1)
+    if total <= budget:
+        return None
+    what = (f"piece {label!r} ({length:,} bytes) would make the pieces of {update} hold {total:,} bytes, more "
+            f"than max_upload_mb ({limit:,} bytes, what the update sent whole may hold) and {header:,} header bytes "
+            "per piece")
+    if in_flight:
+        return Refused(429, "pieces_in_flight", f"{what}; send it again once the pieces streaming in are in, in "
+                       f"{PIECE_RETRY_AFTER_S:g}s", {**wait, "limit_bytes": budget})
+    return Refused(413, "pieces_too_large", f"{what}: send the update in pieces that cover it once",
+                   {"limit_bytes": budget})
 
 
 def sliced(model: Spec, rows: Rows) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -17,6 +17,7 @@ from fedtrain.coordinator.intake.flow import Intake
 from fedtrain.coordinator.intake.receive import peek_header
 from fedtrain.coordinator.intake.tickets import Ticket, Upload
 from fedtrain.coordinator.intake.values import POISON_CODES
+from fedtrain.coordinator.members import processes
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.members.roster import Roster
 from fedtrain.coordinator.policy import async_rules
@@ -48,7 +49,7 @@ class Uploads:
 
     def check_open(self, round_: int) -> policy.Admission:
         """Admit an upload for `round_` into the open round (accept or late), or refuse with 409
-        (507 while a full disk holds the run back)."""
+        (422 for a base version below 0, 507 while a full disk holds the run back)."""
         rounds = self._rounds
         if rounds.storage_full_since is not None:
             raise Refused(507, "insufficient_storage", storage.MESSAGE, {"current_round": rounds.version})
@@ -57,6 +58,8 @@ class Uploads:
             return admission
         if admission.code == "run_finished":
             raise Refused(409, "run_finished", admission.reason, {"current_round": rounds.version, "finished": True})
+        if admission.code == "invalid_version":
+            raise Refused(422, "invalid_version", admission.reason, {"current_round": rounds.version})
         if admission.code == "too_stale":
             raise Refused(409, "too_stale", f"{admission.reason}: download the current global model and train from it",
                           {"current_round": rounds.version, "staleness": admission.staleness})
@@ -140,6 +143,22 @@ class Uploads:
             await body.drain()
             return {"accepted": True, "duplicate": True, "round": round_, **({"piece": piece} if piece else {})}
         admission, up, clamped = admitted
+        if piece is None:
+            return await self._receive(p, up, admission, clamped, body, None)
+        try:  # counted as streaming in before a byte is read: bounded per participant (`Intake.hold_piece`)
+            self._intake.hold_piece(up, piece, processes.describe(p.info)[1])
+        except Refused:
+            await body.drain()
+            raise
+        try:
+            return await self._receive(p, up, admission, clamped, body, piece)
+        finally:
+            self._intake.release_piece(up, piece)
+
+    async def _receive(self, p: ParticipantRow, up: Upload, admission: policy.Admission, clamped: str | None,
+                       body: Body, piece: str | None) -> dict[str, Any]:
+        """The body of an admitted upload (or piece): read, verified, placed in the round, counted."""
+        pid, round_ = up.pid, up.round
         try:
             head, body = await peek_header(body)
             faults.hit("upload.streaming", who=pid, round=round_)

@@ -10,29 +10,21 @@ More: docs/architecture.md, "coordinator/model/publish.py".
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, Generic, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.transport.chunks import chunks_of
 from fedtrain.transport.protocols import SEND, Hold, ModelSender, Steps
 from fedtrain.wire import EncodedBody
 
-# Below the coordinator's mmap threshold (1 MiB, see `transport.allocator.tune_allocator`): chunks come from
-# the heap and are reused, where a chunk above it would be a fresh mmap whose page faults and
-# munmap cost more than the copy.
-CHUNK = 512 << 10
-READS_PER_HOP = 8
 SEND_PIECE = 4 << 20  # most a nonblocking write from memory can take at once (the socket buffer takes less)
-SLOW_READ_S = 0.005
 
 T = TypeVar("T")
 
@@ -130,111 +122,6 @@ class ModelStream:
         if self._file is not None:
             self.files.close_reader(self.path, self._file)
             self._file = None
-
-
-def _read_chunks(fd: int, offset: int, end: int, n: int) -> list[bytes]:
-    """Up to `n` chunks of the file from `offset` (none past `end`): one trip to a worker thread
-    reads several, since a hop costs about as much as copying one chunk from the page cache."""
-    chunks: list[bytes] = []
-    while len(chunks) < n and offset < end:
-        chunk = os.pread(fd, min(CHUNK, end - offset), offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-    return chunks
-
-
-class Work(Generic[T]):
-    """A `Hold` that does a piece of blocking work (a read from disk) before the steps go on: on
-    the pump's thread when the steps run on one, else on a worker thread (`wait_async`)."""
-
-    def __init__(self, fn: Callable[[], T]) -> None:
-        self._fn = fn
-        self._result: T | None = None
-        self._done = False
-
-    @property
-    def result(self) -> T:
-        assert self._done, "the steps go on only once the work is done"
-        return self._result  # type: ignore[return-value]
-
-    def wait(self, cancelled: threading.Event) -> None:
-        if not self._done:
-            self._result, self._done = self._fn(), True
-
-    async def wait_async(self) -> None:
-        if not self._done:
-            self._result, self._done = await asyncio.to_thread(self._fn), True
-
-
-class _Chunks:
-    """The plain path's `ModelSender`: what the steps write is handed to a `StreamingResponse`
-    a chunk at a time (`chunks_of`). A file is read, not sent: from the page cache (a file
-    read recently) in the event loop, since a hop to a worker thread per batch of reads costs
-    more than the reads; after one read slower than SLOW_READ_S (a disk's: a checkpoint
-    written with O_DIRECT is not in the page cache) the rest on a worker thread, so the loop
-    waits on the disk once."""
-
-    def __init__(self) -> None:
-        self.ready: list[bytes] = []
-        self.work: Work[list[bytes]] | None = None  # reads to do on a worker thread before the next step
-
-    def write_some(self, view: memoryview) -> int:
-        if self.ready:  # the last chunk is not handed out yet: the steps yield, and it is
-            return 0
-        data = bytes(view[:CHUNK])
-        self.ready.append(data)
-        return len(data)
-
-    def sendfile_steps(self, fd: int, offset: int, count: int) -> Iterator[None]:
-        end, slow = offset + count, False
-        while offset < end:
-            if slow:
-                read = self.work = Work(partial(_read_chunks, fd, offset, end, READS_PER_HOP))
-                yield None  # the adapter does the reads (`chunks_of`, `run`)
-                chunks = read.result
-            else:
-                t0 = time.perf_counter()
-                chunks = [os.pread(fd, min(CHUNK, end - offset), offset)]
-                slow = time.perf_counter() - t0 > SLOW_READ_S
-            chunks = [c for c in chunks if c]
-            if not chunks:
-                return  # the file ended early: the response falls short of its length, as it would have
-            self.ready.extend(chunks)
-            offset += sum(len(c) for c in chunks)
-            yield None
-
-    def run(self, steps: Iterator[Hold | None]) -> None:
-        """Take the steps to their end on this thread; the chunks pile up in `ready`."""
-        never = threading.Event()
-        for hold in steps:
-            for wait in (hold, self.work):
-                if wait is not None:
-                    wait.wait(never)
-            self.work = None
-
-
-async def chunks_of(stream: Download) -> AsyncIterator[bytes]:
-    """The plain path's adapter: a download's steps (its one body producer) taken on the event
-    loop, their bytes handed out a chunk at a time, their waits (a commit, a read on a worker
-    thread) awaited on the loop. Closes the stream at the end."""
-    out = _Chunks()
-    steps = stream.steps(out)
-    try:
-        for wait in steps:
-            while out.ready:
-                yield out.ready.pop(0)
-            if wait is not None:
-                await wait.wait_async()
-            if out.work is not None:
-                work, out.work = out.work, None
-                await work.wait_async()
-        while out.ready:
-            yield out.ready.pop(0)
-    finally:
-        steps.close()
-        stream.close()
 
 
 def memory_steps(body: EncodedBody, memory: Published, guard: WeightsGuard, out: ModelSender,

@@ -19,9 +19,13 @@ from fedtrain.merge.staleness import staleness_factor
 def admit(round_: int, version: int, closing: bool, finished: bool, cfg: RunConfig) -> Admission:
     """Whether an update trained from version `round_` is taken while the open round is
     `version` (`closing`: its update is being applied, so this one goes into the next), with
-    its staleness; refuse says the 409 code to answer (round_closed, too_stale, run_finished)."""
+    its staleness; refuse says the code to answer (409 round_closed, too_stale, run_finished; 422
+    invalid_version: a base version that never existed, below 0)."""
     if finished:
         return Admission("refuse", f"the run finished after {version} versions", code="run_finished")
+    if round_ < 0:  # (the API refuses it first: a staleness beyond the versions there are)
+        return Admission("refuse", f"version {round_} never existed: an update is trained from a version 0 to "
+                         f"{version}", code="invalid_version")
     if round_ > version:
         return Admission("refuse", f"version {round_} does not exist yet; the global model is at version {version}",
                          code="round_closed")

@@ -123,6 +123,11 @@ def certificate_error(error: BaseException) -> str | None:
 
 
 def not_a_coordinator(address: Address, why: str, status: int = 0) -> NotACoordinatorError:
+    if status == 413:  # the coordinator answers 413 in its JSON shape: this one came from in between
+        return NotACoordinatorError(
+            f"something between you and the coordinator at {address.url} refused the body as too large ({why}): "
+            "a reverse proxy's body limit is below the run's max_upload_mb (nginx: client_max_body_size; "
+            "docs/deploy.md)", status=status, code="proxy_body_limit")
     return NotACoordinatorError(
         f"{address.url} does not look like a fedtrain coordinator ({why}): check the address and port",
         status=status,

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity
+from fedtrain.coordinator.http.routes.deps import BODY, MAX_COUNT, Pid, coordinator, identity
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.members.site_tokens import NAME_PATTERN
 from fedtrain.coordinator.service import Coordinator
@@ -19,20 +19,21 @@ router = APIRouter()
 
 
 class RevokeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY
     token_id: str | None = Field(None, max_length=64, description="Fingerprint of the token (GET /v1/admin/tokens).")
     participant_id: str | None = Field(None, max_length=64, description="Revoke the token this participant used.")
-    name: str | None = Field(None, min_length=1, max_length=64, description="Revoke the live token of this name.")
+    name: str | None = Field(None, min_length=1, max_length=64, pattern=NAME_PATTERN,
+                             description="Revoke the live token of this name.")
 
 
 class MintRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY
     name: str = Field(..., min_length=1, max_length=64, pattern=NAME_PATTERN,
                       description="The site's name, e.g. site-a: 1-64 letters, digits, '_', '.' or '-'.")
 
 
 class RollbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY
     version: int = Field(..., ge=0, le=MAX_COUNT, description="A kept version (GET /v1/admin/checkpoints).")
 
 
@@ -67,6 +68,6 @@ async def rollback(body: RollbackRequest, ident: Identity = Depends(identity),
 
 
 @router.post("/v1/participants/{pid}/evict", summary="Admin: evict a participant")
-async def evict(pid: str, ident: Identity = Depends(identity),
+async def evict(pid: Pid, ident: Identity = Depends(identity),
                 service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
     return service.evict(ident, pid)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, identity, speaker_by_query
+from fedtrain.coordinator.http.routes.deps import BODY, MAX_COUNT, PID_PATTERN, coordinator, identity, speaker_by_query
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.service import Coordinator
 
@@ -15,7 +15,7 @@ router = APIRouter()
 
 
 class ConfigChange(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY
     changes: dict[str, Any] = Field(..., description="Fields to change, nested like the config (a merge patch).")
 
 
@@ -23,7 +23,8 @@ class ConfigChange(BaseModel):
             "`participant_id`, also that participant's inner steps for the round (`assignment`)")
 async def get_config(
     round: int | None = Query(None, ge=0, le=MAX_COUNT),
-    participant_id: str | None = Query(None, description="A participant this request speaks for (its key): the "
+    participant_id: str | None = Query(None, min_length=1, max_length=64, pattern=PID_PATTERN,
+                                       description="A participant this request speaks for (its key): the "
                                        "answer's `assignment` is its H for the round, fixed once told."),
     ident: Identity = Depends(speaker_by_query), service: Coordinator = Depends(coordinator),
 ) -> dict[str, Any]:

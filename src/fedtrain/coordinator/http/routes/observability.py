@@ -20,6 +20,7 @@ from fedtrain.coordinator.state.broadcast import sse
 router = APIRouter()
 
 STREAM_KEEPALIVE_S = 15.0
+MAX_METRIC_NAME = 256  # the longest metric name `GET /v1/metrics?name=` asks for
 STREAM_SEND_BUFFER = 64 << 10  # kernel bytes an event stream may have unsent (`ResponseSink.limit_kernel_buffer`)
 
 
@@ -62,7 +63,8 @@ async def events(limit: int = Query(100, ge=1, le=10000), ident: Identity = Depe
 
 @router.get("/v1/metrics", summary="Reported metrics")
 async def get_metrics(
-    name: str | None = None, limit: int = Query(10000, ge=1, le=100000), ident: Identity = Depends(identity),
+    name: str | None = Query(None, min_length=1, max_length=MAX_METRIC_NAME),
+    limit: int = Query(10000, ge=1, le=100000), ident: Identity = Depends(identity),
     service: Coordinator = Depends(coordinator),
 ) -> dict[str, Any]:
     return {"metrics": service.metrics(name, limit)}

@@ -10,15 +10,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from fedtrain.coordinator.http.limits import UploadsInFlight
-from fedtrain.coordinator.http.routes.deps import MAX_COUNT, coordinator, speaker, speaker_by_query, upload_body
+from fedtrain.coordinator.http.routes.deps import (
+    MAX_COUNT,
+    MAX_TOKEN_CLAIM,
+    Pid,
+    PidQuery,
+    Round,
+    coordinator,
+    speaker,
+    speaker_by_query,
+    upload_body,
+)
+from fedtrain.coordinator.http.routes.links import ROUND_LINKS, UPLOAD_LINKS
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.model.publish import ModelResponse, ModelStream
-from fedtrain.coordinator.model.slices import SliceStream
+from fedtrain.coordinator.model.slices import MAX_ROWS_CHARS, SliceStream
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused
 from fedtrain.wire import DIGEST_HEADER
@@ -27,6 +38,7 @@ router = APIRouter()
 
 VERSION_HEADER = "X-Fedtrain-Version"
 UPLOAD_RETRY_AFTER_S = 1.0  # what a 429 upload_in_progress asks the client to wait
+MAX_DIGEST_CHARS = 128  # the longest digest header (sha256:<64 hex> is 71 characters)
 
 
 async def uploads_in_flight(request: Request) -> UploadsInFlight:
@@ -35,12 +47,14 @@ async def uploads_in_flight(request: Request) -> UploadsInFlight:
     return in_flight
 
 
-@router.get("/v1/rounds/{round_}", summary="Round status; long-polls up to `wait` seconds while it is open")
+@router.get("/v1/rounds/{round_}", summary="Round status; long-polls up to `wait` seconds while it is open",
+            responses=ROUND_LINKS)
 async def round_status(
-    round_: int,
+    round_: Round,
     wait: float = Query(0.0, ge=0, le=60),
-    participant_id: str | None = None,
-    piece: str | None = Query(None, description="with participant_id: whether this piece of its update is in"),
+    participant_id: PidQuery = None,
+    piece: str | None = Query(None, min_length=1, max_length=64,
+                              description="with participant_id: whether this piece of its update is in"),
     ident: Identity = Depends(speaker_by_query),
     service: Coordinator = Depends(coordinator),
 ) -> dict[str, Any]:
@@ -50,6 +64,7 @@ async def round_status(
 @router.put(
     "/v1/rounds/{round_}/updates/{pid}",
     summary="Upload a pseudo-gradient (safetensors body) for a round; idempotent per (round, participant)",
+    responses=UPLOAD_LINKS,
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -58,17 +73,18 @@ async def round_status(
     },
 )
 async def upload(
-    round_: int,
-    pid: str,
+    round_: Round,
+    pid: Pid,
     request: Request,
-    tokens: int = Query(..., ge=0, le=MAX_COUNT),
+    tokens: int = Query(..., ge=0, le=MAX_TOKEN_CLAIM),
     piece: str | None = Query(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                               description="this body is one piece of the update, so labelled (docs/training-jobs.md)"),
+    digest: str | None = Header(None, alias=DIGEST_HEADER, max_length=MAX_DIGEST_CHARS,
+                                description="<algorithm>:<hex> of the body (xxh3-128 or sha256)"),
     ident: Identity = Depends(speaker),
     service: Coordinator = Depends(coordinator),
     in_flight: UploadsInFlight = Depends(uploads_in_flight),
 ) -> dict[str, Any]:
-    digest = request.headers.get(DIGEST_HEADER)
     if not digest:
         raise Refused(400, "digest_required",
                       f"uploads need a {DIGEST_HEADER} header (xxh3-128:<hex> or sha256:<hex> of the body)")
@@ -96,8 +112,9 @@ async def upload(
 )
 async def model(
     version: int | None = Query(None, ge=0, le=MAX_COUNT),
-    participant_id: str | None = None,  # counted as its download: only by itself (`speaker_by_query`)
-    rows: str | None = Query(None, description="only these rows: a JSON object mapping tensor names to "
+    participant_id: PidQuery = None,  # counted as its download: only by itself (`speaker_by_query`)
+    rows: str | None = Query(None, min_length=1, max_length=MAX_ROWS_CHARS,
+                             description="only these rows: a JSON object mapping tensor names to "
                              "[start, stop] (rows along dimension 0) or null (whole); docs/training-jobs.md"),
     ident: Identity = Depends(speaker_by_query),
     service: Coordinator = Depends(coordinator),

@@ -26,7 +26,7 @@ const QUICK_FIELDS = [
 
 const S = {
   token: null, role: null, offset: 0, source: null, timers: [],
-  status: null, config: null, history: [], events: [], metrics: [],
+  status: null, config: null, model: null, history: [], events: [], metrics: [],
   evictArmed: null, kept: [], keptInForce: null, keptRound: null, keptSeq: 0, rollingBack: false,
   validateTimer: null, validateSeq: 0, chartsQueued: false,
   eventKind: localStorage.getItem(EVENT_KIND_KEY) || "all",
@@ -114,6 +114,7 @@ function openStream() {
   on("hello", (d) => {
     setConn("live", "live");
     S.config = d.config;
+    S.model = d.config.model || null; // what the model is (custom: from --init-weights); fixed for the run
     S.keptRound = null; // (re)opened: fetch the kept versions whatever the round
     setStatus(d.status);
     renderConfig();
@@ -176,6 +177,7 @@ function setStatus(st) {
   renderParticipants(st);
   renderRounds(st);
   renderConfigVersions();
+  renderPlaceholders();
   if (S.role === "admin" && st.current_round !== S.keptRound) loadKept();
 }
 
@@ -200,7 +202,9 @@ function renderCards(st) {
     el("span", { class: "nowrap", text: `↓ ${fmt.bytes(st.bytes_out)}` }));
   $("c-bytes-sub").textContent = `model ${fmt.bytes(st.model_bytes)} · ${fmt.si(st.parameters)} parameters`;
   $("c-alg").textContent = st.algorithm;
-  $("c-alg-sub").textContent = `${st.mode || "rounds"} mode · config v${st.config_version}` +
+  // the lr in force as the coordinator resolved it (an unset DiLoCo lr follows M and H), never "default"
+  $("c-alg-sub").textContent = (st.outer_lr != null ? `lr ${fmt.num(st.outer_lr)} · ` : "") +
+    `${st.mode || "rounds"} mode · config v${st.config_version}` +
     (st.latest_config_version > st.config_version ? ` · v${st.latest_config_version} from next round` : "");
   $("c-reason").textContent = st.reason;
 }
@@ -239,6 +243,7 @@ function renderParticipants(st) {
       el("td", { class: "num", text: `${fmt.bytes(p.bytes_up)} / ${fmt.bytes(p.bytes_down)}` }),
       el("td", { class: "admin-only" }, action));
   }));
+  $("parts-empty").textContent = "No participant has joined yet."; // until the first status: "Connecting…"
   $("parts-empty").hidden = st.participants.length > 0;
   $("parts-hint").textContent = st.participants.length ? `${st.participants.length} joined` : "";
 }
@@ -521,15 +526,29 @@ function setPath(obj, path, value) {
 function renderConfig() {
   const view = S.config;
   if (!view) return;
-  $("config-json").textContent = JSON.stringify(view.config, null, 2);
+  // A custom model's run (--init-weights): the config's `model` section (GPT defaults) describes nothing;
+  // the coordinator's description of the model takes its place, as in `fedtrain config show`.
+  const m = S.model;
+  const shown = m && m.source === "custom" ? { ...view.config, model: { custom: true, init_weights: m.init_weights,
+    tensors: m.tensors, parameters: m.parameters, dtypes: m.dtypes } } : view.config;
+  $("config-json").textContent = JSON.stringify(shown, null, 2);
   if (!$("quick-fields").childElementCount) buildQuickFields();
+  renderPlaceholders();
+  renderConfigVersions();
+}
+
+// Each quick field shows the value in force. A field the config leaves unset shows what the
+// coordinator resolved for it where the status says (outer.lr: `outer_lr`), else "default".
+function renderPlaceholders() {
+  const view = S.config;
+  if (!view || !$("quick-fields").childElementCount) return;
+  const resolved = { "outer.lr": S.status && S.status.outer_lr };
   for (const [path] of QUICK_FIELDS) {
     const input = $("f-" + path.replace(".", "-"));
     const now = getPath(view.config, path);
     if (input.tagName === "SELECT") input.options[0].textContent = `(no change: ${now})`;
-    else input.placeholder = now == null ? "default" : String(now);
+    else input.placeholder = now != null ? String(now) : resolved[path] != null ? `${fmt.num(resolved[path])} (default)` : "default";
   }
-  renderConfigVersions();
 }
 
 function renderConfigVersions() {
