@@ -149,8 +149,8 @@ def next_steps(scheme: str, host: str, port: int, token_file: Path | None, *, ca
         flags += f" --ca-cert {shlex.quote(str(ca_cert.absolute()))}"
     if own_model:
         lines = [f"start a participant: your own training script around fedtrain.Participant (README.md, "
-                 f"\"Participant API\"; examples/custom_model.py), with a model whose trainable parameters match --init-weights; reach the run "
-                 f"with {flags}"]
+                 "\"Participant API\"; examples/custom_model.py), with a model whose trainable parameters match "
+                 f"--init-weights; reach the run with {flags}"]
     else:
         lines = [f"start a participant: fedtrain participant {flags} --data stdlib:0/4"]
     if env_tokens:
