@@ -324,30 +324,15 @@ class Roster:
 
     def token_view(self, ident: Identity) -> dict[str, Any]:
         """Admin: the participant tokens by fingerprint: name (named ones), where each came from,
-        whether revoked, who joined with each."""
+        whether revoked, who joined with each (`SiteTokens.listing`)."""
         require_admin(ident, "listing tokens")
         admin_id = fingerprint(self._tokens.admin) if self._tokens.admin else None
         given = {fingerprint(t) for t in self._tokens.participant}
-        ids = given | {p.token_id for p in self._rows.values()} | {r.token_id for r in self._sites.rows()}
-        ids |= self._tokens.revoked
-        ids.discard(admin_id)  # type: ignore[arg-type]
-        out = []
-        for t in sorted(ids, key=lambda i: self._order(i)):
-            row = self._sites.by_id(t)
-            out.append({
-                "token_id": t,
-                "name": row.name if row is not None else None,
-                "source": "minted" if row is not None else ("given at start" if t in given else "no longer given"),
-                "created_at": row.created_at if row is not None else None,
-                "revoked": t in self._tokens.revoked,
-                "participants": sorted(p.id for p in self._rows.values() if p.token_id == t),
-            })
-        return {"tokens": out}
-
-    def _order(self, token_id: str) -> tuple[float, str]:
-        """Tokens given at start first, then named ones as they were minted."""
-        row = self._sites.by_id(token_id)
-        return (row.created_at if row is not None else 0.0, token_id)
+        holders: dict[str, list[str]] = {}
+        for p in self._rows.values():
+            holders.setdefault(p.token_id, []).append(p.id)
+        ids = (given | set(holders) | self._tokens.revoked) - {admin_id}
+        return {"tokens": self._sites.listing(ids, given, holders)}
 
     def mint_token(self, ident: Identity, name: str) -> dict[str, Any]:
         """Admin: a new participant token for site `name`; the answer is the one time it is shown."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 from fedtrain.coordinator.members.auth import Tokens, token_digest
 from fedtrain.coordinator.state.store import Store, TokenRow
@@ -55,6 +56,24 @@ class SiteTokens:
     def live_named(self, name: str) -> TokenRow | None:
         """The token called `name` that is not revoked, if any."""
         return next((r for r in self._tokens.named.values() if r.name == name and r.revoked_at is None), None)
+
+    def listing(self, ids: set[str], given: set[str], holders: dict[str, list[str]]) -> list[dict[str, Any]]:
+        """The tokens of GET /v1/admin/tokens: the named ones and `ids` (tokens given at start,
+        `given`, and any a participant joined with), each with the participants that joined with
+        it (`holders`); tokens given at start first, then named ones as they were minted."""
+        named = {r.token_id: r for r in self._tokens.named.values()}
+        out = []
+        for t in sorted(ids | set(named), key=lambda i: (named[i].created_at if i in named else 0.0, i)):
+            row = named.get(t)
+            out.append({
+                "token_id": t,
+                "name": row.name if row is not None else None,
+                "source": "minted" if row is not None else ("given at start" if t in given else "no longer given"),
+                "created_at": row.created_at if row is not None else None,
+                "revoked": t in self._tokens.revoked,
+                "participants": sorted(holders.get(t, [])),
+            })
+        return out
 
     def mint(self, name: str) -> tuple[TokenRow, str]:
         """A new token for site `name`: (its row, the token, shown this once). Refused: a bad name
