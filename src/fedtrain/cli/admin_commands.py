@@ -144,18 +144,7 @@ def format_history(versions: list[dict[str, Any]]) -> str:
 def run_config(args: argparse.Namespace, client: CoordinatorClient) -> int:
     patch = parse_changes(args.changes) if is_admin_action(args) else {}
     with client:
-        if args.action == "show":
-            view = client.get_config(args.round)
-            if args.json:
-                print(json.dumps(view, indent=2))
-            else:
-                import yaml
-
-                pending = view["latest_version"] > view["version"]
-                print(f"# config v{view['version']}, in force at round {view['round']}"
-                      + (f" (v{view['latest_version']} accepted, in force from a later round)" if pending else ""))
-                print(yaml.safe_dump(view["config"], sort_keys=False), end="")
-        elif args.action == "history":
+        if args.action == "history":  # "show" is cli/config_show.py's
             versions = client.config_history(args.limit)
             print(json.dumps(versions, indent=2) if args.json else format_history(versions))
         elif args.action == "validate":
