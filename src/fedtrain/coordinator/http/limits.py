@@ -111,6 +111,10 @@ class UploadsInFlight:
     def give_back(self, key: Hashable) -> None:
         self._keys.discard(key)
 
+    def holds(self, key: Hashable) -> bool:
+        """Whether a request holding `key` is in progress."""
+        return key in self._keys
+
     @property
     def count(self) -> int:
         return len(self._keys)

@@ -44,6 +44,7 @@ __all__ = ["VERSION_HEADER", "CoordinatorClient", "RetryPolicy", "Timeouts", "tl
 log = logging.getLogger("fedtrain.participant")
 
 KEY_HEADER = "X-Fedtrain-Participant-Key"  # the coordinator's `auth.KEY_HEADER`
+UPLOAD_WAIT_S = 1.0  # between two looks at an upload still in progress (the coordinator asks the same)
 
 
 class CoordinatorClient:
@@ -344,14 +345,35 @@ class CoordinatorClient:
         }
 
         params: dict[str, Any] = {"tokens": tokens} if piece is None else {"tokens": tokens, "piece": piece}
+        attempts = 0
 
         def once() -> Any:
+            nonlocal attempts
+            if attempts:  # a retry: an earlier attempt may still hold the upload's slot (a dead link)
+                self._refuse_while_uploading(round_, pid, piece)
+            attempts += 1
             if is_direct(self.url):
                 return self._upload_direct(path, params, headers, body)
             r = self._http.put(path, params=params, content=iter(body), headers=headers)  # type: ignore[arg-type]
             return self._answer(r, f"PUT {path}")
 
         return self._call(f"upload of round {round_}", once, retry=retry)
+
+    def _refuse_while_uploading(self, round_: int, pid: str, piece: str | None) -> None:
+        """Before a body is sent again: while the coordinator still counts an earlier attempt
+        of this upload as in progress (its connection gone silent, not yet timed out), raise
+        the 429 the upload would get, without sending the body into it (a few hundred bytes
+        instead of the whole update, each retry)."""
+        params: dict[str, Any] = {"participant_id": pid} if piece is None else {"participant_id": pid, "piece": piece}
+        where = f"GET /v1/rounds/{round_}"
+        try:
+            info = self._answer(self._http.get(f"/v1/rounds/{round_}", params=params, headers=self._as(pid)), where)
+        except CoordinatorError:
+            return  # the upload itself gets the refusal that says why (round not open, ...)
+        if isinstance(info, dict) and info.get("upload_in_progress") is True:
+            raise CoordinatorError(f"an upload of {pid} for round {round_} is still in progress on another "
+                                   "connection", status=429, code="upload_in_progress",
+                                   details={"retry_after_s": UPLOAD_WAIT_S})
 
     def download(
         self,

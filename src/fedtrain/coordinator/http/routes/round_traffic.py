@@ -57,8 +57,12 @@ async def round_status(
                               description="with participant_id: whether this piece of its update is in"),
     ident: Identity = Depends(speaker_by_query),
     service: Coordinator = Depends(coordinator),
+    in_flight: UploadsInFlight = Depends(uploads_in_flight),
 ) -> dict[str, Any]:
-    return await service.wait_round(ident, participant_id, round_, wait, piece)
+    info = await service.wait_round(ident, participant_id, round_, wait, piece)
+    if participant_id is not None:  # a retry asks this before it sends its body again (a 429 costs the body)
+        info["upload_in_progress"] = in_flight.holds((participant_id, round_, piece))
+    return info
 
 
 @router.put(
