@@ -35,9 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -48,6 +46,7 @@ from safetensors.torch import load_file
 from fedtrain.cli import build_parser
 from fedtrain.config import load_config
 from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.participant.client.coordinator_client import sse_events
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
 from tests.helpers.api import download, upload
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
@@ -92,21 +91,6 @@ def make_certs(tmp_path: Path) -> tuple[Path, Path, Path]:
     return out / "ca.pem", out / "server.pem", out / "server.key"
 
 
-def sse_events(response: httpx.Response) -> Iterator[tuple[str, Any]]:
-    """The server-sent events of a streamed response, as (kind, data); comments (keep-alives) skipped."""
-    kind, data = "message", ""
-    for line in response.iter_lines():
-        if line.startswith(":"):
-            continue
-        if line.startswith("event:"):
-            kind = line[6:].strip()
-        elif line.startswith("data:"):
-            data += line[5:].strip()
-        elif line == "" and data:
-            yield kind, json.loads(data)
-            kind, data = "message", ""
-
-
 def test_a_run_goes_through_nginx_with_the_shipped_config(tmp_path: Path, nginx: str) -> None:
     ca, cert, key = make_certs(tmp_path)
     cfg = tiny_config(rounds=3, train={"sync_every": 2}, max_upload_mb=UPLOAD_MB, outer={"algorithm": "fedavg"})
@@ -130,7 +114,7 @@ def test_a_run_goes_through_nginx_with_the_shipped_config(tmp_path: Path, nginx:
         with browser.stream("GET", "/v1/stream", params={"token": ATOKEN},
                             timeout=httpx.Timeout(30, read=STREAM_READ_S)) as stream:
             assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
-            events = sse_events(stream)
+            events = sse_events(stream.iter_lines())
             assert next(events)[0] == "hello"
             joined = http.post("/v1/join", json={"name": "probe"})
             assert joined.status_code == 200, joined.text

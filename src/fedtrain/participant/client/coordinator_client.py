@@ -11,7 +11,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -45,6 +45,22 @@ log = logging.getLogger("fedtrain.participant")
 
 KEY_HEADER = "X-Fedtrain-Participant-Key"  # the coordinator's `auth.KEY_HEADER`
 UPLOAD_WAIT_S = 1.0  # between two looks at an upload still in progress (the coordinator asks the same)
+
+
+def sse_events(lines: Iterable[str], stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, Any]]:
+    """The server-sent events in a stream's `lines`, as (kind, data); comments (keep-alives) carry
+    none. Ends with the lines, or once `stop()` is true when a line arrives."""
+    kind, data = "message", ""
+    for line in lines:
+        if stop is not None and stop():
+            return
+        if line.startswith("event:"):
+            kind = line[6:].strip()
+        elif line.startswith("data:"):
+            data += line[5:].strip()
+        elif line == "" and data:
+            yield kind, json.loads(data)
+            kind, data = "message", ""
 
 
 class CoordinatorClient:
@@ -275,17 +291,7 @@ class CoordinatorClient:
             if r.status_code >= 400:
                 r.read()
                 raise self._refusal(r, "GET /v1/stream")
-            kind, data = "message", ""
-            for line in r.iter_lines():
-                if stop is not None and stop():
-                    return
-                if line.startswith("event:"):
-                    kind = line[6:].strip()
-                elif line.startswith("data:"):
-                    data += line[5:].strip()
-                elif line == "" and data:
-                    yield kind, json.loads(data)
-                    kind, data = "message", ""
+            yield from sse_events(r.iter_lines(), stop)
 
     def status(self, *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         return self._json("GET", "/v1/status", retry=retry)
