@@ -452,6 +452,7 @@ class Coordinator:
         told = self.schedule.status(self.version, self.config, list(rows))
         schedule = self.rounds.schedule_view()  # staleness, applied updates, share of the applied weight
         fragment = self.rounds.fragment(self.version)  # Streaming DiLoCo (None: off)
+        deadline_s, deadline_reason = self.deadline()
         return {
             "run": self.config.name,
             "mode": self.config.schedule.mode,
@@ -463,8 +464,8 @@ class Coordinator:
             "finished": self.finished,
             "closing": self.rounds.open.closing,
             "reason": self.rounds.open.reason,
-            "deadline_s": self.deadline()[0],
-            "deadline_reason": self.deadline()[1],
+            "deadline_s": deadline_s,
+            "deadline_reason": deadline_reason,
             "algorithm": self.committer.model.algorithm,
             # as resolved: an unset DiLoCo lr follows M and H (outer_defaults)
             "outer_lr": self.committer.model.hp["lr"],
