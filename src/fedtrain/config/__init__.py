@@ -29,7 +29,7 @@ from fedtrain.config.run_config import (
     parse_config,
     recipe_path,
 )
-from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig
+from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig, TransferConfig
 
 __all__ = [
     "MAX_LR",
@@ -52,6 +52,7 @@ __all__ = [
     "ScheduleConfig",
     "StreamingConfig",
     "TrainConfig",
+    "TransferConfig",
     "check_upload_limit",
     "load_config",
     "outer_choice",

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig
+from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig, TransferConfig
 from fedtrain.config.sections import Strict as _Strict
 from fedtrain.errors import ConfigError
 from fedtrain.merge.outer_lr import describe as describe_outer_lr
@@ -254,6 +254,7 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
     streaming: StreamingConfig | None = Field(
         None, description="Streaming DiLoCo: sync the model in K fragments, one per round (null: off)."
     )

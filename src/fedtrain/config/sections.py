@@ -1,14 +1,18 @@
 """Sections of the run config about how participants' work is paced and synced: the
-schedule (issue #22), asynchronous mode, and Streaming DiLoCo (issue #21). What they need
+schedule (issue #22), asynchronous mode, Streaming DiLoCo (issue #21), and how large
+transfers travel (issue #34). What they need
 of the rest of the config is checked by `RunConfig`'s validator. `fedtrain.config`
 re-exports them; import them from there.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+#: The most connections one transfer may use at once (transfer.streams).
+MAX_STREAMS = 16
 
 
 class Strict(BaseModel):
@@ -127,3 +131,32 @@ class StreamingConfig(Strict):
         "alpha * theta_local (alpha weights the local side, as in torchft; 0 takes the global fragment as it "
         "comes). Live.",
     )
+
+
+class TransferConfig(Strict):
+    """How large bodies travel between participants and the coordinator (docs/training-jobs.md):
+    in resumable parts, over one or more connections, and when a silent connection is given up."""
+
+    part_mb: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="An update larger than this many MiB travels as parts of this size, each checked by its own "
+        "digest as it arrives; after a broken connection only the parts the coordinator does not hold are sent "
+        "again. A broken download resumes from the byte where it stopped. Live.",
+    )
+    streams: Annotated[int, Field(strict=True, ge=1, le=MAX_STREAMS)] | Literal["auto"] = Field(
+        1,
+        description="Connections one transfer may use at once (1 to 16), both directions: an upload's parts, or "
+        "a download's byte ranges, go over this many connections side by side. auto: from measurement "
+        "(docs/training-jobs.md). More than one pays on links with high latency; on a clean link one "
+        "connection fills it. Live.",
+    )
+    stall_timeout_s: float = Field(
+        10.0,
+        ge=1,
+        le=3600,
+        description="A transfer whose connection moves no byte for this long is given up and tried again on a "
+        "new connection, which takes over from the silent one (the coordinator closes the older). Live.",
+    )
+
