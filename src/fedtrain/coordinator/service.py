@@ -480,7 +480,8 @@ class Coordinator:
             "bytes_out": sum(p.bytes_down for p in rows.values()),
             "submitted": sorted(self.rounds.open.submitted),
             "participants": [{**participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
-                                                 told[p.id]), **schedule.get(p.id, {})}
+                                                 told[p.id], self.roster.site_of(p.token_id)),
+                              **schedule.get(p.id, {})}
                              for p in sorted(rows.values(), key=lambda p: p.id)],
             "recent_rounds": recent,
         }
