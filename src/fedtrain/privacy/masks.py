@@ -1,0 +1,120 @@
+"""Masks for secure aggregation: seeds expanded by ChaCha20 into ring elements, the pairing graph,
+and the participant's masking of one tensor.
+
+A mask is the ChaCha20 keystream of a 32-byte seed, read as little-endian uint16/uint32 ring
+elements. The 16-byte ChaCha20 IV is a zero block counter and 12 bytes of
+SHA-256("fedtrain/secagg/mask", kind, tensor name): every (seed, kind, tensor) has its own
+stream, and seeds are fresh every round (pairwise seeds by HKDF over the round, self seeds drawn
+at random), so no stream is ever reused across tensors, kinds or rounds.
+
+Participant u uploads, for each tensor,
+
+    y_u = x_u + PRG(b_u) + Σ_{v ∈ N(u), v > u} PRG(s_uv) − Σ_{v ∈ N(u), v < u} PRG(s_uv)   (mod 2^b)
+
+(Bonawitz et al. 2017): the pairwise terms cancel in the sum over participants, the self mask
+b_u hides x_u even if a pairwise key is later revealed because u was (wrongly) declared dropped.
+N(u) is u's neighbours: every other participant (full pairing, small N) or k of them in a
+Harary graph H(k, n) laid over a permutation drawn from a public seed (Bell et al. 2020,
+"SecAgg+"), so each participant derives k masks rather than n − 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+
+from fedtrain.privacy.deps import crypto
+from fedtrain.privacy.failures import PrivacyError
+from fedtrain.privacy.keys import check_participant_id
+from fedtrain.privacy.ring import FixedPoint, ring_add, ring_sub
+
+SEED_BYTES = 32
+SELF = "self"
+PAIR = "pair"
+_CHUNK = 4 << 20
+_ZEROS = bytes(_CHUNK)
+
+
+def stream_iv(kind: str, label: str) -> bytes:
+    """ChaCha20's 16-byte IV for (kind, tensor label): a zero 32-bit block counter, then a 96-bit
+    nonce from SHA-256 (length-prefixed fields, so no two (kind, label) pairs share it)."""
+    k, name = kind.encode(), label.encode()
+    digest = hashlib.sha256(b"fedtrain/secagg/mask\0" + len(k).to_bytes(2, "big") + k + name).digest()
+    return bytes(4) + digest[:12]
+
+
+def mask_stream(seed: bytes, kind: str, label: str, numel: int, bits: int) -> np.ndarray:
+    """`numel` ring elements of 2^bits from the keystream of (seed, kind, label)."""
+    if len(seed) != SEED_BYTES:
+        raise PrivacyError(f"a mask seed is {SEED_BYTES} bytes, got {len(seed)}")
+    if numel < 0 or bits not in (16, 32):
+        raise PrivacyError(f"a mask has numel >= 0 and 16 or 32 bits, got {numel}, {bits}")
+    if numel > (2**32 * 64) // (bits // 8):  # the 32-bit block counter must not wrap
+        raise PrivacyError(f"a tensor of {numel} values is too large for one mask stream")
+    crypto()
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    enc = Cipher(algorithms.ChaCha20(seed, stream_iv(kind, label)), mode=None).encryptor()
+    out = np.empty(numel * (bits // 8), dtype=np.uint8)
+    view = memoryview(out.data)
+    for off in range(0, out.size, _CHUNK):
+        n = min(_CHUNK, out.size - off)
+        enc.update_into(_ZEROS[:n] if n < _CHUNK else _ZEROS, view[off : off + n])
+    return out.view(np.dtype("<u2") if bits == 16 else np.dtype("<u4"))
+
+
+def pairing_graph(participants: Collection[int], degree: int | None, public_seed: bytes) -> dict[int, frozenset[int]]:
+    """Each participant's neighbours. `degree` None (or ≥ n − 1): everyone (Bonawitz). Else the
+    Harary graph H(k, n) — each node joined to the k/2 nearest on each side of a ring — over a
+    permutation of the ids drawn from `public_seed`; an odd k is taken as k + 1, so every node has
+    exactly k' = min(k + k mod 2, n − 1) neighbours and the graph stays connected."""
+    ids = sorted({check_participant_id(p) for p in participants})
+    n = len(ids)
+    if degree is not None and degree < 2:
+        raise PrivacyError(f"a pairing degree is at least 2, got {degree}")
+    if degree is None or degree + degree % 2 >= n - 1:
+        return {u: frozenset(v for v in ids if v != u) for u in ids}
+    if len(public_seed) < 16:
+        raise PrivacyError("the pairing graph's public seed must be at least 16 bytes")
+    order = list(ids)
+    random.Random(hashlib.sha256(b"fedtrain/secagg/graph\0" + public_seed).digest()).shuffle(order)
+    half = (degree + degree % 2) // 2
+    graph: dict[int, set[int]] = {u: set() for u in ids}
+    for i, u in enumerate(order):
+        for j in range(1, half + 1):
+            v = order[(i + j) % n]
+            graph[u].add(v)
+            graph[v].add(u)
+    return {u: frozenset(vs) for u, vs in graph.items()}
+
+
+def mask_tensor(
+    encoded: np.ndarray,
+    label: str,
+    me: int,
+    self_seed: bytes,
+    pair_seeds: Mapping[int, bytes],
+    fp: FixedPoint,
+) -> np.ndarray:
+    """`encoded` (ring elements of one tensor) plus u's self mask and signed pairwise masks, in place:
+    + PRG(s_uv) where u < v, − where u > v. Returns the same array."""
+    if encoded.dtype != fp.dtype:
+        raise PrivacyError(f"a 2^{fp.bits} ring tensor is {fp.dtype}, got {encoded.dtype}")
+    ring_add(encoded, mask_stream(self_seed, SELF, label, encoded.size, fp.bits))
+    for peer in sorted(pair_seeds):
+        m = mask_stream(pair_seeds[peer], PAIR, label, encoded.size, fp.bits)
+        if me < peer:
+            ring_add(encoded, m)
+        elif me > peer:
+            ring_sub(encoded, m)
+        else:
+            raise PrivacyError(f"participant {me} cannot be paired with itself")
+    return encoded
+
+
+def check_labels(labels: Sequence[str]) -> None:
+    if len(set(labels)) != len(labels):
+        raise PrivacyError("tensor labels must be unique within an upload: a repeated label would reuse a mask")
