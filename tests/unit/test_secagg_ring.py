@@ -55,7 +55,16 @@ def test_no_ring_holds_too_many_participants() -> None:
         FixedPoint.plan(2**25, clip=1.0)
 
 
-@pytest.mark.parametrize("fp", [FixedPoint(16, 1.0, 7, 256), FixedPoint(16, 2.0, 12, 8), FixedPoint(32, 1.0, 22, 300)])
+@pytest.mark.parametrize(
+    "fp",
+    [
+        FixedPoint(16, 1.0, 7, 256),
+        FixedPoint(16, 0.1, 12, 8),
+        FixedPoint(16, 2.0, 12, 8),
+        FixedPoint(32, 1.0, 22, 300),
+        FixedPoint(32, 0.3, 28, 8),
+    ],
+)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_the_worst_case_sum_at_the_bound_does_not_wrap(fp: FixedPoint, sign: float) -> None:
     """N contributions all at ±R with weight 1 (more than honest weights ever give) read back exactly."""

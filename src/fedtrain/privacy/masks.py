@@ -46,8 +46,12 @@ def stream_iv(kind: str, label: str) -> bytes:
     return bytes(4) + digest[:12]
 
 
-def mask_stream(seed: bytes, kind: str, label: str, numel: int, bits: int) -> np.ndarray:
-    """`numel` ring elements of 2^bits from the keystream of (seed, kind, label)."""
+def mask_stream(
+    seed: bytes, kind: str, label: str, numel: int, bits: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """`numel` ring elements of 2^bits from the keystream of (seed, kind, label), written into `out`
+    (a scratch array of that size and ring dtype, reused across masks of one tensor: a fresh large
+    array costs its page faults, about as much as the cipher) or a new array."""
     if len(seed) != SEED_BYTES:
         raise PrivacyError(f"a mask seed is {SEED_BYTES} bytes, got {len(seed)}")
     if numel < 0 or bits not in (16, 32):
@@ -58,12 +62,17 @@ def mask_stream(seed: bytes, kind: str, label: str, numel: int, bits: int) -> np
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
     enc = Cipher(algorithms.ChaCha20(seed, stream_iv(kind, label)), mode=None).encryptor()
-    out = np.empty(numel * (bits // 8), dtype=np.uint8)
-    view = memoryview(out.data)
-    for off in range(0, out.size, _CHUNK):
-        n = min(_CHUNK, out.size - off)
+    dtype = np.dtype("<u2") if bits == 16 else np.dtype("<u4")
+    if out is None:
+        out = np.empty(numel, dtype=dtype)
+    elif out.dtype != dtype or out.shape != (numel,) or not out.flags.c_contiguous:
+        raise PrivacyError(f"a mask's scratch array must be {numel} contiguous {dtype} values")
+    raw = out.view(np.uint8)
+    view = memoryview(raw.data)
+    for off in range(0, raw.size, _CHUNK):
+        n = min(_CHUNK, raw.size - off)
         enc.update_into(_ZEROS[:n] if n < _CHUNK else _ZEROS, view[off : off + n])
-    return out.view(np.dtype("<u2") if bits == 16 else np.dtype("<u4"))
+    return out
 
 
 def pairing_graph(participants: Collection[int], degree: int | None, public_seed: bytes) -> dict[int, frozenset[int]]:
@@ -103,9 +112,10 @@ def mask_tensor(
     + PRG(s_uv) where u < v, − where u > v. Returns the same array."""
     if encoded.dtype != fp.dtype:
         raise PrivacyError(f"a 2^{fp.bits} ring tensor is {fp.dtype}, got {encoded.dtype}")
-    ring_add(encoded, mask_stream(self_seed, SELF, label, encoded.size, fp.bits))
+    scratch = mask_stream(self_seed, SELF, label, encoded.size, fp.bits)
+    ring_add(encoded, scratch)
     for peer in sorted(pair_seeds):
-        m = mask_stream(pair_seeds[peer], PAIR, label, encoded.size, fp.bits)
+        m = mask_stream(pair_seeds[peer], PAIR, label, encoded.size, fp.bits, out=scratch)
         if me < peer:
             ring_add(encoded, m)
         elif me > peer:

@@ -20,7 +20,7 @@ N ≤ 2^(16−1−7) = 256 participants at 2 bytes a parameter; past that the ri
 `FixedPoint.plan` picks the smallest ring that gives at least the asked precision for n_max
 and then spends every spare bit on precision (the wire cost is the ring's, not p's).
 
-Values are rounded in float64, one tensor at a time.
+Values are rounded in float32 (float64 past 22 bits of precision), one tensor at a time.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ RING_BITS = (16, 32)
 #: An int8 value's magnitude bits: |q| ≤ 127 < 2^7.
 INT8_PRECISION_BITS = 7
 _DTYPES: dict[int, np.dtype[Any]] = {16: np.dtype("<u2"), 32: np.dtype("<u4")}
+_SIGNED_NP: dict[int, np.dtype[Any]] = {16: np.dtype("<i2"), 32: np.dtype("<i4")}
+_SIGNED = {16: torch.int16, 32: torch.int32}
 
 
 def required_ring_bits(n_max: int, precision_bits: int) -> int:
@@ -118,12 +120,18 @@ class FixedPoint:
             raise ConfigError(f"a token weight is in [0, 1], got {weight}")
         if not values.is_floating_point():
             raise ConfigError(f"only floating tensors are aggregated securely, got {values.dtype}")
-        v = values.detach().reshape(-1).to(torch.float64, copy=True)  # never clamp the caller's tensor in place
+        # float32 holds every integer below 2^24 exactly and rounds the product by 2^-24 of it, far
+        # under half a unit: enough up to 22 bits of precision; past that, float64.
+        wide = torch.float32 if self.precision_bits <= 22 else torch.float64
+        v = values.detach().reshape(-1).to(wide, copy=True)  # never clamp the caller's tensor in place
         if not bool(torch.isfinite(v).all()):
             raise ConfigError("an update to mask holds NaN or Inf")
-        limit = float(2**self.precision_bits - 1)
-        e = torch.round(v.clamp_(-self.clip, self.clip).mul_(weight * self.scale)).clamp_(-limit, limit)
-        return (e.to(torch.int64).numpy() & (2**self.bits - 1)).astype(self.dtype)
+        # |v| <= R and w <= 1, so |v·w·s| <= 2^p − 1 up to a float rounding of 2^-24 of it, which
+        # rounds back to at most 2^p − 1: no second clamp is needed (the worst-case test checks it)
+        v.clamp_(-self.clip, self.clip).mul_(weight * self.scale).round_()
+        # |e| <= 2^p - 1 < 2^(b-1): the signed b-bit integer is exact, and its bits read as unsigned
+        # are e mod 2^b (two's complement)
+        return v.to(_SIGNED[self.bits]).numpy().view(self.dtype)
 
     def decode(self, ring_sum: np.ndarray, total_weight: float = 1.0) -> torch.Tensor:
         """The float32 values of a ring sum (centred: [−2^(b−1), 2^(b−1)) ), divided by the scale and by
@@ -132,9 +140,11 @@ class FixedPoint:
             raise ConfigError(f"a 2^{self.bits} ring sum is {self.dtype}, got {ring_sum.dtype}")
         if not total_weight > 0:
             raise ConfigError(f"the survivors' total weight must be positive, got {total_weight}")
-        signed = ring_sum.astype(np.int64)
-        signed[signed >= 2 ** (self.bits - 1)] -= 2**self.bits
-        return torch.from_numpy(signed.astype(np.float64) / (self.scale * total_weight)).to(torch.float32)
+        # the unsigned bits read as signed are the centred representative: [-2^(b-1), 2^(b-1))
+        signed = torch.from_numpy(ring_sum.view(_SIGNED_NP[self.bits]))
+        if self.bits == 16:  # int16 is exact in float32, and so is the division to 2^-24
+            return signed.to(torch.float32).div_(self.scale * total_weight)
+        return (signed.to(torch.float64) / (self.scale * total_weight)).to(torch.float32)
 
     def zeros(self, numel: int) -> np.ndarray:
         return np.zeros(numel, dtype=self.dtype)

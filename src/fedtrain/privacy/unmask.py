@@ -140,10 +140,11 @@ def recover(
 
 def unmask_tensor(ring_sum: np.ndarray, label: str, recovered: Recovered, fp: FixedPoint) -> np.ndarray:
     """Remove from one tensor's ring sum the masks that did not cancel, in place; returns it."""
+    scratch = np.empty_like(ring_sum)  # one mask buffer per tensor, reused for each seed
     for seed in recovered.self_seeds.values():
-        ring_sub(ring_sum, mask_stream(seed, SELF, label, ring_sum.size, fp.bits))
+        ring_sub(ring_sum, mask_stream(seed, SELF, label, ring_sum.size, fp.bits, out=scratch))
     for (u, d), seed in recovered.dropped_pairs.items():
-        m = mask_stream(seed, PAIR, label, ring_sum.size, fp.bits)
+        m = mask_stream(seed, PAIR, label, ring_sum.size, fp.bits, out=scratch)
         (ring_sub if u < d else ring_add)(ring_sum, m)
     return ring_sum
 
