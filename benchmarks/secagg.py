@@ -4,7 +4,7 @@
     python benchmarks/secagg.py --params 10e6 --quick
     python benchmarks/secagg.py --bits 32 --degree 4
 
-Everything runs in this process, on one core, with the real code of `fedtrain.privacy` (no
+Everything runs in this process, on one core (--threads), with the real code of `fedtrain.privacy` (no
 network: the wire cost is the ring's bytes per parameter, printed beside). Each figure is the
 best of --repeat runs, in seconds. Rows:
 
@@ -123,7 +123,9 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=16, choices=[16, 32])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one repeat")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default one core)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     repeat = 1 if args.quick else args.repeat
     params = int(args.params)
     print(f"secure aggregation, {params / 1e6:.0f}M parameters in {args.tensors} tensors, 2^{args.bits} ring "

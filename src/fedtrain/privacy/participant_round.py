@@ -9,6 +9,9 @@
     5. reveal(survivors, dropped)   shares of the survivors' self seeds and the dropped ones' mask
                               keys — never both for one participant, and one answer per round
 
+With distributed DP, step 4 takes `clipping.private_contribution(update, w, C, std)` (already
+weighted, clipped and noised) with weight 1.0, so the noise is not scaled by the weight.
+
 Step 5's rules are what keep an honest-but-curious coordinator from unmasking a single upload:
 it would need both b_u and u's mask key, and a participant gives out at most one of the two for
 each u, and only once.

@@ -39,7 +39,7 @@ RING_BITS = (16, 32)
 INT8_PRECISION_BITS = 7
 _DTYPES: dict[int, np.dtype[Any]] = {16: np.dtype("<u2"), 32: np.dtype("<u4")}
 _SIGNED_NP: dict[int, np.dtype[Any]] = {16: np.dtype("<i2"), 32: np.dtype("<i4")}
-_SIGNED = {16: torch.int16, 32: torch.int32}
+_ENCODE_CHUNK = 1 << 20
 
 
 def required_ring_bits(n_max: int, precision_bits: int) -> int:
@@ -121,17 +121,30 @@ class FixedPoint:
         if not values.is_floating_point():
             raise ConfigError(f"only floating tensors are aggregated securely, got {values.dtype}")
         # float32 holds every integer below 2^24 exactly and rounds the product by 2^-24 of it, far
-        # under half a unit: enough up to 22 bits of precision; past that, float64.
+        # under half a unit: enough up to 22 bits of precision; past that, float64. The work runs in
+        # cache-sized chunks through one scratch buffer (never the caller's tensor, never a
+        # model-sized temporary: at 100M parameters those cost more in page faults than the math).
         wide = torch.float32 if self.precision_bits <= 22 else torch.float64
-        v = values.detach().reshape(-1).to(wide, copy=True)  # never clamp the caller's tensor in place
-        if not bool(torch.isfinite(v).all()):
-            raise ConfigError("an update to mask holds NaN or Inf")
-        # |v| <= R and w <= 1, so |v·w·s| <= 2^p − 1 up to a float rounding of 2^-24 of it, which
-        # rounds back to at most 2^p − 1: no second clamp is needed (the worst-case test checks it)
-        v.clamp_(-self.clip, self.clip).mul_(weight * self.scale).round_()
-        # |e| <= 2^p - 1 < 2^(b-1): the signed b-bit integer is exact, and its bits read as unsigned
+        flat = values.detach().reshape(-1)
+        out = np.empty(flat.numel(), dtype=_SIGNED_NP[self.bits])
+        out_t = torch.from_numpy(out)
+        scratch = torch.empty(min(flat.numel(), _ENCODE_CHUNK), dtype=wide)
+        factor = weight * self.scale
+        for off in range(0, flat.numel(), _ENCODE_CHUNK):
+            n = min(_ENCODE_CHUNK, flat.numel() - off)
+            v = scratch[:n]
+            v.copy_(flat[off : off + n])
+            # one sum, not isfinite(): NaN and ±Inf make it non-finite (so do values near float32's
+            # limit, which no update should hold either); isfinite().all() costs 100× the math
+            if not math.isfinite(float(v.sum())):
+                raise ConfigError("an update to mask holds NaN, Inf or values past float32's range")
+            # |v| <= R and w <= 1, so |v·w·s| <= 2^p − 1 up to a float rounding of 2^-24 of it, which
+            # rounds back to at most 2^p − 1 (the worst-case test checks it): no second clamp
+            v.clamp_(-self.clip, self.clip).mul_(factor).round_()
+            out_t[off : off + n].copy_(v)
+        # |e| <= 2^p − 1 < 2^(b−1): the signed b-bit integer is exact, and its bits read as unsigned
         # are e mod 2^b (two's complement)
-        return v.to(_SIGNED[self.bits]).numpy().view(self.dtype)
+        return out.view(self.dtype)
 
     def decode(self, ring_sum: np.ndarray, total_weight: float = 1.0) -> torch.Tensor:
         """The float32 values of a ring sum (centred: [−2^(b−1), 2^(b−1)) ), divided by the scale and by
