@@ -15,6 +15,7 @@ from fedtrain.privacy import (
     FixedPoint,
     NotEnoughShares,
     PrivacyError,
+    RevealedShare,
     RoundSetup,
     RoundTag,
     SecAggCoordinator,
@@ -249,3 +250,46 @@ def test_an_upload_that_stops_half_way_makes_the_round_refused() -> None:
         coord.add_upload(1, [("a", masked["a"])])
     with pytest.raises(PrivacyError, match="unusable"):
         coord.add_upload(2, [])
+
+
+def _round_to_uploads(setup: RoundSetup, ids: list[int]) -> tuple[SecAggCoordinator, dict[int, SecAggParticipant]]:
+    coord = SecAggCoordinator(setup, {"w": (4,)})
+    parts = {u: SecAggParticipant(u, setup) for u in ids}
+    for u, p in parts.items():
+        coord.advertise(u, p.advertise())
+    directory = coord.directory()
+    for u, p in parts.items():
+        coord.post_shares(u, p.share(directory))
+    for u, p in parts.items():
+        p.receive(coord.mailbox(u))
+    for u, p in parts.items():
+        coord.add_upload(u, p.mask({"w": torch.zeros(4)}, 1 / len(ids), coord.sharing()).items())
+    return coord, parts
+
+
+def test_a_revealed_share_of_the_wrong_kind_is_refused() -> None:
+    """A survivor handing in a mask-key share of another survivor (which would let the coordinator
+    strip that survivor's pairwise masks) is refused, not used."""
+    setup = _setup(3, threshold=2)
+    coord, parts = _round_to_uploads(setup, [1, 2, 3])
+    survivors, dropped = coord.unmask_request()
+    assert dropped == frozenset()
+    coord.post_reveal(1, parts[1].reveal(survivors, dropped))
+    honest = parts[2].reveal(survivors, dropped)
+    forged = [RevealedShare(r.owner, "key", r.share) for r in honest]
+    coord.post_reveal(2, forged)
+    with pytest.raises(PrivacyError, match="should not"):
+        dict(coord.finish({1: 1 / 3, 2: 1 / 3, 3: 1 / 3}))
+    with pytest.raises(PrivacyError, match="already revealed"):
+        coord.post_reveal(2, honest)
+
+
+def test_a_sealed_bundle_of_the_wrong_size_is_refused_at_relay() -> None:
+    setup = _setup(3, threshold=2)
+    coord = SecAggCoordinator(setup, {"w": (4,)})
+    parts = {u: SecAggParticipant(u, setup) for u in (1, 2, 3)}
+    for u, p in parts.items():
+        coord.advertise(u, p.advertise())
+    sealed = parts[1].share(coord.directory())
+    with pytest.raises(PrivacyError, match="bytes"):
+        coord.post_shares(1, {v: blob + b"x" for v, blob in sealed.items()})
