@@ -38,6 +38,7 @@ def run_round(
     drop_after_masking: Collection[int] = (),
     drop_before_sharing: Collection[int] = (),
     silent_at_reveal: Collection[int] = (),
+    precompute_for: Collection[int] = (),
 ) -> dict[str, torch.Tensor]:
     first = next(iter(updates.values()))
     coord = SecAggCoordinator(setup, {name: tuple(t.shape) for name, t in first.items()})
@@ -53,6 +54,8 @@ def run_round(
             p.receive(coord.mailbox(u))
     sharing = coord.sharing()
     for u in sorted(sharing):
+        if u in precompute_for:
+            parts[u].precompute({n: t.numel() for n, t in updates[u].items()}, sharing)
         masked = parts[u].mask(updates[u], weights[u], sharing)  # it masked ...
         if u not in drop_after_masking:
             coord.add_upload(u, masked.items())  # ... but only these arrive
@@ -119,6 +122,17 @@ def test_values_past_the_range_are_clamped_not_wrapped() -> None:
     got = run_round(setup, updates, weights)["w"]
     want = torch.full((4,), -0.2 * 0.1 + 0.3 * 0.1 - 0.5 * 0.1, dtype=torch.float64)
     assert torch.allclose(got.double(), want, atol=1e-4)
+
+
+def test_masks_drawn_ahead_give_the_same_aggregate() -> None:
+    rng = random.Random(21)
+    ids = [1, 2, 3, 4, 5]
+    setup = _setup(5, threshold=3)
+    updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
+    got = run_round(setup, updates, weights, precompute_for=[1, 3, 4], drop_after_masking=[4])
+    alive = [1, 2, 3, 5]
+    for name, ref in plain_mean(updates, weights, alive, 1.0).items():
+        assert float((got[name].double() - ref).abs().max()) <= _tolerance(setup, alive, weights)
 
 
 @pytest.mark.parametrize("n, degree", [(12, 4), (15, 6)])

@@ -42,7 +42,9 @@ def _update(seed: int) -> dict[str, torch.Tensor]:
     return {"a": torch.randn(NUMEL, generator=g) * 0.01, "b": torch.randn(NUMEL, generator=g) * 0.01}
 
 
-def _masked_upload(bits: int, round_: int, update: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+def _masked_upload(
+    bits: int, round_: int, update: dict[str, torch.Tensor], ahead: bool = False
+) -> dict[str, np.ndarray]:
     """Participant 1's upload in a real three-participant round (keys and shares exchanged)."""
     fp = FixedPoint.plan(3, clip=1.0, bits=bits)
     setup = RoundSetup(RoundTag("run", round_), fp, 2, None, secrets.token_bytes(16))
@@ -53,6 +55,8 @@ def _masked_upload(bits: int, round_: int, update: dict[str, torch.Tensor]) -> d
         for v, blob in p.share(directory).items():
             mail[v][u] = blob
     parts[1].receive(mail[1])
+    if ahead:
+        parts[1].precompute({n: t.numel() for n, t in update.items()}, {1, 2, 3})
     return parts[1].mask(update, 1 / 3, {1, 2, 3})
 
 
@@ -62,11 +66,11 @@ def _diff(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("bits", [16, 32])
-def test_a_masked_upload_is_uniform_within_and_across_tensors_and_rounds(bits: int) -> None:
+@pytest.mark.parametrize("bits, ahead", [(16, False), (32, False), (16, True)])
+def test_a_masked_upload_is_uniform_within_and_across_tensors_and_rounds(bits: int, ahead: bool) -> None:
     update = _update(0)
-    first = _masked_upload(bits, 1, update)
-    second = _masked_upload(bits, 2, update)
+    first = _masked_upload(bits, 1, update, ahead)
+    second = _masked_upload(bits, 2, update, ahead)
     assert looks_uniform(first["a"], bits)
     assert looks_uniform(first["b"], bits)
     assert looks_uniform(_diff(first["a"], first["b"]), bits)  # no mask shared between tensors

@@ -6,6 +6,7 @@
                               recipient → blobs for the coordinator to relay
     3. receive(mailbox)       open the blobs addressed to it, keep the shares
     4. mask_tensor / mask     weighted, clipped, fixed-point update + self mask ± pairwise masks
+                              (`precompute` draws the masks ahead, during the inner steps)
     5. reveal(survivors, dropped)   shares of the survivors' self seeds and the dropped ones' mask
                               keys — never both for one participant, and one answer per round
 
@@ -28,6 +29,7 @@ import torch
 from fedtrain.privacy.failures import NotEnoughShares, PrivacyError
 from fedtrain.privacy.keys import ParticipantKeys, PublicKeys
 from fedtrain.privacy.masks import SEED_BYTES, check_labels, mask_tensor, pairing_graph
+from fedtrain.privacy.ring import ring_add
 from fedtrain.privacy.round_setup import RoundSetup
 from fedtrain.privacy.shamir import split
 from fedtrain.privacy.shares import ShareBundle, open_sealed, seal
@@ -47,6 +49,7 @@ class SecAggParticipant:
         self._received: dict[int, ShareBundle] = {}
         self._pair_seeds: dict[int, bytes] | None = None
         self._masked_labels: set[str] = set()
+        self._premasks: dict[str, np.ndarray] = {}
         self._revealed_for: tuple[frozenset[int], frozenset[int]] | None = None
 
     def advertise(self) -> PublicKeys:
@@ -105,12 +108,33 @@ class SecAggParticipant:
         self._pair_seeds = {v: self._keys.pair_seed(tag, v, self._directory[v]) for v in sorted(peers)}
         return self._pair_seeds
 
+    def precompute(self, numels: Mapping[str, int], sharing: Collection[int]) -> None:
+        """Draw the net mask (self ± pairwise) of each tensor now: masks do not depend on the update,
+        so this can run during the inner steps, once shares are exchanged, and leave the upload only
+        the encoding and one ring addition per tensor. Holds the masks (ring bytes per parameter)."""
+        fp = self.setup.fixed_point
+        pairs = self._pairs(sharing)
+        for label, numel in numels.items():
+            if label in self._masked_labels or label in self._premasks:
+                raise PrivacyError(f"tensor {label!r} already has its mask this round")
+            self._premasks[label] = mask_tensor(fp.zeros(numel), label, self.me, self._self_seed, pairs, fp)
+
     def mask_tensor(self, label: str, values: torch.Tensor, weight: float, sharing: Collection[int]) -> np.ndarray:
-        """One tensor of the upload: `weight · clamp(values)` in fixed point plus this participant's masks."""
+        """One tensor of the upload: `weight · clamp(values)` in fixed point plus this participant's masks
+        (the precomputed net mask if there is one)."""
         if label in self._masked_labels:
             raise PrivacyError(f"tensor {label!r} was already masked this round: a mask is never used twice")
         fp = self.setup.fixed_point
-        out = mask_tensor(fp.encode(values, weight), label, self.me, self._self_seed, self._pairs(sharing), fp)
+        encoded = fp.encode(values, weight)
+        premask = self._premasks.pop(label, None)
+        if premask is None:
+            out = mask_tensor(encoded, label, self.me, self._self_seed, self._pairs(sharing), fp)
+        elif premask.shape != encoded.shape:
+            raise PrivacyError(f"tensor {label!r} has {encoded.size} values, its precomputed mask {premask.size}")
+        else:
+            self._pairs(sharing)  # the same set of peers as when the mask was drawn, or refuse
+            ring_add(premask, encoded)
+            out = premask
         self._masked_labels.add(label)
         return out
 
