@@ -12,6 +12,7 @@ best of --repeat runs, in seconds. Rows:
   ring add       one whole-model ring addition (numpy uint16/uint32, wraps by definition)
   encode         clip, weight and round the float32 update into the ring
   participant    encode + self mask + k pairwise masks (k = N − 1, or --degree)
+  ... ahead      the same with the masks drawn during the inner steps (SecAggParticipant.precompute)
   coord. sum     fold N masked uploads into the ring sums
   coord. unmask  rebuild N self seeds from shares, remove N self masks, decode to float32
   + 1 dropout    the extra work when one participant drops after masking (its k pairwise masks)
@@ -79,6 +80,18 @@ def run(params: int, count: int, n: int, degree: int | None, bits: int, repeat: 
     t_part = best(participant, repeat)
     rows.append((f"participant: encode + 1 + {k} masks", t_part, ""))
     uploads = participant()
+    premasks = participant()  # a net mask per tensor, as SecAggParticipant.precompute holds them
+
+    def participant_ahead() -> list[object]:
+        out = []
+        for nm, premask in zip(names, premasks, strict=True):
+            e = fp.encode(update[nm], 1 / n)
+            ring_add(e, premask)
+            out.append(e)
+        return out
+
+    t_ahead = best(participant_ahead, repeat)
+    rows.append(("participant, masks drawn ahead: encode + 1 add", t_ahead, "after the inner steps"))
 
     def coord_sum() -> list[object]:
         sums = [fp.zeros(update[nm].numel()) for nm in names]
