@@ -4,7 +4,7 @@
     python benchmarks/secagg.py --params 10e6 --quick
     python benchmarks/secagg.py --bits 32 --degree 4
 
-Everything runs in this process, on one core (--threads), with the real code of `fedtrain.privacy` (no
+Everything runs in this process, on one core (--threads, --workers), with the real code of `fedtrain.privacy` (no
 network: the wire cost is the ring's bytes per parameter, printed beside). Each figure is the
 best of --repeat runs, in seconds. Rows:
 
@@ -53,7 +53,9 @@ def tensors(params: int, count: int) -> dict[str, torch.Tensor]:
     return {f"layer.{i}": torch.randn(size, generator=g) * 0.01 for i in range(count)}
 
 
-def run(params: int, count: int, n: int, degree: int | None, bits: int, repeat: int) -> list[tuple[str, float, str]]:
+def run(
+    params: int, count: int, n: int, degree: int | None, bits: int, repeat: int, workers: int
+) -> list[tuple[str, float, str]]:
     fp = FixedPoint.plan(n, clip=0.1, bits=bits)
     k = n - 1 if degree is None else min(degree, n - 1)
     update = tensors(params, count)
@@ -75,7 +77,7 @@ def run(params: int, count: int, n: int, degree: int | None, bits: int, repeat: 
     rows.append(("encode", t, ""))
 
     def participant() -> list[object]:
-        return [mask_tensor(fp.encode(update[nm], 1 / n), nm, 1, self_seed, pair_seeds, fp) for nm in names]
+        return [mask_tensor(fp.encode(update[nm], 1 / n), nm, 1, self_seed, pair_seeds, fp, workers) for nm in names]
 
     t_part = best(participant, repeat)
     rows.append((f"participant: encode + 1 + {k} masks", t_part, ""))
@@ -110,7 +112,7 @@ def run(params: int, count: int, n: int, degree: int | None, bits: int, repeat: 
         rec = Recovered(rebuilt, dropped_pairs)
         for nm in names:
             acc = fp.zeros(update[nm].numel())
-            fp.decode(unmask_tensor(acc, nm, rec, fp))
+            fp.decode(unmask_tensor(acc, nm, rec, fp, workers))
 
     t_unmask = best(lambda: coord_unmask({}), repeat)
     rows.append((f"coordinator: unmask {n} self masks + decode", t_unmask, "after the last upload"))
@@ -137,17 +139,18 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one repeat")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default one core)")
+    parser.add_argument("--workers", type=int, default=1, help="threads that draw one tensor's masks")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     repeat = 1 if args.quick else args.repeat
     params = int(args.params)
     print(f"secure aggregation, {params / 1e6:.0f}M parameters in {args.tensors} tensors, 2^{args.bits} ring "
           f"({args.bits // 8} bytes/parameter on the wire; fp32 4, int8 ~1.02), best of {repeat}, torch threads "
-          f"{torch.get_num_threads()}")
+          f"{torch.get_num_threads()}, mask workers {args.workers}")
     for n in args.n:
         print(f"\nN = {n}" + (f", degree {args.degree}" if args.degree else ", full pairing"))
         print("| step | s | note |\n|---|---|---|")
-        for name, seconds, note in run(params, args.tensors, n, args.degree, args.bits, repeat):
+        for name, seconds, note in run(params, args.tensors, n, args.degree, args.bits, repeat, args.workers):
             print(f"| {name} | {seconds:.4f} | {note} |")
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedtrain.privacy.failures import PrivacyError
-from fedtrain.privacy.masks import PAIR, SELF, mask_stream, mask_tensor, pairing_graph
+from fedtrain.privacy.masks import PAIR, SELF, apply_masks, mask_stream, mask_tensor, pairing_graph
 from fedtrain.privacy.ring import FixedPoint, ring_add
 
 
@@ -22,6 +22,27 @@ def test_a_stream_is_deterministic_and_sized(bits: int, dtype: type) -> None:
     assert np.array_equal(a, mask_stream(seed, PAIR, "w", 1001, bits))
     # a longer stream starts with the shorter one: the stream crosses chunk boundaries cleanly
     assert np.array_equal(mask_stream(seed, PAIR, "w", 3 << 20, bits)[:1001], a)
+
+
+@pytest.mark.parametrize("bits", [16, 32])
+def test_a_stream_started_at_a_block_is_the_tail_of_the_whole_stream(bits: int) -> None:
+    seed = secrets.token_bytes(32)
+    whole = mask_stream(seed, SELF, "w", 10_000, bits)
+    start = 64 // (bits // 8) * 37
+    assert np.array_equal(mask_stream(seed, SELF, "w", 10_000 - start, bits, start=start), whole[start:])
+    with pytest.raises(PrivacyError, match="block"):
+        mask_stream(seed, SELF, "w", 10, bits, start=3)
+
+
+@pytest.mark.parametrize("bits", [16, 32])
+def test_masks_drawn_in_threads_equal_masks_drawn_in_one(bits: int) -> None:
+    """Block-aligned ranges in threads give the same array as one pass (sizes not multiples of a block)."""
+    size = 3 * (1 << 20) + 1234
+    terms = [(secrets.token_bytes(32), kind, sign) for kind, sign in ((SELF, 1), (PAIR, -1), (PAIR, 1))]
+    dtype = np.uint16 if bits == 16 else np.uint32
+    one = apply_masks(np.arange(size, dtype=dtype), terms, "t", bits, workers=1)
+    for workers in (2, 3, 5):
+        assert np.array_equal(apply_masks(np.arange(size, dtype=dtype), terms, "t", bits, workers=workers), one)
 
 
 def test_streams_differ_by_seed_kind_and_tensor() -> None:

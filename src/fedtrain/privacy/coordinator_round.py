@@ -94,11 +94,12 @@ class SecAggCoordinator:
             raise PrivacyError(f"participant {participant} already revealed its shares")
         self._revealed[participant] = list(shares)
 
-    def finish(self, weights: Mapping[int, float]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The survivors' token-weighted mean, tensor by tensor (consumes the ring sums)."""
+    def finish(self, weights: Mapping[int, float], workers: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+        """The survivors' token-weighted mean, tensor by tensor (consumes the ring sums); `workers`
+        threads draw the masks to remove."""
         alive, _ = self.unmask_request()
         recovered = recover(
             self.setup.tag, self.setup.threshold, self._keys.snapshot(), self.graph(),
             self._sharing, alive, self._revealed,
         )
-        return unmask_aggregate(self._sum.sums(), self._shapes, recovered, weights, self.setup.fixed_point)
+        return unmask_aggregate(self._sum.sums(), self._shapes, recovered, weights, self.setup.fixed_point, workers)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -38,30 +39,35 @@ _CHUNK = 4 << 20
 _ZEROS = bytes(_CHUNK)
 
 
-def stream_iv(kind: str, label: str) -> bytes:
-    """ChaCha20's 16-byte IV for (kind, tensor label): a zero 32-bit block counter, then a 96-bit
-    nonce from SHA-256 (length-prefixed fields, so no two (kind, label) pairs share it)."""
+def stream_iv(kind: str, label: str, block: int = 0) -> bytes:
+    """ChaCha20's 16-byte IV for (kind, tensor label): the 32-bit little-endian block counter (where
+    in the stream to start, in 64-byte blocks), then a 96-bit nonce from SHA-256 (length-prefixed
+    fields, so no two (kind, label) pairs share it)."""
     k, name = kind.encode(), label.encode()
     digest = hashlib.sha256(b"fedtrain/secagg/mask\0" + len(k).to_bytes(2, "big") + k + name).digest()
-    return bytes(4) + digest[:12]
+    return block.to_bytes(4, "little") + digest[:12]
 
 
 def mask_stream(
-    seed: bytes, kind: str, label: str, numel: int, bits: int, out: np.ndarray | None = None
+    seed: bytes, kind: str, label: str, numel: int, bits: int, out: np.ndarray | None = None, start: int = 0
 ) -> np.ndarray:
-    """`numel` ring elements of 2^bits from the keystream of (seed, kind, label), written into `out`
-    (a scratch array of that size and ring dtype, reused across masks of one tensor: a fresh large
-    array costs its page faults, about as much as the cipher) or a new array."""
+    """`numel` ring elements of 2^bits from the keystream of (seed, kind, label), beginning at element
+    `start` (a multiple of one 64-byte ChaCha20 block), written into `out` (a scratch array of that
+    size and ring dtype, reused across masks of one tensor: a fresh large array costs its page
+    faults, about as much as the cipher) or a new array."""
     if len(seed) != SEED_BYTES:
         raise PrivacyError(f"a mask seed is {SEED_BYTES} bytes, got {len(seed)}")
     if numel < 0 or bits not in (16, 32):
         raise PrivacyError(f"a mask has numel >= 0 and 16 or 32 bits, got {numel}, {bits}")
-    if numel > (2**32 * 64) // (bits // 8):  # the 32-bit block counter must not wrap
-        raise PrivacyError(f"a tensor of {numel} values is too large for one mask stream")
+    if start < 0 or (start * (bits // 8)) % 64:
+        raise PrivacyError(f"a mask stream starts on a 64-byte block, not at element {start}")
+    if start + numel > (2**32 * 64) // (bits // 8):  # the 32-bit block counter must not wrap
+        raise PrivacyError(f"a tensor of {start + numel} values is too large for one mask stream")
     crypto()
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-    enc = Cipher(algorithms.ChaCha20(seed, stream_iv(kind, label)), mode=None).encryptor()
+    iv = stream_iv(kind, label, start * (bits // 8) // 64)
+    enc = Cipher(algorithms.ChaCha20(seed, iv), mode=None).encryptor()
     dtype = np.dtype("<u2") if bits == 16 else np.dtype("<u4")
     if out is None:
         out = np.empty(numel, dtype=dtype)
@@ -100,6 +106,37 @@ def pairing_graph(participants: Collection[int], degree: int | None, public_seed
     return {u: frozenset(vs) for u, vs in graph.items()}
 
 
+#: One mask term: (seed, kind, +1 to add its stream or −1 to subtract it).
+Term = tuple[bytes, str, int]
+#: Below this many values a tensor's masks are drawn in the calling thread.
+_PARALLEL_MIN = 1 << 20
+
+
+def apply_masks(target: np.ndarray, terms: Sequence[Term], label: str, bits: int, workers: int = 1) -> np.ndarray:
+    """target ± each term's stream, in place. With `workers` > 1 the tensor is cut into block-aligned
+    ranges drawn in threads (ChaCha20 in `cryptography` and numpy's ring additions release the
+    GIL); each range starts its streams at its own block counter, so the result is the same."""
+    size = target.size
+    step = 64 // (bits // 8)  # elements per ChaCha20 block
+    parts = max(1, min(workers, size // _PARALLEL_MIN))
+    bounds = [min(size, -(-size * i // parts // step) * step) for i in range(parts + 1)]
+
+    def run(lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        scratch = np.empty(hi - lo, dtype=target.dtype)
+        for seed, kind, sign in terms:
+            mask_stream(seed, kind, label, hi - lo, bits, out=scratch, start=lo)
+            (ring_add if sign > 0 else ring_sub)(target[lo:hi], scratch)
+
+    if parts == 1:
+        run(0, size)
+    else:
+        with ThreadPoolExecutor(parts) as pool:
+            list(pool.map(run, bounds[:-1], bounds[1:]))
+    return target
+
+
 def mask_tensor(
     encoded: np.ndarray,
     label: str,
@@ -107,22 +144,17 @@ def mask_tensor(
     self_seed: bytes,
     pair_seeds: Mapping[int, bytes],
     fp: FixedPoint,
+    workers: int = 1,
 ) -> np.ndarray:
     """`encoded` (ring elements of one tensor) plus u's self mask and signed pairwise masks, in place:
     + PRG(s_uv) where u < v, − where u > v. Returns the same array."""
     if encoded.dtype != fp.dtype:
         raise PrivacyError(f"a 2^{fp.bits} ring tensor is {fp.dtype}, got {encoded.dtype}")
-    scratch = mask_stream(self_seed, SELF, label, encoded.size, fp.bits)
-    ring_add(encoded, scratch)
-    for peer in sorted(pair_seeds):
-        m = mask_stream(pair_seeds[peer], PAIR, label, encoded.size, fp.bits, out=scratch)
-        if me < peer:
-            ring_add(encoded, m)
-        elif me > peer:
-            ring_sub(encoded, m)
-        else:
-            raise PrivacyError(f"participant {me} cannot be paired with itself")
-    return encoded
+    if me in pair_seeds:
+        raise PrivacyError(f"participant {me} cannot be paired with itself")
+    terms: list[Term] = [(self_seed, SELF, 1)]
+    terms += [(pair_seeds[peer], PAIR, 1 if me < peer else -1) for peer in sorted(pair_seeds)]
+    return apply_masks(encoded, terms, label, fp.bits, workers)
 
 
 def check_labels(labels: Sequence[str]) -> None:

@@ -39,9 +39,10 @@ from fedtrain.privacy.unmask import KEY, SEED, RevealedShare
 class SecAggParticipant:
     """One participant's state for one round; every field is set here and changed only by its steps."""
 
-    def __init__(self, me: int, setup: RoundSetup, keys: ParticipantKeys | None = None) -> None:
+    def __init__(self, me: int, setup: RoundSetup, keys: ParticipantKeys | None = None, workers: int = 1) -> None:
         self.me = me
         self.setup = setup
+        self.workers = workers  # threads that draw one tensor's masks
         self._keys = keys or ParticipantKeys.generate(me)
         self._self_seed = secrets.token_bytes(SEED_BYTES)
         self._directory: dict[int, PublicKeys] = {}
@@ -117,7 +118,8 @@ class SecAggParticipant:
         for label, numel in numels.items():
             if label in self._masked_labels or label in self._premasks:
                 raise PrivacyError(f"tensor {label!r} already has its mask this round")
-            self._premasks[label] = mask_tensor(fp.zeros(numel), label, self.me, self._self_seed, pairs, fp)
+            zeros = fp.zeros(numel)
+            self._premasks[label] = mask_tensor(zeros, label, self.me, self._self_seed, pairs, fp, self.workers)
 
     def mask_tensor(self, label: str, values: torch.Tensor, weight: float, sharing: Collection[int]) -> np.ndarray:
         """One tensor of the upload: `weight · clamp(values)` in fixed point plus this participant's masks
@@ -128,7 +130,7 @@ class SecAggParticipant:
         encoded = fp.encode(values, weight)
         premask = self._premasks.pop(label, None)
         if premask is None:
-            out = mask_tensor(encoded, label, self.me, self._self_seed, self._pairs(sharing), fp)
+            out = mask_tensor(encoded, label, self.me, self._self_seed, self._pairs(sharing), fp, self.workers)
         elif premask.shape != encoded.shape:
             raise PrivacyError(f"tensor {label!r} has {encoded.size} values, its precomputed mask {premask.size}")
         else:

@@ -24,8 +24,8 @@ import torch
 
 from fedtrain.privacy.failures import NotEnoughShares, PrivacyError
 from fedtrain.privacy.keys import PublicKeys, RoundTag, pair_seed_from_private
-from fedtrain.privacy.masks import PAIR, SELF, mask_stream
-from fedtrain.privacy.ring import FixedPoint, ring_add, ring_sub
+from fedtrain.privacy.masks import PAIR, SELF, Term, apply_masks
+from fedtrain.privacy.ring import FixedPoint, ring_add
 from fedtrain.privacy.shamir import Share, combine
 
 SEED = "seed"
@@ -138,15 +138,14 @@ def recover(
     return Recovered(self_seeds, pairs)
 
 
-def unmask_tensor(ring_sum: np.ndarray, label: str, recovered: Recovered, fp: FixedPoint) -> np.ndarray:
-    """Remove from one tensor's ring sum the masks that did not cancel, in place; returns it."""
-    scratch = np.empty_like(ring_sum)  # one mask buffer per tensor, reused for each seed
-    for seed in recovered.self_seeds.values():
-        ring_sub(ring_sum, mask_stream(seed, SELF, label, ring_sum.size, fp.bits, out=scratch))
-    for (u, d), seed in recovered.dropped_pairs.items():
-        m = mask_stream(seed, PAIR, label, ring_sum.size, fp.bits, out=scratch)
-        (ring_sub if u < d else ring_add)(ring_sum, m)
-    return ring_sum
+def unmask_tensor(
+    ring_sum: np.ndarray, label: str, recovered: Recovered, fp: FixedPoint, workers: int = 1
+) -> np.ndarray:
+    """Remove from one tensor's ring sum the masks that did not cancel, in place; returns it.
+    `workers` threads draw the masks over block-aligned ranges of the tensor (same result)."""
+    terms: list[Term] = [(seed, SELF, -1) for seed in recovered.self_seeds.values()]
+    terms += [(seed, PAIR, -1 if u < d else 1) for (u, d), seed in recovered.dropped_pairs.items()]
+    return apply_masks(ring_sum, terms, label, fp.bits, workers)
 
 
 def unmask_aggregate(
@@ -155,6 +154,7 @@ def unmask_aggregate(
     recovered: Recovered,
     weights: Mapping[int, float],
     fp: FixedPoint,
+    workers: int = 1,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, float32 tensor) of the survivors' token-weighted mean, tensor by tensor. `weights` are
     the public token shares every participant masked with; the survivors' are summed to renormalise."""
@@ -163,5 +163,5 @@ def unmask_aggregate(
         raise PrivacyError("every survivor needs its public token weight")
     total = sum(weights[u] for u in survivors)
     for name, ring_sum in sums:
-        plain = unmask_tensor(ring_sum, name, recovered, fp)
+        plain = unmask_tensor(ring_sum, name, recovered, fp, workers)
         yield name, fp.decode(plain, total).reshape(shapes[name])
