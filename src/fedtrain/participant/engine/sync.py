@@ -23,7 +23,7 @@ from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
-from fedtrain.wire.compress import ErrorFeedback, compress
+from fedtrain.wire.compress import Codec, ErrorFeedback, compress
 from fedtrain.wire.format import ROWS_META
 
 __all__ = ["PieceOf", "SyncEngine"]
@@ -196,10 +196,11 @@ class SyncEngine:
             meta[ROWS_META] = json.dumps(rows)
         if t.compression == "none":
             return EncodedBody(delta, meta, digest_algorithm=config.digest)
+        codec = Codec.for_train(t)
         if t.error_feedback:
-            tensors, packed = self._feedback.compress(delta, t.compression, t.compression_block)
+            tensors, packed = self._feedback.compress(delta, codec)
         else:
-            tensors, packed = compress(delta, t.compression, t.compression_block)
+            tensors, packed = compress(delta, codec)
         return EncodedBody(tensors, {**packed, **meta}, digest_algorithm=config.digest)
 
     def exchange(self, r: int, pid: str, body: EncodedBody, config: RunConfig, *, tokens: int,

@@ -1,0 +1,214 @@
+"""Low-bit and sparse pseudo-gradients: `e3m0` (every value in 4 bits) and `topk` (the largest
+entries of each chunk, their values in 2 or 4 bits). Pure tensor code; `compress.py` puts
+them in bodies.
+
+e3m0 (Streaming DiLoCo's 4-bit float: a sign bit, three exponent bits, no mantissa): each
+value is `scale · 2^(m-7)` for a 3-bit m of 1..7, or 0 for m = 0, with one fp32 absmax scale
+per `block` values; two codes a byte, the first in the low nibble.
+
+topk: a flat tensor of n values is cut into chunks of `chunk` values (the last one may be
+shorter); a chunk of s values sends its `k(s) = max(1, ceil(k·s/chunk))` largest |values|.
+Per chunk: the offsets of those entries inside the chunk (uint16, strictly increasing), two
+fp32 scales (the smallest and the largest magnitude sent, `lo` and `hi`) and a `bits`-bit
+code per entry (sign bit, then the magnitude as one of 2^(bits-1) levels evenly spaced from
+lo to hi). Codes are packed flat over the whole tensor, the first in the lowest bits.
+
+Every decode checks what it reads (`SparseError`): scales finite and ordered, offsets inside
+their chunk and strictly increasing (so no duplicate), padding bits zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedtrain.errors import WireError
+
+#: The largest chunk a topk body may use: its offsets are uint16.
+MAX_CHUNK = 1 << 16
+E3M0_LEVELS = 7  # magnitude codes 1..7 stand for 2^-6 .. 2^0 of the block's scale
+_SLICE = 1 << 22  # e3m0 codes are decoded this many at a time (bounded temporaries)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- e3m0 --------------------------------------------------------------------------------------
+
+
+def e3m0_quantize(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes, two a byte, of the flattened tensor; fp32 absmax scale per block)."""
+    flat = t.detach().reshape(-1).float()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, (-n) % block)).view(-1, block)
+    scales = blocks.abs().amax(dim=1)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    a = (blocks.abs() / safe[:, None]).reshape(-1)[:n]
+    e = torch.floor(torch.log2(a.clamp_min(2.0**-7)))  # -7 .. 0: the level at or below a (2^-7 stands for 0)
+    low = torch.exp2(e)
+    mid = torch.where(e <= -7, low, 1.5 * low)  # halfway to the next level up (0 -> 2^-6: 2^-7)
+    m = (e + 7).to(torch.uint8) + ((a >= mid) & (e < 0)).to(torch.uint8)
+    codes = m | ((flat < 0).to(torch.uint8) << 3)
+    return pack(codes, 4), scales
+
+
+def e3m0_dequantize(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """The n float32 values of e3m0 codes and their block scales; SparseError for a bad body."""
+    if scales.dim() != 1 or scales.numel() != ceil_div(n, block):
+        raise WireError(f"e3m0 values of {n} elements need {ceil_div(n, block)} block scales, got "
+                        f"shape {tuple(scales.shape)}")
+    check_scales(scales, "e3m0 block scales")
+    codes = unpack(packed, 4, n)
+    out = torch.empty(n, dtype=torch.float32)
+    per_block = torch.repeat_interleave(scales.float(), block)[:n] if n else scales.float()
+    for start in range(0, n, _SLICE):
+        c = codes[start : start + _SLICE]
+        m = (c & 7).float()
+        v = torch.where(m > 0, torch.exp2(m - E3M0_LEVELS), torch.zeros_like(m))
+        v.mul_(per_block[start : start + _SLICE])
+        out[start : start + _SLICE] = torch.where((c & 8) > 0, -v, v)
+    return out
+
+
+# -- topk --------------------------------------------------------------------------------------
+
+
+def chunk_counts(n: int, k: int, chunk: int) -> tuple[int, int, int]:
+    """(chunks, entries sent per full chunk, entries sent by the last chunk) of a tensor of n values."""
+    if n == 0:
+        return 0, 0, 0
+    chunks = ceil_div(n, chunk)
+    last = n - (chunks - 1) * chunk
+    return chunks, k, max(1, ceil_div(k * last, chunk))
+
+
+def topk_entries(n: int, k: int, chunk: int) -> int:
+    chunks, full, last = chunk_counts(n, k, chunk)
+    return (chunks - 1) * full + last if chunks else 0
+
+
+def topk_compress(t: torch.Tensor, k: int, chunk: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scales [chunks, 2] fp32, offsets uint16, packed codes uint8) of the top-k of each chunk."""
+    flat = t.detach().reshape(-1).float()
+    n = flat.numel()
+    chunks, full_k, last_k = chunk_counts(n, k, chunk)
+    if chunks == 0:
+        return torch.zeros(0, 2), torch.zeros(0, dtype=torch.uint16), torch.zeros(0, dtype=torch.uint8)
+    nfull = n // chunk
+    rows: list[tuple[torch.Tensor, int]] = []
+    if nfull:
+        rows.append((flat[: nfull * chunk].view(nfull, chunk), full_k))
+    if n % chunk:
+        rows.append((flat[nfull * chunk :].view(1, -1), last_k))
+    offsets, values = [], []
+    for m, kk in rows:
+        _, pos = torch.topk(m.abs(), kk, dim=1, sorted=False)
+        pos, _ = pos.sort(dim=1)
+        offsets.append(pos.reshape(-1))
+        values.append(m.gather(1, pos))
+    mags = [v.abs() for v in values]
+    scales = torch.cat([torch.stack([g.amin(dim=1), g.amax(dim=1)], dim=1) for g in mags])
+    levels = (1 << (bits - 1)) - 1
+    codes = []
+    for v, g, s in zip(values, mags, _split_scales(scales, [v.shape[0] for v in values]), strict=True):
+        span = s[:, 1:] - s[:, :1]
+        q = torch.where(span > 0, torch.round((g - s[:, :1]) / torch.where(span > 0, span, 1.0) * levels), 0.0)
+        q = q.clamp_(0, levels)
+        codes.append((q.to(torch.uint8) | ((v < 0).to(torch.uint8) << (bits - 1))).reshape(-1))
+    return scales, torch.cat(offsets).to(torch.uint16), pack(torch.cat(codes), bits)
+
+
+def _split_scales(scales: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(scales, sizes))
+
+
+def topk_decode(scales: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, n: int, k: int, chunk: int,
+                bits: int, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat int64 positions, float32 values) of a topk tensor of n values, every part checked:
+    scales finite with 0 <= lo <= hi, each chunk's offsets inside it and strictly increasing
+    (no duplicate), padding bits zero. Raises WireError naming `name` otherwise."""
+    chunks, full_k, last_k = chunk_counts(n, k, chunk)
+    entries = topk_entries(n, k, chunk)
+    if tuple(scales.shape) != (chunks, 2) or offsets.numel() != entries or offsets.dim() != 1:
+        raise WireError(f"{name}: a topk tensor of {n} values in chunks of {chunk} has {chunks} chunks and "
+                        f"{entries} entries, got scales {tuple(scales.shape)} and {offsets.numel()} offsets")
+    if chunks == 0:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+    check_scales(scales, f"{name}: topk chunk scales")
+    if bool((scales[:, 0] > scales[:, 1]).any()):
+        raise WireError(f"{name}: a topk chunk's smallest magnitude is above its largest")
+    off = offsets.to(torch.int32)
+    nfull = chunks - 1 if n % chunk else chunks
+    per_chunk = torch.full((chunks,), full_k, dtype=torch.int64)
+    sizes = torch.full((chunks,), chunk, dtype=torch.int32)
+    if n % chunk:
+        per_chunk[-1] = last_k
+        sizes[-1] = n % chunk
+    owner = torch.repeat_interleave(torch.arange(chunks), per_chunk)
+    if bool((off >= sizes[owner]).any()):
+        bad = int(owner[off >= sizes[owner]][0])
+        raise WireError(f"{name}: an offset of chunk {bad} is outside it (chunk of {int(sizes[bad])} values)")
+    _check_increasing(off, nfull, full_k, name)
+    if nfull < chunks:
+        _check_increasing(off[nfull * full_k :], 1, last_k, name, first=nfull)
+    codes = unpack(packed, bits, entries)
+    levels = (1 << (bits - 1)) - 1
+    lo, hi = scales[owner, 0].float(), scales[owner, 1].float()
+    mag = lo + (hi - lo) * ((codes & levels).float() / levels)
+    values = torch.where((codes >> (bits - 1)) > 0, -mag, mag)
+    positions = owner * chunk + off.to(torch.int64)
+    return positions, values
+
+
+def _check_increasing(off: torch.Tensor, rows: int, per_row: int, name: str, first: int = 0) -> None:
+    if rows == 0 or per_row < 2:
+        return
+    m = off[: rows * per_row].view(rows, per_row)
+    bad = (m[:, 1:] <= m[:, :-1]).any(dim=1)
+    if bool(bad.any()):
+        row = first + int(bad.nonzero()[0])
+        raise WireError(f"{name}: the offsets of chunk {row} are not strictly increasing (a duplicate or out of "
+                        "order entry)")
+
+
+def topk_densify(positions: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros(n, dtype=torch.float32)
+    out[positions] = values
+    return out
+
+
+# -- shared ------------------------------------------------------------------------------------
+
+
+def check_scales(scales: torch.Tensor, what: str) -> None:
+    if not scales.is_floating_point() or scales.numel() == 0:
+        return
+    lo, hi = torch.aminmax(scales)
+    if not (math.isfinite(float(lo)) and math.isfinite(float(hi))) or float(lo) < 0:
+        raise WireError(f"{what} must be finite and non-negative")
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes of `bits` bits (2 or 4) packed 8/bits a byte, the first in the lowest bits."""
+    per = 8 // bits
+    n = codes.numel()
+    c = torch.nn.functional.pad(codes.reshape(-1), (0, (-n) % per)).view(-1, per)
+    out = c[:, 0].clone()
+    for j in range(1, per):
+        out |= c[:, j] << (j * bits)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The n codes of `pack`; WireError for a wrong length or padding bits that are not zero."""
+    per = 8 // bits
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != ceil_div(n, per):
+        raise WireError(f"{n} codes of {bits} bits take {ceil_div(n, per)} bytes, got {tuple(packed.shape)} "
+                        f"{packed.dtype}")
+    mask = (1 << bits) - 1
+    out = torch.stack([(packed >> (j * bits)) & mask for j in range(per)], dim=1).reshape(-1)
+    if bool(out[n:].any()):
+        raise WireError("the padding bits after the last code are not zero")
+    return out[:n]
