@@ -1,0 +1,62 @@
+"""Sparse uploads end to end over loopback: two participants training with topk uploads (the
+loss falls, each ends on the global model, each upload a small share of the model's bytes),
+and the coordinator's merge of two topk bodies equal to a reference merge of their decoded
+updates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.merge import weighted_mean
+from fedtrain.wire import DIGEST_HEADER, EncodedBody
+from fedtrain.wire.compress import Codec, compress, decompress
+from tests.helpers.api import client
+from tests.helpers.config import tiny_config
+from tests.helpers.runs import assert_all_on, heldout_loss, train_all
+
+
+def test_two_participants_train_with_topk_uploads(tmp_path: Path) -> None:
+    train = {"sync_every": 10, "lr": 1e-2, "compression": "topk", "topk_density": 0.05, "topk_chunk": 256,
+             "topk_bits": 4}
+    cfg = tiny_config(rounds=5, train=train, min_participants=2)
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        initial = heldout_loss(c.service.inspect().weights)
+        results = train_all(c.url, 2)
+        final_global = {k: v.clone() for k, v in c.service.inspect().weights.items()}
+        model_bytes = sum(t.numel() * t.element_size() for t in final_global.values())
+        rounds = c.service.round_history()
+    assert all(r["n_submissions"] == 2 for r in rounds)
+    per_upload = rounds[0]["bytes_in"] / rounds[0]["n_submissions"]
+    # 5% of the values, each a 2-byte offset and 4 bits, plus 8 bytes a chunk and the header
+    assert per_upload <= model_bytes * 0.05 + 16_384, (per_upload, model_bytes)
+    assert_all_on(results, final_global)
+    assert heldout_loss(final_global) < initial - 1.0
+
+
+def test_the_merge_of_topk_updates_is_the_mean_of_their_decoded_values(tmp_path: Path) -> None:
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, min_participants=2)
+    codec = Codec("topk", k=5, chunk=128, bits=2)
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c, client(c) as http:
+        for name in ("a", "b"):
+            http.post("/v1/join", json={"name": name})
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        shapes = {n: tuple(t.shape) for n, t in before.items()}
+        decoded, tokens = [], [30, 10]
+        for i, (pid, tok) in enumerate(zip(("a", "b"), tokens, strict=True)):
+            g = torch.Generator().manual_seed(i)
+            delta = {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in before.items()}
+            tensors, meta = compress(delta, codec)
+            decoded.append(dict(decompress(tensors.items(), meta, shapes=shapes)))
+            enc = EncodedBody(tensors, meta)
+            r = http.put(f"/v1/rounds/0/updates/{pid}", params={"tokens": tok},
+                         content=b"".join(bytes(x) for x in enc), headers={DIGEST_HEADER: enc.digest()})
+            assert r.status_code == 200, r.text
+        assert http.get("/v1/rounds/0", params={"wait": 10}).json()["state"] == "closed"
+        after = c.service.inspect().weights
+        mean = weighted_mean(decoded, [0.75, 0.25])  # max_share caps 30:10 at (1 + 0.5) / 2
+        for n, t in before.items():
+            torch.testing.assert_close(after[n], t - mean[n], rtol=1e-6, atol=1e-7)
+            assert int((mean[n] != 0).sum()) <= 2 * (5 * -(-t.numel() // 128))  # sparse, as sent
