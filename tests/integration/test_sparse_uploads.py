@@ -60,3 +60,33 @@ def test_the_merge_of_topk_updates_is_the_mean_of_their_decoded_values(tmp_path:
         for n, t in before.items():
             torch.testing.assert_close(after[n], t - mean[n], rtol=1e-6, atol=1e-7)
             assert int((mean[n] != 0).sum()) <= 2 * (5 * -(-t.numel() // 128))  # sparse, as sent
+
+
+def test_topk_pieces_of_an_update_make_the_update_their_rows_decode_to(tmp_path: Path) -> None:
+    """Two FSDP ranks each send their rows as a topk piece (each compresses its own rows): the
+    update the coordinator assembles and merges is the two decoded pieces, row by row."""
+    import json
+
+    from fedtrain.coordinator.intake.pieces import ROWS_META
+    from tests.helpers.api import halves
+
+    cfg = tiny_config(outer={"algorithm": "fedavg"})
+    codec = Codec("topk", k=3, chunk=64, bits=4)
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c, client(c) as http:
+        http.post("/v1/join", json={"name": "a"})
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        g = torch.Generator().manual_seed(5)
+        delta = {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in before.items()}
+        parts: list[dict[str, torch.Tensor]] = []
+        for label, (piece, rows) in zip(("r0", "r1"), halves(delta), strict=True):
+            tensors, meta = compress(piece, codec)
+            parts.append(dict(decompress(tensors.items(), meta, shapes={n: tuple(t.shape) for n, t in piece.items()})))
+            enc = EncodedBody(tensors, {**meta, ROWS_META: json.dumps(rows)})
+            r = http.put("/v1/rounds/0/updates/a", params={"tokens": 10, "piece": label},
+                         content=b"".join(bytes(x) for x in enc), headers={DIGEST_HEADER: enc.digest()})
+            assert r.status_code == 200, r.text
+        assert http.get("/v1/rounds/0", params={"wait": 10}).json()["state"] == "closed"
+        after = c.service.inspect().weights
+        for n, t in before.items():
+            sent = torch.cat([p[n] for p in parts if n in p]) if t.dim() else parts[0][n]
+            torch.testing.assert_close(after[n], t - sent.reshape(t.shape), rtol=1e-6, atol=1e-7)

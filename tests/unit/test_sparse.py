@@ -200,3 +200,13 @@ def test_a_sparse_fold_equals_the_dense_fold_of_the_decoded_update() -> None:
     with pytest.raises(MergeError, match="outside"):
         s = RunningSum(model)
         s.fold_sparse("big", torch.tensor([300]), torch.ones(1), 1.0)
+
+
+def test_switching_compression_off_sends_what_error_feedback_held() -> None:
+    fb = ErrorFeedback()
+    delta = torch.randn(500, generator=torch.Generator().manual_seed(6))
+    tensors, meta = fb.compress({"x": delta}, Codec("topk", k=3, chunk=64))
+    sent = dict(decompress(tensors.items(), meta, shapes={"x": (500,)}))["x"]
+    tensors, meta = fb.compress({"x": torch.zeros(500)}, Codec("none"))
+    torch.testing.assert_close(sent + tensors["x"], delta)  # the rest of Δ went with the next upload
+    assert fb.residual == {}

@@ -342,6 +342,9 @@ class ErrorFeedback:
             dict[str, torch.Tensor], dict[str, str]]:
         corrected = {n: t + self.residual[n] if n in self.residual else t for n, t in delta.items()}
         tensors, meta = compress(corrected, scheme, block)
+        if _codec(scheme, block).scheme == "none":  # everything is sent: nothing is left over
+            self.residual = {}
+            return tensors, meta
         dtypes = {n: t.dtype for n, t in corrected.items()}
         shapes = {n: tuple(t.shape) for n, t in corrected.items()}
         for name, sent in decompress(tensors.items(), meta, dtypes, shapes):

@@ -38,38 +38,69 @@ def ceil_div(a: int, b: int) -> int:
 # -- e3m0 --------------------------------------------------------------------------------------
 
 
+#: The value of each 4-bit code, before its block's scale: codes 8..15 are the negatives.
+E3M0_VALUES = torch.tensor([0.0] + [2.0 ** (m - E3M0_LEVELS) for m in range(1, 8)]
+                           + [-0.0] + [-(2.0 ** (m - E3M0_LEVELS)) for m in range(1, 8)])
+
+
+def _e3m0_code(top10: int) -> int:
+    """The code of a float32 of at most 1 in magnitude from its top ten bits (sign, exponent, the
+    mantissa's top bit): 2^e · 1.f goes to 2^(e+1) when f's top bit is set (1.f >= 1.5), else
+    to 2^e (code e + 7); below 2^-7 (halfway to the smallest level, 2^-6) to 0."""
+    sign, e, top = top10 >> 9, ((top10 >> 1) & 0xFF) - 127, top10 & 1
+    m = 0 if e < -7 else 1 if e == -7 else min(E3M0_LEVELS, e + E3M0_LEVELS + top)
+    return m | (sign << 3)
+
+
+_E3M0_CODES = torch.tensor([_e3m0_code(i) for i in range(1024)], dtype=torch.uint8)
+
+
+def _e3m0_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, flat) and absmax scales of rows of one block each: each value divided by
+    its scale, then its code looked up from its top ten bits (one gather, no float math)."""
+    scales = x.abs().amax(dim=1)
+    y = x / torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
+    top10 = (y.view(torch.int32) >> 22).bitwise_and_(0x3FF)
+    return torch.index_select(_E3M0_CODES, 0, top10.view(-1)), scales
+
+
 def e3m0_quantize(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 codes, two a byte, of the flattened tensor; fp32 absmax scale per block)."""
+    """(uint8 codes, two a byte, of the flattened tensor; fp32 absmax scale per block),
+    a slice of whole blocks at a time (bounded temporaries)."""
     flat = t.detach().reshape(-1).float()
     n = flat.numel()
-    blocks = torch.nn.functional.pad(flat, (0, (-n) % block)).view(-1, block)
-    scales = blocks.abs().amax(dim=1)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    a = (blocks.abs() / safe[:, None]).reshape(-1)[:n]
-    e = torch.floor(torch.log2(a.clamp_min(2.0**-7)))  # -7 .. 0: the level at or below a (2^-7 stands for 0)
-    low = torch.exp2(e)
-    mid = torch.where(e <= -7, low, 1.5 * low)  # halfway to the next level up (0 -> 2^-6: 2^-7)
-    m = (e + 7).to(torch.uint8) + ((a >= mid) & (e < 0)).to(torch.uint8)
-    codes = m | ((flat < 0).to(torch.uint8) << 3)
-    return pack(codes, 4), scales
+    full = n // block
+    rows = max(1, _SLICE // block)
+    codes, scales = [], []
+    for r in range(0, full, rows):
+        c, sc = _e3m0_rows(flat[r * block : min(full, r + rows) * block].view(-1, block))
+        codes.append(c)
+        scales.append(sc)
+    if n % block:
+        c, sc = _e3m0_rows(torch.nn.functional.pad(flat[full * block :], (0, block - n % block)).view(1, block))
+        codes.append(c[: n % block])
+        scales.append(sc)
+    if not codes:
+        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
+    return pack(torch.cat(codes), 4), torch.cat(scales)
 
 
 def e3m0_dequantize(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """The n float32 values of e3m0 codes and their block scales; SparseError for a bad body."""
+    """The n float32 values of e3m0 codes and their block scales; WireError for a bad body."""
     if scales.dim() != 1 or scales.numel() != ceil_div(n, block):
         raise WireError(f"e3m0 values of {n} elements need {ceil_div(n, block)} block scales, got "
                         f"shape {tuple(scales.shape)}")
     check_scales(scales, "e3m0 block scales")
     codes = unpack(packed, 4, n)
-    out = torch.empty(n, dtype=torch.float32)
-    per_block = torch.repeat_interleave(scales.float(), block)[:n] if n else scales.float()
-    for start in range(0, n, _SLICE):
-        c = codes[start : start + _SLICE]
-        m = (c & 7).float()
-        v = torch.where(m > 0, torch.exp2(m - E3M0_LEVELS), torch.zeros_like(m))
-        v.mul_(per_block[start : start + _SLICE])
-        out[start : start + _SLICE] = torch.where((c & 8) > 0, -v, v)
-    return out
+    out = torch.empty(ceil_div(n, block) * block, dtype=torch.float32)
+    rows = max(1, _SLICE // block)
+    padded = torch.nn.functional.pad(codes, (0, out.numel() - n)) if n % block else codes
+    for r in range(0, scales.numel(), rows):
+        c = padded[r * block : (r + rows) * block]
+        view = out[r * block : r * block + c.numel()].view(-1, block)
+        torch.index_select(E3M0_VALUES, 0, c.to(torch.int32), out=view.view(-1))
+        view.mul_(scales[r : r + rows].float()[:, None])
+    return out[:n]
 
 
 # -- topk --------------------------------------------------------------------------------------

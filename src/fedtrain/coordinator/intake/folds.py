@@ -10,6 +10,7 @@ More: docs/architecture.md, "coordinator/intake/folds.py".
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -30,6 +31,7 @@ from fedtrain.merge.aggregate import MAX_UPDATE_ABS
 from fedtrain.merge.robust import norm_outliers, sum_of_squares
 from fedtrain.wire import TensorSpec
 from fedtrain.wire.compress import scheme_of
+from fedtrain.wire.format import ROWS_META
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -239,8 +241,17 @@ class RoundSum:
         metadata = self.staging.header(path)[1]
         if scheme_of(metadata)[0] == "none":
             return ((name, start, values, None) for name, start, values in self.staging.pieces(path))
-        parts = self.staging.sparse(path, self._dtypes, metadata, self._shapes)
+        parts = self.staging.sparse(path, self._dtypes, metadata, self._shapes_of(metadata))
         return ((name, 0, values, at) for name, at, values in parts)
+
+    def _shapes_of(self, metadata: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
+        """The shapes of a verified body's tensors: the model's, or a piece's rows of them (its
+        `fedtrain.rows`, checked against the model when it was received)."""
+        raw = metadata.get(ROWS_META)
+        if raw is None:
+            return self._shapes
+        rows = {n: (a, b) for n, (a, b) in json.loads(raw).items()}
+        return {n: (rows[n][1] - rows[n][0], *shape[1:]) if n in rows else shape for n, shape in self._shapes.items()}
 
     def check_values(self, path: Path, locked: bool = False) -> float:
         """Refuse a spooled upload with a NaN or Inf anywhere, or a value beyond MAX_UPDATE_ABS

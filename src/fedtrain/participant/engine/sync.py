@@ -194,10 +194,10 @@ class SyncEngine:
             delta = {n: self._snapshot[n] for n in self._snapshot if n in self.piece.sends}
             rows = {n: r for n, r in self.piece.rows_of(delta).items() if r is not None}
             meta[ROWS_META] = json.dumps(rows)
-        if t.compression == "none":
+        if t.compression == "none" and not self._feedback.residual:  # (a residual: compression was on before)
             return EncodedBody(delta, meta, digest_algorithm=config.digest)
         codec = Codec.for_train(t)
-        if t.error_feedback:
+        if t.error_feedback or t.compression == "none":
             tensors, packed = self._feedback.compress(delta, codec)
         else:
             tensors, packed = compress(delta, codec)
