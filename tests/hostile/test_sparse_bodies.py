@@ -90,6 +90,7 @@ CASES = {
     "metadata_bits": (_metadata(**{"fedtrain.bits": "4"}), 422, "shape of"),
     "metadata_chunk": (_metadata(**{"fedtrain.chunk": "128"}), 422, "shape of"),
     "metadata_bad_bits": (_metadata(**{"fedtrain.bits": "3"}), 400, "bits"),
+    "metadata_too_dense": (_metadata(**{"fedtrain.topk": "17"}), 400, "a quarter of the chunk"),
     "metadata_missing": (_metadata(**{"fedtrain.topk": ""}), 400, "fedtrain.topk"),
     "metadata_says_int8": (_metadata(**{"fedtrain.compression": "int8"}), 422, "expected"),
     "codes_before_scales": (_codes_before_scales, 400, "before its scales"),

@@ -166,7 +166,8 @@ def test_metadata_is_checked_before_any_tensor() -> None:
 
     for meta in ({"fedtrain.compression": "topk"},  # no parameters
                  topk("5", "4", "2"), topk("5", "70000", "2"), topk("5", "64", "3"), topk("-5", "64", "2"),
-                 topk("9" * 40, "64", "2"), topk("5", "64", "٢")):  # a digit, but not an ASCII one
+                 topk("9" * 40, "64", "2"), topk("17", "64", "2"),
+                 topk("5", "64", "\u0662")):  # a digit, but not an ASCII one
         with pytest.raises(WireError):
             Codec.of(meta)
 

@@ -68,10 +68,11 @@ class Codec:
         if self.block < 1:
             raise WireError(f"compression block must be at least 1, got {self.block}")
         if self.scheme == "topk":
-            if not 1 <= self.chunk <= sparse.MAX_CHUNK:
-                raise WireError(f"topk chunk must be 1 to {sparse.MAX_CHUNK}, got {self.chunk}")
-            if not 1 <= self.k <= self.chunk:
-                raise WireError(f"topk entries per chunk must be 1 to the chunk ({self.chunk}), got {self.k}")
+            if not sparse.MIN_CHUNK <= self.chunk <= sparse.MAX_CHUNK:
+                raise WireError(f"topk chunk must be {sparse.MIN_CHUNK} to {sparse.MAX_CHUNK}, got {self.chunk}")
+            most = sparse.ceil_div(self.chunk, 4)  # a density of at most 25%: what decoding holds is bounded
+            if not 1 <= self.k <= most:
+                raise WireError(f"topk entries per chunk must be 1 to a quarter of the chunk ({most}), got {self.k}")
             if self.bits not in TOPK_BITS:
                 raise WireError(f"topk bits must be 2 or 4, got {self.bits}")
 
