@@ -211,3 +211,15 @@ def test_switching_compression_off_sends_what_error_feedback_held() -> None:
     tensors, meta = fb.compress({"x": torch.zeros(500)}, Codec("none"))
     torch.testing.assert_close(sent + tensors["x"], delta)  # the rest of Δ went with the next upload
     assert fb.residual == {}
+
+
+def test_error_feedback_takes_a_non_contiguous_delta_and_leaves_it_alone() -> None:
+    fb = ErrorFeedback()
+    base = torch.randn(64, 96, generator=torch.Generator().manual_seed(7))
+    delta = base.t()  # not contiguous
+    kept = delta.clone()
+    for _ in range(2):
+        tensors, meta = fb.compress({"x": delta}, Codec("topk", k=4, chunk=64))
+    assert torch.equal(delta, kept)
+    sent = dict(decompress(tensors.items(), meta, shapes={"x": (96, 64)}))["x"]
+    assert fb.residual["x"].shape == (96, 64) and float(sent.abs().sum()) > 0

@@ -348,7 +348,16 @@ class ErrorFeedback:
             return tensors, meta
         dtypes = {n: t.dtype for n, t in corrected.items()}
         shapes = {n: tuple(t.shape) for n, t in corrected.items()}
-        for name, sent in decompress(tensors.items(), meta, dtypes, shapes):
-            if corrected[name].is_floating_point():
+        for name, at, sent in decode_parts(tensors.items(), meta, dtypes, shapes):
+            if not corrected[name].is_floating_point():
+                continue
+            if at is None:
                 self.residual[name] = corrected[name] - sent
+                continue
+            # topk: what was not sent is Δ + e itself but at the entries sent (no dense decode);
+            # Δ + e is a fresh tensor when e was held, else Δ, which is the caller's.
+            left = corrected[name] if name in self.residual else corrected[name].clone()
+            left = left.contiguous()  # (a fresh tensor may follow the strides of a non-contiguous Δ)
+            left.view(-1).index_add_(0, at, sent.to(left.dtype), alpha=-1)
+            self.residual[name] = left
         return tensors, meta
