@@ -1,7 +1,8 @@
 """Sparse uploads end to end over loopback: two participants training with topk uploads (the
-loss falls, each ends on the global model, each upload a small share of the model's bytes),
-and the coordinator's merge of two topk bodies equal to a reference merge of their decoded
-updates."""
+loss falls, each ends on the global model, each upload a small share of the model's bytes);
+the coordinator's merge of two topk bodies equal to a reference merge of their decoded
+updates; an update sent as two topk pieces (FSDP ranks, each compressing its rows) merged as
+its decoded rows; Streaming DiLoCo fragments each sent as a topk body."""
 
 from __future__ import annotations
 
@@ -90,3 +91,26 @@ def test_topk_pieces_of_an_update_make_the_update_their_rows_decode_to(tmp_path:
         for n, t in before.items():
             sent = torch.cat([p[n] for p in parts if n in p]) if t.dim() else parts[0][n]
             torch.testing.assert_close(after[n], t - sent.reshape(t.shape), rtol=1e-6, atol=1e-7)
+
+
+def test_topk_deltas_with_error_feedback_per_streaming_fragment(tmp_path: Path) -> None:
+    """Streaming DiLoCo (K = 2, τ = 1): every upload is one fragment's topk body, and the run trains."""
+    from tests.helpers.runs import FRAGMENTS, initial_model
+    from tests.helpers.tiny import TinyParticipant, init_file, run_all
+    from tests.integration.test_streaming import Fixed, streaming_config
+
+    cfg = streaming_config(6, 4, {"fragments": 2, "assign": FRAGMENTS, "overlap": 1, "alpha": 0.5},
+                           train={"compression": "topk", "topk_density": 0.25, "topk_chunk": 64, "topk_bits": 4})
+    tasks = [Fixed(rows=16, seed=30 + i) for i in range(2)]
+    with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, initial_model())) as c:
+        start_loss = [t.build().loss(initial_model(), t.build().batch()).item() for t in tasks]
+        runners = run_all([TinyParticipant(c.url, f"p{i}", task) for i, task in enumerate(tasks)])
+    for r, before in zip(runners, start_loss, strict=True):
+        assert r.fed is not None and r.fed.round == 6 and r.losses[-1] < before
+        assert [rec["fragment"] for rec in r.fed.history] == [0, 1, 0, 1, 0, 1]
+        model = initial_model().state_dict()
+        for rec in r.fed.history:  # each upload is its fragment's topk body, byte for byte in size
+            prefix = ("lin.", "head.")[rec["fragment"]]
+            fragment = {n: torch.zeros_like(t) for n, t in model.items() if n.startswith(prefix)}
+            tensors, meta = compress(fragment, Codec.for_train(cfg.train))
+            assert rec["bytes_up"] == EncodedBody(tensors, meta).content_length
