@@ -142,8 +142,8 @@ class RunningSum:
     """Σ wᵢΔᵢ folded in place, one tensor at a time, in a fixed set of accumulators.
 
     Memory is one copy of the sync set (in `dtype`) whatever the number of contributors.
-    Use `fold` for each tensor of one update as it streams in, then `finish_contribution`
-    once; or `add` for a whole update at hand. `mean()` divides in place and hands out
+    Use `fold` (`fold_part`, `fold_sparse`) for each tensor of one update as it streams in,
+    then `finish_contribution` once; or `add` for a whole update at hand. `mean()` divides in place and hands out
     the accumulators themselves (`scaled()` hands them out with the divisor, for the outer
     step to divide as it reads); call `reset()` before the next round.
 
@@ -271,13 +271,11 @@ class RunningSum:
         of it. `max_abs` as for `fold`."""
         self._check_open()
         w = _check_weight(weight, f"tensor {name!r}")
-        if name not in self._acc:
-            raise MergeError(f"unexpected key {name!r}: the model has no tensor of that name")
+        if name not in self._acc or name in self._pending or name in self._partial:
+            raise MergeError(f"{name!r} is not a tensor of the model, or was folded twice for one contribution")
         if not values.is_floating_point() or positions.dtype != torch.int64 or positions.shape != values.shape:
             raise MergeError(f"{name}: a sparse fold takes int64 positions and floating values of one shape")
         flat = self._acc[name].view(-1)
-        if name in self._pending or name in self._partial:
-            raise MergeError(f"{name} was folded twice for one contribution")
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= flat.numel()):
             raise MergeError(f"{name}: a position is outside its {flat.numel()} elements")
         self._make_room(name, values, w, max_abs)
