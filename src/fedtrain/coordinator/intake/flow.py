@@ -46,7 +46,7 @@ from fedtrain.merge import RunningSum, check_compatible
 from fedtrain.merge.robust import clip_scale
 from fedtrain.transport import Body, fast_io_enabled
 from fedtrain.wire import BodyReader, TensorSpec
-from fedtrain.wire.compress import expected_specs, scheme_of
+from fedtrain.wire.compress import codec_of, expected_specs, scheme_of
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -188,10 +188,10 @@ class Intake:
         if ROWS_META in metadata:
             raise WireError(f"a body with {ROWS_META} in its metadata is a piece of an update: send it with "
                             "?piece=<label>")
-        scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header
+        codec = codec_of(metadata)  # compressed deltas carry their scheme in the header
         if self._fragment is not None:
             check_fragment(self._fragment, self._model, specs, whole=True)
-        check_compatible(expected_specs(dict(self._spec), scheme, block),
+        check_compatible(expected_specs(dict(self._spec), codec),
                          {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
 
     async def _land_in_sum(self, up: Upload, body: Body, seats: Seats) -> Landed:

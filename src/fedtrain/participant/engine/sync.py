@@ -23,7 +23,7 @@ from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
-from fedtrain.wire.compress import ErrorFeedback, compress
+from fedtrain.wire.compress import Codec, ErrorFeedback, compress
 from fedtrain.wire.format import ROWS_META
 
 __all__ = ["PieceOf", "SyncEngine"]
@@ -194,12 +194,13 @@ class SyncEngine:
             delta = {n: self._snapshot[n] for n in self._snapshot if n in self.piece.sends}
             rows = {n: r for n, r in self.piece.rows_of(delta).items() if r is not None}
             meta[ROWS_META] = json.dumps(rows)
-        if t.compression == "none":
+        if t.compression == "none" and not self._feedback.residual:  # (a residual: compression was on before)
             return EncodedBody(delta, meta, digest_algorithm=config.digest)
-        if t.error_feedback:
-            tensors, packed = self._feedback.compress(delta, t.compression, t.compression_block)
+        codec = Codec.for_train(t)
+        if t.error_feedback or t.compression == "none":
+            tensors, packed = self._feedback.compress(delta, codec)
         else:
-            tensors, packed = compress(delta, t.compression, t.compression_block)
+            tensors, packed = compress(delta, codec)
         return EncodedBody(tensors, {**packed, **meta}, digest_algorithm=config.digest)
 
     def exchange(self, r: int, pid: str, body: EncodedBody, config: RunConfig, *, tokens: int,
