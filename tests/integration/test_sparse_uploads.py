@@ -96,8 +96,8 @@ def test_topk_pieces_of_an_update_make_the_update_their_rows_decode_to(tmp_path:
 def test_topk_deltas_with_error_feedback_per_streaming_fragment(tmp_path: Path) -> None:
     """Streaming DiLoCo (K = 2, τ = 1): every upload is one fragment's topk body, and the run trains."""
     from tests.helpers.runs import FRAGMENTS, initial_model
+    from tests.helpers.streaming import Fixed, streaming_config
     from tests.helpers.tiny import TinyParticipant, init_file, run_all
-    from tests.integration.test_streaming import Fixed, streaming_config
 
     cfg = streaming_config(6, 4, {"fragments": 2, "assign": FRAGMENTS, "overlap": 1, "alpha": 0.5},
                            train={"compression": "topk", "topk_density": 0.25, "topk_chunk": 64, "topk_bits": 4})
