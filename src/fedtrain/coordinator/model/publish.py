@@ -176,8 +176,8 @@ class ModelResponse(StreamingResponse):
     (`transport.SEND`: plain HTTP with fast IO on), else taken on the loop and streamed in
     chunks (`chunks_of`, the plain path)."""
 
-    def __init__(self, stream: Download, headers: dict[str, str]) -> None:
-        super().__init__(chunks_of(stream), media_type="application/octet-stream", headers=headers)
+    def __init__(self, stream: Download, headers: dict[str, str], status_code: int = 200) -> None:
+        super().__init__(chunks_of(stream), status_code, media_type="application/octet-stream", headers=headers)
         self.stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -1,0 +1,77 @@
+"""Hostile Range / If-Range / If-Match headers on the model download: each gets a clear 4xx or
+the whole body as RFC 9110 says, never a traceback, and at most one range per request."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.transport.ranges import MAX_RANGE_CHARS
+from tests.helpers.config import ATOKEN, tiny_config
+
+REFUSED = [  # (Range, the error code of its 416)
+    ("bytes=0-1,5-9", "too_many_ranges"),
+    ("bytes=0-1," + ",".join(f"{i}-{i}" for i in range(2, 20)), "too_many_ranges"),
+    ("bytes=0-0,0-0", "too_many_ranges"),
+    ("bytes=abc-", "invalid_range"),
+    ("bytes=1-x", "invalid_range"),
+    ("bytes=-5-10", "invalid_range"),
+    ("bytes=-", "invalid_range"),
+    ("bytes=", "too_many_ranges"),  # no range at all
+    ("bytes=10-5", "invalid_range"),
+    ("bytes=1.5-2", "invalid_range"),
+    ("bytes=0x10-", "invalid_range"),
+    ("bytes= 1 - 2", "invalid_range"),
+    ("bytes=" + "9" * 21 + "-", "invalid_range"),  # more digits than any int64 holds
+    ("bytes=0-" + "9" * 40, "invalid_range"),
+    ("bytes=99999999999999999999-", "range_not_satisfiable"),  # 20 digits: parsed, past the end
+    ("bytes=-0", "range_not_satisfiable"),
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    with BackgroundCoordinator(tmp_path_factory.mktemp("s"), tiny_config()) as c, \
+            httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as http:
+        whole = http.get("/v1/model")
+        assert whole.status_code == 200
+        yield http, whole.content
+
+
+@pytest.mark.parametrize("header, code", REFUSED)
+def test_a_malformed_or_excessive_range_is_a_clear_416(served, header: str, code: str) -> None:  # type: ignore[no-untyped-def]
+    http, body = served
+    r = http.get("/v1/model", headers={"Range": header})
+    assert r.status_code == 416, (header, r.text[:200])
+    error = r.json()["error"]
+    assert error["code"] == code and error["message"]
+    assert r.headers["content-range"] == f"bytes */{len(body)}"
+
+
+@pytest.mark.parametrize("header", ["items=0-5", "bits=0-1,2-3", "bytes0-5", "=0-5", ""])
+def test_a_range_in_a_unit_other_than_bytes_is_ignored(served, header: str) -> None:  # type: ignore[no-untyped-def]
+    http, body = served
+    r = http.get("/v1/model", headers={"Range": header})
+    assert r.status_code == 200 and r.content == body
+
+
+@pytest.mark.parametrize("name", ["Range", "If-Range", "If-Match"])
+def test_an_overlong_header_is_refused_unread(served, name: str) -> None:  # type: ignore[no-untyped-def]
+    http, _ = served
+    r = http.get("/v1/model", headers={name: "bytes=" + "1" * MAX_RANGE_CHARS})
+    assert 400 <= r.status_code < 500 and "error" in r.json()
+
+
+@pytest.mark.parametrize("if_match", ["*", '"nope", *', '"nope",*'])
+def test_if_match_any_matches(served, if_match: str) -> None:  # type: ignore[no-untyped-def]
+    http, body = served
+    r = http.get("/v1/model", headers={"If-Match": if_match, "Range": "bytes=4-"})
+    assert r.status_code == 206 and r.content == body[4:]
+
+
+@pytest.mark.parametrize("if_match", ['"nope"', "", ",", "W/\"x\""])
+def test_if_match_naming_another_body_is_412(served, if_match: str) -> None:  # type: ignore[no-untyped-def]
+    http, _ = served
+    r = http.get("/v1/model", headers={"If-Match": if_match})
+    assert r.status_code == 412 and r.json()["error"]["code"] == "precondition_failed"
