@@ -8,12 +8,14 @@ fetched whole as the new one."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant.client import coordinator_client as client_module
@@ -120,3 +122,41 @@ def test_a_version_that_moved_on_is_fetched_whole(tmp_path: Path, monkeypatch: p
         new = http.get("/v1/model", params={"version": 1}).content
         assert same(got, dict(read_tensors([new])))
         assert link.down >= size0 // 2 + len(new)
+
+
+def test_a_download_in_flight_shows_in_the_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a participant's download stalls, the status (and `fedtrain status`) shows it in flight,
+    down, with its bytes of the total; once it is over, no more. (32 MB: more than the socket
+    buffers on the way hold, so that the coordinator is still sending while the link is silent.)"""
+    path = tmp_path / "init.safetensors"
+    write_file(path, {"w": torch.randn(4000, 2000, generator=torch.Generator().manual_seed(0))})
+    monkeypatch.setattr(client_module, "is_direct", lambda u: True)
+    release = threading.Event()
+    with BackgroundCoordinator(tmp_path / "s", tiny_config(), init_weights=path) as c, \
+            CoordinatorClient(c.url, PTOKEN) as joiner, \
+            httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as admin:
+        size = c.service.inspect().checkpoints.global_path(0).stat().st_size
+        pid = joiner.join("watched")["participant_id"]
+        key = joiner.participant_key(pid)
+        assert key is not None
+        with FaultyLink(port_of(c), [None, Fault("silent", size // 3, silent_s=3, before=release.set)]) as link, \
+                CoordinatorClient(link.url, PTOKEN, retry=FAST) as cl:
+            cl.remember_key(pid, key)
+            cl.health()
+            cl.close()  # the download's connection is the next one
+            cl = cl.clone()
+            result: list[dict] = []
+            t = threading.Thread(target=lambda: result.append(cl.download(pid=pid, version=0)[1]), daemon=True)
+            t.start()
+            assert release.wait(10)
+            row = next(p for p in admin.get("/v1/status").json()["participants"] if p["id"] == pid)
+            (moving,) = row["transfers"]
+            assert moving["direction"] == "down" and moving["total"] == size and 0 < moving["bytes"] < size
+            assert moving["what"] == "download of version 0" and moving["connections"] == 1
+            shown = format_status(admin.get("/v1/status").json())
+            assert "transfers in flight" in shown and "↓ down" in shown and "download of version 0" in shown
+            t.join(30)
+        assert torch.equal(result[0]["w"], c.service.inspect().weights["w"])
+        row = next(p for p in admin.get("/v1/status").json()["participants"] if p["id"] == pid)
+        assert row["transfers"] == []
+        assert "transfers in flight" not in format_status(admin.get("/v1/status").json())

@@ -15,7 +15,7 @@ end once the range is out.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,9 +109,13 @@ class Window:
     """A `ModelSender` that passes on bytes [start, stop) of what a producer writes through it,
     counting the producer's bytes from 0; the rest is taken and dropped without a copy."""
 
-    def __init__(self, out: ModelSender, span: Span) -> None:
+    #: A file's range is sent in pieces of at most this many bytes, so that `sent` hears of it as it goes.
+    FILE_PIECE = 8 << 20
+
+    def __init__(self, out: ModelSender, span: Span, sent: Callable[[int], None] | None = None) -> None:
         self.out, self.start, self.stop = out, span.start, span.stop
         self.at = 0  # the producer's position in the body
+        self._sent = sent
 
     def write_some(self, view: memoryview) -> int:
         if self.at < self.start:  # skipped: taken whole up to the range's start
@@ -122,6 +126,8 @@ class Window:
             raise _Full
         n = self.out.write_some(view[: self.stop - self.at])
         self.at += n
+        if n and self._sent is not None:
+            self._sent(n)
         if self.at >= self.stop:
             raise _Full
         return n
@@ -129,8 +135,13 @@ class Window:
     def sendfile_steps(self, fd: int, offset: int, count: int) -> Iterator[Hold | None]:
         begin, end = self.at, self.at + count
         lo, hi = max(begin, self.start), min(end, self.stop)
-        if lo < hi:
-            yield from self.out.sendfile_steps(fd, offset + (lo - begin), hi - lo)
+        at = offset + (lo - begin)
+        while lo < hi:
+            n = min(hi - lo, self.FILE_PIECE)
+            yield from self.out.sendfile_steps(fd, at, n)
+            lo, at = lo + n, at + n
+            if self._sent is not None:
+                self._sent(n)
         self.at = end
         if self.at >= self.stop:
             raise _Full
@@ -157,14 +168,21 @@ class _Body(Protocol):
 
 
 class Ranged:
-    """A download (`publish.Download`) sending only `span` of its body."""
+    """A download (`publish.Download`) sending only `span` of its body; `sent` hears of its bytes
+    as they go, `done` once when it ends (sent or not)."""
 
-    def __init__(self, stream: _Body, span: Span) -> None:
-        self.stream, self.span = stream, span
+    def __init__(self, stream: _Body, span: Span, sent: Callable[[int], None] | None = None,
+                 done: Callable[[], None] | None = None) -> None:
+        self.stream, self.span, self._sent, self._done = stream, span, sent, done
 
     def steps(self, out: ModelSender) -> Steps:
-        window = Window(out, self.span)
+        window = Window(out, self.span, self._sent)
         return window.steps(self.stream.steps(window))
 
     def close(self) -> None:
-        self.stream.close()
+        try:
+            self.stream.close()
+        finally:
+            if self._done is not None:
+                self._done()
+                self._done = None

@@ -152,7 +152,11 @@ async def model(
         "Content-Length": str(span.length), DIGEST_HEADER: stream.digest, VERSION_HEADER: str(stream.version),
         "ETag": etag, "Accept-Ranges": "bytes",
     }
-    if not span.partial:
-        return ModelResponse(stream, headers)
-    headers["Content-Range"] = span.content_range()
-    return ModelResponse(Ranged(stream, span), headers, status_code=206)
+    if span.partial:
+        headers["Content-Range"] = span.content_range()
+    body = Ranged(stream, span)
+    if participant_id is not None:  # its progress in the status while it is in flight
+        what = f"download of version {stream.version}" + (" (rows)" if rows is not None else "")
+        tracked = service.committer.downloads.begin(participant_id, etag, what, span.length)
+        body = Ranged(stream, span, tracked.add, tracked.end)
+    return ModelResponse(body, headers, status_code=206 if span.partial else 200)
