@@ -20,6 +20,7 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant.client import coordinator_client as client_module
 from fedtrain.transport import direct_http as fetch
+from fedtrain.transport import parallel
 from fedtrain.wire import read_tensors, write_file
 from tests.helpers.api import commit_round_0
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
@@ -46,8 +47,8 @@ def port_of(c: BackgroundCoordinator) -> int:
     return int(c.url.rsplit(":", 1)[1])
 
 
-def download_through(c: BackgroundCoordinator, faults: list[Fault], direct: bool, monkeypatch: pytest.MonkeyPatch,
-                     **kw: object) -> tuple[dict, FaultyLink]:
+def download_through(c: BackgroundCoordinator, faults: list[Fault | None], direct: bool,
+                     monkeypatch: pytest.MonkeyPatch, **kw: object) -> tuple[dict, FaultyLink]:
     """A download through a `FaultyLink` whose connections after the first (a health check, so that
     the client has reached the coordinator: a first contact that fails is probed for TLS) meet
     `faults`; the link's `down` then counts the download's bytes only."""
@@ -160,3 +161,17 @@ def test_a_download_in_flight_shows_in_the_status(tmp_path: Path, monkeypatch: p
         row = next(p for p in admin.get("/v1/status").json()["participants"] if p["id"] == pid)
         assert row["transfers"] == []
         assert "transfers in flight" not in format_status(admin.get("/v1/status").json())
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_parallel_download_fetches_ranges_side_by_side(served, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                                         cut: bool) -> None:
+    """streams=4: the head, then four ranges over four connections; one range cut halfway asks
+    again for its rest only. The weights are bit-identical, nothing is fetched twice."""
+    c, size, want = served
+    monkeypatch.setattr(parallel, "MIN_RANGE", 64 << 10)
+    faults: list[Fault | None] = [None, Fault("cut", size // 8)] if cut else []  # the head's passes, a range's not
+    got, link = download_through(c, faults, True, monkeypatch, version=0, streams=4)
+    assert same(got, want)
+    assert link.connections == 1 + 4 + (1 if cut else 0)
+    assert size <= link.down <= size + parallel.HEAD_PROBE + SLACK

@@ -14,9 +14,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fedtrain.config.sections import MAX_STREAMS
+from fedtrain.errors import Refused
 from fedtrain.transport.progress import Progress
 
-__all__ = ["DownloadsInFlight", "Tracked"]
+__all__ = ["MAX_DOWNLOAD_CONNECTIONS", "DownloadsInFlight", "Tracked"]
+
+#: The model downloads one participant may have in flight at once, over all its connections:
+#: twice the most parallel streams a run allows (`transfer.streams`), so that the connections
+#: of a broken download that the coordinator has not seen go yet leave room for their retries.
+MAX_DOWNLOAD_CONNECTIONS = 2 * MAX_STREAMS
 
 
 class Tracked:
@@ -44,9 +51,15 @@ class DownloadsInFlight:
         self._connections: dict[tuple[str, str], int] = {}
 
     def begin(self, pid: str, etag: str, what: str, nbytes: int) -> Tracked:
-        """A connection of participant `pid` begins sending `nbytes` of the body named `etag`."""
+        """A connection of participant `pid` begins sending `nbytes` of the body named `etag`; a
+        429 when `pid` has MAX_DOWNLOAD_CONNECTIONS in flight (the limit counts per participant,
+        not per connection or per address)."""
         key = (pid, etag)
         with self._lock:
+            held = sum(n for (p, _), n in self._connections.items() if p == pid)
+            if held >= MAX_DOWNLOAD_CONNECTIONS:
+                raise Refused(429, "too_many_downloads", f"{pid} has {held} model downloads in flight, the most "
+                              "one participant may; ask again once one is over", {"retry_after_s": 1.0})
             progress = self._progress.get(key)
             if progress is None:
                 self._progress[key] = Progress(what, nbytes, clock=self._clock)

@@ -33,6 +33,7 @@ from fedtrain.participant.client.retry import RetryPolicy, Timeouts
 from fedtrain.transport import direct_http as fetch
 from fedtrain.transport.direct_http import VERSION_HEADER, direct_request, is_direct
 from fedtrain.transport.http_client import tune_httpcore
+from fedtrain.transport.parallel import ParallelDownload
 from fedtrain.transport.resume import PartialDownload
 
 if TYPE_CHECKING:
@@ -393,13 +394,16 @@ class CoordinatorClient:
         retry: RetryPolicy | None = None,
         rows: Mapping[str, Sequence[int] | None] | None = None,
         stall_timeout_s: float | None = None,
+        streams: int = 1,
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """Stream the global model; returns (version, tensors). Each tensor is read straight
         into the storage `allocate` gives (e.g. a parameter), one copy per byte. With `rows`
         (tensor name -> its [start, stop) rows along dimension 0, or None: whole), only those
         tensors come, each only those rows (a rank's shard: docs/training-jobs.md). A broken
         attempt is resumed by the next from where it stopped (`transport.resume`); a connection
-        silent for `stall_timeout_s` (default: the read timeout) counts as broken."""
+        silent for `stall_timeout_s` (default: the read timeout) counts as broken. `streams` > 1:
+        byte ranges of the body over that many connections at once (`transport.parallel`; fast
+        IO's direct path only, else one)."""
         params: dict[str, Any] = {}
         if version is not None:
             params["version"] = version
@@ -412,7 +416,18 @@ class CoordinatorClient:
         what = "download of the global model" + ("" if version is None else f" version {version}")
         partial = PartialDownload(what, allocate, on_header, log)
 
+        def request(fields: dict[str, str]) -> Any:
+            headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant",
+                       **self._as(pid), **fields}
+            return direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
+                                  read_timeout=read_s, tls=self._direct_tls)
+
+        def refuse(r: Any) -> Exception:
+            return self._refusal(r.as_httpx(), "GET /v1/model")
+
         def once() -> tuple[int, dict[str, torch.Tensor]]:
+            if streams > 1 and is_direct(self.url):
+                return ParallelDownload(request, streams, allocate, on_header, what, refuse, log).run()
             headers = {**self._as(pid), **partial.headers()}
             try:
                 if is_direct(self.url):

@@ -157,6 +157,10 @@ async def model(
     body = Ranged(stream, span)
     if participant_id is not None:  # its progress in the status while it is in flight
         what = f"download of version {stream.version}" + (" (rows)" if rows is not None else "")
-        tracked = service.committer.downloads.begin(participant_id, etag, what, span.length)
+        try:
+            tracked = service.committer.downloads.begin(participant_id, etag, what, span.length)
+        except Refused:
+            stream.close()
+            raise
         body = Ranged(stream, span, tracked.add, tracked.end)
     return ModelResponse(body, headers, status_code=206 if span.partial else 200)
