@@ -1,5 +1,6 @@
 """Hostile Range / If-Range / If-Match headers on the model download: each gets a clear 4xx or
-the whole body as RFC 9110 says, never a traceback, and at most one range per request."""
+the whole body as RFC 9110 says, never a traceback, and at most one range per request; and
+the downloads one participant may hold in flight are bounded."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import httpx
 import pytest
 
 from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.coordinator.model.downloads import MAX_DOWNLOAD_CONNECTIONS, DownloadsInFlight
+from fedtrain.errors import Refused
 from fedtrain.transport.ranges import MAX_RANGE_CHARS
 from tests.helpers.config import ATOKEN, tiny_config
 
@@ -75,3 +78,20 @@ def test_if_match_naming_another_body_is_412(served, if_match: str) -> None:  # 
     http, _ = served
     r = http.get("/v1/model", headers={"If-Match": if_match})
     assert r.status_code == 412 and r.json()["error"]["code"] == "precondition_failed"
+
+
+def test_a_participant_holds_a_bounded_number_of_downloads_in_flight() -> None:
+    """However many connections (ranges, retries) a participant opens, at most
+    MAX_DOWNLOAD_CONNECTIONS of its downloads are in flight; another participant is not held up."""
+    book = DownloadsInFlight()
+    held = [book.begin("p0", f'"e{i % 3}"', "download", 100) for i in range(MAX_DOWNLOAD_CONNECTIONS)]
+    with pytest.raises(Refused) as info:
+        book.begin("p0", '"e9"', "download", 100)
+    assert info.value.status == 429 and info.value.code == "too_many_downloads"
+    book.begin("p1", '"e0"', "download", 100).end()  # per participant, not per address
+    held[0].end()
+    held[0].end()  # ending twice frees one slot only
+    book.begin("p0", '"e0"', "download", 100)
+    with pytest.raises(Refused):
+        book.begin("p0", '"e0"', "download", 100)
+    assert sum(v["connections"] for v in book.views("p0")) == MAX_DOWNLOAD_CONNECTIONS
