@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from fedtrain.errors import Refused
-from fedtrain.transport.parallel import split
+from fedtrain.transport.parallel import StreamChooser, split
 from fedtrain.transport.ranges import Ranged, Span, decide, etag_of
 
 ETAG = etag_of("xxh3-128:" + "ab" * 16)
@@ -121,3 +121,33 @@ def test_a_window_sends_exactly_its_bytes(in_memory: int, span: tuple[int, int])
 def test_split_covers_the_range_contiguously(start: int, stop: int, parts: int, min_size: int,
                                              want: list[tuple[int, int]]) -> None:
     assert split(start, stop, parts, min_size) == want
+
+
+def run_chooser(chooser: StreamChooser, rate_of: dict[int, float], downloads: int) -> list[int]:
+    """The streams each of `downloads` downloads of 100 MB used, on a link where P streams move `rate_of[P]`."""
+    used = []
+    for _ in range(downloads):
+        p = chooser.choose()
+        used.append(p)
+        chooser.record(p, 100_000_000, 100_000_000 / rate_of[p])
+    return used
+
+
+def test_auto_streams_doubles_while_it_pays_then_settles() -> None:
+    # a link where one stream gets 30 MB/s and four fill it (100 MB/s): 8 do not pay more
+    rates = {1: 30e6, 2: 60e6, 4: 100e6, 8: 104e6, 16: 104e6}
+    used = run_chooser(StreamChooser(recheck=5), rates, 14)
+    assert used[:4] == [1, 2, 4, 8]
+    assert used[4:8] == [4] * 4 and used[8] == 8  # re-checked every `recheck` downloads, the probe counted
+    assert used[9:] == [4] * 4 + [8]
+
+
+def test_auto_streams_stays_at_one_on_a_link_one_stream_fills() -> None:
+    used = run_chooser(StreamChooser(), dict.fromkeys((1, 2, 4), 100e6), 10)
+    assert used == [1, 2] + [1] * 8
+
+
+def test_auto_streams_ignores_small_downloads() -> None:
+    chooser = StreamChooser()
+    chooser.record(1, 1000, 0.001)
+    assert chooser.choose() == 1 and chooser.rates == {}

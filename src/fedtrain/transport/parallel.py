@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from fedtrain.transport.direct_http import Direct
     from fedtrain.wire.format import TensorSpec
 
-__all__ = ["HEAD_PROBE", "MIN_RANGE", "RANGE_ATTEMPTS", "ParallelDownload", "split"]
+__all__ = ["HEAD_PROBE", "MIN_RANGE", "RANGE_ATTEMPTS", "ParallelDownload", "StreamChooser", "split"]
 
 #: The first request asks for this many bytes: a body's head (length prefix, header) is in it
 #: but for a model of tens of thousands of tensors, whose rest of the head is then asked for.
@@ -52,6 +52,40 @@ def split(start: int, stop: int, parts: int, min_size: int | None = None) -> lis
     n = max(1, min(parts, (stop - start) // max(1, MIN_RANGE if min_size is None else min_size)))
     bounds = [start + (stop - start) * i // n for i in range(n + 1)]
     return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+
+
+class StreamChooser:
+    """`transfer.streams: auto`: the streams of the next download, from the rates of the last ones.
+
+    Starts at one; after a download at P streams that was at least `gain` faster than the best
+    at fewer, tries 2P next (up to `most`); once doubling stops paying, it settles on the best P
+    seen, and tries the next doubling again every `recheck` downloads (links change). Downloads
+    under `min_bytes` say nothing of the link and are not counted. One client's thread uses it."""
+
+    def __init__(self, most: int = 16, gain: float = 1.1, recheck: int = 20, min_bytes: int = 2 * MIN_RANGE) -> None:
+        self.most, self.gain, self.recheck, self.min_bytes = most, gain, recheck, min_bytes
+        self.rates: dict[int, float] = {}  # streams -> the latest rate measured with them (bytes/s)
+        self.best = 1
+        self._next = 1
+        self._since = 0  # counted downloads since the last probe
+
+    def choose(self) -> int:
+        return self._next
+
+    def record(self, streams: int, nbytes: int, seconds: float) -> None:
+        """A download at `streams` moved `nbytes` in `seconds`."""
+        if nbytes < self.min_bytes or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        if streams != self.best and rate >= self.gain * self.rates.get(self.best, 0.0):
+            self.best = streams  # the probe paid
+        self.rates[streams] = rate
+        self._since += 1
+        probe = self.best * 2
+        if probe <= self.most and (probe not in self.rates or self._since >= self.recheck):
+            self._next, self._since = probe, 0
+        else:
+            self._next = self.best
 
 
 class ParallelDownload:

@@ -13,7 +13,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
@@ -33,7 +33,7 @@ from fedtrain.participant.client.retry import RetryPolicy, Timeouts
 from fedtrain.transport import direct_http as fetch
 from fedtrain.transport.direct_http import VERSION_HEADER, direct_request, is_direct
 from fedtrain.transport.http_client import tune_httpcore
-from fedtrain.transport.parallel import ParallelDownload
+from fedtrain.transport.parallel import ParallelDownload, StreamChooser
 from fedtrain.transport.resume import PartialDownload
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ class CoordinatorClient:
         # is only ever replaced whole, so the threads that share it need no lock.
         self._keys: dict[str, str] = {}
         self._tls = tls_context(verify)
+        self._streams = StreamChooser()  # `download(streams="auto")`: from this client's downloads
         tune_httpcore()
         self._http = httpx.Client(
             base_url=self.url,
@@ -394,7 +395,7 @@ class CoordinatorClient:
         retry: RetryPolicy | None = None,
         rows: Mapping[str, Sequence[int] | None] | None = None,
         stall_timeout_s: float | None = None,
-        streams: int = 1,
+        streams: int | Literal["auto"] = 1,
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """Stream the global model; returns (version, tensors). Each tensor is read straight
         into the storage `allocate` gives (e.g. a parameter), one copy per byte. With `rows`
@@ -403,7 +404,8 @@ class CoordinatorClient:
         attempt is resumed by the next from where it stopped (`transport.resume`); a connection
         silent for `stall_timeout_s` (default: the read timeout) counts as broken. `streams` > 1:
         byte ranges of the body over that many connections at once (`transport.parallel`; fast
-        IO's direct path only, else one)."""
+        IO's direct path only, else one); "auto": as many as paid on this client's last
+        downloads (`parallel.StreamChooser`)."""
         params: dict[str, Any] = {}
         if version is not None:
             params["version"] = version
@@ -425,9 +427,12 @@ class CoordinatorClient:
         def refuse(r: Any) -> Exception:
             return self._refusal(r.as_httpx(), "GET /v1/model")
 
+        p = self._streams.choose() if streams == "auto" else streams
+        t0 = time.monotonic()
+
         def once() -> tuple[int, dict[str, torch.Tensor]]:
-            if streams > 1 and is_direct(self.url):
-                return ParallelDownload(request, streams, allocate, on_header, what, refuse, log).run()
+            if p > 1 and is_direct(self.url):
+                return ParallelDownload(request, p, allocate, on_header, what, refuse, log).run()
             headers = {**self._as(pid), **partial.headers()}
             try:
                 if is_direct(self.url):
@@ -448,9 +453,13 @@ class CoordinatorClient:
                 raise
 
         try:
-            return self._call(what, once, retry=retry)  # type: ignore[no-any-return]
+            got: tuple[int, dict[str, torch.Tensor]] = self._call(what, once, retry=retry)
         finally:
             partial.close()
+        if streams == "auto" and is_direct(self.url):
+            self._streams.record(p, sum(t.numel() * t.element_size() for t in got[1].values()),
+                                 time.monotonic() - t0)
+        return got
 
     def _upload_direct(self, path: str, params: dict[str, Any], headers: dict[str, str], body: EncodedBody) -> Any:
         """`upload` over `fetch.direct_request`: the body's chunks go to the socket as they are."""

@@ -266,9 +266,8 @@ class SyncEngine:
             self._holds = "reference"
             return -1
         which: dict[str, Any] = {"version": version} if version is not None else {}
-        if transfer is not None:  # "auto" streams: one, until measured (docs/training-jobs.md)
-            which.update(stall_timeout_s=transfer.stall_timeout_s,
-                         streams=transfer.streams if isinstance(transfer.streams, int) else 1)
+        if transfer is not None:
+            which.update(stall_timeout_s=transfer.stall_timeout_s, streams=transfer.streams)
         if self.piece is not None:  # a piece's rows (of a fragment's tensors, for a fragment's engine)
             got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
                                           allocate=self._allocate_rows, retry=retry, **which)
