@@ -11,6 +11,10 @@ Uploads go the other way: httpx hands every chunk of a body to h11, which joins 
 fresh `bytes` before the socket sees it. Here each chunk (a view of a tensor) goes to
 `sendall` as it is.
 
+A download broken on the way is resumed by the next attempt from where it stopped, its
+`ModelBody` kept across attempts (`resume.py`), or fetched as parallel byte ranges
+(`parallel.py`).
+
 Only the download of the global model and the upload of an update take this path, only
 with fast IO on (`FEDTRAIN_FAST_IO`), and only where httpx would have connected directly:
 with fast IO off, or where a proxy in the environment applies (which httpx honours), both
