@@ -175,3 +175,23 @@ def test_a_parallel_download_fetches_ranges_side_by_side(served, monkeypatch: py
     assert same(got, want)
     assert link.connections == 1 + 4 + (1 if cut else 0)
     assert size <= link.down <= size + parallel.HEAD_PROBE + SLACK
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_cut_download_of_rows_resumes(served, monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:  # type: ignore[no-untyped-def]
+    """A slice (`rows=`) resumes the same way, under its own validator."""
+    c, size, want = served
+    rows = {"lin.weight": (100, 900), "head.weight": None}
+    got, link = download_through(c, [Fault("cut", size // 4)], direct, monkeypatch, version=0, rows=rows)
+    assert torch.equal(got["lin.weight"], want["lin.weight"][100:900])
+    assert torch.equal(got["head.weight"], want["head.weight"]) and set(got) == set(rows)
+    sliced = 800 * 700 * 4
+    assert link.connections == 2 and sliced <= link.down <= sliced + SLACK
+
+
+def test_a_parallel_download_of_rows(served, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    c, _, want = served
+    monkeypatch.setattr(parallel, "MIN_RANGE", 64 << 10)
+    got, link = download_through(c, [], True, monkeypatch, version=0, rows={"lin.weight": (100, 900)}, streams=3)
+    assert set(got) == {"lin.weight"} and torch.equal(got["lin.weight"], want["lin.weight"][100:900])
+    assert link.connections == 1 + 3
