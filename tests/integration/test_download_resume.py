@@ -140,7 +140,7 @@ def test_a_download_in_flight_shows_in_the_status(tmp_path: Path, monkeypatch: p
         pid = joiner.join("watched")["participant_id"]
         key = joiner.participant_key(pid)
         assert key is not None
-        with FaultyLink(port_of(c), [None, Fault("silent", size // 3, silent_s=3, before=release.set)]) as link, \
+        with FaultyLink(port_of(c), [None, Fault("silent", size // 3, silent_s=1, before=release.set)]) as link, \
                 CoordinatorClient(link.url, PTOKEN, retry=FAST) as cl:
             cl.remember_key(pid, key)
             cl.health()

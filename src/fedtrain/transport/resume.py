@@ -82,10 +82,10 @@ class PartialDownload:
         self.etag = headers.get("etag")
         return self.body
 
-    @staticmethod
-    def _content_range(headers: httpx.Headers) -> tuple[int, int]:
+    def _content_range(self, headers: httpx.Headers) -> tuple[int, int]:
         match = _CONTENT_RANGE.match(headers.get("content-range", ""))
         if match is None:
+            self.drop()
             raise WireError(f"a 206 answer with Content-Range {headers.get('content-range')!r}")
         return int(match.group(1)), int(match.group(3))
 
