@@ -4,14 +4,19 @@ the downloads one participant may hold in flight are bounded."""
 
 from __future__ import annotations
 
+import socket
+import time
+
 import httpx
 import pytest
+import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.coordinator.model.downloads import MAX_DOWNLOAD_CONNECTIONS, DownloadsInFlight
 from fedtrain.errors import Refused
 from fedtrain.transport.ranges import MAX_RANGE_CHARS
-from tests.helpers.config import ATOKEN, tiny_config
+from fedtrain.wire import write_file
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
 REFUSED = [  # (Range, the error code of its 416)
     ("bytes=0-1,5-9", "too_many_ranges"),
@@ -95,3 +100,35 @@ def test_a_participant_holds_a_bounded_number_of_downloads_in_flight() -> None:
     with pytest.raises(Refused):
         book.begin("p0", '"e0"', "download", 100)
     assert sum(v["connections"] for v in book.views("p0")) == MAX_DOWNLOAD_CONNECTIONS
+
+
+def test_downloads_that_name_no_participant_count_against_their_token(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Leaving participant_id out escapes no cap: 33 downloads held open by one participant token
+    (each stalled: the client reads nothing) get 32 answers and one 429; once they close, a
+    download goes through again."""
+    path = tmp_path / "init.safetensors"
+    write_file(path, {"w": torch.zeros(4 << 20)})  # 16 MB: more than a stalled connection's buffers take
+    with BackgroundCoordinator(tmp_path / "s", tiny_config(), init_weights=path) as c:
+        host, port = c.url.removeprefix("http://").split(":")
+        socks = []
+        for _ in range(MAX_DOWNLOAD_CONNECTIONS + 1):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server stalls soon
+            s.connect((host, int(port)))
+            s.sendall(f"GET /v1/model HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {PTOKEN}\r\n\r\n".encode())
+            socks.append(s)
+        try:
+            heads = []
+            for s in socks:
+                s.settimeout(10)
+                heads.append(s.recv(12))
+            assert sorted(h[9:12] for h in heads) == [b"200"] * MAX_DOWNLOAD_CONNECTIONS + [b"429"]
+        finally:
+            for s in socks:
+                s.close()
+        deadline = time.monotonic() + 10
+        with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {PTOKEN}"}, timeout=30) as http:
+            while (r := http.get("/v1/model")).status_code == 429 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            size = c.service.inspect().checkpoints.global_path(0).stat().st_size
+            assert r.status_code == 200 and len(r.content) == size

@@ -155,10 +155,13 @@ async def model(
     if span.partial:
         headers["Content-Range"] = span.content_range()
     body = Ranged(stream, span)
-    if participant_id is not None:  # its progress in the status while it is in flight
+    # In flight, counted (and capped) per participant: its progress shows in the status; one that
+    # names no participant counts against its token, so that leaving the name out escapes no cap.
+    who = participant_id if participant_id is not None else None if ident.is_admin else f"token {ident.token_id}"
+    if who is not None:
         what = f"download of version {stream.version}" + (" (rows)" if rows is not None else "")
         try:
-            tracked = service.committer.downloads.begin(participant_id, etag, what, span.length)
+            tracked = service.committer.downloads.begin(who, etag, what, span.length)
         except Refused:
             stream.close()
             raise
