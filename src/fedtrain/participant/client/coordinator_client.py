@@ -418,36 +418,17 @@ class CoordinatorClient:
         what = "download of the global model" + ("" if version is None else f" version {version}")
         partial = PartialDownload(what, allocate, on_header, log)
 
-        def request(fields: dict[str, str]) -> Any:
-            headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant",
-                       **self._as(pid), **fields}
-            return direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
-                                  read_timeout=read_s, tls=self._direct_tls)
-
-        def refuse(r: Any) -> Exception:
-            return self._refusal(r.as_httpx(), "GET /v1/model")
-
         p = self._streams.choose() if streams == "auto" else streams
         t0 = time.monotonic()
 
         def once() -> tuple[int, dict[str, torch.Tensor]]:
             if p > 1 and is_direct(self.url):
-                return ParallelDownload(request, p, allocate, on_header, what, refuse, log).run()
+                return self._download_parallel(params, pid, p, allocate, on_header, what, read_s)
             headers = {**self._as(pid), **partial.headers()}
             try:
                 if is_direct(self.url):
                     return self._download_direct(params, headers, partial, read_s)
-                timeout = dataclasses.replace(self._timeouts, read=read_s).httpx()
-                with self._http.stream("GET", "/v1/model", params=params, headers=headers, timeout=timeout) as r:
-                    if r.status_code >= 400:
-                        r.read()
-                        raise self._refusal(r, "GET /v1/model")
-                    body = partial.start(r.status_code, r.headers)
-                    # No chunk size: httpx would re-chunk through a BytesIO (three more copies
-                    # per byte); a socket read is at most httpcore's read size (see `tune_httpcore`).
-                    for chunk in r.iter_raw():
-                        body.feed(chunk)
-                    return partial.finish()
+                return self._download_httpx(params, headers, partial, read_s)
             except BaseException:
                 partial.failed()
                 raise
@@ -460,6 +441,37 @@ class CoordinatorClient:
             self._streams.record(p, sum(t.numel() * t.element_size() for t in got[1].values()),
                                  time.monotonic() - t0)
         return got
+
+    def _download_httpx(self, params: dict[str, Any], headers: dict[str, str], partial: PartialDownload,
+                        read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+        """One attempt of `download` through httpx (the plain path)."""
+        timeout = dataclasses.replace(self._timeouts, read=read_s).httpx()
+        with self._http.stream("GET", "/v1/model", params=params, headers=headers, timeout=timeout) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise self._refusal(r, "GET /v1/model")
+            body = partial.start(r.status_code, r.headers)
+            # No chunk size: httpx would re-chunk through a BytesIO (three more copies
+            # per byte); a socket read is at most httpcore's read size (see `tune_httpcore`).
+            for chunk in r.iter_raw():
+                body.feed(chunk)
+            return partial.finish()
+
+    def _download_parallel(self, params: dict[str, Any], pid: str | None, streams: int,
+                           allocate: Callable[[TensorSpec], torch.Tensor] | None,
+                           on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None,
+                           what: str, read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+        """One attempt of `download` as byte ranges over `streams` direct connections."""
+        def request(fields: dict[str, str]) -> Any:
+            headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant",
+                       **self._as(pid), **fields}
+            return direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
+                                  read_timeout=read_s, tls=self._direct_tls)
+
+        def refuse(r: Any) -> Exception:
+            return self._refusal(r.as_httpx(), "GET /v1/model")
+
+        return ParallelDownload(request, streams, allocate, on_header, what, refuse, log).run()
 
     def _upload_direct(self, path: str, params: dict[str, Any], headers: dict[str, str], body: EncodedBody) -> Any:
         """`upload` over `fetch.direct_request`: the body's chunks go to the socket as they are."""
