@@ -207,7 +207,7 @@ class SyncEngine:
         """`submit` then `download`: the whole exchange of round `r`, which leaves the new
         global weights in the snapshot (not in the model). Returns their version."""
         self.submit(r, pid, body, config, tokens=tokens, retry=retry)
-        return self.download(pid, after_round=r, retry=retry)
+        return self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
 
     def submit(self, r: int, pid: str, body: EncodedBody, config: RunConfig, *, tokens: int,
                retry: RetryPolicy | None = None) -> bool:
