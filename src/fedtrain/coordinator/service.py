@@ -453,7 +453,7 @@ class Coordinator:
         schedule = self.rounds.schedule_view()  # staleness, applied updates, share of the applied weight
         fragment = self.rounds.fragment(self.version)  # Streaming DiLoCo (None: off)
         deadline_s, deadline_reason = self.deadline()
-        return {
+        status = {
             "run": self.config.name,
             "mode": self.config.schedule.mode,
             "current_round": self.version,
@@ -485,6 +485,8 @@ class Coordinator:
                              for p in sorted(rows.values(), key=lambda p: p.id)],
             "recent_rounds": recent,
         }
+        self.committer.downloads.add_to(status["participants"])  # and their transfers in flight
+        return status
 
     def _streaming_view(self) -> dict[str, Any] | None:
         """Streaming DiLoCo's K, τ and α for the status (None: off)."""

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 
 from fedtrain import faults
-from fedtrain.config import RunConfig
+from fedtrain.config import RunConfig, TransferConfig
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError, ModelMismatchError, RoundClosedError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
@@ -155,7 +155,7 @@ class SyncEngine:
             if self._holds not in ("cut_short", "fetched"):
                 self.take_delta()
                 self.submit(r, pid, self.encode(config), config, tokens=tokens, retry=retry)
-            version = self.download(pid, after_round=r, retry=retry)
+            version = self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
         except CoordinatorError:
             self.restore()
             raise
@@ -208,7 +208,7 @@ class SyncEngine:
         """`submit` then `download`: the whole exchange of round `r`, which leaves the new
         global weights in the snapshot (not in the model). Returns their version."""
         self.submit(r, pid, body, config, tokens=tokens, retry=retry)
-        return self.download(pid, after_round=r, retry=retry)
+        return self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
 
     def submit(self, r: int, pid: str, body: EncodedBody, config: RunConfig, *, tokens: int,
                retry: RetryPolicy | None = None) -> bool:
@@ -255,10 +255,11 @@ class SyncEngine:
         return True
 
     def download(self, pid: str, *, after_round: int | None = None, retry: RetryPolicy | None = None,
-                 version: int | None = None) -> int:
+                 version: int | None = None, transfer: TransferConfig | None = None) -> int:
         """The global model (the newest, or `version`), streamed into the snapshot; returns its
         version. `after_round`: the round whose result this fetches (a sync's download, a fault
-        injection point). A piece's engine downloads its rows only."""
+        injection point). A piece's engine downloads its rows only. A broken download resumes
+        where it stopped; `transfer` (the run config's): how long a silent one is waited for."""
         self._holds = "cut_short"  # until the last byte is in
         if after_round is not None:
             faults.hit("participant.download", who=self.who or pid, round=after_round)
@@ -266,6 +267,8 @@ class SyncEngine:
             self._holds = "reference"
             return -1
         which: dict[str, Any] = {"version": version} if version is not None else {}
+        if transfer is not None:
+            which.update(stall_timeout_s=transfer.stall_timeout_s, streams=transfer.streams)
         if self.piece is not None:  # a piece's rows (of a fragment's tensors, for a fragment's engine)
             got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
                                           allocate=self._allocate_rows, retry=retry, **which)
