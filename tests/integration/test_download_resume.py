@@ -195,3 +195,29 @@ def test_a_parallel_download_of_rows(served, monkeypatch: pytest.MonkeyPatch) ->
     got, link = download_through(c, [], True, monkeypatch, version=0, rows={"lin.weight": (100, 900)}, streams=3)
     assert set(got) == {"lin.weight"} and torch.equal(got["lin.weight"], want["lin.weight"][100:900])
     assert link.connections == 1 + 3
+
+
+def test_a_resumed_download_counts_its_bytes_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The participant's bytes_down counts the bytes it was sent: a download cut halfway and
+    resumed counts the model about once (plus what the socket buffers on the way took in before
+    the cut), not twice (each request counted the whole model). 32 MB, more than those buffers."""
+    path = tmp_path / "init.safetensors"
+    write_file(path, {"w": torch.randn(4000, 2000, generator=torch.Generator().manual_seed(0))})
+    monkeypatch.setattr(client_module, "is_direct", lambda u: True)
+    with BackgroundCoordinator(tmp_path / "s", tiny_config(), init_weights=path) as c, \
+            CoordinatorClient(c.url, PTOKEN) as joiner, \
+            httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as admin:
+        size = c.service.inspect().checkpoints.global_path(0).stat().st_size
+        pid = joiner.join("counted")["participant_id"]
+        key = joiner.participant_key(pid)
+        assert key is not None
+        with FaultyLink(port_of(c), [None, Fault("cut", size // 2)]) as link, \
+                CoordinatorClient(link.url, PTOKEN, retry=FAST) as cl:
+            cl.remember_key(pid, key)
+            cl.health()
+            cl.close()
+            with cl.clone() as again:
+                again.download(pid=pid, version=0)
+            assert link.connections == 3  # the health check, the cut attempt, the resumed one
+        row = next(p for p in admin.get("/v1/status").json()["participants"] if p["id"] == pid)
+        assert size <= row["bytes_down"] <= size + 12 * 2**20, (row["bytes_down"], size)

@@ -34,6 +34,7 @@ from fedtrain.coordinator.members.roster import Live, Roster
 from fedtrain.coordinator.members.views import participant_view
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.model.downloads import Tracked
 from fedtrain.coordinator.model.global_eval import GlobalEvaluator
 from fedtrain.coordinator.model.publish import ModelStream
 from fedtrain.coordinator.model.slices import SliceStream
@@ -360,12 +361,29 @@ class Coordinator:
         return self.rounds.round_info(round_, pid)
 
     def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
-        """A download of global version `version` (default: the newest)."""
-        return self.rounds.model_stream(version, pid)
+        """A download of global version `version` (default: the newest), counted in full as
+        participant `pid`'s (a download of a byte range of it: `begin_download`)."""
+        stream = self.rounds.model_stream(version)
+        self.roster.counted_download(pid, stream.size)
+        return stream
 
     async def model_slice(self, version: int | None, pid: str | None, rows: str) -> SliceStream:
         """A download of some rows of version `version` (`rows`: JSON, see `slices.parse_rows`)."""
-        return await self.rounds.model_slice(version, pid, rows)
+        stream = await self.rounds.model_slice(version, rows)
+        self.roster.counted_download(pid, stream.size)
+        return stream
+
+    def begin_download(self, who: str | None, pid: str | None, etag: str, what: str, length: int) -> Tracked:
+        """A download of `length` bytes (the range asked for) starts: in flight under `who` (a
+        participant, or a token for one that named none; None: an admin's, not shown) for the
+        status and the per-participant cap (`downloads.DownloadsInFlight`: 429
+        too_many_downloads past it); the bytes it sends count as participant `pid`'s when it ends."""
+        def counted(sent: int) -> None:
+            self.roster.counted_download(pid, sent)
+
+        if who is None:
+            return Tracked(None, None, counted)
+        return self.committer.downloads.begin(who, etag, what, length, counted)
 
     def tick(self) -> None:
         """Periodic duties: fail silent participants, close rounds whose deadline passed."""

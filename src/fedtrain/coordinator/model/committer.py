@@ -50,7 +50,6 @@ class Committer:
         self.outer: OuterOptimizer | None = None  # set by `create` or `load`
         self.published: Published | None = None  # the version served from memory
         self.committed_version = 0
-        self.bytes_out = 0  # every download's bytes (the run's totals are the participants' counters)
         self.downloads = DownloadsInFlight()  # by participant, for the status
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-prune")
 
@@ -234,7 +233,6 @@ class Committer:
                 stream = ModelStream(v, digest, path.stat().st_size, path, self.ckpt)
             except FileNotFoundError:  # pruned a moment ago
                 raise self._not_kept(v) from None
-        self.bytes_out += stream.size
         return stream
 
     async def model_slice(self, v: int, rows: str) -> SliceStream:
@@ -257,7 +255,6 @@ class Committer:
         except BaseException:
             stream.close()
             raise
-        self.bytes_out += stream.size
         return stream
 
     def _committed_digest(self, v: int) -> str:

@@ -27,18 +27,29 @@ MAX_DOWNLOAD_CONNECTIONS = 2 * MAX_STREAMS
 
 
 class Tracked:
-    """One connection's share of a transfer in flight: `add` its bytes, `end` it once."""
+    """One connection's share of a transfer: `add` its bytes as they go, `end` it once. `book`
+    and `key`: the transfer in flight it adds to (None: not shown, an admin's); `counted` hears
+    of the bytes it sent in all when it ends (a participant's bytes_down: what it was sent, not
+    what it asked for, so a download cut and resumed counts once)."""
 
-    def __init__(self, book: DownloadsInFlight, key: tuple[str, str]) -> None:
-        self._book, self._key, self._ended = book, key, False
+    def __init__(self, book: DownloadsInFlight | None, key: tuple[str, str] | None,
+                 counted: Callable[[int], None] | None = None) -> None:
+        self._book, self._key, self._counted, self._ended = book, key, counted, False
+        self.sent = 0
 
     def add(self, n: int) -> None:
-        self._book._add(self._key, n)
+        self.sent += n
+        if self._book is not None and self._key is not None:
+            self._book._add(self._key, n)
 
     def end(self) -> None:
-        if not self._ended:
-            self._ended = True
+        if self._ended:
+            return
+        self._ended = True
+        if self._book is not None and self._key is not None:
             self._book._end(self._key)
+        if self._counted is not None:
+            self._counted(self.sent)
 
 
 class DownloadsInFlight:
@@ -50,7 +61,8 @@ class DownloadsInFlight:
         self._progress: dict[tuple[str, str], Progress] = {}
         self._connections: dict[tuple[str, str], int] = {}
 
-    def begin(self, pid: str, etag: str, what: str, nbytes: int) -> Tracked:
+    def begin(self, pid: str, etag: str, what: str, nbytes: int,
+              counted: Callable[[int], None] | None = None) -> Tracked:
         """A connection of participant `pid` begins sending `nbytes` of the body named `etag`; a
         429 when `pid` has MAX_DOWNLOAD_CONNECTIONS in flight (the limit counts per participant,
         not per connection or per address)."""
@@ -66,7 +78,7 @@ class DownloadsInFlight:
             else:
                 progress.total = (progress.total or 0) + nbytes
             self._connections[key] = self._connections.get(key, 0) + 1
-        return Tracked(self, key)
+        return Tracked(self, key, counted)
 
     def _add(self, key: tuple[str, str], n: int) -> None:
         with self._lock:

@@ -135,10 +135,10 @@ async def model(
     service: Coordinator = Depends(coordinator),
 ) -> Response:
     stream: ModelStream | SliceStream
-    if rows is None:
-        stream = service.model_stream(version, participant_id)
+    if rows is None:  # (counted as participant_id's download below: the bytes it is sent)
+        stream = service.model_stream(version)
     else:
-        stream = await service.model_slice(version, participant_id, rows)
+        stream = await service.model_slice(version, None, rows)
     etag = etag_of(stream.digest)  # of the exact body served: a slice has its own
     try:
         span = decide(stream.size, etag, range_, if_range, if_match)
@@ -154,16 +154,14 @@ async def model(
     }
     if span.partial:
         headers["Content-Range"] = span.content_range()
-    body = Ranged(stream, span)
     # In flight, counted (and capped) per participant: its progress shows in the status; one that
     # names no participant counts against its token, so that leaving the name out escapes no cap.
     who = participant_id if participant_id is not None else None if ident.is_admin else f"token {ident.token_id}"
-    if who is not None:
-        what = f"download of version {stream.version}" + (" (rows)" if rows is not None else "")
-        try:
-            tracked = service.committer.downloads.begin(who, etag, what, span.length)
-        except Refused:
-            stream.close()
-            raise
-        body = Ranged(stream, span, tracked.add, tracked.end)
+    what = f"download of version {stream.version}" + (" (rows)" if rows is not None else "")
+    try:
+        tracked = service.begin_download(who, participant_id, etag, what, span.length)
+    except Refused:
+        stream.close()
+        raise
+    body = Ranged(stream, span, tracked.add, tracked.end)
     return ModelResponse(body, headers, status_code=206 if span.partial else 200)
