@@ -214,7 +214,8 @@ class Participant:
         version = int(answer["round"]) if self.role.kind == "sharded" else None
         engine = self._engine
         outcomes, error = self.ranks.together(
-            None if engine is None else lambda: engine.download(self.participant_id, version=version))
+            None if engine is None else lambda: engine.download(self.participant_id, version=version,
+                                                                transfer=self.book.config.transfer))
         self.ranks.raise_failed(outcomes, error)
         if self._engine is not None:
             self._engine.adopt()
@@ -424,7 +425,8 @@ class Participant:
                     log.warning("round %d ended at version %d: rounds went on without us; taking the global "
                                 "model", r, version)
                 outcomes, error = self.ranks.together(lambda: ex.take_global(
-                    self.participant_id, version, sent.fragment if end else None, retry=self._attempt_retry))
+                    self.participant_id, version, sent.fragment if end else None, retry=self._attempt_retry,
+                    transfer=self.book.config.transfer))
                 self.ranks.raise_failed(outcomes, error)
                 self.changed = None
             if self.role.kind == "replicated":  # the other ranks have no engine: rank 0 names the tensors
@@ -453,7 +455,8 @@ class Participant:
             newest = max(versions)
             log.info("rank %d: the ranks got versions %s; all take %d", self.rank, sorted(versions), newest)
             outcomes, error = self.ranks.together(
-                None if engine is None else lambda: engine.download(self.participant_id, version=newest))
+                None if engine is None else lambda: engine.download(self.participant_id, version=newest,
+                                                                    transfer=self.book.config.transfer))
             self.ranks.raise_failed(outcomes, error)
         return self.ranks.agreed(outcomes)
 
