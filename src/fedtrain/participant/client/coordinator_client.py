@@ -393,18 +393,20 @@ class CoordinatorClient:
         return self._call(f"upload of round {round_}", once, retry=policy)
 
     def _put(self, path: str, params: dict[str, Any], headers: dict[str, str], chunks: Iterator[memoryview],
-             stall_s: float | None) -> Any:
-        """One PUT of `chunks`; a connection that takes no byte of them for `stall_s` is given up."""
+             stall_s: float | None, answer_s: float | None = None) -> Any:
+        """One PUT of `chunks`; a connection that takes no byte of them for `stall_s` is given
+        up, and one whose answer is silent for `answer_s` (default: the read timeout)."""
+        read_s = answer_s if answer_s is not None else self._timeouts.read
         if is_direct(self.url):
             fields = {**headers, "Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant"}
             with direct_request("PUT", self.url, path, params, fields, body=chunks,
-                                connect_timeout=self._timeouts.connect, read_timeout=self._timeouts.read,
+                                connect_timeout=self._timeouts.connect, read_timeout=read_s,
                                 write_timeout=stall_s if stall_s is not None else self._timeouts.write,
                                 tls=self._direct_tls) as r:
                 answer = r.as_httpx()
             return self._answer(answer, f"PUT {path}")
         timeout = self._timeouts.httpx() if stall_s is None else httpx.Timeout(
-            connect=self._timeouts.connect, read=self._timeouts.read, write=stall_s, pool=self._timeouts.pool)
+            connect=self._timeouts.connect, read=read_s, write=stall_s, pool=self._timeouts.pool)
         response = self._http.put(path, params=params, content=chunks, headers=headers,  # type: ignore[arg-type]
                                   timeout=timeout)
         return self._answer(response, f"PUT {path}")
@@ -447,30 +449,32 @@ class CoordinatorClient:
         whole = parts.body.digest()
         base: dict[str, Any] = {"tokens": tokens, "total": parts.total, "part_bytes": parts.part_bytes,
                                 **({"piece": piece} if piece is not None else {})}
-        attempts = 0
 
         def send(index: int) -> dict[str, Any]:
             start, stop = parts.span(index)
             headers = {DIGEST_HEADER: parts.digest(index), WHOLE_DIGEST_HEADER: whole,
                        "Content-Length": str(stop - start), "Content-Type": "application/octet-stream", **self._as(pid)}
+            # A part's answer comes as soon as its bytes are in (the one that completes the body
+            # waits for its placement: if that takes longer, the retry finds every part in and
+            # asks again until the update is placed), so a silent answer is a silent link too.
             answer: dict[str, Any] = self._put(path, {**base, "part": index}, headers,
-                                               counted.counting(parts.chunks(index)), stall_s)
+                                               counted.counting(parts.chunks(index)), stall_s, stall_s)
             return answer
 
         def once() -> Any:
-            nonlocal attempts
+            # Every attempt asks first (two small GETs; an earlier sync attempt of this round
+            # may have sent parts already): only the parts the coordinator does not hold go.
             todo = list(range(parts.count))
-            if attempts:  # a retry: send only the parts the coordinator does not hold
-                done = self._already_in(round_, pid, piece)
-                if done is not None:
-                    return done
-                held = self.upload_parts_held(round_, pid, piece, retry=RetryPolicy(max_elapsed_s=0))
-                if held is not None and held.get("digest") == whole and held.get("total") == parts.total:
-                    have = set(held.get("held", []))
-                    todo = [i for i in todo if i not in have]
-                    log.info("upload of round %d resumes: %d of %d parts are in, %d to send", round_, len(have),
-                             parts.count, len(todo))
-            attempts += 1
+            done = self._already_in(round_, pid, piece)
+            if done is not None:
+                return done
+            held = self.upload_parts_held(round_, pid, piece, retry=RetryPolicy(max_elapsed_s=0))
+            if held is not None and held.get("digest") == whole and held.get("total") == parts.total \
+                    and held.get("part_bytes") == parts.part_bytes:
+                have = set(held.get("held", []))
+                todo = [i for i in todo if i not in have]
+                log.info("upload of round %d resumes: %d of %d parts are in, %d to send", round_, len(have),
+                         parts.count, len(todo))
             final = send_parts(parts, todo, streams, send)
             if final is None:  # every part is in, yet none completed the body (it was being placed): ask again
                 raise CoordinatorError("the upload's parts are in but its answer is not: asking again", status=503,
