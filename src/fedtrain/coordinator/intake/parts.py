@@ -151,11 +151,11 @@ class PartSessions:
         """Bytes the sessions hold on disk now (their files' sizes)."""
         return sum(s.claim.total for s in self._sessions.values())
 
-    async def open(self, key: Key, claim: PartClaim, limit: int, stop_parts: Callable[[Key], None],
+    async def open(self, key: Key, claim: PartClaim, limit: int, stop_parts: Callable[[], None],
                    wait_s: float) -> Session:
         """The session `claim` belongs to: the one in progress for `key` when it is for the
         same body, else a new one (an older session for another body is dropped: the newer
-        wins, its parts still streaming stopped with `stop_parts` and waited for, at most
+        wins, its parts still streaming stopped with `stop_parts()` and waited for, at most
         `wait_s`). Refuses (413, 429) what would hold more than its participant may."""
         self.reclaim_idle()
         old = self._sessions.get(key)
@@ -165,7 +165,7 @@ class PartSessions:
             if old.assembling:
                 raise Refused(409, "upload_assembling", f"the update of {key[0]} for round {key[1]} is complete and "
                               "being placed; ask the round's status before sending another")
-            stop_parts(key)
+            stop_parts()
             self.drop(old)
             if old.streaming and not await _wait(old.idle, wait_s):
                 raise Refused(429, "upload_in_progress", f"parts of an earlier upload of {key[0]} for round {key[1]} "

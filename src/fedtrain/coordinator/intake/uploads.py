@@ -156,7 +156,8 @@ class Uploads:
             return {"accepted": True, "duplicate": True, "round": round_, "part": claim.index, "complete": True,
                     **({"piece": piece} if piece else {})}
         try:
-            session = await parts.open(key, claim, admitted[1].limit, self._stop_parts, TAKEOVER_WAIT_S)
+            session = await parts.open(key, claim, admitted[1].limit, lambda: self._stop_parts(key, claim.index),
+                                       TAKEOVER_WAIT_S)
         except Refused:
             await body.drain()
             raise
@@ -186,9 +187,11 @@ class Uploads:
                           "progress", {"round": round_})
         return {"round": round_, **({"piece": piece} if piece else {}), **session.view()}
 
-    def _stop_parts(self, key: tuple[str, int, str | None]) -> None:
-        """Stop the parts of `key`'s upload still streaming (a newer body replaces it)."""
-        self._intake.attempts.stop_where(lambda k: isinstance(k, tuple) and len(k) == 4 and k[:3] == key)
+    def _stop_parts(self, key: tuple[str, int, str | None], mine: int) -> None:
+        """Stop the parts of `key`'s upload still streaming (a newer body, whose part `mine`
+        is coming in, replaces it)."""
+        self._intake.attempts.stop_where(lambda k: isinstance(k, tuple) and len(k) == 4 and k[:3] == key
+                                         and k[3] != mine)
 
     # -- one upload ---------------------------------------------------------------------------------
 
