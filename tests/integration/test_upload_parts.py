@@ -5,6 +5,7 @@ A silent older connection does not hold up its own retry: the newer attempt take
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -15,8 +16,10 @@ import torch
 
 from fedtrain.config import TransferConfig
 from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.coordinator.intake.pieces import ROWS_META
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
+from tests.helpers.api import halves
 from tests.helpers.config import BOTH_TRANSPORTS, PTOKEN, tiny_config
 from tests.helpers.faulty_link import FaultyLink
 
@@ -81,7 +84,7 @@ def test_an_upload_in_parts_resumes_sends_only_what_was_missing_and_merges_bit_f
         {"cut": link.cut_after, "stall": link.stall_after, "corrupt": link.corrupt_at}[fault](at + 4096)
         answer, extra, got = upload_over(link, c, tmp_path)
         assert link.faults_hit, "the fault never fired"
-        assert answer["accepted"] is True and answer.get("complete") is True
+        assert answer["accepted"] is True and answer["parts_complete"] is True
         # what crossed the link twice: at most the part the fault hit (and the requests' heads)
         assert extra <= PART + OVERHEAD, extra
         assert [(s["participant_id"], s["tokens"]) for s in c.service.submissions(0)] == [("p0", 100)]
@@ -154,3 +157,21 @@ def test_a_silent_older_connection_is_closed_by_the_retry_that_takes_over(
         silent.close()
         assert [(s["participant_id"], s["tokens"]) for s in c.service.submissions(0)] == [("p0", 100)]
     no_traceback(caplog)
+
+
+def test_the_pieces_of_an_update_travel_in_parts_and_merge_as_the_update_sent_whole(tmp_path: Path) -> None:
+    """An FSDP rank's piece larger than a part goes in parts too (parts are transport, pieces meaning)."""
+    want = reference(tmp_path)
+    with BackgroundCoordinator(tmp_path / "state", config()) as c, FaultyLink(c.host, c.port) as link, \
+            CoordinatorClient(link.url, PTOKEN, retry=RetryPolicy(initial_s=0.05, max_elapsed_s=30)) as client:
+        client.join("p0")
+        pieces = [EncodedBody(t, {ROWS_META: json.dumps(rows)}) for t, rows in halves(delta_of(c))]
+        assert all(p.content_length > 2 * PART for p in pieces)
+        link.cut_after(int(3.5 * PART))  # inside the second piece's parts
+        answers = [client.upload(0, "p0", body, tokens=100, piece=f"rank{i}", transfer=TRANSFER)
+                   for i, body in enumerate(pieces)]
+        assert link.faults_hit
+        assert [(a["parts_complete"], a["complete"]) for a in answers] == [(True, False), (True, True)]
+        got = merged(c, client)
+    for n in want:
+        assert torch.equal(want[n], got[n]), n

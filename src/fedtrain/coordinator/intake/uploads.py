@@ -153,7 +153,7 @@ class Uploads:
             raise
         if admitted is None:  # the update is in already
             await body.drain()
-            return {"accepted": True, "duplicate": True, "round": round_, "part": claim.index, "complete": True,
+            return {"accepted": True, "duplicate": True, "round": round_, "part": claim.index, "parts_complete": True,
                     **({"piece": piece} if piece else {})}
         try:
             session = await parts.open(key, claim, admitted[1].limit, lambda: self._stop_parts(key, claim.index),
@@ -165,7 +165,7 @@ class Uploads:
         about = {"part": claim.index, "parts": claim.count, "held": len(session.held)}
         if not session.complete or session.assembling or session.gone:
             self._events.notify()
-            return {"accepted": True, "duplicate": not fresh, "round": round_, "complete": session.complete,
+            return {"accepted": True, "duplicate": not fresh, "round": round_, "parts_complete": False,
                     **about, **({"piece": piece} if piece else {})}
         session.assembling = True
         try:
@@ -173,7 +173,7 @@ class Uploads:
                                                 parts.whole(session), piece)
         finally:
             parts.drop(session)
-        return {**answer, **about, "complete": True}
+        return {**answer, **about, "parts_complete": True}  # (a piece's "complete": its update's)
 
     def part_session(self, ident: Identity, pid: str, round_: int, piece: str | None) -> dict[str, Any]:
         """Which parts of `pid`'s upload in parts for `round_` (or its `piece`) the coordinator

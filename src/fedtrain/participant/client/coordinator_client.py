@@ -430,14 +430,20 @@ class CoordinatorClient:
                           retry: RetryPolicy | None = None) -> dict[str, Any] | None:
         """Which parts of our upload in parts for `round_` the coordinator holds ({"digest",
         "held", "missing", ...}); None when it holds none (no upload session)."""
+        return self._call(f"GET parts of round {round_}", lambda: self._parts_held(round_, pid, piece), retry=retry)
+
+    def _parts_held(self, round_: int, pid: str, piece: str | None) -> dict[str, Any] | None:
+        """`upload_parts_held`, once (a transport error is raised: the caller's retry loop has it)."""
+        path = f"/v1/rounds/{round_}/updates/{pid}/parts"
         params = {"piece": piece} if piece is not None else {}
         try:
-            return self._json("GET", f"/v1/rounds/{round_}/updates/{pid}/parts", params=params,
-                              headers=self._as(pid), retry=retry)
+            answer: dict[str, Any] = self._answer(self._http.get(path, params=params, headers=self._as(pid)),
+                                                  f"GET {path}")
         except CoordinatorError as e:
             if e.code == "no_upload_session":
                 return None
             raise
+        return answer
 
     def _upload_parts(self, round_: int, pid: str, parts: BodyParts, tokens: int, piece: str | None,
                       streams: int, stall_s: float | None, policy: RetryPolicy, counted: CountedProgress) -> Any:
@@ -468,7 +474,7 @@ class CoordinatorClient:
             done = self._already_in(round_, pid, piece)
             if done is not None:
                 return done
-            held = self.upload_parts_held(round_, pid, piece, retry=RetryPolicy(max_elapsed_s=0))
+            held = self._parts_held(round_, pid, piece)
             if held is not None and held.get("digest") == whole and held.get("total") == parts.total \
                     and held.get("part_bytes") == parts.part_bytes:
                 have = set(held.get("held", []))

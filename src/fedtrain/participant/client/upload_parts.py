@@ -103,7 +103,7 @@ def send_parts(parts: BodyParts, todo: list[int], streams: int,
         final = None
         for index in todo:
             answer = send(index)
-            if answer.get("complete"):
+            if answer.get("parts_complete"):
                 final = answer
         return final
     final = None
@@ -119,6 +119,6 @@ def send_parts(parts: BodyParts, todo: list[int], streams: int,
             error = f.exception()
             if error is not None:
                 raise error
-            if f.result().get("complete"):
+            if f.result().get("parts_complete"):
                 final = f.result()
     return final
