@@ -48,12 +48,13 @@ class Sender:
         self.parts = BodyParts(self.enc, PART)
 
     def put(self, index: int, *, data: bytes | None = None, digest: str | None = None, whole: str | None = None,
-            pid: str | None = None, **params: object) -> httpx.Response:
+            pid: str | None = None, round_: int = 0, **params: object) -> httpx.Response:
         start, stop = self.parts.span(min(index, self.parts.count - 1))
         body = self.data[start:stop] if data is None else data
         query = {"tokens": 100, "part": index, "total": len(self.data), "part_bytes": PART, **params}
         headers = {DIGEST_HEADER: digest or digest_bytes(body), WHOLE: whole or self.enc.digest()}
-        return self.http.put(f"/v1/rounds/0/updates/{pid or self.pid}", params=query, content=body, headers=headers)
+        return self.http.put(f"/v1/rounds/{round_}/updates/{pid or self.pid}", params=query, content=body,
+                             headers=headers)
 
     def held(self, pid: str | None = None) -> httpx.Response:
         return self.http.get(f"/v1/rounds/0/updates/{pid or self.pid}/parts")
@@ -199,6 +200,26 @@ def test_no_one_sends_or_reads_parts_as_another_participant(run: BackgroundCoord
     finally:
         p0.close()
         p1.close()
+
+
+def test_parts_of_an_upload_never_finished_go_with_their_round(tmp_path: Path) -> None:
+    with BackgroundCoordinator(tmp_path / "state", config().model_copy(update={"round_timeout_s": 1.0})) as c:
+        s, other = Sender(c, "p0"), Sender(c, "p1")
+        try:
+            assert s.put(0).status_code == 200 and s.put(1).status_code == 200
+            assert spool_bytes(c) > 0
+            assert other.client.upload(0, "p1", other.enc, tokens=100)["accepted"] is True
+            assert other.client.wait_round(0, "p1", wait_s=10)["state"] != "open"  # closed at its deadline
+            # the next part anyone sends reclaims the parts of a round that takes no update now
+            r = other.put(0, round_=1)
+            assert r.status_code == 200, r.text
+            assert s.held().status_code == 404
+            assert spool_bytes(c) == len(other.data)  # p1's session only
+            r = s.put(2)  # a part for the round gone: refused from its headers, nothing held
+            assert r.status_code == 409 and spool_bytes(c) == len(other.data)
+        finally:
+            s.close()
+            other.close()
 
 
 def test_parts_of_an_upload_never_finished_are_reclaimed(run: BackgroundCoordinator) -> None:

@@ -100,12 +100,14 @@ def test_parts_go_over_several_connections_at_once_and_merge_bit_for_bit(tmp_pat
             CoordinatorClient(link.url, PTOKEN) as client:
         client.join("p0")
         body = EncodedBody(delta_of(c))
-        before = link.connections
+        before, sent = link.connections, link.bytes_up
         link.cut_after(int(1.5 * PART))
         answer = client.upload(0, "p0", body, tokens=100,
                                transfer=TransferConfig(part_mb=1, streams=3, stall_timeout_s=1.0))
-        assert answer["accepted"] is True
+        assert answer["accepted"] is True and link.faults_hit
         assert link.connections - before >= 3  # the parts went side by side
+        # the parts in flight beside the one cut went on: only that one was sent again
+        assert link.bytes_up - sent - body.content_length <= PART + OVERHEAD
         got = merged(c, client)
     for n in want:
         assert torch.equal(want[n], got[n]), n

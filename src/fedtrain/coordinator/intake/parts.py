@@ -12,8 +12,9 @@ checks the whole digest, the header and the values, and places it, as for a whol
 What a session may hold is bounded: its participant's sessions together hold at most
 `max_upload_mb` (the bound of one whole upload), and at most `MAX_SESSIONS_PER_PID` of
 them. A session goes when its update is in, when a part names another body for the same
-(participant, round, piece) (the newer wins), when its round is over, its participant
-leaves, rejoins or is evicted, or when it has heard no part for `IDLE_S`.
+(participant, round, piece) (the newer wins), when its round can take no late update any
+more (at the round's close past the staleness bound, else at the next part anyone sends),
+when its participant leaves, rejoins or is evicted, or when it has heard no part for `IDLE_S`.
 
 Event loop only, but for the writes, which run on worker threads.
 """

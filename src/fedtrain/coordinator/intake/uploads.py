@@ -141,6 +141,7 @@ class Uploads:
         whole upload is), and answers as that upload does."""
         self._roster.get(ident, pid)
         parts = self._intake.parts
+        parts.drop_where(self._still_taken)  # anyone's sessions for rounds gone: reclaimed now
         key = (pid, round_, piece)
         try:
             if piece is not None:
@@ -186,6 +187,14 @@ class Uploads:
             raise Refused(404, "no_upload_session", f"no upload in parts of {pid} for round {round_} is in "
                           "progress", {"round": round_})
         return {"round": round_, **({"piece": piece} if piece else {}), **session.view()}
+
+    def _still_taken(self, key: tuple[str, int, str | None]) -> bool:
+        """Whether the open round may still take an update for `key`'s round (on time or late)."""
+        try:
+            self.check_open(key[1])
+        except Refused:
+            return False
+        return True
 
     def _stop_parts(self, key: tuple[str, int, str | None], mine: int) -> None:
         """Stop the parts of `key`'s upload still streaming (a newer body, whose part `mine`
