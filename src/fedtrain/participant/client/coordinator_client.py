@@ -54,12 +54,6 @@ RESEND_BACKOFF_S = 1.0  # the longest wait before an upload is sent again (a lin
 PART_RETRY = frozenset({"part_digest_mismatch", "upload_replaced", "taken_over", "parts_pending"})
 
 
-def _streams(transfer: TransferConfig) -> int:
-    """Connections an upload in parts uses at once: `transfer.streams`; `auto` is 1 (one
-    connection fills the links measured so far: docs/training-jobs.md)."""
-    return 1 if transfer.streams == "auto" else int(transfer.streams)
-
-
 def sse_events(lines: Iterable[str], stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, Any]]:
     """The server-sent events in a stream's `lines`, as (kind, data); comments (keep-alives) carry
     none. Ends with the lines, or once `stop()` is true when a line arrives."""
@@ -369,7 +363,7 @@ class CoordinatorClient:
         if part_bytes is not None and body.content_length > part_bytes:
             assert transfer is not None
             return self._upload_parts(round_, pid, BodyParts(body, part_bytes), tokens, piece,
-                                      _streams(transfer), stall_s, policy, counted)
+                                      transfer.streams, stall_s, policy, counted)
         path = f"/v1/rounds/{round_}/updates/{pid}"
         headers = {
             DIGEST_HEADER: body.digest(),
@@ -446,7 +440,8 @@ class CoordinatorClient:
         return answer
 
     def _upload_parts(self, round_: int, pid: str, parts: BodyParts, tokens: int, piece: str | None,
-                      streams: int, stall_s: float | None, policy: RetryPolicy, counted: CountedProgress) -> Any:
+                      streams: int | str, stall_s: float | None, policy: RetryPolicy,
+                      counted: CountedProgress) -> Any:
         """`upload` of a body larger than one part: the parts the coordinator does not hold, up
         to `streams` at once; each retry asks which it holds and sends only the rest."""
         from fedtrain.wire.digest import DIGEST_HEADER
@@ -481,7 +476,7 @@ class CoordinatorClient:
                 todo = [i for i in todo if i not in have]
                 log.info("upload of round %d resumes: %d of %d parts are in, %d to send", round_, len(have),
                          parts.count, len(todo))
-            final = send_parts(parts, todo, streams, send)
+            final = send_parts(parts, todo, streams, send, log)
             if final is None:  # every part is in, yet none completed the body (it was being placed): ask again
                 raise CoordinatorError("the upload's parts are in but its answer is not: asking again", status=503,
                                        code="parts_pending", details={"retry_after_s": RESEND_BACKOFF_S})

@@ -2,7 +2,8 @@
 a whole upload would send, each with its own digest, sent up to `streams` at a time.
 
 `BodyParts` cuts an `EncodedBody` into parts without copying it (views over its chunks) and
-hashes each part once. `send_parts` sends the parts the coordinator does not hold yet, and
+hashes each part once. `send_parts` sends the parts the coordinator does not hold yet (up to
+`transfer.streams` at once; `auto`: `probe_streams` measures), and
 returns the answer of the part that completed the body (the whole upload's answer). After a
 broken or silent connection the caller asks which parts are held and calls it again: only
 the rest travel. No torch at module level.
@@ -10,8 +11,10 @@ the rest travel. No torch at module level.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
@@ -91,23 +94,30 @@ class CountedProgress:
             self.add(chunk.nbytes)
 
 
-def send_parts(parts: BodyParts, todo: list[int], streams: int,
-               send: Callable[[int], dict[str, Any]]) -> dict[str, Any] | None:
-    """Send parts `todo` with `send(index)` (its answer), up to `streams` at once; the answer
-    that says the body is complete (None: none did, e.g. every part was in already but the
-    update was not placed). The first failure is raised once the parts in flight have ended;
-    parts not yet begun are not sent."""
+def send_parts(parts: BodyParts, todo: list[int], streams: int | str,
+               send: Callable[[int], dict[str, Any]], log: logging.Logger | None = None) -> dict[str, Any] | None:
+    """Send parts `todo` with `send(index)` (its answer), up to `streams` at once ("auto":
+    `probe_streams` picks the number as it goes); the answer that says the body is complete
+    (None: none did, e.g. every part was in already but the update was not placed). The first
+    failure is raised once the parts in flight have ended; parts not yet begun are not sent."""
     if not todo:
         return None
-    if streams <= 1 or len(todo) == 1:
+    if streams == "auto":
+        return probe_streams(todo, send, log)
+    width = int(streams)
+    if width <= 1 or len(todo) == 1:
         final = None
         for index in todo:
             answer = send(index)
             if answer.get("parts_complete"):
                 final = answer
         return final
+    return _side_by_side(todo, width, send)
+
+
+def _side_by_side(todo: list[int], width: int, send: Callable[[int], dict[str, Any]]) -> dict[str, Any] | None:
     final = None
-    with ThreadPoolExecutor(min(streams, len(todo)), thread_name_prefix="fedtrain-part") as pool:
+    with ThreadPoolExecutor(min(width, len(todo)), thread_name_prefix="fedtrain-part") as pool:
         futures: list[Future[dict[str, Any]]] = [pool.submit(send, i) for i in todo]
         _, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for f in pending:
@@ -121,4 +131,39 @@ def send_parts(parts: BodyParts, todo: list[int], streams: int,
                 raise error
             if f.result().get("parts_complete"):
                 final = f.result()
+    return final
+
+
+#: `streams: auto` doubles the connections while the rate grows by at least this factor.
+AUTO_GAIN = 1.25
+AUTO_MAX = 16
+
+
+def probe_streams(todo: list[int], send: Callable[[int], dict[str, Any]],
+                  log: logging.Logger | None = None) -> dict[str, Any] | None:
+    """`streams: auto`: send the parts a round of P at a time, P = 1 first, doubling P while a
+    round's rate (parts per second) beats the last one by AUTO_GAIN; once it does not, the
+    rest go at the best P found. On a link one connection fills, P stays 1 (or falls back to
+    it after one round of 2); where a single connection is held back (a long round trip, a
+    relay), P grows until the link is full."""
+    final, width, best, best_rate, at = None, 1, 1, 0.0, 0
+    growing = True
+    while at < len(todo):
+        batch = todo[at : at + width]
+        started = time.monotonic()
+        answer = _side_by_side(batch, width, send) if width > 1 else send(batch[0])
+        if answer is not None and answer.get("parts_complete"):
+            final = answer
+        at += len(batch)
+        rate = len(batch) / max(time.monotonic() - started, 1e-6)
+        if growing:
+            if rate >= best_rate * AUTO_GAIN and len(batch) == width:
+                best, best_rate = width, rate
+                width = min(width * 2, AUTO_MAX)
+                growing = width > best
+            else:
+                growing = False
+                width = best
+                if log is not None:
+                    log.info("streams auto: %d connection(s) for the rest of this upload", best)
     return final
