@@ -15,7 +15,8 @@ counts are counted over every connection, from the moment the fault is armed; ea
 fires once, on the connection that carries its byte. A cut resets both sides (RST). A
 stalled connection forwards nothing more either way until it is closed by the proxy
 (`close`), as a link that died without a word does; with `for_s` the whole link is silent
-that long (new connections wait too), after which new connections go through again.
+that long: a connection made meanwhile goes nowhere (what it sends is neither forwarded nor
+counted) and is reset when the link comes back; new connections go through again from then.
 """
 
 from __future__ import annotations
@@ -112,8 +113,13 @@ class FaultyLink:
             t.start()
 
     def _serve(self, client: socket.socket) -> None:
-        while time.monotonic() < self._silent_until and not self._closed.is_set():
-            time.sleep(0.02)  # the link is down: a new connection waits for it
+        if time.monotonic() < self._silent_until:
+            # the link is down: a connection made now goes nowhere (nothing it sends is
+            # forwarded or counted) and is reset when the link comes back
+            while time.monotonic() < self._silent_until and not self._closed.is_set():
+                time.sleep(0.02)
+            _reset(client)
+            return
         try:
             upstream = socket.create_connection(self.target, timeout=5)
         except OSError:

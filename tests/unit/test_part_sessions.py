@@ -90,3 +90,21 @@ def test_a_part_with_a_wrong_digest_is_not_held_and_a_newer_body_replaces_an_old
         assert e.value.status == 413
 
     asyncio.run(go())
+
+
+def test_parts_arriving_side_by_side_make_one_session(tmp_path: Path) -> None:
+    """The parts of a body sent at once (transfer.streams) all land in one session, whichever opens it."""
+    async def go() -> None:
+        sessions = PartSessions(SpoolFiles(tmp_path))
+        key = ("p0", 0, None)
+
+        async def one(i: int) -> bool:
+            s = await sessions.open(key, claim(i), 1 << 30, lambda: None, 1.0)
+            return await sessions.receive(s, i, digest_bytes(part(i)), Body(chunks(part(i))))
+
+        assert await asyncio.gather(*(one(i) for i in range(claim(0).count))) == [True] * claim(0).count
+        s = sessions.get(key)
+        assert s is not None and s.complete and sessions.count == 1
+        assert await sessions.whole(s).read(len(DATA) + 1) == DATA
+
+    asyncio.run(go())

@@ -42,7 +42,7 @@ class Link:
 
 
 def test_auto_grows_the_connections_where_each_gets_its_own_share() -> None:
-    link = Link(0.05, shared=False)
+    link = Link(0.2, shared=False)  # (long enough that a loaded machine's scheduling is noise)
     answer = probe_streams(list(range(64)), link.send)
     assert answer == {"parts_complete": True}
     assert sorted(link.sent) == list(range(64))

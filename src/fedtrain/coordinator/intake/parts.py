@@ -182,15 +182,18 @@ class PartSessions:
             raise Refused(413, "too_large", f"{key[0]}'s uploads in parts would hold {held + claim.total:,} bytes, "
                           f"more than max_upload_mb allows ({limit:,} bytes)")
         path, new = self._files.take()
-        try:
-            await asyncio.to_thread(_size_file, path, claim.total)
-        except BaseException:
-            self._files.discard(path, new)
-            raise
         session = Session(key, claim, path, new, self._clock(),
                           progress=Progress(f"upload of round {key[1]} in parts", claim.total))
         session.idle.set()
+        # In before the first await: the other parts of the body, arriving side by side, find
+        # it (and write into it: every write is below `total`, so sizing the file may come in
+        # any order with them).
         self._sessions[key] = session
+        try:
+            await asyncio.to_thread(_size_file, path, claim.total)
+        except BaseException:
+            self.drop(session)
+            raise
         return session
 
     async def receive(self, session: Session, index: int, digest: str, body: Body) -> bool:
@@ -280,7 +283,7 @@ async def _write_part(body: Body, path: Path, offset: int, length: int, digest: 
     """Stream `length` bytes of `body` into `path` at `offset`, hashing them; their digest.
     A body shorter or longer than `length` is a WireError."""
     hasher = StreamingDigest.like(digest)
-    fd = await asyncio.to_thread(os.open, path, os.O_WRONLY)
+    fd = await asyncio.to_thread(os.open, path, os.O_WRONLY | os.O_CREAT, 0o600)  # (perhaps before it is sized)
     try:
         buffers = [memoryview(bytearray(min(BATCH, length + 1))) for _ in range(2)]
         pending: asyncio.Future[None] | None = None

@@ -378,7 +378,7 @@ class CoordinatorClient:
         def once() -> Any:
             nonlocal attempts
             if attempts:  # a retry: an earlier attempt may have got in (its answer lost)
-                done = self._already_in(round_, pid, piece)
+                done = self._already_in(round_, pid, piece, stall_s)
                 if done is not None:
                     return done
             attempts += 1
@@ -405,7 +405,15 @@ class CoordinatorClient:
                                   timeout=timeout)
         return self._answer(response, f"PUT {path}")
 
-    def _already_in(self, round_: int, pid: str, piece: str | None) -> dict[str, Any] | None:
+    def _asking(self, stall_s: float | None) -> httpx.Timeout:
+        """The timeouts of a small question asked between the attempts of an upload: one whose
+        answer is silent for `stall_s` is given up like the upload's connection."""
+        if stall_s is None:
+            return self._timeouts.httpx()
+        return httpx.Timeout(connect=self._timeouts.connect, read=stall_s, write=stall_s, pool=self._timeouts.pool)
+
+    def _already_in(self, round_: int, pid: str, piece: str | None,
+                    stall_s: float | None = None) -> dict[str, Any] | None:
         """Before a body is sent again: the answer of an upload that is in already (an earlier
         attempt got in, its answer lost), so nothing is sent; None: send it. An earlier attempt
         still streaming on a silent connection does not hold the retry up: the coordinator
@@ -413,7 +421,8 @@ class CoordinatorClient:
         params: dict[str, Any] = {"participant_id": pid} if piece is None else {"participant_id": pid, "piece": piece}
         where = f"GET /v1/rounds/{round_}"
         try:
-            info = self._answer(self._http.get(f"/v1/rounds/{round_}", params=params, headers=self._as(pid)), where)
+            info = self._answer(self._http.get(f"/v1/rounds/{round_}", params=params, headers=self._as(pid),
+                                               timeout=self._asking(stall_s)), where)
         except CoordinatorError:
             return None  # the upload itself gets the refusal that says why (round not open, ...)
         if isinstance(info, dict) and info.get("submitted") is True:
@@ -426,13 +435,14 @@ class CoordinatorClient:
         "held", "missing", ...}); None when it holds none (no upload session)."""
         return self._call(f"GET parts of round {round_}", lambda: self._parts_held(round_, pid, piece), retry=retry)
 
-    def _parts_held(self, round_: int, pid: str, piece: str | None) -> dict[str, Any] | None:
+    def _parts_held(self, round_: int, pid: str, piece: str | None,
+                    stall_s: float | None = None) -> dict[str, Any] | None:
         """`upload_parts_held`, once (a transport error is raised: the caller's retry loop has it)."""
         path = f"/v1/rounds/{round_}/updates/{pid}/parts"
         params = {"piece": piece} if piece is not None else {}
         try:
-            answer: dict[str, Any] = self._answer(self._http.get(path, params=params, headers=self._as(pid)),
-                                                  f"GET {path}")
+            answer: dict[str, Any] = self._answer(self._http.get(path, params=params, headers=self._as(pid),
+                                                                 timeout=self._asking(stall_s)), f"GET {path}")
         except CoordinatorError as e:
             if e.code == "no_upload_session":
                 return None
@@ -466,10 +476,10 @@ class CoordinatorClient:
             # Every attempt asks first (two small GETs; an earlier sync attempt of this round
             # may have sent parts already): only the parts the coordinator does not hold go.
             todo = list(range(parts.count))
-            done = self._already_in(round_, pid, piece)
+            done = self._already_in(round_, pid, piece, stall_s)
             if done is not None:
                 return done
-            held = self._parts_held(round_, pid, piece)
+            held = self._parts_held(round_, pid, piece, stall_s)
             if held is not None and held.get("digest") == whole and held.get("total") == parts.total \
                     and held.get("part_bytes") == parts.part_bytes:
                 have = set(held.get("held", []))
