@@ -7,6 +7,8 @@ sends or reads parts as another participant. What an unfinished upload holds is 
 from __future__ import annotations
 
 import math
+import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -238,3 +240,35 @@ def test_parts_of_an_upload_never_finished_are_reclaimed(run: BackgroundCoordina
         assert math.ceil(len(s.data) / PART) == s.parts.count
     finally:
         s.close()
+
+
+def test_a_participant_streams_at_most_so_many_parts_at_once(run: BackgroundCoordinator) -> None:
+    """Each part streaming in holds receive buffers: one participant's are capped, however many
+    connections it opens (its other parts are told to come back: 429 with Retry-After)."""
+    s = Sender(run, "p0")
+    total = (parts.MAX_STREAMING_PER_PID + 4) * PART
+    socks: list[socket.socket] = []
+    try:
+        for i in range(parts.MAX_STREAMING_PER_PID):
+            socks.append(stalled_part(run, s, i, total))
+        deadline = time.monotonic() + 20
+        while len(s.held().json().get("streaming", [])) < parts.MAX_STREAMING_PER_PID:
+            assert time.monotonic() < deadline, "the parts never began to stream"
+            time.sleep(0.05)
+        r = s.put(parts.MAX_STREAMING_PER_PID, data=b"\0" * PART, total=total, whole=digest_bytes(b"whole"))
+        assert (r.status_code, code(r)) == (429, "too_many_parts_in_flight"), r.text
+        assert r.json()["error"]["details"]["retry_after_s"] > 0
+    finally:
+        for sock in socks:
+            sock.close()
+        s.close()
+
+
+def stalled_part(c: BackgroundCoordinator, s: Sender, index: int, total: int) -> socket.socket:
+    """A connection that sends part `index` of a body of `total` bytes, 1000 bytes of it, and goes silent."""
+    head = (f"PUT /v1/rounds/0/updates/p0?tokens=100&part={index}&total={total}&part_bytes={PART} HTTP/1.1\r\n"
+            f"Host: x\r\nAuthorization: Bearer {PTOKEN}\r\n{KEY}: {s.key}\r\n{DIGEST_HEADER}: {digest_bytes(b'x')}\r\n"
+            f"{WHOLE}: {digest_bytes(b'whole')}\r\nContent-Length: {PART}\r\n\r\n").encode()
+    sock = socket.create_connection((c.host, c.port), timeout=10)
+    sock.sendall(head + b"\0" * 1000)
+    return sock

@@ -43,6 +43,9 @@ MAX_PART_BYTES = 1 << 30
 MAX_PARTS = 1 << 16
 #: The sessions one participant may hold at once (an update, or its pieces, per round).
 MAX_SESSIONS_PER_PID = 64
+#: The parts of one participant streaming in at once, all its sessions together (what
+#: `transfer.streams` may ask for; each holds two receive buffers of up to BATCH).
+MAX_STREAMING_PER_PID = 16
 #: A session that has heard no part for this long (and has none streaming) is reclaimed.
 IDLE_S = 600.0
 #: Bytes read from the socket, hashed and written at a time.
@@ -126,6 +129,7 @@ class Session:
         missing = [i for i in range(c.count) if i not in self.held]
         return {"digest": c.digest, "total": c.total, "part_bytes": c.part_bytes, "parts": c.count,
                 "held": sorted(self.held), "missing": missing, "held_bytes": self.held_bytes(),
+                "streaming": sorted(self.streaming),
                 "complete": self.complete, "assembling": self.assembling}
 
 
@@ -205,6 +209,11 @@ class PartSessions:
         if index in session.held or session.assembling:
             await body.drain()
             return False
+        streaming = sum(len(s.streaming) for s in self.of(session.key[0]))
+        if streaming >= MAX_STREAMING_PER_PID:
+            await body.drain()
+            raise Refused(429, "too_many_parts_in_flight", f"{session.key[0]} has {streaming} parts streaming in, the "
+                          f"most one participant may send at once ({MAX_STREAMING_PER_PID})", {"retry_after_s": 1.0})
         if index in session.streaming:  # (the route lets one attempt per part in at a time)
             await body.drain()
             raise Refused(429, "upload_in_progress", f"part {index} is streaming in on another connection",
