@@ -83,3 +83,24 @@ def test_status_and_export(tmp_path: Path, coordinator: BackgroundCoordinator) -
 def test_every_command_has_help(cmd: str) -> None:
     r = fedtrain(cmd, "--help")
     assert r.returncode == 0 and "usage: fedtrain" in r.stdout
+
+
+def test_export_finds_its_source_in_the_environment(tmp_path: Path, coordinator: BackgroundCoordinator) -> None:
+    """Like every client command, export reads FEDTRAIN_COORDINATOR and FEDTRAIN_TOKEN; without a
+    coordinator, FEDTRAIN_STATE_DIR is read directly; with neither, one clear line."""
+    out = tmp_path / "global.safetensors"
+    env = {"FEDTRAIN_COORDINATOR": coordinator.url, "FEDTRAIN_TOKEN": PTOKEN}
+    r = fedtrain("export", "--out", str(out), env=env)
+    assert r.returncode == 0, r.stderr
+    weights = coordinator.service.inspect().weights
+    assert all(torch.equal(load_file(out)[n], t) for n, t in weights.items())
+
+    out2 = tmp_path / "from-state.safetensors"
+    state_only = {"FEDTRAIN_COORDINATOR": "", "FEDTRAIN_STATE_DIR": str(coordinator.service.state_dir)}
+    r = fedtrain("export", "--out", str(out2), env=state_only)
+    assert r.returncode == 0, r.stderr
+    assert load_file(out2).keys() == weights.keys()
+
+    neither = {"FEDTRAIN_COORDINATOR": "", "FEDTRAIN_STATE_DIR": ""}
+    assert_clean_error(fedtrain("export", "--out", str(out2), env=neither), "pass --coordinator URL",
+                       "FEDTRAIN_STATE_DIR")

@@ -60,6 +60,8 @@ def test_tokens_are_minted_listed_and_revoked_at_run_time_and_kept_across_restar
         listed = {t["name"]: t for t in admin.get("/v1/admin/tokens").json()["tokens"]}
         assert listed["site-a"]["participants"] == ["a1"] and listed["site-b"]["participants"] == ["b1"]
         assert a not in json.dumps(listed) and b not in json.dumps(listed)  # listed by fingerprint only
+        shown = {p["id"]: (p["site"], p["token_id"]) for p in admin.get("/v1/status").json()["participants"]}
+        assert shown == {"a1": ("site-a", listed["site-a"]["token_id"]), "b1": ("site-b", listed["site-b"]["token_id"])}
         r = admin.post("/v1/admin/tokens/revoke", json={"name": "site-a"}).json()
         assert r == {"revoked": listed["site-a"]["token_id"], "evicted": ["a1"]}
         assert_error(join(c, a, "a2"), 401, "token_revoked")

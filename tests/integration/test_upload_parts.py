@@ -140,13 +140,15 @@ def test_a_silent_older_connection_is_closed_by_the_retry_that_takes_over(
             time.sleep(0.02)
         # the upload in flight shows in the status, with its progress (`Progress.view`)
         def upload_view() -> dict:
-            return next(p for p in client.status()["participants"] if p["id"] == "p0")["upload"]
+            return next(p for p in client.status()["participants"] if p["id"] == "p0")["transfer"]
 
         while (seen := upload_view())["bytes"] == 0:  # (counted as reads end: a batch at a time)
             assert time.monotonic() < deadline, f"the status never showed the bytes sent: {seen}"
             time.sleep(0.02)
         assert seen["total"] == len(data) and 0 < seen["bytes"] <= len(data) // 2
-        assert seen["what"] == "upload of round 0"
+        assert (seen["what"], seen["direction"]) == ("upload of round 0", "up")
+        row = next(p for p in client.status()["participants"] if p["id"] == "p0")
+        assert [t["direction"] for t in row["transfers"]] == ["up"]  # with the downloads in flight, if any
         # the retry goes at once: no 429 for the slot the silent connection holds
         answer = client.upload(0, "p0", body, tokens=100, retry=RetryPolicy(max_elapsed_s=0))
         assert answer["accepted"] is True and answer["duplicate"] is False

@@ -89,7 +89,7 @@ def _with_algorithm_defaults(old: dict[str, Any], patch: dict[str, Any]) -> dict
 
 def change_notes(old: RunConfig, new: RunConfig) -> list[str]:
     """What a change implies beyond its diff, in words (shown by the validation answer)."""
-    notes = _mode_notes(old.schedule.mode, new.schedule.mode, new)
+    notes = _mode_notes(old.schedule.mode, new.schedule.mode, new) + _compression_notes(old, new)
     if old.outer.algorithm == new.outer.algorithm:
         return notes + _lr_notes(old, new)
     d = outer_defaults(new)
@@ -101,6 +101,15 @@ def change_notes(old: RunConfig, new: RunConfig) -> list[str]:
         f"outer.algorithm {old.outer.algorithm} -> {new.outer.algorithm}: the new outer optimizer starts with fresh "
         f"state and runs with {chosen}; unset values are {new.outer.algorithm}'s defaults",
     ]
+
+
+def _compression_notes(old: RunConfig, new: RunConfig) -> list[str]:
+    a, b = old.train.compression, new.train.compression
+    if a == b:
+        return []
+    note = (f"train.compression {a} -> {b} applies from each participant's next upload; with train.error_feedback "
+            "what compression did not send yet is carried into that upload")
+    return [note + ("; topk sends most of an update rounds later, through that residual" if b == "topk" else "")]
 
 
 def _lr_notes(old: RunConfig, new: RunConfig) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from fedtrain.config.compression import check_compression
 from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig, TransferConfig
 from fedtrain.config.sections import Strict as _Strict
 from fedtrain.errors import ConfigError
@@ -169,10 +170,15 @@ class TrainConfig(_Strict):
     seq_len: int = Field(128, ge=2, le=MAX_TOKENS, description="Tokens per sequence (at most model.block_size).")
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clip (0 turns it off).")
     eval_batches: int = Field(8, ge=1, le=100_000, description="Batches in one held-out evaluation.")
-    compression: Literal["none", "bf16", "int8"] = Field(
-        "none", description="How participants send pseudo-gradients: fp32 as is, bf16, or int8 with per-block scales."
+    compression: Literal["none", "bf16", "int8", "e3m0", "topk"] = Field(
+        "none", description="How participants send pseudo-gradients: fp32 as is, bf16, int8 or e3m0 (4-bit float, "
+        "Streaming DiLoCo's) with per-block scales, or topk (the largest entries of each chunk, values in "
+        "topk_bits bits; docs/training-jobs.md, Compression).",
     )
-    compression_block: int = Field(256, ge=8, le=MAX_TOKENS, description="Values per int8 scale.")
+    compression_block: int = Field(256, ge=8, le=MAX_TOKENS, description="Values per int8 or e3m0 scale.")
+    topk_density: float = Field(0.01, ge=1e-4, le=0.25, description="topk: share of each chunk's values sent.")
+    topk_bits: Literal[2, 4] = Field(2, description="topk: bits per value sent (sign and magnitude).")
+    topk_chunk: int = Field(4096, ge=64, le=65536, description="topk: values per chunk (offsets are uint16).")
     overlap: bool = Field(
         False,
         description="Keep training while the upload, merge and download run in the background, then apply "
@@ -349,6 +355,7 @@ class RunConfig(_Strict):
             _check_async(self)
         if self.streaming is not None:
             _check_streaming(self)
+        check_compression(self)
         return self
 
 

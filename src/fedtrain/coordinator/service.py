@@ -471,7 +471,7 @@ class Coordinator:
         schedule = self.rounds.schedule_view()  # staleness, applied updates, share of the applied weight
         fragment = self.rounds.fragment(self.version)  # Streaming DiLoCo (None: off)
         deadline_s, deadline_reason = self.deadline()
-        return {
+        status = {
             "run": self.config.name,
             "mode": self.config.schedule.mode,
             "current_round": self.version,
@@ -498,11 +498,14 @@ class Coordinator:
             "bytes_out": sum(p.bytes_down for p in rows.values()),
             "submitted": sorted(self.rounds.open.submitted),
             "participants": [{**participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
-                                                 told[p.id]), **schedule.get(p.id, {}),
-                              "upload": self.intake.transfer_view(p.id)}  # its upload in flight (Progress.view)
+                                                 told[p.id], self.roster.site_of(p.token_id)),
+                              **schedule.get(p.id, {}),
+                              "transfer": self.intake.transfer_view(p.id)}  # its upload in flight (Progress.view)
                              for p in sorted(rows.values(), key=lambda p: p.id)],
             "recent_rounds": recent,
         }
+        self.committer.downloads.add_to(status["participants"])  # and their transfers in flight
+        return status
 
     def _streaming_view(self) -> dict[str, Any] | None:
         """Streaming DiLoCo's K, τ and α for the status (None: off)."""

@@ -142,8 +142,8 @@ class RunningSum:
     """Σ wᵢΔᵢ folded in place, one tensor at a time, in a fixed set of accumulators.
 
     Memory is one copy of the sync set (in `dtype`) whatever the number of contributors.
-    Use `fold` for each tensor of one update as it streams in, then `finish_contribution`
-    once; or `add` for a whole update at hand. `mean()` divides in place and hands out
+    Use `fold` (`fold_part`, `fold_sparse`) for each tensor of one update as it streams in,
+    then `finish_contribution` once; or `add` for a whole update at hand. `mean()` divides in place and hands out
     the accumulators themselves (`scaled()` hands them out with the divisor, for the outer
     step to divide as it reads); call `reset()` before the next round.
 
@@ -263,6 +263,29 @@ class RunningSum:
             self._pending.add(name)
         else:
             self._partial[name] = start + n
+
+    def fold_sparse(self, name: str, positions: torch.Tensor, values: torch.Tensor, weight: float,
+                    max_abs: float | None = None) -> None:
+        """Add weight·values at flat `positions` (int64, no duplicates) of the accumulator `name`,
+        zero elsewhere: a sparse tensor (a topk update's) folded whole, without a dense copy
+        of it. `max_abs` as for `fold`."""
+        self._check_open()
+        w = _check_weight(weight, f"tensor {name!r}")
+        if name not in self._acc or name in self._pending or name in self._partial:
+            raise MergeError(f"{name!r} is not a tensor of the model, or was folded twice for one contribution")
+        if not values.is_floating_point() or positions.dtype != torch.int64 or positions.shape != values.shape:
+            raise MergeError(f"{name}: a sparse fold takes int64 positions and floating values of one shape")
+        flat = self._acc[name].view(-1)
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= flat.numel()):
+            raise MergeError(f"{name}: a position is outside its {flat.numel()} elements")
+        self._make_room(name, values, w, max_abs)
+        alpha = self._alpha(w)
+        if name in self._fresh:
+            flat.zero_()  # no value yet: what is not sent is zero
+        flat.index_add_(0, positions.to(flat.device), values.detach().to(device=flat.device, dtype=flat.dtype),
+                        alpha=alpha)
+        self._fresh.discard(name)
+        self._pending.add(name)
 
     def _alpha(self, w: float) -> float:
         """The factor a value folded with weight `w` is multiplied by: w / scale, where the

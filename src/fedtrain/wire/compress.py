@@ -1,11 +1,22 @@
-"""Compressed pseudo-gradients on the wire: bf16, and int8 with one fp32 scale per block.
+"""Compressed pseudo-gradients on the wire: bf16, int8 and e3m0 with per-block scales, and topk.
 
-A compressed body is an ordinary safetensors body. With `int8`, every floating tensor
-`name` travels as `name` (int8, the original shape) preceded by `name::scale` (fp32, one
-absmax/127 scale per `block` consecutive values of the flattened tensor); other tensors
-travel as they are. The metadata key `fedtrain.compression` names the scheme, so the
-receiver knows what it reads before any tensor byte arrives, and `expected_specs` says
-which header a receiver must insist on.
+A compressed body is an ordinary safetensors body whose metadata names its `Codec`: the key
+`fedtrain.compression` names the scheme and the others its parameters, so the receiver knows
+what it reads before any tensor byte arrives, and `expected_specs` gives the exact header it
+must insist on. Every floating tensor `name` travels as (other tensors travel as they are):
+
+- `bf16`: `name` in bfloat16.
+- `int8`: `name::scale` (fp32, one absmax/127 scale per `block` values of the flattened
+  tensor), then `name` (int8, the original shape).
+- `e3m0`: `name::scale` (fp32, one absmax scale per `block` values), then `name` (uint8, two
+  4-bit codes a byte: Streaming DiLoCo's sign + 3-bit exponent float, `sparse.py`).
+- `topk`: `name::scale` (fp32 [chunks, 2]), `name::idx` (uint16 offsets inside each chunk,
+  strictly increasing), then `name` (uint8, `bits`-bit codes packed): the `k` largest |values|
+  of each `chunk` values (`sparse.py`).
+
+`decompress` turns a body back into full tensors; `decode_parts` leaves a topk tensor sparse
+(flat positions and values), for a fold into a running sum that never densifies it. Both
+check every scale, offset and code they read, and raise WireError (a 4xx) for a bad one.
 
 `ErrorFeedback` keeps, on the sender, what compression dropped last time and adds it to
 the next pseudo-gradient (Seide et al. 2014; Karimireddy et al. 2019), so the error does
@@ -15,25 +26,121 @@ not accumulate over rounds.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fedtrain.errors import WireError
+from fedtrain.wire import sparse
 
-SCHEMES = ("none", "bf16", "int8")
+SCHEMES = ("none", "bf16", "int8", "e3m0", "topk")
 META_KEY = "fedtrain.compression"
 BLOCK_KEY = "fedtrain.block"
+TOPK_KEY = "fedtrain.topk"  # entries sent per full chunk
+CHUNK_KEY = "fedtrain.chunk"
+BITS_KEY = "fedtrain.bits"
 SCALE_SUFFIX = "::scale"
+INDEX_SUFFIX = "::idx"
 DEFAULT_BLOCK = 256
+DEFAULT_CHUNK = 4096
+DEFAULT_K = 41  # 1% of a chunk of 4096
+TOPK_BITS = (2, 4)
+#: The most characters a numeric compression parameter may have in the metadata.
+_MAX_DIGITS = 9
 
 Spec = tuple[torch.dtype, tuple[int, ...]]
 
 
-def _check(scheme: str, block: int) -> None:
-    if scheme not in SCHEMES:
-        raise WireError(f"unknown compression {scheme!r}; use one of {', '.join(SCHEMES)}")
-    if block < 1:
-        raise WireError(f"compression block must be at least 1, got {block}")
+@dataclass(frozen=True)
+class Codec:
+    """A compression scheme and its parameters, as a body's metadata carries them."""
+
+    scheme: str = "none"
+    block: int = DEFAULT_BLOCK  # values per int8 / e3m0 scale
+    k: int = DEFAULT_K  # topk: entries sent per full chunk
+    chunk: int = DEFAULT_CHUNK  # topk: values per chunk (offsets are uint16)
+    bits: int = 2  # topk: bits per value sent
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise WireError(f"unknown compression {self.scheme!r}; use one of {', '.join(SCHEMES)}")
+        if self.block < 1:
+            raise WireError(f"compression block must be at least 1, got {self.block}")
+        if self.scheme == "topk":
+            if not sparse.MIN_CHUNK <= self.chunk <= sparse.MAX_CHUNK:
+                raise WireError(f"topk chunk must be {sparse.MIN_CHUNK} to {sparse.MAX_CHUNK}, got {self.chunk}")
+            most = sparse.ceil_div(self.chunk, 4)  # a density of at most 25%: what decoding holds is bounded
+            if not 1 <= self.k <= most:
+                raise WireError(f"topk entries per chunk must be 1 to a quarter of the chunk ({most}), got {self.k}")
+            if self.bits not in TOPK_BITS:
+                raise WireError(f"topk bits must be 2 or 4, got {self.bits}")
+
+    @property
+    def sparse(self) -> bool:
+        return self.scheme == "topk"
+
+    def metadata(self) -> dict[str, str]:
+        meta = {META_KEY: self.scheme, BLOCK_KEY: str(self.block)}
+        if self.sparse:
+            meta.update({TOPK_KEY: str(self.k), CHUNK_KEY: str(self.chunk), BITS_KEY: str(self.bits)})
+        return meta
+
+    @classmethod
+    def of(cls, metadata: Mapping[str, str]) -> Codec:
+        """The codec a body's metadata names (none when it names none); WireError if it is bad."""
+        scheme = metadata.get(META_KEY, "none")
+        block = _int(metadata, BLOCK_KEY, DEFAULT_BLOCK)
+        if scheme != "topk":
+            return cls(scheme, block)
+        return cls(scheme, block, _int(metadata, TOPK_KEY, None), _int(metadata, CHUNK_KEY, None),
+                   _int(metadata, BITS_KEY, None))
+
+    @classmethod
+    def for_train(cls, train: Any) -> Codec:
+        """The codec a run config's `train` section asks for (its fields were validated there)."""
+        if train.compression != "topk":
+            return cls(train.compression, train.compression_block)
+        chunk = train.topk_chunk
+        return cls("topk", train.compression_block, max(1, min(chunk, round(train.topk_density * chunk))), chunk,
+                   train.topk_bits)
+
+
+def _int(metadata: Mapping[str, str], key: str, default: int | None) -> int:
+    raw = metadata.get(key)
+    if raw is None:
+        if default is None:
+            raise WireError(f"a topk body's metadata must give {key}")
+        return default
+    if not (isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= _MAX_DIGITS):
+        raise WireError(f"metadata {key} is not an integer of at most {_MAX_DIGITS} digits")
+    return int(raw)
+
+
+def _codec(scheme: str | Codec, block: int) -> Codec:
+    if isinstance(scheme, Codec):
+        return scheme
+    if scheme == "topk":  # its header depends on k, chunk and bits: a bare name is not enough
+        raise WireError("the topk scheme needs its parameters: pass a Codec")
+    return Codec(scheme, block)
+
+
+def base_name(name: str) -> str:
+    """The tensor a body's tensor belongs to: itself, or the one a scale or index part is of."""
+    for suffix in (SCALE_SUFFIX, INDEX_SUFFIX):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def is_part(name: str) -> bool:
+    """Whether a body's tensor is a scale or index part of another."""
+    return base_name(name) != name
+
+
+def parts_of(name: str) -> tuple[str, ...]:
+    """Every body key tensor `name` may travel as, in body order."""
+    return (name + SCALE_SUFFIX, name + INDEX_SUFFIX, name)
 
 
 def quantize_int8(t: torch.Tensor, block: int = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,89 +167,197 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int = DEFAULT_
     return flat.reshape(-1)[:n].reshape(q.shape)
 
 
-def compress(delta: Mapping[str, torch.Tensor], scheme: str, block: int = DEFAULT_BLOCK) -> tuple[
+def compress(delta: Mapping[str, torch.Tensor], scheme: str | Codec, block: int = DEFAULT_BLOCK) -> tuple[
         dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of a compressed body for `delta`."""
-    _check(scheme, block)
-    meta = {META_KEY: scheme, BLOCK_KEY: str(block)}
-    if scheme == "none":
+    codec = _codec(scheme, block)
+    meta = codec.metadata()
+    if codec.scheme == "none":
         return dict(delta), meta
     out: dict[str, torch.Tensor] = {}
     for name, t in delta.items():
         if not t.is_floating_point():
             out[name] = t
-        elif scheme == "bf16":
+        elif codec.scheme == "bf16":
             out[name] = t.to(torch.bfloat16)
-        else:
-            q, scales = quantize_int8(t, block)
+        elif codec.scheme == "int8":
+            q, scales = quantize_int8(t, codec.block)
             out[name + SCALE_SUFFIX] = scales
             out[name] = q
+        elif codec.scheme == "e3m0":
+            packed, scales = sparse.e3m0_quantize(t, codec.block)
+            out[name + SCALE_SUFFIX] = scales
+            out[name] = packed
+        else:
+            scales, offsets, packed = sparse.topk_compress(t, codec.k, codec.chunk, codec.bits)
+            out[name + SCALE_SUFFIX] = scales
+            out[name + INDEX_SUFFIX] = offsets
+            out[name] = packed
     return out, meta
 
 
 def scheme_of(metadata: Mapping[str, str]) -> tuple[str, int]:
-    scheme = metadata.get(META_KEY, "none")
-    try:
-        block = int(metadata.get(BLOCK_KEY, DEFAULT_BLOCK))
-    except ValueError:
-        raise WireError(f"metadata {BLOCK_KEY} is not an integer") from None
-    _check(scheme, block)
-    return scheme, block
+    """(scheme, block) of a body's metadata, every parameter checked (`Codec.of`)."""
+    codec = Codec.of(metadata)
+    return codec.scheme, codec.block
 
 
-def expected_specs(spec: Mapping[str, Spec], scheme: str, block: int = DEFAULT_BLOCK) -> dict[str, Spec]:
-    """The header a compressed body of a model with `spec` must have."""
-    _check(scheme, block)
+def codec_of(metadata: Mapping[str, str]) -> Codec:
+    return Codec.of(metadata)
+
+
+def expected_specs(spec: Mapping[str, Spec], scheme: str | Codec, block: int = DEFAULT_BLOCK) -> dict[str, Spec]:
+    """The header a compressed body of a model with `spec` must have, exactly."""
+    codec = _codec(scheme, block)
     out: dict[str, Spec] = {}
     for name, (dtype, shape) in spec.items():
-        if scheme == "none" or not dtype.is_floating_point:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if codec.scheme == "none" or not dtype.is_floating_point:
             out[name] = (dtype, shape)
-        elif scheme == "bf16":
+        elif codec.scheme == "bf16":
             out[name] = (torch.bfloat16, shape)
-        else:
-            numel = 1
-            for d in shape:
-                numel *= d
-            out[name + SCALE_SUFFIX] = (torch.float32, (-(-numel // block),))
+        elif codec.scheme == "int8":
+            out[name + SCALE_SUFFIX] = (torch.float32, (sparse.ceil_div(numel, codec.block),))
             out[name] = (torch.int8, shape)
+        elif codec.scheme == "e3m0":
+            out[name + SCALE_SUFFIX] = (torch.float32, (sparse.ceil_div(numel, codec.block),))
+            out[name] = (torch.uint8, (sparse.ceil_div(numel, 2),))
+        else:
+            chunks = sparse.chunk_counts(numel, codec.k, codec.chunk)[0]
+            entries = sparse.topk_entries(numel, codec.k, codec.chunk)
+            out[name + SCALE_SUFFIX] = (torch.float32, (chunks, 2))
+            out[name + INDEX_SUFFIX] = (torch.uint16, (entries,))
+            out[name] = (torch.uint8, (sparse.ceil_div(entries * codec.bits, 8),))
     return out
 
 
-def decompress(tensors: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[str, str],
-               dtypes: Mapping[str, torch.dtype] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Decode a stream of (name, tensor) of a compressed body back to full tensors, one at a
-    time (a scale is held only until its tensor arrives)."""
-    scales: dict[str, torch.Tensor] = {}
-    scheme, block = "none", DEFAULT_BLOCK
+class _Parts:
+    """Gathers the parts of each compressed tensor of a body as they stream past, in body order."""
+
+    def __init__(self, codec: Codec, dtypes: Mapping[str, torch.dtype] | None) -> None:
+        self.codec = codec
+        self._dtypes = dtypes
+        self._held: dict[str, dict[str, torch.Tensor]] = {}
+
+    def take(self, name: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Hold a part; the parts of tensor `name` once it (its codes, which come last) arrives,
+        or None for a tensor that travels as it is. Raises WireError for a compressed tensor
+        whose parts did not come before it."""
+        base = base_name(name)
+        if base != name:
+            self._held.setdefault(base, {})[name[len(base):]] = t
+            return None
+        parts = self._held.pop(name, None)
+        floating = self._dtypes[name].is_floating_point if self._dtypes and name in self._dtypes else None
+        if parts is None and self.codec.scheme in ("int8", "e3m0", "topk") and (
+                floating or (floating is None and t.dtype in (torch.int8, torch.uint8))):
+            raise WireError(f"{self.codec.scheme} tensor {name} comes before its scales: a compressed tensor's "
+                            "parts come first (scale, then index), then its codes")
+        if parts is None:
+            return None
+        parts[""] = t
+        want = {SCALE_SUFFIX, INDEX_SUFFIX, ""} if self.codec.sparse else {SCALE_SUFFIX, ""}
+        if set(parts) != want:
+            raise WireError(f"{self.codec.scheme} tensor {name} arrives with parts {sorted(parts)}, expected "
+                            f"{sorted(want)}")
+        return parts
+
+    def finish(self) -> None:
+        if self._held:
+            raise WireError(f"{self.codec.scheme} scales or indices without their tensors: "
+                            f"{', '.join(sorted(self._held)[:10])}")
+
+
+def _numel(name: str, shapes: Mapping[str, tuple[int, ...]] | None) -> tuple[int, tuple[int, ...]]:
+    if shapes is None or name not in shapes:
+        raise WireError(f"tensor {name} cannot be decoded without the shape it has in the model")
+    shape = tuple(shapes[name])
+    n = 1
+    for d in shape:
+        n *= d
+    return n, shape
+
+
+def decode_parts(tensors: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[str, str],
+                 dtypes: Mapping[str, torch.dtype] | None = None,
+                 shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor | None, torch.Tensor]]:
+    """(name, flat int64 positions, float32 values) of each topk tensor of a body, every part
+    checked, never densified; (name, None, full tensor) of every other tensor. One tensor's
+    parts are held at a time (a body's parts come in order). `shapes`: the model's (a topk
+    or e3m0 body does not carry them)."""
+    parts: _Parts | None = None
     for i, (name, t) in enumerate(tensors):
         if i == 0:  # read lazily: a streaming reader fills `metadata` with the header, before any tensor
-            scheme, block = scheme_of(metadata)
-        if scheme == "int8" and name.endswith(SCALE_SUFFIX):
-            scales[name[: -len(SCALE_SUFFIX)]] = t
+            parts = _Parts(Codec.of(metadata), dtypes)
+        assert parts is not None
+        codec = parts.codec
+        if codec.scheme == "none":
+            yield name, None, t
             continue
+        got = parts.take(name, t)
         want = (dtypes or {}).get(name, torch.float32)
-        if scheme == "int8" and t.dtype == torch.int8 and name in scales:
-            yield name, dequantize_int8(t, scales.pop(name), block).to(want)
-        elif scheme == "bf16" and t.dtype == torch.bfloat16:
-            yield name, t.to(want)
+        if base_name(name) != name:
+            continue
+        if got is None:
+            yield name, None, (t.to(want) if codec.scheme == "bf16" and t.dtype == torch.bfloat16 else t)
+        elif codec.scheme == "int8":
+            yield name, None, dequantize_int8(t, got[SCALE_SUFFIX], codec.block).to(want)
+        elif codec.scheme == "e3m0":
+            n, shape = _numel(name, shapes)
+            yield name, None, sparse.e3m0_dequantize(t, got[SCALE_SUFFIX], n, codec.block).reshape(shape).to(want)
         else:
-            yield name, t
-    if scales:
-        raise WireError(f"int8 scales without their tensors: {', '.join(sorted(scales))}")
+            n, _ = _numel(name, shapes)
+            positions, values = sparse.topk_decode(got[SCALE_SUFFIX], got[INDEX_SUFFIX], t, n, codec.k, codec.chunk,
+                                                   codec.bits, name)
+            yield name, positions, values
+    if parts is not None:
+        parts.finish()
+
+
+def decompress(tensors: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[str, str],
+               dtypes: Mapping[str, torch.dtype] | None = None,
+               shapes: Mapping[str, tuple[int, ...]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Decode a stream of (name, tensor) of a compressed body back to full tensors, one at a
+    time (a tensor's scales and indices are held only until it arrives). `shapes`: the
+    model's, for an e3m0 or topk body."""
+    for name, positions, values in decode_parts(tensors, metadata, dtypes, shapes):
+        if positions is None:
+            yield name, values
+            continue
+        n, shape = _numel(name, shapes)
+        want = (dtypes or {}).get(name, torch.float32)
+        yield name, sparse.topk_densify(positions, values, n).reshape(shape).to(want)
 
 
 class ErrorFeedback:
-    """Sender-side residual: compress(Δ + e), then e ← (Δ + e) − decompress(sent)."""
+    """Sender-side residual: compress(Δ + e), then e ← (Δ + e) − decompress(sent). What was
+    sent plus the residual is always the sum of every Δ given, up to float rounding."""
 
     def __init__(self) -> None:
         self.residual: dict[str, torch.Tensor] = {}
 
-    def compress(self, delta: Mapping[str, torch.Tensor], scheme: str, block: int = DEFAULT_BLOCK) -> tuple[
+    def compress(self, delta: Mapping[str, torch.Tensor], scheme: str | Codec, block: int = DEFAULT_BLOCK) -> tuple[
             dict[str, torch.Tensor], dict[str, str]]:
         corrected = {n: t + self.residual[n] if n in self.residual else t for n, t in delta.items()}
         tensors, meta = compress(corrected, scheme, block)
+        if _codec(scheme, block).scheme == "none":  # everything is sent: nothing is left over
+            self.residual = {}
+            return tensors, meta
         dtypes = {n: t.dtype for n, t in corrected.items()}
-        for name, sent in decompress(tensors.items(), meta, dtypes):
-            if corrected[name].is_floating_point():
+        shapes = {n: tuple(t.shape) for n, t in corrected.items()}
+        for name, at, sent in decode_parts(tensors.items(), meta, dtypes, shapes):
+            if not corrected[name].is_floating_point():
+                continue
+            if at is None:
                 self.residual[name] = corrected[name] - sent
+                continue
+            # topk: what was not sent is Δ + e itself but at the entries sent (no dense decode);
+            # Δ + e is a fresh tensor when e was held, else Δ, which is the caller's.
+            left = corrected[name] if name in self.residual else corrected[name].clone()
+            left = left.contiguous()  # (a fresh tensor may follow the strides of a non-contiguous Δ)
+            left.view(-1).index_add_(0, at, sent.to(left.dtype), alpha=-1)
+            self.residual[name] = left
         return tensors, meta

@@ -49,7 +49,7 @@ from fedtrain.merge.robust import clip_scale
 from fedtrain.transport import Body, fast_io_enabled
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import BodyReader, TensorSpec
-from fedtrain.wire.compress import expected_specs, scheme_of
+from fedtrain.wire.compress import codec_of, expected_specs, scheme_of
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -134,12 +134,17 @@ class Intake:
         return out
 
     def transfer_view(self, pid: str) -> dict[str, object] | None:
-        """`pid`'s upload in flight as a status shows it (`Progress.view`): a whole body
-        streaming in, else its upload in parts; None: none."""
-        progress = self.transfers.get(pid)
+        """`pid`'s upload in flight as a status shows it (`Progress.view`, `direction` "up",
+        `connections`: how many carry it now): a whole body streaming in, else its upload in
+        parts; None: none. (`DownloadsInFlight.add_to` puts it in the participant's `transfers`.)"""
+        progress, connections = self.transfers.get(pid), 1
         if progress is None:
-            progress = next((s.progress for s in self.parts.of(pid) if s.progress is not None), None)
-        return progress.view() if progress is not None else None
+            session = next((s for s in self.parts.of(pid) if s.progress is not None), None)
+            if session is not None:
+                progress, connections = session.progress, len(session.streaming)
+        if progress is None:
+            return None
+        return {**progress.view(), "direction": "up", "connections": connections}
 
     def barred(self, round_: int, pid: str) -> str | None:
         """Why `pid`'s update for `round_` is refused (its merge was not finite), or None."""
@@ -202,10 +207,10 @@ class Intake:
         if ROWS_META in metadata:
             raise WireError(f"a body with {ROWS_META} in its metadata is a piece of an update: send it with "
                             "?piece=<label>")
-        scheme, block = scheme_of(metadata)  # compressed deltas carry their scheme in the header
+        codec = codec_of(metadata)  # compressed deltas carry their scheme in the header
         if self._fragment is not None:
             check_fragment(self._fragment, self._model, specs, whole=True)
-        check_compatible(expected_specs(dict(self._spec), scheme, block),
+        check_compatible(expected_specs(dict(self._spec), codec),
                          {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
 
     async def _land_in_sum(self, up: Upload, body: Body, seats: Seats) -> Landed:

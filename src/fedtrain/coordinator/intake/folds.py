@@ -10,6 +10,7 @@ More: docs/architecture.md, "coordinator/intake/folds.py".
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -30,6 +31,7 @@ from fedtrain.merge.aggregate import MAX_UPDATE_ABS
 from fedtrain.merge.robust import norm_outliers, sum_of_squares
 from fedtrain.wire import TensorSpec
 from fedtrain.wire.compress import scheme_of
+from fedtrain.wire.format import ROWS_META
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -66,6 +68,7 @@ class RoundSum:
                  fold_lock: threading.Lock) -> None:
         self.lock = fold_lock  # held by every fold, by the merge, and by the committer's realign/reconfigure
         self._dtypes = {n: d for n, (d, _) in spec.items()}  # the model's: to decode any body
+        self._shapes = {n: tuple(shape) for n, (_, shape) in spec.items()}
         self.storage = {n: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for n, t in params.items()}
         self.acc = RunningSum(params, storage=self.storage)
         self.names: tuple[str, ...] = tuple(self.storage)  # the tensors the open round sums (`select`)
@@ -161,7 +164,7 @@ class RoundSum:
         if outer.clip_norm is None and outer.outlier_factor is None:
             return 0.0
         with self.lock:
-            return math.sqrt(sum(sum_of_squares(t) for _, _, t in self.spooled(path)))
+            return math.sqrt(sum(sum_of_squares(t) for _, _, t, _ in self.spooled(path)))
 
     def check_and_fold(self, path: Path, weight: float, pending: Pending) -> str | None:
         """Refuse an upload with a NaN or Inf or a value beyond MAX_UPDATE_ABS (422), else fold
@@ -186,19 +189,28 @@ class RoundSum:
     def _fold(self, path: Path, weight: float, scale: float = 1.0, largest: float | None = None) -> None:
         """Fold a verified spool file (under the lock); `scale` < 1 clips the update's norm
         (its weight counts in full). `largest`: its largest |value|, when known."""
-        for name, start, values in self.spooled(path):
-            self.acc.fold_part(name, start, values, weight * scale, largest)
+        for name, start, values, at in self.spooled(path):
+            self._fold_piece(name, start, values, at, weight * scale, largest)
         self.acc.finish_contribution(weight)
+
+    def _fold_piece(self, name: str, start: int, values: torch.Tensor, at: torch.Tensor | None, weight: float,
+                    largest: float | None) -> None:
+        """Fold one piece of `spooled`: dense values from element `start`, or a topk tensor's
+        values at flat positions `at` (added where they belong, never densified)."""
+        if at is None:
+            self.acc.fold_part(name, start, values, weight, largest)
+        else:
+            self.acc.fold_sparse(name, at, values, weight, largest)
 
     def _fold_first(self, path: Path, fold_weight: float, weight: float) -> float:
         """Write the round's first update over the empty sum, checking each piece as it goes;
         its largest |value|. A refusal leaves the sum empty (`reset()`). Under the lock."""
         largest = 0.0
         try:
-            for name, start, values in self.spooled(path):
+            for name, start, values, at in self.spooled(path):
                 m = check_piece(name, values)
                 largest = max(largest, m)
-                self.acc.fold_part(name, start, values, fold_weight, m)
+                self._fold_piece(name, start, values, at, fold_weight, m)
             self.acc.finish_contribution(weight)
         except BaseException:
             self.acc.reset()  # it was the only contribution: back to none, exactly
@@ -220,15 +232,26 @@ class RoundSum:
             self._freed.put(path)
         return None
 
-    def spooled(self, path: Path) -> Iterator[tuple[str, int, torch.Tensor]]:
-        """(name, first element, values) of a verified spool file: pieces of the staging
-        buffer for a plain body, whole decoded tensors for a compressed one. The caller holds
-        the lock; each piece is valid until the next."""
+    def spooled(self, path: Path) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor | None]]:
+        """(name, first element, values, flat positions) of a verified spool file: pieces of
+        the staging buffer for a plain body (no positions), whole decoded tensors for a
+        compressed one, and a topk tensor's sent values with their flat positions (its scales,
+        offsets and codes checked as it is decoded: a bad one raises WireError, a 400). The
+        caller holds the lock; each piece is valid until the next."""
         metadata = self.staging.header(path)[1]
         if scheme_of(metadata)[0] == "none":
-            return self.staging.pieces(path)
-        decoded = self.staging.decoded(path, self._dtypes, metadata)
-        return ((name, 0, t) for name, t in decoded)
+            return ((name, start, values, None) for name, start, values in self.staging.pieces(path))
+        parts = self.staging.sparse(path, self._dtypes, metadata, self._shapes_of(metadata))
+        return ((name, 0, values, at) for name, at, values in parts)
+
+    def _shapes_of(self, metadata: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
+        """The shapes of a verified body's tensors: the model's, or a piece's rows of them (its
+        `fedtrain.rows`, checked against the model when it was received)."""
+        raw = metadata.get(ROWS_META)
+        if raw is None:
+            return self._shapes
+        rows = {n: (a, b) for n, (a, b) in json.loads(raw).items()}
+        return {n: (rows[n][1] - rows[n][0], *shape[1:]) if n in rows else shape for n, shape in self._shapes.items()}
 
     def check_values(self, path: Path, locked: bool = False) -> float:
         """Refuse a spooled upload with a NaN or Inf anywhere, or a value beyond MAX_UPDATE_ABS
@@ -238,7 +261,7 @@ class RoundSum:
         if not locked:
             with self.lock:
                 return self.check_values(path, locked=True)
-        for name, _, values in self.spooled(path):
+        for name, _, values, _ in self.spooled(path):
             largest = max(largest, check_piece(name, values))
         return largest
 
@@ -261,7 +284,8 @@ class RoundSum:
                 shares, capped = policy.cap_shares(kept, outer.max_share)
                 for k, share in shares.items():
                     entries[k] = replace(entries[k], weight=share)
-            rejected = self.kept.aggregate_into(self.acc, outer, {n: self._dtypes[n] for n in self.names})
+            rejected = self.kept.aggregate_into(self.acc, outer, {n: self._dtypes[n] for n in self.names},
+                                                self._shapes)
         else:
             rejected = {}
             shares, fold, capped = policy.closing_weights(self._entries, outer.max_share)

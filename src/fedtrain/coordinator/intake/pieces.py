@@ -19,7 +19,7 @@ from safetensors import safe_open
 from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import check_compatible
 from fedtrain.wire import DTYPE_TO_ST, TensorSpec
-from fedtrain.wire.compress import SCALE_SUFFIX, decompress, expected_specs, scheme_of
+from fedtrain.wire.compress import codec_of, decompress, expected_specs, is_part, parts_of
 from fedtrain.wire.format import ROWS_META, byte_view
 
 #: The most pieces one update may come in: each waits in a spool file of its own until the
@@ -61,7 +61,7 @@ def piece_rows(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], mod
                         "rows") from None
     if not isinstance(given, dict):
         raise WireError(f"metadata {ROWS_META} must map tensor names to [start, stop] rows")
-    names = [n for n in specs if not n.endswith(SCALE_SUFFIX)]
+    names = [n for n in specs if not is_part(n)]
     if not names:
         raise WireError("a piece holds no tensor")
     rows: Rows = {}
@@ -84,8 +84,7 @@ def piece_rows(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], mod
     unknown = sorted(set(given) - set(rows))
     if unknown:
         raise WireError(f"{ROWS_META} names tensors the piece does not hold: {', '.join(unknown[:5])}")
-    scheme, block = scheme_of(metadata)
-    want = expected_specs(sliced(model, rows), scheme, block)
+    want = expected_specs(sliced(model, rows), codec_of(metadata))
     check_compatible(want, {n: (s.dtype, s.shape) for n, s in specs.items()}, what="piece")
     return rows
 
@@ -251,8 +250,9 @@ def assemble(partial: Partial, model: Spec, out: Path) -> None:
         for name in model:
             for _, _, label in partial.coverage.order(name):
                 f = files[label]
-                stored = [(k, f.get_tensor(k)) for k in (name + SCALE_SUFFIX, name) if k in f.keys()]  # noqa: SIM118
-                for _, t in decompress(stored, metas[label], {name: dtypes[name]}):
+                stored = [(k, f.get_tensor(k)) for k in parts_of(name) if k in f.keys()]  # noqa: SIM118
+                shape = sliced(model, {name: partial.pieces[label].rows[name]})[name][1]
+                for _, t in decompress(stored, metas[label], {name: dtypes[name]}, {name: shape}):
                     if t.numel():
                         _write_all(fd, byte_view(t.contiguous()))
     finally:

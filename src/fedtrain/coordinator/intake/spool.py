@@ -24,7 +24,7 @@ from fedtrain.errors import WireError
 from fedtrain.merge import RunningSum
 from fedtrain.merge.robust import aggregate_tensor, clip_scale, norm_outliers, sum_of_squares
 from fedtrain.wire import TensorSpec, iter_file, parse_header, read_tensors
-from fedtrain.wire.compress import SCALE_SUFFIX, decompress
+from fedtrain.wire.compress import decode_parts, decompress, parts_of
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -125,11 +125,19 @@ class Staging:
                 yield spec.name, t
 
     def decoded(self, path: Path, dtypes: Mapping[str, torch.dtype],
-                metadata: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                metadata: Mapping[str, str] | None = None,
+                shapes: Mapping[str, tuple[int, ...]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The full tensors of a verified spool file (compressed bodies decoded), one at a time;
-        pass the header's `metadata` when it was read already."""
+        pass the header's `metadata` when it was read already, and the model's `shapes` for a
+        body whose tensors do not carry them (e3m0, topk)."""
         meta = self.header(path)[1] if metadata is None else metadata
-        return decompress(self.tensors(path), meta, dtypes)
+        return decompress(self.tensors(path), meta, dtypes, shapes)
+
+    def sparse(self, path: Path, dtypes: Mapping[str, torch.dtype], metadata: Mapping[str, str],
+               shapes: Mapping[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor | None, torch.Tensor]]:
+        """The tensors of a verified spool file as `decode_parts` gives them: a topk tensor as its
+        flat positions and values (never densified), any other decoded whole."""
+        return decode_parts(self.tensors(path), metadata, dtypes, shapes)
 
 
 def _mapped(fd: int, offset: int, nbytes: int) -> torch.Tensor:
@@ -169,22 +177,28 @@ class SpoolEntry:
     norm: float  # the update's L2 norm over all its tensors
 
 
-def iter_update(path: Path, dtypes: Mapping[str, torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The full tensors of a verified spool file, one at a time (compressed bodies decoded)."""
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+def iter_update(path: Path, dtypes: Mapping[str, torch.dtype],
+                shapes: Shapes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full tensors of a verified spool file, one at a time (compressed bodies decoded;
+    `shapes`: the model's, for e3m0 and topk bodies)."""
     meta: dict[str, str] = {}
     tensors = read_tensors(iter_file(path), on_header=lambda _, m: meta.update(m))
-    yield from decompress(tensors, meta, dtypes)
+    yield from decompress(tensors, meta, dtypes, shapes)
 
 
-def update_norm_of_file(path: Path, dtypes: Mapping[str, torch.dtype]) -> float:
+def update_norm_of_file(path: Path, dtypes: Mapping[str, torch.dtype], shapes: Shapes | None = None) -> float:
     """The L2 norm of a spooled update over all its (decoded) tensors."""
-    return math.sqrt(sum(sum_of_squares(t) for _, t in iter_update(path, dtypes)))
+    return math.sqrt(sum(sum_of_squares(t) for _, t in iter_update(path, dtypes, shapes)))
 
 
-def _tensor(f: Any, meta: Mapping[str, str], name: str, dtype: torch.dtype) -> torch.Tensor:
+def _tensor(f: Any, meta: Mapping[str, str], name: str, dtype: torch.dtype,
+            shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """One decoded tensor of an open safetensors file, read on its own (memory: that tensor)."""
-    pieces = [(k, f.get_tensor(k)) for k in (name + SCALE_SUFFIX, name) if k in f.keys()]  # noqa: SIM118
-    for _, t in decompress(pieces, meta, {name: dtype}):
+    pieces = [(k, f.get_tensor(k)) for k in parts_of(name) if k in f.keys()]  # noqa: SIM118
+    for _, t in decompress(pieces, meta, {name: dtype}, None if shape is None else {name: shape}):
         return t
     raise KeyError(name)
 
@@ -213,9 +227,11 @@ class RoundSpool:
         for folder in self.root.glob("round-*"):
             shutil.rmtree(folder, ignore_errors=True)
 
-    def aggregate_into(self, acc: RunningSum, outer: OuterConfig, dtypes: Mapping[str, torch.dtype]) -> dict[str, str]:
+    def aggregate_into(self, acc: RunningSum, outer: OuterConfig, dtypes: Mapping[str, torch.dtype],
+                       shapes: Shapes | None = None) -> dict[str, str]:
         """Fold the round's robust aggregate into `acc` (no entries: nothing to do); returns the
-        keys left out as norm outliers, each with its reason."""
+        keys left out as norm outliers, each with its reason. `shapes`: the model's (e3m0 and
+        topk bodies are decoded whole here, a tensor at a time)."""
         if not self.entries:
             return {}
         rejected = norm_outliers({k: e.norm for k, e in self.entries.items()}, outer.outlier_factor)
@@ -223,7 +239,7 @@ class RoundSpool:
         if outer.aggregator == "mean":
             for e in kept:
                 scale = clip_scale(e.norm, outer.clip_norm)
-                for name, tensor in iter_update(e.path, dtypes):
+                for name, tensor in iter_update(e.path, dtypes, shapes):
                     acc.fold(name, tensor, e.weight * scale)
                 acc.finish_contribution(e.weight)
             return rejected
@@ -232,7 +248,8 @@ class RoundSpool:
             files = [stack.enter_context(safe_open(str(e.path), framework="pt")) for e in kept]
             metas = [f.metadata() or {} for f in files]
             for name, dtype in dtypes.items():
-                stack_k = [_tensor(f, m, name, dtype) * s for f, m, s in zip(files, metas, scales, strict=True)]
+                shape = () if shapes is None else (shapes[name],)  # e3m0 and topk bodies need it
+                stack_k = [_tensor(f, m, name, dtype, *shape) * s for f, m, s in zip(files, metas, scales, strict=True)]
                 acc.fold(name, aggregate_tensor(stack_k, outer.aggregator, outer.trim_fraction), 1.0)
                 del stack_k
         acc.finish_contribution(1.0)

@@ -318,6 +318,11 @@ class Roster:
                                      f"not add participants for {cfg.eviction_cooldown_s:g}s (eviction_cooldown_s); "
                                      "other tokens are not affected", pid)
 
+    def site_of(self, token_id: str) -> str | None:
+        """The site a participant token was minted for (None: a token from the command line or env)."""
+        row = self._sites.by_id(token_id)
+        return row.name if row is not None else None
+
     def _token_label(self, token_id: str) -> str:
         row = self._sites.by_id(token_id)
         return f"{row.name!r}, {token_id}" if row is not None else token_id

@@ -13,14 +13,18 @@ from fedtrain.coordinator.state.store import ParticipantRow
 
 
 def participant_view(p: ParticipantRow, live: Live, weight: float | None, pieces: PiecesIn | None,
-                      told: dict[str, Any]) -> dict[str, Any]:
+                      told: dict[str, Any], site: str | None = None) -> dict[str, Any]:
     """One participant in the status: its counters, what it last reported, its weight in the
     last round, its processes (`processes.describe`), its open round's update in pieces, if any,
-    and its H for the open round with the reason (`told`: `Schedule.status`)."""
+    its H for the open round with the reason (`told`: `Schedule.status`), and the token it
+    joined with: its fingerprint and the site it was minted for (`site`; None for a token given
+    on the coordinator's command line)."""
     parallel, world_size = processes.describe(p.info)
     return {
         "id": p.id,
         "state": p.state,
+        "token_id": p.token_id,
+        "site": site,
         "round": p.round,
         "tokens": p.tokens,
         "bytes_up": p.bytes_up,

@@ -23,6 +23,7 @@ import torch
 from fedtrain import faults
 from fedtrain.config import RunConfig, outer_choice
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.downloads import DownloadsInFlight
 from fedtrain.coordinator.model.publish import ModelStream, Published, WeightsGuard
 from fedtrain.coordinator.model.restore import load_version, newest_intact, restore_record
 from fedtrain.coordinator.model.slices import SliceStream, parse_rows
@@ -50,6 +51,7 @@ class Committer:
         self.published: Published | None = None  # the version served from memory
         self.committed_version = 0
         self.bytes_out = 0  # every download's bytes (the run's totals are the participants' counters)
+        self.downloads = DownloadsInFlight()  # by participant, for the status
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-prune")
 
     @property

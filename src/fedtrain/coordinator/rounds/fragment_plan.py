@@ -12,7 +12,7 @@ from typing import Any
 from fedtrain.config import RunConfig
 from fedtrain.errors import ConfigError, Refused
 from fedtrain.streaming import fragments
-from fedtrain.wire.compress import SCALE_SUFFIX
+from fedtrain.wire.compress import base_name
 
 _MAX_LISTED = 10  # names in a message
 _MAX_DETAILS = 100  # names in an error's details
@@ -93,9 +93,9 @@ def check_fragment(fragment: Fragment, model: Mapping[str, object], header: Iter
 
 
 def _base(name: str, model: Mapping[str, object]) -> str:
-    """The model tensor a body's tensor stands for: itself, or the one an int8 scale belongs to."""
-    if name not in model and name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in model:
-        return name[: -len(SCALE_SUFFIX)]
+    """The model tensor a body's tensor stands for: itself, or the one a scale or index part belongs to."""
+    if name not in model and base_name(name) in model:
+        return base_name(name)
     return name
 
 

@@ -23,7 +23,7 @@ from fedtrain.coordinator.members.auth import Identity, require_admin
 from fedtrain.coordinator.state.events import Events
 from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import ConfigError, Refused, StateError
-from fedtrain.wire.compress import expected_specs
+from fedtrain.wire.compress import Codec, expected_specs
 
 #: The store's meta key for the config file as last applied: the base of a SIGHUP's merge.
 CONFIG_FILE_META = "config_file"
@@ -34,7 +34,7 @@ Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 def update_bytes(spec: Spec, cfg: RunConfig) -> int:
     """The tensor bytes of one update of a model of `spec` under `cfg` (its compression):
     the smallest upload limit that can work (the body adds a header on top)."""
-    specs = expected_specs(dict(spec), cfg.train.compression, cfg.train.compression_block)
+    specs = expected_specs(dict(spec), Codec.for_train(cfg.train))
     return sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs.values())
 
 

@@ -13,7 +13,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
@@ -32,8 +32,10 @@ from fedtrain.participant.client.answers import (
 from fedtrain.participant.client.retry import RetryPolicy, Timeouts
 from fedtrain.participant.client.upload_parts import WHOLE_DIGEST_HEADER, BodyParts, CountedProgress, send_parts
 from fedtrain.transport import direct_http as fetch
-from fedtrain.transport.direct_http import VERSION_HEADER, ModelBody, direct_request, is_direct
+from fedtrain.transport.direct_http import VERSION_HEADER, direct_request, is_direct
 from fedtrain.transport.http_client import tune_httpcore
+from fedtrain.transport.parallel import ParallelDownload, StreamChooser
+from fedtrain.transport.resume import PartialDownload
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +95,7 @@ class CoordinatorClient:
         # is only ever replaced whole, so the threads that share it need no lock.
         self._keys: dict[str, str] = {}
         self._tls = tls_context(verify)
+        self._streams = StreamChooser()  # `download(streams="auto")`: from this client's downloads
         tune_httpcore()
         self._http = httpx.Client(
             base_url=self.url,
@@ -504,11 +507,18 @@ class CoordinatorClient:
         on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None = None,
         retry: RetryPolicy | None = None,
         rows: Mapping[str, Sequence[int] | None] | None = None,
+        stall_timeout_s: float | None = None,
+        streams: int | Literal["auto"] = 1,
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """Stream the global model; returns (version, tensors). Each tensor is read straight
         into the storage `allocate` gives (e.g. a parameter), one copy per byte. With `rows`
         (tensor name -> its [start, stop) rows along dimension 0, or None: whole), only those
-        tensors come, each only those rows (a rank's shard: docs/training-jobs.md)."""
+        tensors come, each only those rows (a rank's shard: docs/training-jobs.md). A broken
+        attempt is resumed by the next from where it stopped (`transport.resume`); a connection
+        silent for `stall_timeout_s` (default: the read timeout) counts as broken. `streams` > 1:
+        byte ranges of the body over that many connections at once (`transport.parallel`; fast
+        IO's direct path only, else one); "auto": as many as paid on this client's last
+        downloads (`parallel.StreamChooser`)."""
         params: dict[str, Any] = {}
         if version is not None:
             params["version"] = version
@@ -517,32 +527,72 @@ class CoordinatorClient:
         if rows is not None:
             params["rows"] = json.dumps({n: None if r is None else list(r) for n, r in rows.items()},
                                         separators=(",", ":"))
+        read_s = self._timeouts.read if stall_timeout_s is None else stall_timeout_s
+        what = "download of the global model" + ("" if version is None else f" version {version}")
+        partial = PartialDownload(what, allocate, on_header, log)
+
+        p = self._streams.choose() if streams == "auto" else streams
+        t0 = time.monotonic()
 
         def once() -> tuple[int, dict[str, torch.Tensor]]:
-            if is_direct(self.url):
-                return self._download_direct(params, allocate, on_header, self._as(pid))
-            with self._http.stream("GET", "/v1/model", params=params, headers=self._as(pid)) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    raise self._refusal(r, "GET /v1/model")
-                with ModelBody(r.headers, allocate, on_header) as body:
-                    # No chunk size: httpx would re-chunk through a BytesIO (three more copies
-                    # per byte); a socket read is at most httpcore's read size (see `tune_httpcore`).
-                    for chunk in r.iter_raw():
-                        body.feed(chunk)
-                    return body.finish()
+            if p > 1 and is_direct(self.url):
+                return self._download_parallel(params, pid, p, allocate, on_header, what, read_s)
+            headers = {**self._as(pid), **partial.headers()}
+            try:
+                if is_direct(self.url):
+                    return self._download_direct(params, headers, partial, read_s)
+                return self._download_httpx(params, headers, partial, read_s)
+            except BaseException:
+                partial.failed()
+                raise
 
-        return self._call("download of the global model", once, retry=retry)
+        try:
+            got: tuple[int, dict[str, torch.Tensor]] = self._call(what, once, retry=retry)
+        finally:
+            partial.close()
+        if streams == "auto" and is_direct(self.url):
+            self._streams.record(p, sum(t.numel() * t.element_size() for t in got[1].values()),
+                                 time.monotonic() - t0)
+        return got
 
-    def _download_direct(
-        self, params: dict[str, Any], allocate: Callable[[TensorSpec], torch.Tensor] | None,
-        on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None, speaks_for: dict[str, str],
-    ) -> tuple[int, dict[str, torch.Tensor]]:
+    def _download_httpx(self, params: dict[str, Any], headers: dict[str, str], partial: PartialDownload,
+                        read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+        """One attempt of `download` through httpx (the plain path)."""
+        timeout = dataclasses.replace(self._timeouts, read=read_s).httpx()
+        with self._http.stream("GET", "/v1/model", params=params, headers=headers, timeout=timeout) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise self._refusal(r, "GET /v1/model")
+            body = partial.start(r.status_code, r.headers)
+            # No chunk size: httpx would re-chunk through a BytesIO (three more copies
+            # per byte); a socket read is at most httpcore's read size (see `tune_httpcore`).
+            for chunk in r.iter_raw():
+                body.feed(chunk)
+            return partial.finish()
+
+    def _download_parallel(self, params: dict[str, Any], pid: str | None, streams: int,
+                           allocate: Callable[[TensorSpec], torch.Tensor] | None,
+                           on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None,
+                           what: str, read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+        """One attempt of `download` as byte ranges over `streams` direct connections."""
+        def request(fields: dict[str, str]) -> Any:
+            headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant",
+                       **self._as(pid), **fields}
+            return direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
+                                  read_timeout=read_s, tls=self._direct_tls)
+
+        def refuse(r: Any) -> Exception:
+            return self._refusal(r.as_httpx(), "GET /v1/model")
+
+        return ParallelDownload(request, streams, allocate, on_header, what, refuse, log).run()
+
+    def _download_direct(self, params: dict[str, Any], headers: dict[str, str], partial: PartialDownload,
+                         read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
         """`download` over `fetch.direct_request`: socket reads land in the tensors' storage."""
-        headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant", **speaks_for}
-        with direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
-                            read_timeout=self._timeouts.read, tls=self._direct_tls) as r:
+        fields = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant", **headers}
+        with direct_request("GET", self.url, "/v1/model", params, fields, connect_timeout=self._timeouts.connect,
+                            read_timeout=read_s, tls=self._direct_tls) as r:
             if r.status >= 400:
                 raise self._refusal(r.as_httpx(), "GET /v1/model")
-            with ModelBody(r.headers, allocate, on_header) as body:
-                return body.read_from(r)
+            partial.start(r.status, r.headers).read_into(r)
+            return partial.finish()

@@ -17,14 +17,14 @@ from typing import Any, Literal
 import torch
 
 from fedtrain import faults
-from fedtrain.config import RunConfig
+from fedtrain.config import RunConfig, TransferConfig
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError, ModelMismatchError, RoundClosedError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
-from fedtrain.wire.compress import ErrorFeedback, compress
+from fedtrain.wire.compress import Codec, ErrorFeedback, compress
 from fedtrain.wire.format import ROWS_META
 
 __all__ = ["PieceOf", "SyncEngine"]
@@ -156,7 +156,7 @@ class SyncEngine:
             if self._holds not in ("cut_short", "fetched"):
                 self.take_delta()
                 self.submit(r, pid, self.encode(config), config, tokens=tokens, retry=retry)
-            version = self.download(pid, after_round=r, retry=retry)
+            version = self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
         except CoordinatorError:
             self.restore()
             raise
@@ -195,12 +195,13 @@ class SyncEngine:
             delta = {n: self._snapshot[n] for n in self._snapshot if n in self.piece.sends}
             rows = {n: r for n, r in self.piece.rows_of(delta).items() if r is not None}
             meta[ROWS_META] = json.dumps(rows)
-        if t.compression == "none":
+        if t.compression == "none" and not self._feedback.residual:  # (a residual: compression was on before)
             return EncodedBody(delta, meta, digest_algorithm=config.digest)
-        if t.error_feedback:
-            tensors, packed = self._feedback.compress(delta, t.compression, t.compression_block)
+        codec = Codec.for_train(t)
+        if t.error_feedback or t.compression == "none":
+            tensors, packed = self._feedback.compress(delta, codec)
         else:
-            tensors, packed = compress(delta, t.compression, t.compression_block)
+            tensors, packed = compress(delta, codec)
         return EncodedBody(tensors, {**packed, **meta}, digest_algorithm=config.digest)
 
     def exchange(self, r: int, pid: str, body: EncodedBody, config: RunConfig, *, tokens: int,
@@ -208,7 +209,7 @@ class SyncEngine:
         """`submit` then `download`: the whole exchange of round `r`, which leaves the new
         global weights in the snapshot (not in the model). Returns their version."""
         self.submit(r, pid, body, config, tokens=tokens, retry=retry)
-        return self.download(pid, after_round=r, retry=retry)
+        return self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
 
     def submit(self, r: int, pid: str, body: EncodedBody, config: RunConfig, *, tokens: int,
                retry: RetryPolicy | None = None) -> bool:
@@ -255,10 +256,11 @@ class SyncEngine:
         return True
 
     def download(self, pid: str, *, after_round: int | None = None, retry: RetryPolicy | None = None,
-                 version: int | None = None) -> int:
+                 version: int | None = None, transfer: TransferConfig | None = None) -> int:
         """The global model (the newest, or `version`), streamed into the snapshot; returns its
         version. `after_round`: the round whose result this fetches (a sync's download, a fault
-        injection point). A piece's engine downloads its rows only."""
+        injection point). A piece's engine downloads its rows only. A broken download resumes
+        where it stopped; `transfer` (the run config's): how long a silent one is waited for."""
         self._holds = "cut_short"  # until the last byte is in
         if after_round is not None:
             faults.hit("participant.download", who=self.who or pid, round=after_round)
@@ -266,6 +268,8 @@ class SyncEngine:
             self._holds = "reference"
             return -1
         which: dict[str, Any] = {"version": version} if version is not None else {}
+        if transfer is not None:
+            which.update(stall_timeout_s=transfer.stall_timeout_s, streams=transfer.streams)
         if self.piece is not None:  # a piece's rows (of a fragment's tensors, for a fragment's engine)
             got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
                                           allocate=self._allocate_rows, retry=retry, **which)

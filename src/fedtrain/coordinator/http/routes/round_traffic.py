@@ -1,5 +1,5 @@
 """Routes of the rounds: a round's status (long-polled), uploads of updates, model downloads
-(whole, or some rows of it: `slices.py`).
+(whole, or some rows of it: `slices.py`; a byte range of either: `transport/ranges.py`).
 
 Tensor bodies stream in both directions; nothing here buffers a whole body. One upload at a
 time per (participant, round[, part]): a newer attempt takes over from the one in progress
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from fedtrain.coordinator.http.limits import UploadsInFlight
@@ -36,6 +36,7 @@ from fedtrain.coordinator.model.slices import MAX_ROWS_CHARS, SliceStream
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused, error_body
 from fedtrain.transport.protocols import READINTO, Abandoned
+from fedtrain.transport.ranges import MAX_RANGE_CHARS, Ranged, decide, etag_of
 from fedtrain.wire import DIGEST_HEADER
 
 router = APIRouter()
@@ -165,8 +166,12 @@ async def upload_parts(
 
 @router.get(
     "/v1/model",
-    summary="Download the global model, or some rows of it (safetensors stream)",
-    responses={200: {"content": {"application/octet-stream": {}}}},
+    summary="Download the global model, or some rows of it (safetensors stream); byte ranges resume a download",
+    responses={200: {"content": {"application/octet-stream": {}}},
+               206: {"description": "the byte range asked for (`Range`, with `If-Range` the body's ETag)",
+                     "content": {"application/octet-stream": {}}},
+               412: {"description": "`If-Match` names another body than the one served now"},
+               416: {"description": "the range starts past the end, is malformed, or is more than one range"}},
 )
 async def model(
     version: int | None = Query(None, ge=0, le=MAX_COUNT),
@@ -174,15 +179,45 @@ async def model(
     rows: str | None = Query(None, min_length=1, max_length=MAX_ROWS_CHARS,
                              description="only these rows: a JSON object mapping tensor names to "
                              "[start, stop] (rows along dimension 0) or null (whole); docs/training-jobs.md"),
+    range_: str | None = Header(None, alias="Range", max_length=MAX_RANGE_CHARS,
+                                description="one byte range: bytes=<first>-<last>, bytes=<first>- or bytes=-<n>"),
+    if_range: str | None = Header(None, alias="If-Range", max_length=MAX_RANGE_CHARS,
+                                  description="the ETag the range belongs to: another one gets the whole body"),
+    if_match: str | None = Header(None, alias="If-Match", max_length=MAX_RANGE_CHARS,
+                                  description="ETags: a body with another one is refused (412)"),
     ident: Identity = Depends(speaker_by_query),
     service: Coordinator = Depends(coordinator),
-) -> StreamingResponse:
+) -> Response:
     stream: ModelStream | SliceStream
     if rows is None:
         stream = service.model_stream(version, participant_id)
     else:
         stream = await service.model_slice(version, participant_id, rows)
+    etag = etag_of(stream.digest)  # of the exact body served: a slice has its own
+    try:
+        span = decide(stream.size, etag, range_, if_range, if_match)
+    except Refused as e:
+        stream.close()
+        headers = {"ETag": etag, "Accept-Ranges": "bytes"}
+        if e.status == 416:
+            headers["Content-Range"] = f"bytes */{stream.size}"
+        return JSONResponse(error_body(e.status, e.code, e.message, e.details), e.status, headers)
     headers = {
-        "Content-Length": str(stream.size), DIGEST_HEADER: stream.digest, VERSION_HEADER: str(stream.version)
+        "Content-Length": str(span.length), DIGEST_HEADER: stream.digest, VERSION_HEADER: str(stream.version),
+        "ETag": etag, "Accept-Ranges": "bytes",
     }
-    return ModelResponse(stream, headers)
+    if span.partial:
+        headers["Content-Range"] = span.content_range()
+    body = Ranged(stream, span)
+    # In flight, counted (and capped) per participant: its progress shows in the status; one that
+    # names no participant counts against its token, so that leaving the name out escapes no cap.
+    who = participant_id if participant_id is not None else None if ident.is_admin else f"token {ident.token_id}"
+    if who is not None:
+        what = f"download of version {stream.version}" + (" (rows)" if rows is not None else "")
+        try:
+            tracked = service.committer.downloads.begin(who, etag, what, span.length)
+        except Refused:
+            stream.close()
+            raise
+        body = Ranged(stream, span, tracked.add, tracked.end)
+    return ModelResponse(body, headers, status_code=206 if span.partial else 200)

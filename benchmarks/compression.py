@@ -1,0 +1,172 @@
+"""Compression of pseudo-gradients (issue #32): seconds to compress and decompress at 100M
+parameters per scheme, bytes against fp32, and the coordinator's memory folding sparse updates.
+
+    python benchmarks/compression.py                # 100M parameters (~3 minutes here)
+    python benchmarks/compression.py --params 10e6  # any size
+
+The "model" is a stack of square float32 matrices (4096 x 4096, the last one cut to size)
+holding a random Δ (normal, scaled per row as a pseudo-gradient's rows differ). For each scheme:
+
+- `compress`: `compress(Δ)` alone; `+ feedback`: `ErrorFeedback.compress(Δ)`, what a participant
+  runs (compress Δ + e, decode what was sent, keep the rest): both on the participant;
+- `decompress`: the body's tensors back to full tensors (`decompress`);
+- `fold`: what the coordinator does with one update: decode it (`decode_parts`, every offset
+  and scale checked) and fold it into a `RunningSum` (a topk update by `index_add_`, never
+  densified);
+- `bytes`: the body's tensor bytes, and their ratio to fp32.
+
+Then the coordinator's memory: a child process holds a running sum of the model (its fp32
+copy) and folds N topk updates read from spool files, N = 1, 2, 4; its peak RSS (VmHWM) above
+what it held before the first fold, and its whole peak in model bytes, should not grow with N.
+Times are medians of `--repeat` (3) runs on this machine's CPUs (`torch.get_num_threads()`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from fedtrain.merge import RunningSum
+from fedtrain.wire import EncodedBody, iter_file, read_tensors, write_file
+from fedtrain.wire.compress import Codec, ErrorFeedback, compress, decode_parts, decompress
+
+SCHEMES: dict[str, Codec] = {
+    "none": Codec("none"),
+    "bf16": Codec("bf16"),
+    "int8": Codec("int8"),
+    "e3m0": Codec("e3m0"),
+    "topk 1% 2-bit": Codec("topk", k=41, chunk=4096, bits=2),
+    "topk 2% 2-bit": Codec("topk", k=82, chunk=4096, bits=2),
+    "topk 5% 4-bit": Codec("topk", k=205, chunk=4096, bits=4),
+}
+SIDE = 4096
+
+
+def model_delta(params: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out, left, i = {}, params, 0
+    while left > 0:
+        rows = min(SIDE, -(-left // SIDE))
+        t = torch.randn(rows, SIDE, generator=g) * torch.rand(rows, 1, generator=g) * 1e-3
+        if t.numel() > left:  # the last one, cut to size (flat)
+            t = t.reshape(-1)[:left].clone()
+        out[f"layer{i}.weight"] = t
+        left -= t.numel()
+        i += 1
+    return out
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def drain(items: Iterable[object]) -> None:
+    for _ in items:
+        pass
+
+
+def fold(tensors: dict[str, torch.Tensor], meta: dict[str, str], acc: RunningSum, shapes: dict) -> None:
+    acc.reset()
+    for name, at, values in decode_parts(tensors.items(), meta, None, shapes):
+        if at is None:
+            acc.fold(name, values, 1.0)
+        else:
+            acc.fold_sparse(name, at, values, 1.0)
+    acc.finish_contribution(1.0)
+
+
+def bench(params: int, repeat: int) -> None:
+    delta = model_delta(params)
+    shapes = {n: tuple(t.shape) for n, t in delta.items()}
+    fp32 = sum(t.numel() * 4 for t in delta.values())
+    acc = RunningSum(delta)
+    print(f"{sum(t.numel() for t in delta.values()) / 1e6:.0f}M parameters ({fp32 / 1e6:.0f} MB fp32), "
+          f"{torch.get_num_threads()} threads, median of {repeat}")
+    print("| scheme | compress s | + feedback s | decompress s | fold s | body MB | vs fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, codec in SCHEMES.items():
+        tensors, meta = compress(delta, codec)
+        nbytes = EncodedBody(tensors, meta).content_length
+        c = timed(lambda codec=codec: compress(delta, codec), repeat)
+        fb = ErrorFeedback()
+        f = timed(lambda codec=codec, fb=fb: fb.compress(delta, codec), repeat) if codec.scheme != "none" else c
+        d = timed(lambda t=tensors, m=meta: drain(decompress(t.items(), m, None, shapes)), repeat)
+        fo = timed(lambda t=tensors, m=meta: fold(t, m, acc, shapes), repeat)
+        print(f"| {label} | {c:.2f} | {f:.2f} | {d:.2f} | {fo:.2f} | {nbytes / 1e6:.2f} | {fp32 / nbytes:.1f}x |")
+        del tensors, fb
+
+
+def rss_child(files: list[str], params: int) -> None:
+    """In a child: a running sum of the model, then N topk updates folded from their files."""
+    shapes = {n: tuple(t.shape) for n, t in model_delta(params).items()}
+    acc = RunningSum({n: (torch.float32, s) for n, s in shapes.items()})
+    model_bytes = acc.nbytes
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    for path in files:
+        meta: dict[str, str] = {}
+        tensors = read_tensors(iter_file(Path(path)), on_header=lambda _, m, meta=meta: meta.update(m))
+        for name, at, values in decode_parts(tensors, meta, None, shapes):
+            assert at is not None
+            acc.fold_sparse(name, at, values, 1.0)
+        acc.finish_contribution(1.0)
+    peak = _status("VmHWM")
+    print(f"| {len(files)} | {(peak - before) / 1e6:.1f} | {peak / model_bytes:.2f} |")
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def rss(params: int) -> None:
+    codec = SCHEMES["topk 1% 2-bit"]
+    with tempfile.TemporaryDirectory() as d:
+        files = []
+        for i in range(4):
+            tensors, meta = compress(model_delta(params, seed=i + 1), codec)
+            path = Path(d) / f"u{i}.safetensors"
+            write_file(path, tensors, meta)
+            files.append(str(path))
+        print("\ncoordinator folding N topk 1% updates from spool files (peak RSS above the sum; whole peak in "
+              "model bytes)")
+        print("| N | peak above the sum MB | peak RSS / model bytes |")
+        print("|---:|---:|---:|")
+        for n in (1, 2, 4):
+            subprocess.run([sys.executable, __file__, "--params", str(params), "--rss-child", *files[:n]], check=True,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=100e6)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rss-child", nargs="*", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    params = int(args.params)
+    if args.rss_child is not None:
+        rss_child(args.rss_child, params)
+        return
+    bench(params, args.repeat)
+    rss(params)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""What the run config's compression (`train.compression` and its fields) needs of the rest of
+the config: the compositions that cannot work are refused here, each with its reason.
+
+- topk with `outer.aggregator` median or trimmed_mean: a topk update is zero outside the
+  entries it sent, so a coordinate-wise median or trimmed mean of a round's updates is zero
+  nearly everywhere (each coordinate is sent by few participants); topk updates are summed.
+- topk without `train.error_feedback`: every round would drop 95-99% of each update for good;
+  top-k compression converges only when what was not sent is carried into the next round.
+
+Everything else composes: e3m0, int8 and bf16 bodies decode to dense tensors; a topk update's
+L2 norm (clip_norm, outlier_factor) is the norm of the values it sent, exactly what is merged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Aggregators that need every coordinate of every update (`outer.aggregator`).
+DENSE_AGGREGATORS = ("median", "trimmed_mean")
+
+
+def check_compression(cfg: Any) -> None:
+    """Raise ValueError (the config's validation error) for a compression that cannot compose."""
+    t = cfg.train
+    if t.compression != "topk":
+        return
+    if cfg.outer.aggregator in DENSE_AGGREGATORS:
+        raise ValueError(f"train.compression topk cannot be used with outer.aggregator {cfg.outer.aggregator}: a "
+                         "topk update is zero outside the entries it sent, so a coordinate-wise median or trimmed "
+                         "mean of the round's updates is zero nearly everywhere; use aggregator mean (the sparse "
+                         "updates are summed), or a dense compression (int8, e3m0)")
+    if not t.error_feedback:
+        raise ValueError(f"train.compression topk needs train.error_feedback: without it each round drops the "
+                         f"{1 - t.topk_density:.0%} of every update that is not sent, for good")
