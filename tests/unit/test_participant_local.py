@@ -158,7 +158,8 @@ class Scripted:
         self.fail_download = False
         self.transfer: tuple[Any, Any] = (None, 1)
 
-    def upload(self, r: int, pid: str, body: Any, tokens: int, *, retry: RetryPolicy | None = None) -> dict:
+    def upload(self, r: int, pid: str, body: Any, tokens: int, *, retry: RetryPolicy | None = None,
+               **transfer: Any) -> dict:
         self.calls.append(("upload", retry))
         self.uploads.append(safetensors.torch.load(b"".join(bytes(c) for c in body)))
         return {}

@@ -26,7 +26,9 @@ import torch
 from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import lifecycle
+from fedtrain.coordinator.intake.attempts import Attempts
 from fedtrain.coordinator.intake.flow import Intake
+from fedtrain.coordinator.intake.parts import PartClaim
 from fedtrain.coordinator.intake.pieces import check_label
 from fedtrain.coordinator.intake.uploads import Uploads
 from fedtrain.coordinator.members.auth import Identity, Tokens, require_admin
@@ -294,6 +296,7 @@ class Coordinator:
     def leave(self, ident: Identity, pid: str) -> dict[str, Any]:
         self.roster.leave(ident, pid)
         self.intake.abort_direct(pid)
+        self.intake.parts.drop_where(lambda k: k[0] != pid)  # its uploads in parts will not be finished
         self.rounds.maybe_close()
         self.events.notify()
         return {"left": True}
@@ -305,6 +308,7 @@ class Coordinator:
     def evict(self, ident: Identity, pid: str) -> dict[str, Any]:
         """Admin: remove a participant from the run; it may not rejoin under that name."""
         self.roster.evict(ident, pid, self.config)
+        self.intake.parts.drop_where(lambda k: k[0] != pid)
         self.rounds.maybe_close()
         self.events.notify()
         return {"evicted": pid}
@@ -343,6 +347,20 @@ class Coordinator:
         """Verify and fold one participant's pseudo-gradient for `round_`, or one `piece` of
         it (`uploads.py`, `pieces.py`)."""
         return await self.uploads.receive_update(ident, pid, round_, tokens, digest, length, Body.of(body), piece)
+
+    async def receive_part(self, ident: Identity, pid: str, round_: int, claim: PartClaim, digest: str,
+                           length: int | None, body: Any, piece: str | None = None) -> dict[str, Any]:
+        """One part of an update that travels in parts (`intake/parts.py`)."""
+        return await self.uploads.receive_part(ident, pid, round_, claim, digest, length, Body.of(body), piece)
+
+    def part_session(self, ident: Identity, pid: str, round_: int, piece: str | None = None) -> dict[str, Any]:
+        """Which parts of `pid`'s upload in parts for `round_` are held (a resumed upload sends the rest)."""
+        return self.uploads.part_session(ident, pid, round_, piece)
+
+    @property
+    def attempts(self) -> Attempts:
+        """The upload attempts in progress (a newer one takes over: `intake/attempts.py`)."""
+        return self.intake.attempts
 
     async def wait_round(self, ident: Identity, pid: str | None, round_: int, wait_s: float,
                          piece: str | None = None) -> dict[str, Any]:
@@ -499,7 +517,8 @@ class Coordinator:
             "submitted": sorted(self.rounds.open.submitted),
             "participants": [{**participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
                                                  told[p.id], self.roster.site_of(p.token_id)),
-                              **schedule.get(p.id, {})}
+                              **schedule.get(p.id, {}),
+                              "transfer": self.intake.transfer_view(p.id)}  # its upload in flight (Progress.view)
                              for p in sorted(rows.values(), key=lambda p: p.id)],
             "recent_rounds": recent,
         }

@@ -349,6 +349,7 @@ class Participant:
             lambda: engine.fetch(r, self.participant_id, self.config, tokens=tokens, retry=self._attempt_retry),
             cancel=engine.cancel if engine is not None else None)
         if not all(o.ok for o in outcomes):
+            self.book.attempt_failed(r, time.perf_counter() - t0)  # counted in the round's sync_s
             self._ride_out(r, outcomes, error)
             return False
         self._unsent_tokens = 0
@@ -391,6 +392,7 @@ class Participant:
         if not all(o.ok for o in outcomes):
             self._exchanges.failed(sent, keep_progress=not streaming)
             if streaming:  # the fragment's exchange is tried again, whole, after a backoff
+                self.book.attempt_failed(r, time.perf_counter() - t0)
                 self._ride_out(r, outcomes, error)
                 return False
             self.ranks.raise_lasting(outcomes, error)  # overlapped DiLoCo: the round's contribution is lost

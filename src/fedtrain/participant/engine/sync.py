@@ -22,6 +22,7 @@ from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.transport.progress import Progress
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
 from fedtrain.wire.compress import Codec, ErrorFeedback, compress
 from fedtrain.wire.format import ROWS_META
@@ -217,7 +218,7 @@ class SyncEngine:
         round had closed before our upload (the caller moves on to the current model)."""
         if self.piece is not None and not self.piece.sends:
             return self._wait_closed(r, config, retry)
-        uploaded = self._piece_in == r or self._upload(r, pid, body, tokens, retry)
+        uploaded = self._piece_in == r or self._upload(r, pid, body, tokens, retry, config)
         give_up_at = time.monotonic() + config.round_timeout_s + self.patience_s
         while uploaded:
             info = self._wait_round(self._applied_in(r), pid, retry)
@@ -228,7 +229,7 @@ class SyncEngine:
                                              code="cancelled")
             if info.get("submitted") is False and info["state"] == "open":
                 log.warning("the coordinator has no upload of ours for round %d (restarted?); sending again", r)
-                uploaded = self._upload(r, pid, body, tokens, retry)
+                uploaded = self._upload(r, pid, body, tokens, retry, config)
             if time.monotonic() > give_up_at:  # nothing hangs forever, not even a round without quorum
                 raise CoordinatorUnavailable(
                     f"round {r} has not closed {config.round_timeout_s:g}s after its deadline: "
@@ -358,7 +359,8 @@ class SyncEngine:
 
     # -- one call each -------------------------------------------------------------------------
 
-    def _upload(self, r: int, pid: str, body: EncodedBody, tokens: int, retry: RetryPolicy | None) -> bool:
+    def _upload(self, r: int, pid: str, body: EncodedBody, tokens: int, retry: RetryPolicy | None,
+                config: RunConfig) -> bool:
         self._applied = None  # (an answer of an earlier upload must not name this one's round)
         if faults.hit("participant.upload", who=self.who or pid, round=r) == "drop":
             log.warning("fault injected: the upload of round %d is lost on the way", r)
@@ -366,7 +368,11 @@ class SyncEngine:
         label = self.piece.label if self.piece is not None else None
         which = {"piece": label} if label is not None else {}
         try:
-            self.last_answer = self.client.upload(r, pid, body, tokens=tokens, retry=retry, **which)
+            # the run's transfer settings: parts that resume, streams, the stall timeout; the
+            # progress of a long upload in the log (every few seconds)
+            progress = Progress(f"upload of round {r}", body.content_length, log=log)
+            self.last_answer = self.client.upload(r, pid, body, tokens=tokens, retry=retry,
+                                                  transfer=config.transfer, progress=progress, **which)
             applied = self.last_answer.get("applied_in") if isinstance(self.last_answer, dict) else None
             self._applied = applied if isinstance(applied, int) and applied >= r else None
         except RoundClosedError as e:

@@ -2,8 +2,10 @@
 (whole, or some rows of it: `slices.py`; a byte range of either: `transport/ranges.py`).
 
 Tensor bodies stream in both directions; nothing here buffers a whole body. One upload at a
-time per (participant, round): a second connection for the same one is told to come back
-(429 with Retry-After), so two copies of an update never race into the round.
+time per (participant, round[, part]): a newer attempt takes over from the one in progress
+(whose connection the client gave up), which is closed and ends first, so two copies of an
+update never race into the round and a dead connection never blocks its own retry. An update
+larger than `transfer.part_mb` comes as parts (`?part=`, `intake/parts.py`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from fedtrain.coordinator.http.routes.deps import (
     upload_body,
 )
 from fedtrain.coordinator.http.routes.links import ROUND_LINKS, UPLOAD_LINKS
+from fedtrain.coordinator.intake.parts import MAX_PART_BYTES, MAX_PARTS, MIN_PART_BYTES, PartClaim
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.model.publish import ModelResponse, ModelStream
 from fedtrain.coordinator.model.slices import MAX_ROWS_CHARS, SliceStream
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused, error_body
+from fedtrain.transport.protocols import READINTO, Abandoned
 from fedtrain.transport.ranges import MAX_RANGE_CHARS, Ranged, decide, etag_of
 from fedtrain.wire import DIGEST_HEADER
 
@@ -40,6 +44,8 @@ router = APIRouter()
 VERSION_HEADER = "X-Fedtrain-Version"
 UPLOAD_RETRY_AFTER_S = 1.0  # what a 429 upload_in_progress asks the client to wait
 MAX_DIGEST_CHARS = 128  # the longest digest header (sha256:<64 hex> is 71 characters)
+WHOLE_DIGEST_HEADER = "X-Fedtrain-Upload-Digest"  # a part's: the digest of the whole body it is part of
+MAX_TOTAL_BYTES = 1 << 44  # the largest body a part may claim (max_upload_mb refuses most before)
 
 
 async def uploads_in_flight(request: Request) -> UploadsInFlight:
@@ -68,7 +74,8 @@ async def round_status(
 
 @router.put(
     "/v1/rounds/{round_}/updates/{pid}",
-    summary="Upload a pseudo-gradient (safetensors body) for a round; idempotent per (round, participant)",
+    summary="Upload a pseudo-gradient (safetensors body) for a round, whole or as one of its parts; "
+    "idempotent per (round, participant)",
     responses=UPLOAD_LINKS,
     openapi_extra={
         "requestBody": {
@@ -84,30 +91,77 @@ async def upload(
     tokens: int = Query(..., ge=0, le=MAX_TOKEN_CLAIM),
     piece: str | None = Query(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                               description="this body is one piece of the update, so labelled (docs/training-jobs.md)"),
+    part: int | None = Query(None, ge=0, le=MAX_PARTS - 1,
+                             description="this body is part `part` of the body named by `total`, `part_bytes` "
+                             f"and {WHOLE_DIGEST_HEADER}: its bytes [part * part_bytes, min(total, (part + 1) * "
+                             "part_bytes))"),
+    total: int | None = Query(None, ge=1, le=MAX_TOTAL_BYTES, description="with part: bytes of the whole body"),
+    part_bytes: int | None = Query(None, ge=MIN_PART_BYTES, le=MAX_PART_BYTES,
+                                   description="with part: bytes of every part but the last"),
     digest: str | None = Header(None, alias=DIGEST_HEADER, max_length=MAX_DIGEST_CHARS,
-                                description="<algorithm>:<hex> of the body (xxh3-128 or sha256)"),
+                                description="<algorithm>:<hex> of the body (xxh3-128 or sha256); with part: of the "
+                                "part"),
+    whole_digest: str | None = Header(None, alias=WHOLE_DIGEST_HEADER, max_length=MAX_DIGEST_CHARS,
+                                      description="with part: <algorithm>:<hex> of the whole body"),
     ident: Identity = Depends(speaker),
     service: Coordinator = Depends(coordinator),
     in_flight: UploadsInFlight = Depends(uploads_in_flight),
-) -> dict[str, Any]:
+) -> Any:
     if not digest:
         raise Refused(400, "digest_required",
                       f"uploads need a {DIGEST_HEADER} header (xxh3-128:<hex> or sha256:<hex> of the body)")
+    claim = _part_claim(part, total, part_bytes, whole_digest, tokens)
     length_header = request.headers.get("content-length")
     try:
         length = int(length_header) if length_header is not None else None
     except ValueError:
         raise Refused(400, "invalid_length", "Content-Length is not a number") from None
-    if not in_flight.take((pid, round_, piece)):
-        raise Refused(429, "upload_in_progress", f"an upload of {pid} for round {round_} is in progress on another "
-                      "connection; send again once it is over",
-                      {"round": round_, "retry_after_s": UPLOAD_RETRY_AFTER_S})
+    body = upload_body(request)
+    source = request.scope.get("extensions", {}).get(READINTO)
+    key = (pid, round_, piece) if claim is None else (pid, round_, piece, claim.index)
+    # A newer attempt takes over from one in progress (its connection gone silent): the older
+    # is closed and ends; this one goes on once it has (`intake/attempts.py`).
+    attempt = await service.attempts.begin(key, source.close if source is not None else body.abandon)
+    if attempt is None:
+        raise Refused(429, "upload_in_progress", f"an upload of {pid} for round {round_} is still ending on another "
+                      "connection; send again shortly", {"round": round_, "retry_after_s": UPLOAD_RETRY_AFTER_S})
+    in_flight.take(key)  # (free: the attempt before this one has ended)
     try:
-        return await service.receive_update(ident, pid, round_, tokens, digest, length, upload_body(request), piece)
-    except ClientDisconnect:
+        if claim is None:
+            return await service.receive_update(ident, pid, round_, tokens, digest, length, body, piece)
+        return await service.receive_part(ident, pid, round_, claim, digest, length, body, piece)
+    except (ClientDisconnect, Abandoned):
+        if attempt.stopped:  # taken over: the answer goes nowhere (fast path) or closes the connection
+            return JSONResponse(error_body(409, "taken_over", "a newer attempt of this upload took over"),
+                                status_code=409, headers={"Connection": "close"})
         raise Refused(400, "client_disconnected", "the upload ended before the body was complete") from None
     finally:
-        in_flight.give_back((pid, round_, piece))
+        in_flight.give_back(key)
+        service.attempts.end(key, attempt)
+
+
+def _part_claim(part: int | None, total: int | None, part_bytes: int | None, whole: str | None,
+                tokens: int) -> PartClaim | None:
+    """The claims of a part (None: a whole upload); all of them, or none."""
+    given = [x is not None for x in (part, total, part_bytes, whole)]
+    if not any(given):
+        return None
+    if not all(given):
+        raise Refused(400, "part_fields", f"a part needs part, total, part_bytes and {WHOLE_DIGEST_HEADER}, all four")
+    assert part is not None and total is not None and part_bytes is not None and whole is not None
+    return PartClaim(part, total, part_bytes, whole, tokens)
+
+
+@router.get("/v1/rounds/{round_}/updates/{pid}/parts",
+            summary="Which parts of an upload in parts the coordinator holds (a resumed upload sends the rest)")
+async def upload_parts(
+    round_: Round,
+    pid: Pid,
+    piece: str | None = Query(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"),
+    ident: Identity = Depends(speaker),
+    service: Coordinator = Depends(coordinator),
+) -> dict[str, Any]:
+    return service.part_session(ident, pid, round_, piece)
 
 
 @router.get(
