@@ -20,7 +20,7 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.coordinator.http.limits import ServerLimits
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, write_file
-from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
 WAIT_S = 30.0  # the most any step may take before the test calls it stuck (never reached when it passes)
 
@@ -107,12 +107,12 @@ def big_model(tmp_path: Path) -> Path:
     return path
 
 
-def stall_downloads(c: BackgroundCoordinator, n: int) -> list[socket.socket]:
+def stall_downloads(c: BackgroundCoordinator, n: int, token: str = PTOKEN) -> list[socket.socket]:
     """`n` downloads whose clients read their first bytes, then nothing more."""
     stalled = []
     for _ in range(n):
         s = connect(c, rcvbuf=1 << 16)
-        s.sendall(request("GET", "/v1/model"))
+        s.sendall(request("GET", "/v1/model", token=token))
         assert s.recv(1024).startswith(b"HTTP/1.1 200")
         stalled.append(s)
     return stalled
@@ -120,7 +120,9 @@ def stall_downloads(c: BackgroundCoordinator, n: int) -> list[socket.socket]:
 
 def test_a_download_beside_70_stalled_ones_completes(tmp_path: Path, big_model: Path) -> None:
     with coordinator(tmp_path, ServerLimits(send_timeout_s=300), init=big_model) as c:
-        stalled = stall_downloads(c, 70)  # more than there are send threads
+        # More than there are send threads. The admin's: one participant (or token) may have at
+        # most MAX_DOWNLOAD_CONNECTIONS downloads in flight (tests/hostile/test_ranges.py).
+        stalled = stall_downloads(c, 70, token=ATOKEN)
         try:
             r = httpx.get(f"{c.url}/v1/model", headers={"Authorization": f"Bearer {PTOKEN}"}, timeout=WAIT_S)
             assert r.status_code == 200 and len(r.content) == int(r.headers["content-length"])
