@@ -218,12 +218,18 @@ class Sampler:
             return [s for s in self.samples if t0 <= s[0] <= t1]
 
 
-def busy_seconds(samples: list[tuple[float, int, int]], index: int, rate_bit: float, share: float = 0.05) -> float:
-    """Seconds from the first to the last sample interval in which direction `index` (1: rx,
-    2: tx) moved more than `share` of what the link could carry: how long a transfer took."""
+def busy_span(samples: list[tuple[float, int, int]], index: int, rate_bit: float,
+              share: float = 0.05) -> tuple[float, float] | None:
+    """(start, end) from the first to the last sample interval in which direction `index` (1: rx,
+    2: tx) moved more than `share` of what the link could carry: when a transfer ran."""
     active = [(a[0], b[0]) for a, b in itertools.pairwise(samples)
               if b[index] - a[index] > share * rate_bit / 8 * (b[0] - a[0])]
-    return active[-1][1] - active[0][0] if active else 0.0
+    return (active[0][0], active[-1][1]) if active else None
+
+
+def busy_seconds(samples: list[tuple[float, int, int]], index: int, rate_bit: float, share: float = 0.05) -> float:
+    span = busy_span(samples, index, rate_bit, share)
+    return span[1] - span[0] if span else 0.0
 
 
 def parse_rate(text: str) -> float:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from link_net import Link, Sampler, busy_seconds
+from link_net import Link, Sampler, busy_seconds, busy_span
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "link_worker.py")
@@ -137,8 +137,9 @@ def start_coordinator(link: Link, side: Side, run_dir: Path, init: Path, cfg: di
 
 
 def inject(fault: str, link: Link, sampler: Sampler, workers: Workers, model_bytes: int, port: int,
-           round_: int, note: list[str]) -> None:
-    """On a thread: wait for p0 to begin `round_`, then for the point of the fault, and inject it."""
+           round_: int, note: list[str], at: list[float]) -> None:
+    """On a thread: wait for p0 to begin `round_`, then for the point of the fault, and inject it;
+    `at`: how far the transfer had gone (its share of the model) when the fault took effect."""
     begin = workers.wait_for(lambda e: e["event"] == "begin" and e["round"] == round_ and e["who"] == 0, 3600)
     if begin is None:
         note.append("round never began")
@@ -152,12 +153,15 @@ def inject(fault: str, link: Link, sampler: Sampler, workers: Workers, model_byt
         while sampler.latest()[2] - tx0 < half:
             time.sleep(0.002)
         note.append(link.reset(upload=False, port=port))
+        at.append((sampler.latest()[2] - tx0) / model_bytes)
         return
     while sampler.latest()[1] - rx0 < half:
         time.sleep(0.002)
     if fault == "reset-up":
         note.append(link.reset(upload=True, port=port))
+        at.append((link.counters()[0] - rx0) / model_bytes)
     else:
+        at.append((link.counters()[0] - rx0) / model_bytes)
         seconds = float(fault.split("-")[1])
         note.append(f"silent for {seconds:g} s")
         link.silence(seconds)
@@ -172,12 +176,13 @@ def run_sync(link: Link, side: Side, init: Path, params: int, tensors: int, n: i
     total = warmup + rounds
     coord = start_coordinator(link, side, run_dir, init, run_config(n, total, transfer), port)
     note: list[str] = []
+    at: list[float] = []
     try:
         with Sampler(link) as sampler:
             workers = Workers(link, side, f"http://{link.target_ip}:{port}", n, params, tensors, run_dir, coord.pid)
             if fault:
-                threading.Thread(target=inject, args=(fault, link, sampler, workers, model_bytes, port, warmup, note),
-                                 daemon=True).start()
+                spec = (fault, link, sampler, workers, model_bytes, port, warmup, note, at)
+                threading.Thread(target=inject, args=spec, daemon=True).start()
             ok = workers.finish(limit_s)
             samples = sampler.window(0, time.time())
     finally:
@@ -188,7 +193,8 @@ def run_sync(link: Link, side: Side, init: Path, params: int, tensors: int, n: i
             coord.kill()
             coord.wait()
     out = {"side": side.label, "n": n, "params": params, "model_bytes": model_bytes, "rate_bit": link.rate_bit,
-           "fault": fault, "ok": ok, "note": note, "rounds": per_round(workers.events, samples, link.rate_bit, n)}
+           "fault": fault, "fault_at": at[0] if at else None, "ok": ok, "note": note,
+           "rounds": per_round(workers.events, samples, link.rate_bit, n)}
     if not ok:
         out["error"] = f"participants did not finish cleanly in {limit_s:.0f} s: see {run_dir}"
     return out
@@ -222,6 +228,9 @@ def per_round(events: list[dict[str, Any]], samples: list[tuple[float, int, int]
             "coord_cpu_per_gb": (last["coord_cpu"] - first["coord_cpu"]) / (moved / 1e9) if moved else None,
             "part_cpu_per_gb": sum(x["cpu"] for x in e) - sum(x["cpu"] for x in b) if len(b) == len(e) else None,
         })
+        up, down = busy_span(window, 1, rate_bit), busy_span(window, 2, rate_bit)
+        if up and down:  # where the round's time went besides the two transfers
+            out[-1].update(lead_s=up[0] - first["t"], between_s=down[0] - up[1], tail_s=last["t"] - down[1])
         if out[-1]["part_cpu_per_gb"] is not None and moved:
             out[-1]["part_cpu_per_gb"] /= moved / 1e9
     return out
@@ -243,6 +252,7 @@ def summarize_clean(result: dict[str, Any]) -> dict[str, Any]:
         "down_wire_fraction": statistics.median(down) if down else None,
         "coord_cpu_per_gb": _median(r.get("coord_cpu_per_gb") for r in rows),
         "part_cpu_per_gb": _median(r.get("part_cpu_per_gb") for r in rows),
+        "between_s": _median(r.get("between_s") for r in rows),
     }
 
 
@@ -262,7 +272,8 @@ def summarize_fault(result: dict[str, Any], warmup: int) -> dict[str, Any]:
     key = "wire_down" if result["fault"] == "reset-down" else "wire_up"
     ref_bytes = statistics.median(r[key] for r in clean)
     ref_s = statistics.median(r["seconds"] for r in clean)
-    return {"resent": (hit[key] - ref_bytes) / result["model_bytes"], "extra_s": hit["seconds"] - ref_s,
+    return {"at": result.get("fault_at"), "resent": (hit[key] - ref_bytes) / result["model_bytes"],
+            "extra_s": hit["seconds"] - ref_s,
             "round_s": hit["seconds"], "sync_s": hit["sync_s"], "step_s": hit["step_s"], "clean_round_s": ref_s}
 
 
@@ -280,5 +291,8 @@ def raw_tcp(link: Link, streams: int, nbytes: int, port: int, through_relay: boo
     if src.returncode != 0:
         raise RuntimeError(f"raw TCP source failed: {src.stderr.strip()[-300:]}")
     got = json.loads(out.strip().splitlines()[-1])
+    sent = json.loads(src.stdout.strip().splitlines()[-1])
     return {"streams": streams, "bytes": got["bytes"], "seconds": got["seconds"],
-            "fraction": got["bytes"] * 8 / (got["seconds"] * link.rate_bit)}
+            "fraction": got["bytes"] * 8 / (got["seconds"] * link.rate_bit),
+            "sink_cpu_per_gb": got["cpu"] / (got["bytes"] / 1e9),
+            "source_cpu_per_gb": sent["cpu"] / (got["bytes"] / 1e9)}

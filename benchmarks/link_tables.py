@@ -74,7 +74,8 @@ def fault_table(report: dict[str, Any]) -> str:
             cells.append(_cell(r, lambda m: _f(m.get("resent"))))
             cells.append(_cell(r, lambda m: _f(m.get("extra_s"), "+.1f")))
             cells.append(_cell(r, lambda m: f"{_f(m.get('round_s'), '.1f')} ({_f(m.get('sync_s'), '.1f')})"))
-        lines.append(f"| {fault} | " + " | ".join(cells) + " |")
+        at = next((r["summary"].get("at") for r in by.values() if r["summary"].get("at") is not None), None)
+        lines.append(f"| {fault}{f' at {at:.0%}' if at is not None else ''} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

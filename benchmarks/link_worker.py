@@ -88,7 +88,7 @@ def sink(args: argparse.Namespace) -> None:
         threads.append(t)
     for t in threads:
         t.join()
-    say(event="sunk", bytes=total[0], seconds=last[0] - first[0])
+    say(event="sunk", bytes=total[0], seconds=last[0] - first[0], cpu=time.process_time())
 
 
 def source(args: argparse.Namespace) -> None:
@@ -108,7 +108,7 @@ def source(args: argparse.Namespace) -> None:
         t.start()
     for t in threads:
         t.join()
-    say(event="sent", bytes=per * args.streams)
+    say(event="sent", bytes=per * args.streams, cpu=time.process_time())
 
 
 def main(argv: list[str] | None = None) -> None:

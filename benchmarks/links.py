@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="transfer.streams of syncs through the relay (e.g. 1,2,4; needs a checkout that has it)")
     p.add_argument("--tbf-burst", type=int, default=None,
                    help="tbf's bucket in bytes (default: 2 ms at the rate, at least 64 KiB)")
+    p.add_argument("--cpu-hogs", type=int, default=0,
+                   help="busy processes to run beside the runs (CPU contention on purpose; default 0)")
     p.add_argument("--limit-s", type=float, default=900.0, help="longest one run may take before it is cut (900)")
     p.add_argument("--parts", type=_parts, default=["sync", "faults", "relay"],
                    help="which parts to run, of sync,faults,relay (default all; relay needs --relay-rtt-ms)")
@@ -79,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = args.models or ([25.0] if quick else [25.0, 100.0])
     args.rates = args.rates or [parse_rate("100M"), parse_rate("1G")]
     args.participants = args.participants or ([1] if quick else [1, 4])
-    args.rounds = args.rounds or (1 if quick else 2)
+    if args.rounds is None:
+        args.rounds = 1 if quick else 2
     if args.faults is None:
         args.faults = ["reset-up", "silent-2"] if quick else list(FAULTS)
     if args.warmup < 1 or args.rounds < 1:
@@ -171,7 +174,8 @@ class Bench:
             with shaped(rate, burst=a.tbf_burst) as link:
                 raw = raw_tcp(link, 1, int(min(4e8, rate / 8 * 4)), self.next_port())
                 self.report["raw"].append({"rate_bit": rate, **raw})
-                _say(f"raw TCP at {_rate(rate)}: {raw['fraction']:.3f} of the link")
+                _say(f"raw TCP at {_rate(rate)}: {raw['fraction']:.3f} of the link, CPU s/GB: sink "
+                     f"{raw['sink_cpu_per_gb']:.2f}, source {raw['source_cpu_per_gb']:.2f}")
                 for m in a.models:
                     params = int(m * 1e6)
                     for n in a.participants:
@@ -262,10 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(args, tmp)
         bench.report["load_before"] = load()
         t0 = time.monotonic()
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.cpu_hogs)]
         try:
             for part in args.parts:
                 {"sync": bench.sync_cells, "faults": bench.fault_cells, "relay": bench.relay_cells}[part]()
         finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
             bench.report["load_after"] = load()
             bench.report["seconds"] = time.monotonic() - t0
             if args.json:
