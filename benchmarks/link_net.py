@@ -171,16 +171,20 @@ class Link:
             sh("ip", "netns", "exec", ns, "ss", "-K", "-tn", f"( sport = :{a} and dport = :{b} )", check=False)
         return f"reset {local} -> {remote} (send queue {best[0]} B)"
 
-    def silence(self, seconds: float) -> None:
-        """Drop every packet arriving at either end for `seconds` (blocks that long)."""
-        rules = [(self.ns(s), self.dev(s)) for s in ("C", "P")]
-        for ns, dev in rules:
-            sh("ip", "netns", "exec", ns, "iptables", "-I", "INPUT", "-i", dev, "-j", "DROP")
+    def silence(self, seconds: float, local: bool = False) -> None:
+        """Drop every packet arriving at either end for `seconds` (blocks that long). `local`: the
+        participant's own sends are refused too (OUTPUT DROP: a send fails at once with EPERM, as
+        when its own interface or firewall cuts it off), not only lost in the network."""
+        rules = [(self.ns(s), "INPUT", "-i", self.dev(s)) for s in ("C", "P")]
+        if local:
+            rules.append((self.ns("P"), "OUTPUT", "-o", self.dev("P")))
+        for ns, chain, flag, dev in rules:
+            sh("ip", "netns", "exec", ns, "iptables", "-I", chain, flag, dev, "-j", "DROP")
         try:
             time.sleep(seconds)
         finally:
-            for ns, dev in rules:
-                sh("ip", "netns", "exec", ns, "iptables", "-D", "INPUT", "-i", dev, "-j", "DROP", check=False)
+            for ns, chain, flag, dev in rules:
+                sh("ip", "netns", "exec", ns, "iptables", "-D", chain, flag, dev, "-j", "DROP", check=False)
 
 
 class Sampler:

@@ -7,7 +7,8 @@ Every process runs with PYTHONPATH set to the checkout under test (`Side.src`), 
 measures any two trees side by side. A fault is injected in the first measured round, once
 participant p0 has begun it: `reset-up` / `reset-down` abort the transfer's connection when half of
 the model has crossed the link in that direction, `silent-S` drops every packet for S seconds from
-the same point of the upload.
+the same point of the upload (lost in the network: neither end sees an error), `down-S` also refuses
+the participant's own sends for S seconds (each fails at once, as when its interface goes down).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from link_net import Link, Sampler, busy_seconds, busy_span
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "link_worker.py")
 TOKEN = "links-bench-token"
-FAULTS = ("reset-up", "reset-down", "silent-2", "silent-60")
+FAULTS = ("reset-up", "reset-down", "silent-2", "silent-60", "down-2")
+DEFAULT_FAULTS = FAULTS[:4]  # down-2 behaves as silent-2 here: TCP keeps EPERM from the application
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,8 @@ def inject(fault: str, link: Link, sampler: Sampler, workers: Workers, model_byt
     else:
         at.append((link.counters()[0] - rx0) / model_bytes)
         seconds = float(fault.split("-")[1])
-        note.append(f"silent for {seconds:g} s")
-        link.silence(seconds)
+        note.append(f"{fault.split('-')[0]} for {seconds:g} s")
+        link.silence(seconds, local=fault.startswith("down"))
 
 
 def run_sync(link: Link, side: Side, init: Path, params: int, tensors: int, n: int, warmup: int, rounds: int,

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from link_net import Link, check_support, cleanup_leftovers, parse_rate
-from link_runs import FAULTS, Side, raw_tcp, run_sync, summarize_clean, summarize_fault
+from link_runs import DEFAULT_FAULTS, FAULTS, Side, raw_tcp, run_sync, summarize_clean, summarize_fault
 from link_tables import fault_table, relay_table, sync_table
 
 REPO_SRC = Path(__file__).resolve().parents[1] / "src"
@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="measured rounds (default 2; --quick 1)")
     p.add_argument("--tensors", type=int, default=8, help="tensors the model is split into (default 8)")
     p.add_argument("--faults", type=_faults, default=None,
-                   help=f"faults to inject, of {','.join(FAULTS)} (default all; --quick reset-up,silent-2; none: '')")
+                   help=f"faults to inject, of {','.join(FAULTS)} (default all but down-2; --quick reset-up,silent-2; "
+                        "none: '')")
     p.add_argument("--fault-rate", type=parse_rate, default=parse_rate("1G"), help="link rate of the fault runs (1G)")
     p.add_argument("--fault-model", type=float, default=25.0, help="model of the fault runs, M parameters (25)")
     p.add_argument("--relay-rtt-ms", type=_floats, default=None,
@@ -84,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.rounds is None:
         args.rounds = 1 if quick else 2
     if args.faults is None:
-        args.faults = ["reset-up", "silent-2"] if quick else list(FAULTS)
+        args.faults = ["reset-up", "silent-2"] if quick else list(DEFAULT_FAULTS)
     if args.warmup < 1 or args.rounds < 1:
         p.error("--warmup and --rounds must be at least 1")
     return args

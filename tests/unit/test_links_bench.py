@@ -23,7 +23,7 @@ GBIT = 1e9
 def test_defaults_and_quick() -> None:
     full = links.parse_args([])
     assert full.models == [25.0, 100.0] and full.participants == [1, 4] and full.rounds == 2
-    assert full.rates == [100e6, 1e9] and full.faults == list(link_runs.FAULTS)
+    assert full.rates == [100e6, 1e9] and full.faults == list(link_runs.DEFAULT_FAULTS)
     quick = links.parse_args(["--quick"])
     assert quick.models == [25.0] and quick.participants == [1] and quick.rounds == 1
     assert quick.faults == ["reset-up", "silent-2"]
