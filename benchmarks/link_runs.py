@@ -231,7 +231,7 @@ def per_round(events: list[dict[str, Any]], samples: list[tuple[float, int, int]
             "part_cpu_per_gb": sum(x["cpu"] for x in e) - sum(x["cpu"] for x in b) if len(b) == len(e) else None,
         })
         up, down = busy_span(window, 1, rate_bit), busy_span(window, 2, rate_bit)
-        if up and down:  # where the round's time went besides the two transfers
+        if up and down and n == 1:  # where the round's time went besides the two transfers
             out[-1].update(lead_s=up[0] - first["t"], between_s=down[0] - up[1], tail_s=last["t"] - down[1])
         if out[-1]["part_cpu_per_gb"] is not None and moved:
             out[-1]["part_cpu_per_gb"] /= moved / 1e9

@@ -34,8 +34,8 @@ def _by_side(runs: list[dict[str, Any]], sides: list[str], key: Any) -> dict[Any
 
 
 def sync_table(report: dict[str, Any]) -> str:
-    """Fraction of the link per sync: (up + down bytes) / (round s x rate), and the upload and the
-    download alone (wire bytes / the seconds bytes moved); raw TCP of the same link beside it."""
+    """Fraction of the link per sync: (up + down bytes) / (round s x rate), and for N = 1 the upload
+    and the download alone (wire bytes / the seconds bytes moved); raw TCP of the same link beside it."""
     sides = report["sides"]
     if not report["sync"]:
         return ""
@@ -48,8 +48,11 @@ def sync_table(report: dict[str, Any]) -> str:
         cells = []
         for s in sides:
             r = by.get(s)
-            cells.append(_cell(r, lambda m: f"{_f(m['fraction'])} ({_f(m.get('up_wire_fraction'))} / "
-                                            f"{_f(m.get('down_wire_fraction'))})"))
+            if n == 1:
+                cells.append(_cell(r, lambda m: f"{_f(m['fraction'])} ({_f(m.get('up_wire_fraction'))} / "
+                                                f"{_f(m.get('down_wire_fraction'))})"))
+            else:  # one participant's upload overlaps another's download: no phases to time apart
+                cells.append(_cell(r, lambda m: _f(m["fraction"])))
             cells.append(_cell(r, lambda m: _f(m.get("round_s"), ".1f")))
         lines.append(f"| {_mb(size)} | {_rate(rate)} | {n} | {_f(raw.get(rate))} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit-s", type=float, default=900.0, help="longest one run may take before it is cut (900)")
     p.add_argument("--parts", type=_parts, default=["sync", "faults", "relay"],
                    help="which parts to run, of sync,faults,relay (default all; relay needs --relay-rtt-ms)")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="print the tables of an earlier run's --json; run nothing")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     p.add_argument("--dir", type=Path, default=None, help="runs' state and logs here (default: a temp dir, removed)")
     args = p.parse_args(argv)
@@ -251,8 +253,19 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def print_tables(report: dict[str, Any]) -> None:
+    print(f"load average before / after: {report['load_before']} / {report['load_after']}")
+    for text in (sync_table(report), fault_table(report), relay_table(report)):
+        if text:
+            print(text)
+            print()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json is not None:
+        print_tables(json.loads(args.from_json.read_text()))
+        return 0
     why = check_support()
     if why is not None:
         print(f"links: skipped: {why}")
@@ -281,11 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.json.write_text(json.dumps(bench.report, indent=1))
         failed = any("error" in r for k in ("sync", "faults", "relay") for r in bench.report[k])
         print()
-        print(f"load average before / after: {bench.report['load_before']} / {bench.report['load_after']}")
-        for text in (sync_table(bench.report), fault_table(bench.report), relay_table(bench.report)):
-            if text:
-                print(text)
-                print()
+        print_tables(bench.report)
     finally:
         if failed or args.dir:
             print(f"runs' state and logs kept in {tmp}")

@@ -5,6 +5,7 @@ side. No namespaces here: the benchmark itself needs root and runs by hand."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -130,3 +131,18 @@ def test_without_root_it_skips(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
     monkeypatch.setattr(links, "check_support", lambda: "needs root (network namespaces and tc)")
     assert links.main(["--quick"]) == 0
     assert capsys.readouterr().out.strip() == "links: skipped: needs root (network namespaces and tc)"
+
+
+def test_tables_of_an_earlier_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = {**_report(), "load_before": "1.00 1.00 1.00", "load_after": "2.00 2.00 2.00"}
+    (tmp_path / "links.json").write_text(json.dumps(report))
+    assert links.main(["--from-json", str(tmp_path / "links.json")]) == 0
+    out = capsys.readouterr().out
+    assert "load average before / after: 1.00 1.00 1.00 / 2.00 2.00 2.00" in out
+    assert "| 100 MB | 1 Gbit/s | 1 | 0.96 | 0.93 (0.95 / 0.94) |" in out and "| reset-up at 50% |" in out
+
+
+def test_with_several_participants_the_phases_are_not_split() -> None:
+    report = _report()
+    report["sync"] = [{**r, "n": 4} for r in report["sync"]]
+    assert "| 100 MB | 1 Gbit/s | 4 | 0.96 | 0.93 | 1.8 | 0.91 | 1.8 |" in link_tables.sync_table(report)
