@@ -49,12 +49,24 @@ def check_support() -> str | None:
 
 
 def cleanup_leftovers() -> list[str]:
-    """Remove the namespaces (and stop the processes in them) a previous run of ours left behind."""
+    """Remove the namespaces (and stop the processes in them) that an earlier run of ours left
+    behind; those of a run still going (its pid is in the name) are left alone."""
     out = sh("ip", "netns", "list", check=False).stdout
-    names = [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
-    for name in names:
+    names = [line.split()[0] for line in out.splitlines() if line.startswith(f"{PREFIX}-")]
+    left = [n for n in names if n != f"{PREFIX}-probe" and not _run_alive(n)]
+    for name in left:
         _delete_ns(name)
-    return names
+    return left
+
+
+def _run_alive(name: str) -> bool:
+    """Whether the run that made namespace `name` (fdlk-PID-SIDE) is still going."""
+    try:
+        pid = int(name.split("-")[1])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (ValueError, IndexError, OSError):
+        return False
+    return b"links.py" in cmdline
 
 
 def _delete_ns(name: str) -> None:
@@ -78,7 +90,7 @@ class Link:
     rate_bit: float
     relay: bool = False
     burst: int | None = None  # tbf's bucket in bytes (None: tbf_burst(rate))
-    run_id: str = field(default_factory=lambda: f"{os.getpid() % 100000}")
+    run_id: str = field(default_factory=lambda: str(os.getpid()))
     holders: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def ns(self, side: str) -> str:
