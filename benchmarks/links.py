@@ -207,7 +207,7 @@ class Bench:
             return
         with shaped(a.fault_rate, burst=a.tbf_burst) as link:
             for fault in a.faults:
-                for side in self.sides:
+                for side in self.sides:  # round 0 warms up, round 1 takes the fault, round 2 is clean
                     self.one(link, side, int(a.fault_model * 1e6), 1, 1, 2, fault, self.report["faults"])
 
     def relay_cells(self) -> None:
