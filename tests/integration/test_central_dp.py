@@ -1,0 +1,111 @@
+"""Central differential privacy in real runs: the noise on a round's mean has the scale σ·w_max·C
+(w_max the largest capped share) and is not drawn from the run's seed; the (ε, δ) in the status
+and in every checkpoint's metadata is dp-accounting's own figure for the rounds merged, and it
+survives a restart; a loopback run with DP trains (the loss falls)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedtrain.coordinator import BackgroundCoordinator
+from tests.helpers.api import client, put, wait_round
+from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.runs import heldout_loss, train_all
+
+dpa = pytest.importorskip("dp_accounting")
+
+META = "fedtrain.privacy"
+
+
+def library_epsilon(sigma: float, rounds: int, delta: float, kind: str) -> float:
+    """dp-accounting composing `rounds` Gaussian mechanisms itself."""
+    acc = dpa.rdp.RdpAccountant() if kind == "rdp" else dpa.pld.PLDAccountant()
+    acc.compose(dpa.GaussianDpEvent(sigma), rounds)
+    return float(acc.get_epsilon(delta))
+
+
+def zero_round(c: BackgroundCoordinator, r: int, tokens: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Each participant sends a zero update for round r (the mean is exactly 0; the admin's client
+    acts for anyone, across restarts); returns what the round moved the weights by: the noise
+    alone (fedavg, lr 1)."""
+    before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+    with client(c, ATOKEN) as http:
+        for pid, tok in tokens.items():
+            assert put(http, r, pid, {n: torch.zeros_like(t) for n, t in before.items()}, tokens=tok).status_code == 200
+        assert wait_round(http, r)["state"] == "closed"
+    after = c.service.inspect().weights
+    return {n: after[n] - before[n] for n in before}
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_noise_has_the_scale_of_the_largest_share_and_epsilon_is_the_librarys(tmp_path: Path,
+                                                                              accountant: str) -> None:
+    sigma, clip, delta = 2.0, 0.1, 1e-6
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, min_participants=3,
+                      privacy={"clip_norm": clip, "noise_multiplier": sigma, "delta": delta, "accountant": accountant})
+    tokens = {"a": 100, "b": 100, "c": 200}  # shares 1/4, 1/4, 1/2: w_max = 1/2
+    noises = []
+    for run in ("one", "two"):  # two runs of the same config and seed
+        with BackgroundCoordinator(tmp_path / run, cfg) as c:
+            with client(c, ATOKEN) as http:
+                for pid in tokens:
+                    http.post("/v1/join", json={"name": pid})
+            noise = torch.cat([t.flatten() for t in zero_round(c, 0, tokens).values()]).double()
+            status = c.service.status()
+        noises.append(noise)
+        n, want = noise.numel(), sigma * 0.5 * clip
+        assert n > 10_000
+        # the sample std of n normals is within ~1/sqrt(2n) (< 1%) of the true one: 5% never flakes
+        assert float(noise.std()) == pytest.approx(want, rel=0.05)
+        assert abs(float(noise.mean())) < 5 * want / math.sqrt(n)
+        p = status["privacy"]
+        assert p["rounds"] == 1 and p["delta"] == delta
+        assert p["epsilon"] == pytest.approx(library_epsilon(sigma, 1, delta, accountant), rel=1e-3)
+    # the noise is drawn from the OS CSPRNG, not the run's seed: the two runs' noises differ
+    assert not torch.allclose(noises[0], noises[1])
+
+
+def test_epsilon_after_every_round_in_status_and_checkpoints_and_after_a_restart(tmp_path: Path) -> None:
+    sigma, delta = 1.5, 1e-5
+    cfg = tiny_config(rounds=4, outer={"algorithm": "fedavg"},
+                      privacy={"clip_norm": 1.0, "noise_multiplier": sigma, "delta": delta, "epsilon_budget": 50})
+    state = tmp_path / "state"
+    seen = []
+    with BackgroundCoordinator(state, cfg) as c:
+        with client(c, ATOKEN) as http:
+            http.post("/v1/join", json={"name": "a"})
+        assert c.service.status()["privacy"]["rounds"] == 0 and c.service.status()["privacy"]["epsilon"] == 0.0
+        for r in range(3):
+            zero_round(c, r, {"a": 100})
+            p = c.service.status()["privacy"]
+            assert p["rounds"] == r + 1 and p["budget"] == 50 and not p["over_budget"]
+            assert p["epsilon"] == pytest.approx(library_epsilon(sigma, r + 1, delta, "rdp"), rel=1e-6)
+            seen.append(p["epsilon"])
+        ckpt = c.service.inspect().checkpoints
+        for v in (1, 2, 3):  # keep_checkpoints 3: versions 1-3 are kept
+            record = json.loads(ckpt.run_metadata(v)[META])
+            assert record["rounds"] == v and record["epsilon"] == pytest.approx(seen[v - 1])
+    assert seen == sorted(seen) and seen[0] > 0
+    with BackgroundCoordinator(state, cfg) as c:  # a restart: the count comes from the committed version
+        p = c.service.status()["privacy"]
+        assert p["rounds"] == 3 and p["epsilon"] == pytest.approx(seen[-1])
+        zero_round(c, 3, {"a": 100})
+        assert c.service.status()["privacy"]["epsilon"] == pytest.approx(
+            library_epsilon(sigma, 4, delta, "rdp"), rel=1e-6)
+
+
+def test_a_loopback_run_with_dp_trains(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=5, train={"sync_every": 10, "lr": 1e-2}, min_participants=2,
+                      privacy={"clip_norm": 5.0, "noise_multiplier": 0.01})
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        initial = heldout_loss(c.service.inspect().weights)
+        train_all(c.url, 2)
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
+        p = c.service.status()["privacy"]
+    assert p["rounds"] == 5 and p["epsilon"] > 0
+    assert heldout_loss(final) < initial - 1.0
