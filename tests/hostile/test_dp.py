@@ -13,7 +13,7 @@ import torch
 from fedtrain.config import parse_config
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import ConfigError
-from tests.helpers.api import client, put, wait_round
+from tests.helpers.api import client, halves, put, send_piece, wait_round
 from tests.helpers.config import tiny_config
 
 pytest.importorskip("dp_accounting")
@@ -43,6 +43,26 @@ def test_an_oversized_update_is_clipped_to_c_by_the_coordinator(tmp_path: Path) 
         # (the chi distribution at this size is within a few percent of that), nowhere near ‖lie‖.
         assert noise == pytest.approx(sigma * clip * math.sqrt(params), rel=0.1)
         assert _norm(moved) <= clip + 1.2 * sigma * clip * math.sqrt(params)
+
+
+def test_an_update_in_pieces_is_clipped_as_a_whole(tmp_path: Path) -> None:
+    """FSDP ranks send their rows as pieces without clipping them (a rank's rows are not the sync
+    set): the coordinator clips the assembled update, over its whole norm, as it would one body."""
+    clip, sigma = 0.5, 0.01
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={"clip_norm": clip, "noise_multiplier": sigma})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
+        http.post("/v1/join", json={"name": "a", "info": {"parallel": "fsdp", "world_size": 2}})
+        theta0 = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        g = torch.Generator().manual_seed(2)
+        big = {n: torch.randn(t.shape, generator=g) for n, t in theta0.items()}
+        for label, (part, rows) in zip(("r0", "r1"), halves(big), strict=True):
+            assert send_piece(http, "a", label, part, rows).status_code == 200
+        assert wait_round(http, 0)["state"] == "closed"
+        theta1 = c.service.inspect().weights
+        clipped = {n: big[n] * (clip / _norm(big)) for n in big}
+        params = sum(t.numel() for t in big.values())
+        left = _norm({n: theta0[n] - theta1[n] - clipped[n] for n in big})
+        assert left == pytest.approx(sigma * clip * math.sqrt(params), rel=0.1)  # the noise, nothing more
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.helpers.api import client, put, wait_round
 from tests.helpers.config import ATOKEN, tiny_config
@@ -92,8 +93,10 @@ def test_epsilon_after_every_round_in_status_and_checkpoints_and_after_a_restart
             assert record["rounds"] == v and record["epsilon"] == pytest.approx(seen[v - 1])
     assert seen == sorted(seen) and seen[0] > 0
     with BackgroundCoordinator(state, cfg) as c:  # a restart: the count comes from the committed version
-        p = c.service.status()["privacy"]
-        assert p["rounds"] == 3 and p["epsilon"] == pytest.approx(seen[-1])
+        with client(c, ATOKEN) as http:
+            p = http.get("/v1/status").json()["privacy"]
+            assert p["rounds"] == 3 and p["epsilon"] == pytest.approx(seen[-1])
+            assert f"(ε, δ) = ({seen[-1]:.4g}, 1e-05) after 3 rounds" in format_status(http.get("/v1/status").json())
         zero_round(c, 3, {"a": 100})
         assert c.service.status()["privacy"]["epsilon"] == pytest.approx(
             library_epsilon(sigma, 4, delta, "rdp"), rel=1e-6)
@@ -109,3 +112,22 @@ def test_a_loopback_run_with_dp_trains(tmp_path: Path) -> None:
         p = c.service.status()["privacy"]
     assert p["rounds"] == 5 and p["epsilon"] > 0
     assert heldout_loss(final) < initial - 1.0
+
+
+def test_streaming_noise_lands_on_the_rounds_fragment_only(tmp_path: Path) -> None:
+    sigma, clip = 1.0, 0.2
+    cfg = tiny_config(train={"sync_every": 4}, streaming={"fragments": 2}, outer={"algorithm": "fedavg"},
+                      model={"n_layer": 2},
+                      privacy={"clip_norm": clip, "noise_multiplier": sigma})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
+        frags = http.post("/v1/join", json={"name": "a"}).json()["streaming"]["fragments"]
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        zeros = {n: torch.zeros_like(before[n]) for n in frags[0]}
+        assert put(http, 0, "a", zeros).status_code == 200
+        assert wait_round(http, 0)["state"] == "closed"
+        after = c.service.inspect().weights
+        for n in frags[1]:  # the other fragment: not a bit of noise
+            assert torch.equal(after[n], before[n]), n
+        noise = torch.cat([(after[n] - before[n]).flatten() for n in frags[0]]).double()
+        assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.05)  # one participant: w_max 1
+        assert c.service.status()["privacy"]["rounds"] == 1  # each fragment sync is a round of the accounting
