@@ -6,6 +6,7 @@ participant's side: Δ is clipped to C before it is encoded, its own copy left a
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import safetensors.torch
@@ -112,3 +113,19 @@ def test_the_participant_clips_its_update_to_c_before_encoding_and_keeps_its_del
     torch.testing.assert_close(_sent(small, {"privacy": {"clip_norm": 5.0}})["a"], torch.full((4,), 0.1))
     bf16 = _sent(engine, {"privacy": {"clip_norm": 0.5}, "train": {"compression": "bf16"}})
     assert _norm({n: t.float() for n, t in bf16.items()}) == pytest.approx(0.5, rel=1e-2)
+
+
+def test_a_participant_without_the_accountant_takes_the_config_and_a_coordinator_refuses_to_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Participants validate the run config too and need no accountant: without dp-accounting the
+    budget is not checked there; the coordinator's `CentralDp` checks it (and the package) at start."""
+    from fedtrain.privacy.central import CentralDp
+
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # as if not installed
+    cfg = parse_config({"rounds": 100, "privacy": {"epsilon_budget": 1.0}})
+    assert cfg.privacy is not None
+    with pytest.raises(ConfigError, match=r"fedtrain\[privacy\]"):
+        CentralDp(cfg.privacy, cfg.rounds)
+    monkeypatch.delitem(sys.modules, "dp_accounting")
+    with pytest.raises(ConfigError, match="over the budget 1"):
+        CentralDp(cfg.privacy, cfg.rounds)

@@ -24,6 +24,7 @@ import torch
 
 from fedtrain.errors import ConfigError
 from fedtrain.privacy.accountant import DpSettings, epsilon_after
+from fedtrain.privacy.deps import dp_accounting
 
 #: Above this ε (by RDP, an upper bound of PLD's) the PLD accountant is not asked: its grid grows
 #: with ε (gigabytes past a few hundred), and a guarantee that weak needs no tighter figure.
@@ -113,6 +114,12 @@ class CentralDp:
     ε change together, as one tuple."""
 
     def __init__(self, p: Any, planned_rounds: int, rounds_done: int = 0) -> None:
+        """Raises ConfigError without dp-accounting (naming the extra), or when the planned rounds
+        spend more than the budget (a config validated where dp-accounting was missing)."""
+        dp_accounting()
+        refusal = budget_refusal(p, planned_rounds)
+        if refusal is not None:
+            raise ConfigError(f"privacy.epsilon_budget: {refusal}")
         self.config = p
         self.settings = settings_of(p, planned_rounds)
         self._spent = (rounds_done, *run_epsilon(self.settings, rounds_done))  # (rounds, ε, accountant)
