@@ -102,6 +102,23 @@ def test_epsilon_after_every_round_in_status_and_checkpoints_and_after_a_restart
             library_epsilon(sigma, 4, delta, "rdp"), rel=1e-6)
 
 
+def test_a_roll_back_keeps_the_count_of_noisy_rounds(tmp_path: Path) -> None:
+    """Rolling back to a kept version does not take back what was released: the restored version
+    records the rounds merged with noise so far, and a restart reads them from it."""
+    cfg = tiny_config(rounds=5, outer={"algorithm": "fedavg"}, privacy={"noise_multiplier": 2.0})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c:
+        with client(c, ATOKEN) as http:
+            http.post("/v1/join", json={"name": "a"})
+        for r in range(2):
+            zero_round(c, r, {"a": 100})
+        with client(c, ATOKEN) as http:
+            assert http.post("/v1/admin/rollback", json={"version": 1}).json()["version"] == 3
+        assert c.service.status()["privacy"]["rounds"] == 2
+        assert json.loads(c.service.inspect().checkpoints.run_metadata(3)[META])["rounds"] == 2
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c:
+        assert c.service.status()["privacy"]["rounds"] == 2
+
+
 def test_a_loopback_run_with_dp_trains(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=5, train={"sync_every": 10, "lr": 1e-2}, min_participants=2,
                       privacy={"clip_norm": 5.0, "noise_multiplier": 0.01})
