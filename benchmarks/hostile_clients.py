@@ -215,18 +215,21 @@ def download_s(c: Coordinator, wait_s: float) -> float | None:
     return time.perf_counter() - t0
 
 
-def beside_stalled(c: Coordinator, n: int, wait_s: float) -> tuple[float | None, float | None]:
-    """One download's seconds alone, and beside `n` downloads whose clients read nothing more."""
+def beside_stalled(c: Coordinator, n: int, wait_s: float) -> tuple[float | None, float | None, int]:
+    """One download's seconds alone, and beside `n` downloads whose clients read nothing more;
+    and how many of those `n` the coordinator took (one token may have at most
+    MAX_DOWNLOAD_CONNECTIONS in flight: the rest are answered 429)."""
     alone = download_s(c, wait_s)
     stalled = []
+    taken = 0
     try:
         for _ in range(n):
             s = connect(c.port, rcvbuf=1 << 16)
             s.sendall(f"GET /v1/model HTTP/1.1\r\nhost: b\r\nauthorization: Bearer {TOKEN}\r\n\r\n".encode())
-            s.recv(1024)
+            taken += s.recv(1024).startswith(b"HTTP/1.1 200")
             stalled.append(s)
         time.sleep(0.5)
-        return alone, download_s(c, wait_s)
+        return alone, download_s(c, wait_s), taken
     finally:
         for s in stalled:
             s.close()
@@ -268,7 +271,7 @@ def measure(tree: Path, args: argparse.Namespace, model: Path) -> dict[str, str]
         for _ in range(args.repeat):  # in turn, so that a busy moment of the machine falls on both
             quiet = max(quiet, control_ops(c, args.seconds, 0))
             noisy = max(noisy, control_ops(c, args.seconds, args.subscribers))
-        alone, beside = beside_stalled(c, args.stalled, args.wait)
+        alone, beside, taken = beside_stalled(c, args.stalled, args.wait)
 
     def secs(s: float | None) -> str:
         return f"{s:.2f} s" if s is not None else f"none in {args.wait:g} s"
@@ -279,6 +282,7 @@ def measure(tree: Path, args: argparse.Namespace, model: Path) -> dict[str, str]
         "RSS after they closed": f"{after:.0f} MB",
         "download, alone": secs(alone),
         f"download beside {args.stalled} stalled": secs(beside),
+        "stalled downloads taken (the rest 429)": str(taken),
         "control ops/s, no subscriber": f"{quiet:.0f}",
         f"control ops/s, {args.subscribers} deaf subscribers": f"{noisy:.0f}",
         "slowdown from the subscribers": f"{quiet / noisy:.1f}x" if noisy else "stalled",

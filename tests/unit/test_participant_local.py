@@ -156,8 +156,10 @@ class Scripted:
         self.calls: list[tuple[str, RetryPolicy | None]] = []
         self.uploads: list[dict[str, torch.Tensor]] = []
         self.fail_download = False
+        self.transfer: tuple[Any, Any] = (None, 1)
 
-    def upload(self, r: int, pid: str, body: Any, tokens: int, *, retry: RetryPolicy | None = None) -> dict:
+    def upload(self, r: int, pid: str, body: Any, tokens: int, *, retry: RetryPolicy | None = None,
+               **transfer: Any) -> dict:
         self.calls.append(("upload", retry))
         self.uploads.append(safetensors.torch.load(b"".join(bytes(c) for c in body)))
         return {}
@@ -169,8 +171,10 @@ class Scripted:
             raise state
         return state
 
-    def download(self, *, pid: str, allocate: Any, on_header: Any, retry: RetryPolicy | None = None) -> tuple:
+    def download(self, *, pid: str, allocate: Any, on_header: Any, retry: RetryPolicy | None = None,
+                 stall_timeout_s: float | None = None, streams: int | str = 1) -> tuple:
         self.calls.append(("download", retry))
+        self.transfer = (stall_timeout_s, streams)  # the run config's `transfer`, as a sync passes it
         if self.fail_download:
             raise CoordinatorUnavailable("gone", status=0, code="unavailable")
         specs = {n: TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in self.model.items()}
@@ -205,6 +209,7 @@ def test_the_engine_sends_again_when_the_round_lost_our_upload_and_takes_the_new
     assert len(client.uploads) == 2 and all(torch.equal(u["w"], torch.full((3,), 1.0)) for u in client.uploads)
     assert torch.equal(param.detach(), torch.full((3,), 5.0)) and engine.holds == "reference"
     assert engine.bytes_up > 0 and engine.bytes_down == 2 * 3 * 4
+    assert client.transfer == (RunConfig().transfer.stall_timeout_s, RunConfig().transfer.streams)  # a sync's
 
 
 def test_a_failed_sync_puts_the_reference_back_and_a_cut_download_is_fetched_again() -> None:

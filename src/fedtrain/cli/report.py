@@ -58,6 +58,31 @@ def pieces_label(p: dict[str, Any]) -> str:
     return f"{count} complete" if pieces["complete"] else f"{count} ({pieces['covered']:.0%})"
 
 
+def transfers_in_flight(participants: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(participant, transfer) for each transfer in flight: a row's `transfers` (both directions),
+    or its `transfer` alone from a coordinator that shows only that."""
+    out = []
+    for p in participants:
+        moving = p.get("transfers")
+        if moving is None:
+            moving = [p["transfer"]] if isinstance(p.get("transfer"), dict) else []
+        out += [(str(p["id"]), t) for t in moving if isinstance(t, dict)]
+    return out
+
+
+def format_transfers(moving: list[tuple[str, dict[str, Any]]]) -> str:
+    """The transfers in flight: who, which way, what, bytes of the total, rate, time left."""
+    rows = []
+    for pid, t in moving:
+        total, done = t.get("total"), t.get("bytes", 0)
+        of = f"{human_bytes(done)} of {human_bytes(total)} ({done / total:.0%})" if total else human_bytes(done)
+        eta = t.get("eta_s")
+        rows.append([pid, {"up": "↑ up", "down": "↓ down"}.get(t.get("direction", ""), "?"), t.get("what", ""), of,
+                     f"{human_bytes(t.get('rate_bps') or 0)}/s", "-" if eta is None else f"{eta:.0f}s",
+                     t.get("connections", 1)])
+    return table(["participant", "way", "what", "bytes", "rate", "left", "conns"], rows)
+
+
 def format_status(s: dict[str, Any]) -> str:
     now = time.time()
     rounds = f"{s['current_round']}/{s['rounds'] or '∞'}"
@@ -107,6 +132,9 @@ def format_status(s: dict[str, Any]) -> str:
             ],
         ),
     ]
+    moving = transfers_in_flight(s["participants"])
+    if moving:
+        parts.append("\ntransfers in flight:\n" + format_transfers(moving))
     if s.get("schedule_mode") == "balanced":  # each participant's own H, and why
         told = [f"  {p.get('sync_every_reason') or p['id']}" for p in s["participants"] if p["state"] == "active"]
         parts.append(f"\nbalanced rounds, H for round {s['current_round']}:\n" + "\n".join(told or ["  (none active)"]))

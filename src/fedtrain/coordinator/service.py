@@ -26,7 +26,9 @@ import torch
 from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import lifecycle
+from fedtrain.coordinator.intake.attempts import Attempts
 from fedtrain.coordinator.intake.flow import Intake
+from fedtrain.coordinator.intake.parts import PartClaim
 from fedtrain.coordinator.intake.pieces import check_label
 from fedtrain.coordinator.intake.uploads import Uploads
 from fedtrain.coordinator.members.auth import Identity, Tokens, require_admin
@@ -34,6 +36,7 @@ from fedtrain.coordinator.members.roster import Live, Roster
 from fedtrain.coordinator.members.views import participant_view
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.model.downloads import Tracked
 from fedtrain.coordinator.model.global_eval import GlobalEvaluator
 from fedtrain.coordinator.model.publish import ModelStream
 from fedtrain.coordinator.model.slices import SliceStream
@@ -293,6 +296,7 @@ class Coordinator:
     def leave(self, ident: Identity, pid: str) -> dict[str, Any]:
         self.roster.leave(ident, pid)
         self.intake.abort_direct(pid)
+        self.intake.parts.drop_where(lambda k: k[0] != pid)  # its uploads in parts will not be finished
         self.rounds.maybe_close()
         self.events.notify()
         return {"left": True}
@@ -304,6 +308,7 @@ class Coordinator:
     def evict(self, ident: Identity, pid: str) -> dict[str, Any]:
         """Admin: remove a participant from the run; it may not rejoin under that name."""
         self.roster.evict(ident, pid, self.config)
+        self.intake.parts.drop_where(lambda k: k[0] != pid)
         self.rounds.maybe_close()
         self.events.notify()
         return {"evicted": pid}
@@ -343,6 +348,20 @@ class Coordinator:
         it (`uploads.py`, `pieces.py`)."""
         return await self.uploads.receive_update(ident, pid, round_, tokens, digest, length, Body.of(body), piece)
 
+    async def receive_part(self, ident: Identity, pid: str, round_: int, claim: PartClaim, digest: str,
+                           length: int | None, body: Any, piece: str | None = None) -> dict[str, Any]:
+        """One part of an update that travels in parts (`intake/parts.py`)."""
+        return await self.uploads.receive_part(ident, pid, round_, claim, digest, length, Body.of(body), piece)
+
+    def part_session(self, ident: Identity, pid: str, round_: int, piece: str | None = None) -> dict[str, Any]:
+        """Which parts of `pid`'s upload in parts for `round_` are held (a resumed upload sends the rest)."""
+        return self.uploads.part_session(ident, pid, round_, piece)
+
+    @property
+    def attempts(self) -> Attempts:
+        """The upload attempts in progress (a newer one takes over: `intake/attempts.py`)."""
+        return self.intake.attempts
+
     async def wait_round(self, ident: Identity, pid: str | None, round_: int, wait_s: float,
                          piece: str | None = None) -> dict[str, Any]:
         """Long-poll until round `round_` is closed, or `wait_s` (`Rounds.wait_round`). With
@@ -360,12 +379,29 @@ class Coordinator:
         return self.rounds.round_info(round_, pid)
 
     def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
-        """A download of global version `version` (default: the newest)."""
-        return self.rounds.model_stream(version, pid)
+        """A download of global version `version` (default: the newest), counted in full as
+        participant `pid`'s (a download of a byte range of it: `begin_download`)."""
+        stream = self.rounds.model_stream(version)
+        self.roster.counted_download(pid, stream.size)
+        return stream
 
     async def model_slice(self, version: int | None, pid: str | None, rows: str) -> SliceStream:
         """A download of some rows of version `version` (`rows`: JSON, see `slices.parse_rows`)."""
-        return await self.rounds.model_slice(version, pid, rows)
+        stream = await self.rounds.model_slice(version, rows)
+        self.roster.counted_download(pid, stream.size)
+        return stream
+
+    def begin_download(self, who: str | None, pid: str | None, etag: str, what: str, length: int) -> Tracked:
+        """A download of `length` bytes (the range asked for) starts: in flight under `who` (a
+        participant, or a token for one that named none; None: an admin's, not shown) for the
+        status and the per-participant cap (`downloads.DownloadsInFlight`: 429
+        too_many_downloads past it); the bytes it sends count as participant `pid`'s when it ends."""
+        def counted(sent: int) -> None:
+            self.roster.counted_download(pid, sent)
+
+        if who is None:
+            return Tracked(None, None, counted)
+        return self.committer.downloads.begin(who, etag, what, length, counted)
 
     def tick(self) -> None:
         """Periodic duties: fail silent participants, close rounds whose deadline passed."""
@@ -453,7 +489,7 @@ class Coordinator:
         schedule = self.rounds.schedule_view()  # staleness, applied updates, share of the applied weight
         fragment = self.rounds.fragment(self.version)  # Streaming DiLoCo (None: off)
         deadline_s, deadline_reason = self.deadline()
-        return {
+        status = {
             "run": self.config.name,
             "mode": self.config.schedule.mode,
             "current_round": self.version,
@@ -482,10 +518,13 @@ class Coordinator:
             "submitted": sorted(self.rounds.open.submitted),
             "participants": [{**participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
                                                  told[p.id], self.roster.site_of(p.token_id)),
-                              **schedule.get(p.id, {})}
+                              **schedule.get(p.id, {}),
+                              "transfer": self.intake.transfer_view(p.id)}  # its upload in flight (Progress.view)
                              for p in sorted(rows.values(), key=lambda p: p.id)],
             "recent_rounds": recent,
         }
+        self.committer.downloads.add_to(status["participants"])  # and their transfers in flight
+        return status
 
     def _streaming_view(self) -> dict[str, Any] | None:
         """Streaming DiLoCo's K, τ and α for the status (None: off)."""

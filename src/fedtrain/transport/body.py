@@ -4,8 +4,9 @@ the ASGI app's `receive()` chunks (the plain path)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fedtrain.transport.protocols import Abandoned, BodySource
 
@@ -26,6 +27,13 @@ class Body:
         self._source = source
         self._ahead: deque[memoryview] = deque()
         self._abandoned = False
+        self._stop: asyncio.Future[None] | None = None  # set by `abandon`: a wait for the next chunk ends
+        self._counted: Callable[[int], None] | None = None
+
+    def count_with(self, counted: Callable[[int], None]) -> None:
+        """Call `counted(n)` with the number of bytes each read takes from the connection
+        (bytes read ahead and given back are not counted again): a transfer's progress."""
+        self._counted = counted
 
     @classmethod
     def of(cls, body: Body | AsyncIterator[bytes]) -> Body:
@@ -50,9 +58,14 @@ class Body:
         if got == len(view):
             return got
         if self._source is not None:
-            return got + await self._source.readinto(view[got:])
+            n = await self._source.readinto(view[got:])
+            if self._counted is not None:
+                self._counted(n)
+            return got + n
         while got < len(view) and self._chunks is not None:
-            chunk = await anext(self._chunks, None)
+            chunk = await self._next_chunk()
+            if self._counted is not None and chunk:
+                self._counted(len(chunk))
             if self._abandoned:  # stopped while the chunk was awaited: it does not go into view
                 self._abandoned = False
                 if chunk:
@@ -70,6 +83,20 @@ class Body:
                 self._ahead.append(memoryview(chunk)[n:])
         return got
 
+    async def _next_chunk(self) -> bytes | None:
+        """The next of the ASGI app's chunks; a wait for it ends at once when `abandon` is called
+        meanwhile (None: a silent connection's body, taken over by a newer attempt, is not waited for)."""
+        assert self._chunks is not None
+        if self._stop is None:
+            self._stop = asyncio.get_running_loop().create_future()
+        nxt: asyncio.Future[bytes | None] = asyncio.ensure_future(anext(self._chunks, None))
+        await asyncio.wait([nxt, self._stop], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
+        if nxt.done():
+            return nxt.result()
+        nxt.cancel()  # abandoned: the rest of this body is never read
+        self._chunks = None
+        return None
+
     async def read(self, n: int) -> bytes:
         """The next `n` bytes of the body (fewer only at its end)."""
         buf = bytearray(n)
@@ -83,6 +110,8 @@ class Body:
     def abandon(self) -> None:
         """Stop a `readinto` in progress (or the next one) now: it raises `Abandoned`."""
         self._abandoned = True
+        if self._stop is not None and not self._stop.done():
+            self._stop.set_result(None)
         if self._source is not None:
             self._source.abandon()
 

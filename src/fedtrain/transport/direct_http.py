@@ -11,6 +11,10 @@ Uploads go the other way: httpx hands every chunk of a body to h11, which joins 
 fresh `bytes` before the socket sees it. Here each chunk (a view of a tensor) goes to
 `sendall` as it is.
 
+A download broken on the way is resumed by the next attempt from where it stopped, its
+`ModelBody` kept across attempts (`resume.py`), or fetched as parallel byte ranges
+(`parallel.py`).
+
 Only the download of the global model and the upload of an update take this path, only
 with fast IO on (`FEDTRAIN_FAST_IO`), and only where httpx would have connected directly:
 with fast IO off, or where a proxy in the environment applies (which httpx honours), both
@@ -185,7 +189,8 @@ class ModelBody:
     anything is returned. A context manager: the hash thread ends with it."""
 
     def __init__(self, headers: httpx.Headers, allocate: Callable[[TensorSpec], torch.Tensor] | None,
-                 on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None) -> None:
+                 on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None,
+                 progress: Callable[[int], None] | None = None) -> None:
         # torch comes in with the first download, not with the client
         from fedtrain.wire.digest import DIGEST_HEADER, BackgroundDigest, parse_digest
         from fedtrain.wire.reader import BodyReader
@@ -196,20 +201,37 @@ class ModelBody:
         self.reader = BodyReader(expected_length=self.length, allocate=allocate, on_header=on_header)
         self.hasher = BackgroundDigest(parse_digest(self.expected)[0]) if self.expected is not None else None
         self.out: dict[str, torch.Tensor] = {}
+        self._progress = progress
+
+    @property
+    def received(self) -> int:
+        """Bytes of the body in place so far (a resumed download asks for the rest: `resume.py`)."""
+        return self.reader.bytes_received
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the rest of this body may still come (a resumed download): it is cut short,
+        refused nothing, and its running digest is still open."""
+        return self.reader.truncated() is not None and (self.hasher is not None or self.expected is None)
 
     def feed(self, chunk: bytes) -> None:
         self.out.update(self.reader.feed(chunk))
         if self.hasher is not None:
             self.hasher.update(chunk)
+        if self._progress is not None:
+            self._progress(len(chunk))
 
     def wrote(self, region: memoryview, n: int) -> None:
         """`n` bytes were read into the start of `reader.writable()`, i.e. `region`."""
         if self.hasher is not None:
             self.hasher.update(region[:n])  # the tensor's own memory: written once, never again
         self.out.update(self.reader.wrote(n))
+        if self._progress is not None:
+            self._progress(n)
 
-    def read_from(self, response: Direct) -> tuple[int, dict[str, torch.Tensor]]:
-        """The whole body of a direct response, read straight into the tensors' storage."""
+    def read_into(self, response: Direct) -> None:
+        """A direct response's body (all of it, or the rest of it: a resumed download), read
+        straight into the tensors' storage, until it ends; `finish` then checks it."""
         reader = self.reader
         while not reader.done:
             region = reader.writable()
@@ -223,12 +245,17 @@ class ModelBody:
             if not n:
                 break
             self.wrote(region, n)
-        return self.finish()
 
     def finish(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The body's tensors once it is whole and its digest checks. A body cut short raises
+        `WireError` (which the retry loop retries) and stays as it is, to be resumed; a digest
+        that does not match raises `WireError` too, and the body is no longer `resumable`."""
         from fedtrain.wire.digest import verify_digest
 
-        self.reader.finish()  # a body cut short: WireError, which the retry loop retries
+        cut = self.reader.truncated()
+        if cut is not None:
+            raise WireError(cut)
+        self.reader.finish()
         if self.length is not None and self.reader.bytes_received != self.length:
             raise WireError(f"the model body is {self.reader.bytes_received} bytes, its Content-Length {self.length}")
         if self.hasher is not None and self.expected is not None:

@@ -61,6 +61,12 @@ class SocketBodySource:
         """Stop a `readinto` in progress now: it raises `Abandoned`, and `view` is not written again."""
         self._protocol.abandon(self._cycle)
 
+    def close(self) -> None:
+        """Close the connection now, whatever it was doing (a newer attempt of the same upload
+        took over from it): a `readinto` in progress raises ClientDisconnect, and the request's
+        answer, if any, goes nowhere, quietly."""
+        self._protocol.close_now(self._cycle)
+
     def allow_drop(self, nbytes: int) -> None:
         """Should the answer go out before the body was read, up to `nbytes` of it (more than
         `ServerLimits.drop_limit_bytes`) may be read and dropped before the connection goes on."""
@@ -182,6 +188,16 @@ class ReadIntoProtocol(asyncio.BufferedProtocol):
         if self._waiter is not None and cycle is self.http.cycle:
             self.http.flow.pause_reading()
             self._finish_wait(Abandoned())
+
+    def close_now(self, cycle: RequestResponseCycle) -> None:
+        """`cycle`'s connection is given up: abort it (no wait for a silent client to take a
+        backlog). Its handler sees ClientDisconnect at its next read, or at once in one."""
+        transport = self.http.transport
+        if cycle is not self.http.cycle or transport is None or transport.is_closing():
+            return
+        log.info("closed the connection of %s: a newer attempt of its upload took over", self.http.client)
+        cycle.keep_alive = False
+        transport.abort()
 
     def drop_rest(self) -> None:
         """The answer is out before the body was read to its end: read the rest and drop it,

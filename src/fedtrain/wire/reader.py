@@ -316,6 +316,14 @@ class BodyReader:
                 raise
         self._finished = True
 
+    def truncated(self) -> str | None:
+        """Why the body is not complete yet (None: it is, or it was refused). Unlike `finish`,
+        this leaves the reader as it is: a body cut short takes its missing bytes later (a
+        resumed download, `transport/resume.py`), its running digest state kept."""
+        if self._failed is not None or self._state == _DONE_STATE:
+            return None
+        return self._truncation_message()
+
     def digest(self) -> str | None:
         """The digest of the bytes fed so far (the expected digest's algorithm), when one was given."""
         return self._hash.digest() if self._hash is not None else None

@@ -6,7 +6,6 @@ More: docs/architecture.md, "coordinator/intake/direct_sum.py".
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -48,8 +47,11 @@ class DirectUpload:
         else `closed()` (the round's refusal). Any failure lets the rest of the body go."""
         try:
             scan = None
-            with contextlib.suppress(Abandoned):  # by `stop`, which marked it aborted
+            try:
                 scan = await reading()
+            except Abandoned:
+                if not self.aborted:  # abandoned by someone else (a newer attempt took over): not a body
+                    raise
             if self.aborted:
                 if self.interrupted:
                     raise Refused(503, "upload_interrupted", f"the upload of {self.pid} was stopped when the "

@@ -24,8 +24,10 @@ from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.intake import pieces
+from fedtrain.coordinator.intake.attempts import Attempts
 from fedtrain.coordinator.intake.direct_sum import DirectUpload, read_into
 from fedtrain.coordinator.intake.folds import MergeInputs, Pending, RoundSum
+from fedtrain.coordinator.intake.parts import PartSessions
 from fedtrain.coordinator.intake.pieces import (
     ROWS_META,
     Coverage,
@@ -45,6 +47,7 @@ from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import RunningSum, check_compatible
 from fedtrain.merge.robust import clip_scale
 from fedtrain.transport import Body, fast_io_enabled
+from fedtrain.transport.progress import Progress
 from fedtrain.wire import BodyReader, TensorSpec
 from fedtrain.wire.compress import codec_of, expected_specs, scheme_of
 
@@ -81,6 +84,9 @@ class Intake:
         self._direct_on = os.environ.get(DIRECT_RECEIVE_ENV, "").strip() != "0"
         self.round = RoundSum(spool_dir, spec, params, fold_lock or threading.Lock())
         self._spool_files = SpoolFiles(spool_dir)
+        self.parts = PartSessions(self._spool_files)  # updates coming in as parts (`parts.py`)
+        self.attempts = Attempts()  # the upload attempts in progress: a newer takes over (`attempts.py`)
+        self.transfers: dict[str, Progress] = {}  # participant -> its whole upload streaming in now
         self._direct: DirectUpload | None = None
         self._in_flight = FoldsInFlight()
         self._deferred: set[asyncio.Task[None]] = set()
@@ -126,6 +132,19 @@ class Intake:
         out = {pid: PiecesIn.of(partial) for (pid, r), partial in self._partials.items() if r == round_}
         out.update({pid: done for (pid, r), done in self._assembled.items() if r == round_})
         return out
+
+    def transfer_view(self, pid: str) -> dict[str, object] | None:
+        """`pid`'s upload in flight as a status shows it (`Progress.view`, `direction` "up",
+        `connections`: how many carry it now): a whole body streaming in, else its upload in
+        parts; None: none. (`DownloadsInFlight.add_to` puts it in the participant's `transfers`.)"""
+        progress, connections = self.transfers.get(pid), 1
+        if progress is None:
+            session = next((s for s in self.parts.of(pid) if s.progress is not None), None)
+            if session is not None:
+                progress, connections = session.progress, len(session.streaming)
+        if progress is None:
+            return None
+        return {**progress.view(), "direction": "up", "connections": connections}
 
     def barred(self, round_: int, pid: str) -> str | None:
         """Why `pid`'s update for `round_` is refused (its merge was not finite), or None."""
@@ -410,7 +429,9 @@ class Intake:
 
     def drop_pieces(self, pid: str) -> list[tuple[int, int]]:
         """Forget the pieces of `pid`'s updates still incomplete (it joined again: the process
-        that sent them is gone, and the new one sends its own). Returns (round, pieces) dropped."""
+        that sent them is gone, and the new one sends its own), and its uploads in parts.
+        Returns (round, pieces) dropped."""
+        self.parts.drop_where(lambda k: k[0] != pid)
         dropped = []
         for key in [k for k in self._partials if k[0] == pid]:
             partial = self._partials.pop(key)
@@ -484,6 +505,7 @@ class Intake:
         self._partials.clear()
         self._assembled.clear()
         self._failure = None
+        self.parts.drop_where(lambda k: k[1] >= oldest_round)  # uploads in parts the run no longer takes
 
     async def stop(self) -> None:
         """Cancel the folds waiting for a direct upload (shutting down)."""

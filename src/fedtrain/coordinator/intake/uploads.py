@@ -13,7 +13,10 @@ from typing import Any
 
 from fedtrain import faults
 from fedtrain.coordinator import policy
+from fedtrain.coordinator.intake.attempts import TAKEOVER_WAIT_S
 from fedtrain.coordinator.intake.flow import Intake
+from fedtrain.coordinator.intake.parts import PartClaim, check_claim
+from fedtrain.coordinator.intake.pieces import check_label
 from fedtrain.coordinator.intake.receive import peek_header
 from fedtrain.coordinator.intake.tickets import Ticket, Upload
 from fedtrain.coordinator.intake.values import POISON_CODES
@@ -29,6 +32,7 @@ from fedtrain.coordinator.state.storage import storage_full
 from fedtrain.coordinator.state.store import ParticipantRow, Store
 from fedtrain.errors import Refused
 from fedtrain.transport import Body
+from fedtrain.transport.progress import Progress
 
 #: Asynchronous mode: how long a verified update waits for the open round to take it (below
 #: the participant's read timeout of 90 s: its request is answered within it).
@@ -127,12 +131,96 @@ class Uploads:
             return closed
         return Refused(409, "round_closed", f"round {up.round} closed while the upload streamed in")
 
+    # -- an upload in parts (`parts.py`) -------------------------------------------------------------
+
+    async def receive_part(self, ident: Identity, pid: str, round_: int, claim: PartClaim, digest: str,
+                           length: int | None, body: Body, piece: str | None = None) -> dict[str, Any]:
+        """Receive one part of `pid`'s update for `round_` (or of its `piece`): checked against
+        `digest` and held; the part that completes the body sends it, whole, through
+        `receive_update` (the whole digest, header and values checked, placed and counted as a
+        whole upload is), and answers as that upload does."""
+        self._roster.get(ident, pid)
+        parts = self._intake.parts
+        parts.drop_where(self._still_taken)  # anyone's sessions for rounds gone: reclaimed now
+        key = (pid, round_, piece)
+        try:
+            if piece is not None:
+                check_label(piece)
+            admitted = self._admit(pid, round_, claim.tokens, claim.digest, claim.total, piece)
+            if admitted is not None:
+                check_claim(claim, length, admitted[1].limit)
+        except Refused:
+            await body.drain()
+            raise
+        if admitted is None:  # the update is in already
+            await body.drain()
+            return {"accepted": True, "duplicate": True, "round": round_, "part": claim.index, "parts_complete": True,
+                    **({"piece": piece} if piece else {})}
+        try:
+            session = await parts.open(key, claim, admitted[1].limit, lambda: self._stop_parts(key, claim.index),
+                                       TAKEOVER_WAIT_S)
+        except Refused:
+            await body.drain()
+            raise
+        fresh = await parts.receive(session, claim.index, digest, body)
+        about = {"part": claim.index, "parts": claim.count, "held": len(session.held)}
+        if not session.complete or session.assembling or session.gone:
+            self._events.notify()
+            return {"accepted": True, "duplicate": not fresh, "round": round_, "parts_complete": False,
+                    **about, **({"piece": piece} if piece else {})}
+        session.assembling = True
+        try:
+            answer = await self._receive_update(ident, pid, round_, claim.tokens, claim.digest, claim.total,
+                                                parts.whole(session), piece)
+        finally:
+            parts.drop(session)
+        return {**answer, **about, "parts_complete": True}  # (a piece's "complete": its update's)
+
+    def part_session(self, ident: Identity, pid: str, round_: int, piece: str | None) -> dict[str, Any]:
+        """Which parts of `pid`'s upload in parts for `round_` (or its `piece`) the coordinator
+        holds (404 no_upload_session: none in progress; send every part)."""
+        self._roster.get(ident, pid)
+        if piece is not None:
+            check_label(piece)
+        session = self._intake.parts.get((pid, round_, piece))
+        if session is None:
+            raise Refused(404, "no_upload_session", f"no upload in parts of {pid} for round {round_} is in "
+                          "progress", {"round": round_})
+        return {"round": round_, **({"piece": piece} if piece else {}), **session.view()}
+
+    def _still_taken(self, key: tuple[str, int, str | None]) -> bool:
+        """Whether the open round may still take an update for `key`'s round (on time or late)."""
+        try:
+            self.check_open(key[1])
+        except Refused:
+            return False
+        return True
+
+    def _stop_parts(self, key: tuple[str, int, str | None], mine: int) -> None:
+        """Stop the parts of `key`'s upload still streaming (a newer body, whose part `mine`
+        is coming in, replaces it)."""
+        self._intake.attempts.stop_where(lambda k: isinstance(k, tuple) and len(k) == 4 and k[:3] == key
+                                         and k[3] != mine)
+
     # -- one upload ---------------------------------------------------------------------------------
 
     async def receive_update(self, ident: Identity, pid: str, round_: int, tokens: int, digest: str,
                              length: int | None, body: Body, piece: str | None = None) -> dict[str, Any]:
         """Verify and fold one participant's pseudo-gradient for `round_`, or one `piece` of it
-        (`pieces.py`: counted as submitted once its pieces cover the sync set)."""
+        (`pieces.py`: counted as submitted once its pieces cover the sync set). Its progress
+        shows in the status while it streams in (`Intake.transfer_view`)."""
+        progress = Progress(f"upload of round {round_}", length)
+        body.count_with(progress.add)
+        transfers = self._intake.transfers
+        transfers[pid] = progress
+        try:
+            return await self._receive_update(ident, pid, round_, tokens, digest, length, body, piece)
+        finally:
+            if transfers.get(pid) is progress:
+                del transfers[pid]
+
+    async def _receive_update(self, ident: Identity, pid: str, round_: int, tokens: int, digest: str,
+                              length: int | None, body: Body, piece: str | None) -> dict[str, Any]:
         p = self._roster.get(ident, pid)
         try:
             admitted = self._admit(pid, round_, tokens, digest, length, piece)

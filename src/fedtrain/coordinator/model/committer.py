@@ -23,6 +23,7 @@ import torch
 from fedtrain import faults
 from fedtrain.config import RunConfig, outer_choice
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.downloads import DownloadsInFlight
 from fedtrain.coordinator.model.publish import ModelStream, Published, WeightsGuard
 from fedtrain.coordinator.model.restore import load_version, newest_intact, restore_record
 from fedtrain.coordinator.model.slices import SliceStream, parse_rows
@@ -52,7 +53,7 @@ class Committer:
         self.outer: OuterOptimizer | None = None  # set by `create` or `load`
         self.published: Published | None = None  # the version served from memory
         self.committed_version = 0
-        self.bytes_out = 0  # every download's bytes (the run's totals are the participants' counters)
+        self.downloads = DownloadsInFlight()  # by participant, for the status
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-prune")
 
     @property
@@ -251,7 +252,6 @@ class Committer:
                 stream = ModelStream(v, digest, path.stat().st_size, path, self.ckpt)
             except FileNotFoundError:  # pruned a moment ago
                 raise self._not_kept(v) from None
-        self.bytes_out += stream.size
         return stream
 
     async def model_slice(self, v: int, rows: str) -> SliceStream:
@@ -274,7 +274,6 @@ class Committer:
         except BaseException:
             stream.close()
             raise
-        self.bytes_out += stream.size
         return stream
 
     def _committed_digest(self, v: int) -> str:

@@ -174,10 +174,11 @@ class Download(Protocol):
 class ModelResponse(StreamingResponse):
     """A model download: its `steps` written straight to the socket where the server offers it
     (`transport.SEND`: plain HTTP with fast IO on), else taken on the loop and streamed in
-    chunks (`chunks_of`, the plain path)."""
+    chunks (`chunks_of`, the plain path). The route hands it a `transport.ranges.Ranged`
+    download: the whole body (200) or the byte range asked for (206)."""
 
-    def __init__(self, stream: Download, headers: dict[str, str]) -> None:
-        super().__init__(chunks_of(stream), media_type="application/octet-stream", headers=headers)
+    def __init__(self, stream: Download, headers: dict[str, str], status_code: int = 200) -> None:
+        super().__init__(chunks_of(stream), status_code, media_type="application/octet-stream", headers=headers)
         self.stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -196,17 +196,13 @@ class Rounds:
                       "share": applied[pid][1] / total if pid in applied and total > 0 else None}
                 for pid in self._roster.rows}
 
-    def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
+    def model_stream(self, version: int | None) -> ModelStream:
         """A download of global version `version` (default: the newest)."""
-        stream = self._committer.model_stream(self.version if version is None else version)
-        self._roster.counted_download(pid, stream.size)
-        return stream
+        return self._committer.model_stream(self.version if version is None else version)
 
-    async def model_slice(self, version: int | None, pid: str | None, rows: str) -> SliceStream:
+    async def model_slice(self, version: int | None, rows: str) -> SliceStream:
         """A download of rows `rows` of global version `version` (default: the newest)."""
-        stream = await self._committer.model_slice(self.version if version is None else version, rows)
-        self._roster.counted_download(pid, stream.size)
-        return stream
+        return await self._committer.model_slice(self.version if version is None else version, rows)
 
     # -- the tick ---------------------------------------------------------------------------------
 

@@ -6,13 +6,14 @@ client. See docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import ssl
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
@@ -29,13 +30,18 @@ from fedtrain.participant.client.answers import (
     transport_failure,
 )
 from fedtrain.participant.client.retry import RetryPolicy, Timeouts
+from fedtrain.participant.client.upload_parts import WHOLE_DIGEST_HEADER, BodyParts, CountedProgress, send_parts
 from fedtrain.transport import direct_http as fetch
-from fedtrain.transport.direct_http import VERSION_HEADER, ModelBody, direct_request, is_direct
+from fedtrain.transport.direct_http import VERSION_HEADER, direct_request, is_direct
 from fedtrain.transport.http_client import tune_httpcore
+from fedtrain.transport.parallel import ParallelDownload, StreamChooser
+from fedtrain.transport.resume import PartialDownload
 
 if TYPE_CHECKING:
     import torch
 
+    from fedtrain.config import TransferConfig
+    from fedtrain.transport.progress import Progress
     from fedtrain.wire.encode import EncodedBody
     from fedtrain.wire.format import TensorSpec
 
@@ -44,7 +50,10 @@ __all__ = ["VERSION_HEADER", "CoordinatorClient", "RetryPolicy", "Timeouts", "tl
 log = logging.getLogger("fedtrain.participant")
 
 KEY_HEADER = "X-Fedtrain-Participant-Key"  # the coordinator's `auth.KEY_HEADER`
-UPLOAD_WAIT_S = 1.0  # between two looks at an upload still in progress (the coordinator asks the same)
+RESEND_BACKOFF_S = 1.0  # the longest wait before an upload is sent again (a link that is down comes back)
+#: Refusals of a part that sending it again mends: its bytes were damaged on the way, or the
+#: upload it was part of was replaced (by our own newer attempt) while it streamed in.
+PART_RETRY = frozenset({"part_digest_mismatch", "upload_replaced", "taken_over", "parts_pending"})
 
 
 def sse_events(lines: Iterable[str], stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, Any]]:
@@ -86,6 +95,7 @@ class CoordinatorClient:
         # is only ever replaced whole, so the threads that share it need no lock.
         self._keys: dict[str, str] = {}
         self._tls = tls_context(verify)
+        self._streams = StreamChooser()  # `download(streams="auto")`: from this client's downloads
         tune_httpcore()
         self._http = httpx.Client(
             base_url=self.url,
@@ -337,11 +347,26 @@ class CoordinatorClient:
         return self._json("GET", f"/v1/rounds/{round_}", params=params, headers=self._as(pid), retry=retry)
 
     def upload(self, round_: int, pid: str, body: EncodedBody, tokens: int, *,
-               retry: RetryPolicy | None = None, piece: str | None = None) -> dict[str, Any]:
+               retry: RetryPolicy | None = None, piece: str | None = None,
+               transfer: TransferConfig | None = None, progress: Progress | None = None) -> dict[str, Any]:
         """PUT one pseudo-gradient; RoundClosedError (409) when the round is already over.
-        `piece`: the body is that piece of the update (its metadata names its rows)."""
+        `piece`: the body is that piece of the update (its metadata names its rows).
+        `transfer` (the run config's): a body larger than `part_mb` travels as parts, which a
+        retry resumes; a connection that moves no byte for `stall_timeout_s` is given up and
+        the upload tried again soon (the coordinator closes the older connection: the newer
+        attempt takes over). `progress` counts the bytes handed to the connections."""
         from fedtrain.wire.digest import DIGEST_HEADER
 
+        counted = CountedProgress(progress)
+        stall_s = transfer.stall_timeout_s if transfer is not None else None
+        policy = retry or self.retry
+        if transfer is not None:  # a link that is down is tried again soon, not after a long backoff
+            policy = dataclasses.replace(policy, max_backoff_s=min(policy.max_backoff_s, RESEND_BACKOFF_S))
+        part_bytes = transfer.part_mb << 20 if transfer is not None else None
+        if part_bytes is not None and body.content_length > part_bytes:
+            assert transfer is not None
+            return self._upload_parts(round_, pid, BodyParts(body, part_bytes), tokens, piece,
+                                      transfer.streams, stall_s, policy, counted)
         path = f"/v1/rounds/{round_}/updates/{pid}"
         headers = {
             DIGEST_HEADER: body.digest(),
@@ -355,31 +380,123 @@ class CoordinatorClient:
 
         def once() -> Any:
             nonlocal attempts
-            if attempts:  # a retry: an earlier attempt may still hold the upload's slot (a dead link)
-                self._refuse_while_uploading(round_, pid, piece)
+            if attempts:  # a retry: an earlier attempt may have got in (its answer lost)
+                done = self._already_in(round_, pid, piece, stall_s)
+                if done is not None:
+                    return done
             attempts += 1
-            if is_direct(self.url):
-                return self._upload_direct(path, params, headers, body)
-            r = self._http.put(path, params=params, content=iter(body), headers=headers)  # type: ignore[arg-type]
-            return self._answer(r, f"PUT {path}")
+            return self._put(path, params, headers, counted.counting(iter(body)), stall_s)
 
-        return self._call(f"upload of round {round_}", once, retry=retry)
+        return self._call(f"upload of round {round_}", once, retry=policy)
 
-    def _refuse_while_uploading(self, round_: int, pid: str, piece: str | None) -> None:
-        """Before a body is sent again: while the coordinator still counts an earlier attempt
-        of this upload as in progress (its connection gone silent, not yet timed out), raise
-        the 429 the upload would get, without sending the body into it (a few hundred bytes
-        instead of the whole update, each retry)."""
+    def _put(self, path: str, params: dict[str, Any], headers: dict[str, str], chunks: Iterator[memoryview],
+             stall_s: float | None, answer_s: float | None = None) -> Any:
+        """One PUT of `chunks`; a connection that takes no byte of them for `stall_s` is given
+        up, and one whose answer is silent for `answer_s` (default: the read timeout)."""
+        read_s = answer_s if answer_s is not None else self._timeouts.read
+        if is_direct(self.url):
+            fields = {**headers, "Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant"}
+            with direct_request("PUT", self.url, path, params, fields, body=chunks,
+                                connect_timeout=self._timeouts.connect, read_timeout=read_s,
+                                write_timeout=stall_s if stall_s is not None else self._timeouts.write,
+                                tls=self._direct_tls) as r:
+                answer = r.as_httpx()
+            return self._answer(answer, f"PUT {path}")
+        timeout = self._timeouts.httpx() if stall_s is None else httpx.Timeout(
+            connect=self._timeouts.connect, read=read_s, write=stall_s, pool=self._timeouts.pool)
+        response = self._http.put(path, params=params, content=chunks, headers=headers,  # type: ignore[arg-type]
+                                  timeout=timeout)
+        return self._answer(response, f"PUT {path}")
+
+    def _asking(self, stall_s: float | None) -> httpx.Timeout:
+        """The timeouts of a small question asked between the attempts of an upload: one whose
+        answer is silent for `stall_s` is given up like the upload's connection."""
+        if stall_s is None:
+            return self._timeouts.httpx()
+        return httpx.Timeout(connect=self._timeouts.connect, read=stall_s, write=stall_s, pool=self._timeouts.pool)
+
+    def _already_in(self, round_: int, pid: str, piece: str | None,
+                    stall_s: float | None = None) -> dict[str, Any] | None:
+        """Before a body is sent again: the answer of an upload that is in already (an earlier
+        attempt got in, its answer lost), so nothing is sent; None: send it. An earlier attempt
+        still streaming on a silent connection does not hold the retry up: the coordinator
+        closes it when the retry comes (the newer attempt takes over)."""
         params: dict[str, Any] = {"participant_id": pid} if piece is None else {"participant_id": pid, "piece": piece}
         where = f"GET /v1/rounds/{round_}"
         try:
-            info = self._answer(self._http.get(f"/v1/rounds/{round_}", params=params, headers=self._as(pid)), where)
+            info = self._answer(self._http.get(f"/v1/rounds/{round_}", params=params, headers=self._as(pid),
+                                               timeout=self._asking(stall_s)), where)
         except CoordinatorError:
-            return  # the upload itself gets the refusal that says why (round not open, ...)
-        if isinstance(info, dict) and info.get("upload_in_progress") is True:
-            raise CoordinatorError(f"an upload of {pid} for round {round_} is still in progress on another "
-                                   "connection", status=429, code="upload_in_progress",
-                                   details={"retry_after_s": UPLOAD_WAIT_S})
+            return None  # the upload itself gets the refusal that says why (round not open, ...)
+        if isinstance(info, dict) and info.get("submitted") is True:
+            return {"accepted": True, "duplicate": True, "round": round_, **({"piece": piece} if piece else {})}
+        return None
+
+    def upload_parts_held(self, round_: int, pid: str, piece: str | None = None, *,
+                          retry: RetryPolicy | None = None) -> dict[str, Any] | None:
+        """Which parts of our upload in parts for `round_` the coordinator holds ({"digest",
+        "held", "missing", ...}); None when it holds none (no upload session)."""
+        return self._call(f"GET parts of round {round_}", lambda: self._parts_held(round_, pid, piece), retry=retry)
+
+    def _parts_held(self, round_: int, pid: str, piece: str | None,
+                    stall_s: float | None = None) -> dict[str, Any] | None:
+        """`upload_parts_held`, once (a transport error is raised: the caller's retry loop has it)."""
+        path = f"/v1/rounds/{round_}/updates/{pid}/parts"
+        params = {"piece": piece} if piece is not None else {}
+        try:
+            answer: dict[str, Any] = self._answer(self._http.get(path, params=params, headers=self._as(pid),
+                                                                 timeout=self._asking(stall_s)), f"GET {path}")
+        except CoordinatorError as e:
+            if e.code == "no_upload_session":
+                return None
+            raise
+        return answer
+
+    def _upload_parts(self, round_: int, pid: str, parts: BodyParts, tokens: int, piece: str | None,
+                      streams: int | str, stall_s: float | None, policy: RetryPolicy,
+                      counted: CountedProgress) -> Any:
+        """`upload` of a body larger than one part: the parts the coordinator does not hold, up
+        to `streams` at once; each retry asks which it holds and sends only the rest."""
+        from fedtrain.wire.digest import DIGEST_HEADER
+
+        path = f"/v1/rounds/{round_}/updates/{pid}"
+        whole = parts.body.digest()
+        base: dict[str, Any] = {"tokens": tokens, "total": parts.total, "part_bytes": parts.part_bytes,
+                                **({"piece": piece} if piece is not None else {})}
+
+        def send(index: int) -> dict[str, Any]:
+            start, stop = parts.span(index)
+            headers = {DIGEST_HEADER: parts.digest(index), WHOLE_DIGEST_HEADER: whole,
+                       "Content-Length": str(stop - start), "Content-Type": "application/octet-stream", **self._as(pid)}
+            # A part's answer comes as soon as its bytes are in (the one that completes the body
+            # waits for its placement: if that takes longer, the retry finds every part in and
+            # asks again until the update is placed), so a silent answer is a silent link too.
+            answer: dict[str, Any] = self._put(path, {**base, "part": index}, headers,
+                                               counted.counting(parts.chunks(index)), stall_s, stall_s)
+            return answer
+
+        def once() -> Any:
+            # Every attempt asks first (two small GETs; an earlier sync attempt of this round
+            # may have sent parts already): only the parts the coordinator does not hold go.
+            todo = list(range(parts.count))
+            done = self._already_in(round_, pid, piece, stall_s)
+            if done is not None:
+                return done
+            held = self._parts_held(round_, pid, piece, stall_s)
+            if held is not None and held.get("digest") == whole and held.get("total") == parts.total \
+                    and held.get("part_bytes") == parts.part_bytes:
+                have = set(held.get("held", []))
+                todo = [i for i in todo if i not in have]
+                log.info("upload of round %d resumes: %d of %d parts are in, %d to send", round_, len(have),
+                         parts.count, len(todo))
+            final = send_parts(parts, todo, streams, send, log)
+            if final is None:  # every part is in, yet none completed the body (it was being placed): ask again
+                raise CoordinatorError("the upload's parts are in but its answer is not: asking again", status=503,
+                                       code="parts_pending", details={"retry_after_s": RESEND_BACKOFF_S})
+            return final
+
+        return self._call(f"upload of round {round_} in {parts.count} parts", once, retry=policy,
+                          also_retry=PART_RETRY)
 
     def download(
         self,
@@ -390,11 +507,18 @@ class CoordinatorClient:
         on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None = None,
         retry: RetryPolicy | None = None,
         rows: Mapping[str, Sequence[int] | None] | None = None,
+        stall_timeout_s: float | None = None,
+        streams: int | Literal["auto"] = 1,
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """Stream the global model; returns (version, tensors). Each tensor is read straight
         into the storage `allocate` gives (e.g. a parameter), one copy per byte. With `rows`
         (tensor name -> its [start, stop) rows along dimension 0, or None: whole), only those
-        tensors come, each only those rows (a rank's shard: docs/training-jobs.md)."""
+        tensors come, each only those rows (a rank's shard: docs/training-jobs.md). A broken
+        attempt is resumed by the next from where it stopped (`transport.resume`); a connection
+        silent for `stall_timeout_s` (default: the read timeout) counts as broken. `streams` > 1:
+        byte ranges of the body over that many connections at once (`transport.parallel`; fast
+        IO's direct path only, else one); "auto": as many as paid on this client's last
+        downloads (`parallel.StreamChooser`)."""
         params: dict[str, Any] = {}
         if version is not None:
             params["version"] = version
@@ -403,41 +527,72 @@ class CoordinatorClient:
         if rows is not None:
             params["rows"] = json.dumps({n: None if r is None else list(r) for n, r in rows.items()},
                                         separators=(",", ":"))
+        read_s = self._timeouts.read if stall_timeout_s is None else stall_timeout_s
+        what = "download of the global model" + ("" if version is None else f" version {version}")
+        partial = PartialDownload(what, allocate, on_header, log)
+
+        p = self._streams.choose() if streams == "auto" else streams
+        t0 = time.monotonic()
 
         def once() -> tuple[int, dict[str, torch.Tensor]]:
-            if is_direct(self.url):
-                return self._download_direct(params, allocate, on_header, self._as(pid))
-            with self._http.stream("GET", "/v1/model", params=params, headers=self._as(pid)) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    raise self._refusal(r, "GET /v1/model")
-                with ModelBody(r.headers, allocate, on_header) as body:
-                    # No chunk size: httpx would re-chunk through a BytesIO (three more copies
-                    # per byte); a socket read is at most httpcore's read size (see `tune_httpcore`).
-                    for chunk in r.iter_raw():
-                        body.feed(chunk)
-                    return body.finish()
+            if p > 1 and is_direct(self.url):
+                return self._download_parallel(params, pid, p, allocate, on_header, what, read_s)
+            headers = {**self._as(pid), **partial.headers()}
+            try:
+                if is_direct(self.url):
+                    return self._download_direct(params, headers, partial, read_s)
+                return self._download_httpx(params, headers, partial, read_s)
+            except BaseException:
+                partial.failed()
+                raise
 
-        return self._call("download of the global model", once, retry=retry)
+        try:
+            got: tuple[int, dict[str, torch.Tensor]] = self._call(what, once, retry=retry)
+        finally:
+            partial.close()
+        if streams == "auto" and is_direct(self.url):
+            self._streams.record(p, sum(t.numel() * t.element_size() for t in got[1].values()),
+                                 time.monotonic() - t0)
+        return got
 
-    def _upload_direct(self, path: str, params: dict[str, Any], headers: dict[str, str], body: EncodedBody) -> Any:
-        """`upload` over `fetch.direct_request`: the body's chunks go to the socket as they are."""
-        fields = {**headers, "Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant"}
-        with direct_request("PUT", self.url, path, params, fields, body=body, connect_timeout=self._timeouts.connect,
-                            read_timeout=self._timeouts.read, write_timeout=self._timeouts.write,
-                            tls=self._direct_tls) as r:
-            answer = r.as_httpx()
-        return self._answer(answer, f"PUT {path}")
+    def _download_httpx(self, params: dict[str, Any], headers: dict[str, str], partial: PartialDownload,
+                        read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+        """One attempt of `download` through httpx (the plain path)."""
+        timeout = dataclasses.replace(self._timeouts, read=read_s).httpx()
+        with self._http.stream("GET", "/v1/model", params=params, headers=headers, timeout=timeout) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise self._refusal(r, "GET /v1/model")
+            body = partial.start(r.status_code, r.headers)
+            # No chunk size: httpx would re-chunk through a BytesIO (three more copies
+            # per byte); a socket read is at most httpcore's read size (see `tune_httpcore`).
+            for chunk in r.iter_raw():
+                body.feed(chunk)
+            return partial.finish()
 
-    def _download_direct(
-        self, params: dict[str, Any], allocate: Callable[[TensorSpec], torch.Tensor] | None,
-        on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None, speaks_for: dict[str, str],
-    ) -> tuple[int, dict[str, torch.Tensor]]:
+    def _download_parallel(self, params: dict[str, Any], pid: str | None, streams: int,
+                           allocate: Callable[[TensorSpec], torch.Tensor] | None,
+                           on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None] | None,
+                           what: str, read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+        """One attempt of `download` as byte ranges over `streams` direct connections."""
+        def request(fields: dict[str, str]) -> Any:
+            headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant",
+                       **self._as(pid), **fields}
+            return direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
+                                  read_timeout=read_s, tls=self._direct_tls)
+
+        def refuse(r: Any) -> Exception:
+            return self._refusal(r.as_httpx(), "GET /v1/model")
+
+        return ParallelDownload(request, streams, allocate, on_header, what, refuse, log).run()
+
+    def _download_direct(self, params: dict[str, Any], headers: dict[str, str], partial: PartialDownload,
+                         read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
         """`download` over `fetch.direct_request`: socket reads land in the tensors' storage."""
-        headers = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant", **speaks_for}
-        with direct_request("GET", self.url, "/v1/model", params, headers, connect_timeout=self._timeouts.connect,
-                            read_timeout=self._timeouts.read, tls=self._direct_tls) as r:
+        fields = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant", **headers}
+        with direct_request("GET", self.url, "/v1/model", params, fields, connect_timeout=self._timeouts.connect,
+                            read_timeout=read_s, tls=self._direct_tls) as r:
             if r.status >= 400:
                 raise self._refusal(r.as_httpx(), "GET /v1/model")
-            with ModelBody(r.headers, allocate, on_header) as body:
-                return body.read_from(r)
+            partial.start(r.status, r.headers).read_into(r)
+            return partial.finish()

@@ -214,7 +214,8 @@ class Participant:
         version = int(answer["round"]) if self.role.kind == "sharded" else None
         engine = self._engine
         outcomes, error = self.ranks.together(
-            None if engine is None else lambda: engine.download(self.participant_id, version=version))
+            None if engine is None else lambda: engine.download(self.participant_id, version=version,
+                                                                transfer=self.book.config.transfer))
         self.ranks.raise_failed(outcomes, error)
         if self._engine is not None:
             self._engine.adopt()
@@ -348,6 +349,7 @@ class Participant:
             lambda: engine.fetch(r, self.participant_id, self.config, tokens=tokens, retry=self._attempt_retry),
             cancel=engine.cancel if engine is not None else None)
         if not all(o.ok for o in outcomes):
+            self.book.attempt_failed(r, time.perf_counter() - t0)  # counted in the round's sync_s
             self._ride_out(r, outcomes, error)
             return False
         self._unsent_tokens = 0
@@ -390,6 +392,7 @@ class Participant:
         if not all(o.ok for o in outcomes):
             self._exchanges.failed(sent, keep_progress=not streaming)
             if streaming:  # the fragment's exchange is tried again, whole, after a backoff
+                self.book.attempt_failed(r, time.perf_counter() - t0)
                 self._ride_out(r, outcomes, error)
                 return False
             self.ranks.raise_lasting(outcomes, error)  # overlapped DiLoCo: the round's contribution is lost
@@ -424,7 +427,8 @@ class Participant:
                     log.warning("round %d ended at version %d: rounds went on without us; taking the global "
                                 "model", r, version)
                 outcomes, error = self.ranks.together(lambda: ex.take_global(
-                    self.participant_id, version, sent.fragment if end else None, retry=self._attempt_retry))
+                    self.participant_id, version, sent.fragment if end else None, retry=self._attempt_retry,
+                    transfer=self.book.config.transfer))
                 self.ranks.raise_failed(outcomes, error)
                 self.changed = None
             if self.role.kind == "replicated":  # the other ranks have no engine: rank 0 names the tensors
@@ -453,7 +457,8 @@ class Participant:
             newest = max(versions)
             log.info("rank %d: the ranks got versions %s; all take %d", self.rank, sorted(versions), newest)
             outcomes, error = self.ranks.together(
-                None if engine is None else lambda: engine.download(self.participant_id, version=newest))
+                None if engine is None else lambda: engine.download(self.participant_id, version=newest,
+                                                                    transfer=self.book.config.transfer))
             self.ranks.raise_failed(outcomes, error)
         return self.ranks.agreed(outcomes)
 

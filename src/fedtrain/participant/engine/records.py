@@ -1,5 +1,6 @@
 """The book of a participant's rounds: the config in force, the counts of the round, and one record
-per round synced (counts, train loss, evals before and after, bytes, sync time), reported to the
+per round synced (counts, train loss, evals before and after, bytes, sync time over every attempt
+of the round, failed ones included, and their number), reported to the
 coordinator at each round boundary, where the config of the next round is taken (on every rank).
 
 `RoundBook` owns those fields; the participant (`runner.py`) opens a round's record before its
@@ -62,6 +63,7 @@ class RoundBook:
         self.round_tokens = 0
         self._loss = [0.0, 0.0]  # the round's loss sum and count (the group's)
         self._first_tokens: tuple[int, int] | None = None  # (round, tokens) of a round's first attempt
+        self._failed: dict[int, tuple[int, float]] = {}  # round -> its failed sync attempts: count, seconds
         self._callbacks: list[ConfigCallback] = []
         self.settle = settle  # after an eval: the model as the sync needs it (FSDP: resharded)
 
@@ -91,6 +93,14 @@ class RoundBook:
             return self._first_tokens[1]
         self._first_tokens = (r, max(1, unsent))
         return self._first_tokens[1]
+
+    def attempt_failed(self, r: int, seconds: float) -> None:
+        """A sync attempt of round r failed after `seconds` (it is tried again later): its time
+        counts in the round's `sync_s` once the round syncs, and in `sync_seconds` now."""
+        n, s = self._failed.get(r, (0, 0.0))
+        self._failed = {k: v for k, v in self._failed.items() if k >= r}  # rounds given up on: forgotten
+        self._failed[r] = (n + 1, s + seconds)
+        self.sync_seconds += seconds
 
     # -- one round's record ------------------------------------------------------------------------------
 
@@ -124,7 +134,9 @@ class RoundBook:
         self.bytes_up += int(up)
         self.bytes_down += int(down)
         self.stamp(record)
-        record.update(bytes_up=int(up), bytes_down=int(down), sync_s=blocked_s)
+        failed, failed_s = self._failed.pop(r, (0, 0.0))
+        # every attempt of the round: the failed ones (a link down, a silent connection) too
+        record.update(bytes_up=int(up), bytes_down=int(down), sync_s=blocked_s + failed_s, sync_attempts=failed + 1)
         self.sync_seconds += blocked_s
         self.history.append(record)
         if reset:

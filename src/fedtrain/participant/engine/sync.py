@@ -17,12 +17,13 @@ from typing import Any, Literal
 import torch
 
 from fedtrain import faults
-from fedtrain.config import RunConfig
+from fedtrain.config import RunConfig, TransferConfig
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError, ModelMismatchError, RoundClosedError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.privacy.clipping import clip_within
+from fedtrain.transport.progress import Progress
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
 from fedtrain.wire.compress import Codec, ErrorFeedback, compress
 from fedtrain.wire.format import ROWS_META
@@ -156,7 +157,7 @@ class SyncEngine:
             if self._holds not in ("cut_short", "fetched"):
                 self.take_delta()
                 self.submit(r, pid, self.encode(config), config, tokens=tokens, retry=retry)
-            version = self.download(pid, after_round=r, retry=retry)
+            version = self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
         except CoordinatorError:
             self.restore()
             raise
@@ -211,7 +212,7 @@ class SyncEngine:
         """`submit` then `download`: the whole exchange of round `r`, which leaves the new
         global weights in the snapshot (not in the model). Returns their version."""
         self.submit(r, pid, body, config, tokens=tokens, retry=retry)
-        return self.download(pid, after_round=r, retry=retry)
+        return self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
 
     def submit(self, r: int, pid: str, body: EncodedBody, config: RunConfig, *, tokens: int,
                retry: RetryPolicy | None = None) -> bool:
@@ -220,7 +221,7 @@ class SyncEngine:
         round had closed before our upload (the caller moves on to the current model)."""
         if self.piece is not None and not self.piece.sends:
             return self._wait_closed(r, config, retry)
-        uploaded = self._piece_in == r or self._upload(r, pid, body, tokens, retry)
+        uploaded = self._piece_in == r or self._upload(r, pid, body, tokens, retry, config)
         give_up_at = time.monotonic() + config.round_timeout_s + self.patience_s
         while uploaded:
             info = self._wait_round(self._applied_in(r), pid, retry)
@@ -231,7 +232,7 @@ class SyncEngine:
                                              code="cancelled")
             if info.get("submitted") is False and info["state"] == "open":
                 log.warning("the coordinator has no upload of ours for round %d (restarted?); sending again", r)
-                uploaded = self._upload(r, pid, body, tokens, retry)
+                uploaded = self._upload(r, pid, body, tokens, retry, config)
             if time.monotonic() > give_up_at:  # nothing hangs forever, not even a round without quorum
                 raise CoordinatorUnavailable(
                     f"round {r} has not closed {config.round_timeout_s:g}s after its deadline: "
@@ -258,10 +259,11 @@ class SyncEngine:
         return True
 
     def download(self, pid: str, *, after_round: int | None = None, retry: RetryPolicy | None = None,
-                 version: int | None = None) -> int:
+                 version: int | None = None, transfer: TransferConfig | None = None) -> int:
         """The global model (the newest, or `version`), streamed into the snapshot; returns its
         version. `after_round`: the round whose result this fetches (a sync's download, a fault
-        injection point). A piece's engine downloads its rows only."""
+        injection point). A piece's engine downloads its rows only. A broken download resumes
+        where it stopped; `transfer` (the run config's): how long a silent one is waited for."""
         self._holds = "cut_short"  # until the last byte is in
         if after_round is not None:
             faults.hit("participant.download", who=self.who or pid, round=after_round)
@@ -269,6 +271,8 @@ class SyncEngine:
             self._holds = "reference"
             return -1
         which: dict[str, Any] = {"version": version} if version is not None else {}
+        if transfer is not None:
+            which.update(stall_timeout_s=transfer.stall_timeout_s, streams=transfer.streams)
         if self.piece is not None:  # a piece's rows (of a fragment's tensors, for a fragment's engine)
             got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
                                           allocate=self._allocate_rows, retry=retry, **which)
@@ -358,7 +362,8 @@ class SyncEngine:
 
     # -- one call each -------------------------------------------------------------------------
 
-    def _upload(self, r: int, pid: str, body: EncodedBody, tokens: int, retry: RetryPolicy | None) -> bool:
+    def _upload(self, r: int, pid: str, body: EncodedBody, tokens: int, retry: RetryPolicy | None,
+                config: RunConfig) -> bool:
         self._applied = None  # (an answer of an earlier upload must not name this one's round)
         if faults.hit("participant.upload", who=self.who or pid, round=r) == "drop":
             log.warning("fault injected: the upload of round %d is lost on the way", r)
@@ -366,7 +371,11 @@ class SyncEngine:
         label = self.piece.label if self.piece is not None else None
         which = {"piece": label} if label is not None else {}
         try:
-            self.last_answer = self.client.upload(r, pid, body, tokens=tokens, retry=retry, **which)
+            # the run's transfer settings: parts that resume, streams, the stall timeout; the
+            # progress of a long upload in the log (every few seconds)
+            progress = Progress(f"upload of round {r}", body.content_length, log=log)
+            self.last_answer = self.client.upload(r, pid, body, tokens=tokens, retry=retry,
+                                                  transfer=config.transfer, progress=progress, **which)
             applied = self.last_answer.get("applied_in") if isinstance(self.last_answer, dict) else None
             self._applied = applied if isinstance(applied, int) and applied >= r else None
         except RoundClosedError as e:

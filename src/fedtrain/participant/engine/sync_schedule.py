@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from fedtrain.config import RunConfig
+from fedtrain.config import RunConfig, TransferConfig
 from fedtrain.errors import ModelMismatchError
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.participant.engine.sync import SyncEngine
@@ -189,12 +189,13 @@ class Exchanges:
         else:
             engine.undo_delta(p.sent)
 
-    def take_global(self, pid: str, version: int, have: int | None, *, retry: RetryPolicy | None) -> None:
+    def take_global(self, pid: str, version: int, have: int | None, *, retry: RetryPolicy | None,
+                    transfer: TransferConfig | None = None) -> None:
         """The model takes global version `version` whole. Fragment `have` (just mixed in) is
-        already in its snapshot; every other fragment is downloaded."""
+        already in its snapshot; every other fragment is downloaded (`transfer`: the run's settings)."""
         for p, engine in enumerate(self.engines):
             if p != have:
-                engine.download(pid, version=version, retry=retry)
+                engine.download(pid, version=version, retry=retry, transfer=transfer)
             engine.adopt()
 
     def close(self) -> None:

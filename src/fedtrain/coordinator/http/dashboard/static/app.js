@@ -252,12 +252,29 @@ function renderParticipants(st) {
         title: "versions committed since the one its last applied update was trained from" }),
       el("td", { class: "num", text: p.share == null ? "–" : `${fmt.percent(p.share)} (${fmt.int(p.applied)})`,
         title: "its share of the weight applied over the last 100 versions (its updates in brackets)" }),
-      el("td", { class: "num", text: `${fmt.bytes(p.bytes_up)} / ${fmt.bytes(p.bytes_down)}` }),
+      el("td", { class: "num", text: `${fmt.bytes(p.bytes_up)} / ${fmt.bytes(p.bytes_down)}` + transfersText(p),
+        title: transfersTitle(p) }),
       el("td", { class: "admin-only" }, action));
   }));
   $("parts-empty").textContent = "No participant has joined yet."; // until the first status: "Connecting…"
   $("parts-empty").hidden = st.participants.length > 0;
   $("parts-hint").textContent = st.participants.length ? `${st.participants.length} joined` : "";
+}
+
+// Its transfers in flight (status `transfers`, each a Progress view with a `direction`): " · ↓ 48%".
+function transfersOf(p) {
+  return p.transfers || (p.transfer ? [p.transfer] : []);
+}
+
+function transfersText(p) {
+  return transfersOf(p).map((t) => ` · ${t.direction === "up" ? "↑" : "↓"} ` +
+    (t.total ? fmt.percent(t.bytes / t.total) : fmt.bytes(t.bytes))).join("");
+}
+
+function transfersTitle(p) {
+  const lines = transfersOf(p).map((t) => `${t.what}: ${fmt.bytes(t.bytes)}` + (t.total ? ` of ${fmt.bytes(t.total)}` : "") +
+    `, ${fmt.bytes(t.rate_bps)}/s` + (t.eta_s == null ? "" : `, ${fmt.seconds(t.eta_s)} left`));
+  return lines.length ? lines.join("\n") : null;
 }
 
 // How a participant trains (status `parallel`, `world_size`): "1", "ddp×4", "fsdp×2"; "?" where it did not say.

@@ -1,0 +1,345 @@
+"""Resumable uploads: an update (or a piece of one) that travels as parts.
+
+An upload session holds one body on its way in: the exact bytes a whole upload would send
+(`total` of them, digest `digest`), cut in parts of `part_bytes` (the last one shorter):
+part i is bytes [i * part_bytes, min(total, (i + 1) * part_bytes)). Parts are transport,
+not meaning (a piece, `pieces.py`, is about rows): each is checked against its own digest
+as it streams, written at its offset into the session's spool file, and counted as held
+only once verified. When every part is held the file is the whole body, bit for bit; the
+caller then sends it through the ordinary upload flow (`Uploads.receive_update`), which
+checks the whole digest, the header and the values, and places it, as for a whole upload.
+
+What a session may hold is bounded: its participant's sessions together hold at most
+`max_upload_mb` (the bound of one whole upload), and at most `MAX_SESSIONS_PER_PID` of
+them. A session goes when its update is in, when a part names another body for the same
+(participant, round, piece) (the newer wins), when its round can take no late update any
+more (at the round's close past the staleness bound, else at the next part anyone sends),
+when its participant leaves, rejoins or is evicted, or when it has heard no part for `IDLE_S`.
+
+Event loop only, but for the writes, which run on worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedtrain.coordinator.intake.spool import SpoolFiles
+from fedtrain.errors import Refused, WireError
+from fedtrain.transport.body import Body
+from fedtrain.transport.progress import Progress
+from fedtrain.wire.digest import StreamingDigest, digests_equal, parse_digest
+
+#: The smallest part a session may use (but for its last) and the largest.
+MIN_PART_BYTES = 64 << 10
+MAX_PART_BYTES = 1 << 30
+#: The most parts one body may come in (a 14 GB update in 1 MiB parts is 13,351).
+MAX_PARTS = 1 << 16
+#: The sessions one participant may hold at once (an update, or its pieces, per round).
+MAX_SESSIONS_PER_PID = 64
+#: The parts of one participant streaming in at once, all its sessions together (what
+#: `transfer.streams` may ask for; each holds two receive buffers of up to BATCH).
+MAX_STREAMING_PER_PID = 16
+#: A session that has heard no part for this long (and has none streaming) is reclaimed.
+IDLE_S = 600.0
+#: Bytes read from the socket, hashed and written at a time.
+BATCH = 2 << 20
+
+Key = tuple[str, int, str | None]  # (participant, round, piece label or None: the whole update)
+
+
+@dataclass(frozen=True)
+class PartClaim:
+    """What a part says of the body it belongs to (every part says the same) and of itself."""
+
+    index: int
+    total: int  # bytes of the whole body
+    part_bytes: int  # bytes of each part but the last
+    digest: str  # the whole body's digest
+    tokens: int
+
+    @property
+    def count(self) -> int:
+        return math.ceil(self.total / self.part_bytes)
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Part `index`'s bytes: [start, stop) of the whole body."""
+        start = index * self.part_bytes
+        return start, min(self.total, start + self.part_bytes)
+
+    def same_body(self, other: PartClaim) -> bool:
+        return (self.total, self.part_bytes, self.tokens) == (other.total, other.part_bytes, other.tokens) and \
+            digests_equal(self.digest, other.digest)
+
+
+def check_claim(claim: PartClaim, length: int | None, limit: int) -> None:
+    """Refuse (4xx) a part whose claims do not hold together, before a byte of it is read."""
+    parse_digest(claim.digest)
+    if claim.total > limit:
+        raise Refused(413, "too_large", f"an upload of {claim.total:,} bytes exceeds max_upload_mb ({limit:,} bytes)")
+    if claim.total <= claim.part_bytes:
+        raise Refused(400, "part_not_needed", f"a body of {claim.total:,} bytes fits in one part of "
+                      f"{claim.part_bytes:,}: upload it whole")
+    if claim.count > MAX_PARTS:
+        raise Refused(400, "too_many_parts", f"{claim.total:,} bytes in parts of {claim.part_bytes:,} is "
+                      f"{claim.count:,} parts, more than one body may come in ({MAX_PARTS:,}): use larger parts")
+    if claim.index >= claim.count:
+        raise Refused(400, "part_out_of_range", f"part {claim.index} of a body of {claim.total:,} bytes in parts "
+                      f"of {claim.part_bytes:,}: there are {claim.count} parts, numbered from 0")
+    start, stop = claim.span(claim.index)
+    if length is None:
+        raise Refused(411, "length_required", "parts need a Content-Length header")
+    if length != stop - start:
+        raise Refused(400, "part_length", f"part {claim.index} is bytes [{start:,}, {stop:,}) of the body: "
+                      f"{stop - start:,} bytes, not {length:,}")
+
+
+@dataclass
+class Session:
+    """One body coming in as parts, into the spool file `path` (`new`: made for it)."""
+
+    key: Key
+    claim: PartClaim
+    path: Path
+    new: bool
+    heard: float  # the monotonic time of its last part (begun or ended)
+    held: dict[int, str] = field(default_factory=dict)  # verified parts: index -> digest
+    streaming: set[int] = field(default_factory=set)  # parts being received now
+    assembling: bool = False  # every part is in: the whole is being checked and placed
+    gone: bool = False  # dropped: a part still streaming into it is refused at its end
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no part streams
+    progress: Progress | None = None  # the bytes received of it (parts sent again count again)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.held) == self.claim.count
+
+    def held_bytes(self) -> int:
+        return sum(stop - start for start, stop in (self.claim.span(i) for i in self.held))
+
+    def view(self) -> dict[str, Any]:
+        """As the session's GET answers it: which parts are held, which are missing."""
+        c = self.claim
+        missing = [i for i in range(c.count) if i not in self.held]
+        return {"digest": c.digest, "total": c.total, "part_bytes": c.part_bytes, "parts": c.count,
+                "held": sorted(self.held), "missing": missing, "held_bytes": self.held_bytes(),
+                "streaming": sorted(self.streaming),
+                "complete": self.complete, "assembling": self.assembling}
+
+
+class PartSessions:
+    """The upload sessions in progress, by (participant, round, piece). Their files are the
+    spool's (`SpoolFiles`); `clock` is monotonic (tests pass their own)."""
+
+    def __init__(self, files: SpoolFiles, clock: Callable[[], float] = time.monotonic) -> None:
+        self._files = files
+        self._clock = clock
+        self._sessions: dict[Key, Session] = {}
+
+    def get(self, key: Key) -> Session | None:
+        return self._sessions.get(key)
+
+    def of(self, pid: str) -> list[Session]:
+        return [s for k, s in self._sessions.items() if k[0] == pid]
+
+    @property
+    def count(self) -> int:
+        return len(self._sessions)
+
+    def held_bytes(self) -> int:
+        """Bytes the sessions hold on disk now (their files' sizes)."""
+        return sum(s.claim.total for s in self._sessions.values())
+
+    async def open(self, key: Key, claim: PartClaim, limit: int, stop_parts: Callable[[], None],
+                   wait_s: float) -> Session:
+        """The session `claim` belongs to: the one in progress for `key` when it is for the
+        same body, else a new one (an older session for another body is dropped: the newer
+        wins, its parts still streaming stopped with `stop_parts()` and waited for, at most
+        `wait_s`). Refuses (413, 429) what would hold more than its participant may."""
+        self.reclaim_idle()
+        old = self._sessions.get(key)
+        if old is not None and old.claim.same_body(claim):
+            return old
+        if old is not None:
+            if old.assembling:
+                raise Refused(409, "upload_assembling", f"the update of {key[0]} for round {key[1]} is complete and "
+                              "being placed; ask the round's status before sending another")
+            stop_parts()
+            self.drop(old)
+            if old.streaming and not await _wait(old.idle, wait_s):
+                raise Refused(429, "upload_in_progress", f"parts of an earlier upload of {key[0]} for round {key[1]} "
+                              "are still streaming; send again once they are over", {"retry_after_s": 1.0})
+            if key in self._sessions:  # another new body came meanwhile: the newest wins, again
+                return await self.open(key, claim, limit, stop_parts, wait_s)
+        mine = self.of(key[0])
+        if len(mine) >= MAX_SESSIONS_PER_PID:
+            raise Refused(429, "too_many_sessions", f"{key[0]} has {len(mine)} uploads in parts in progress, the most "
+                          f"one participant may ({MAX_SESSIONS_PER_PID})")
+        held = sum(s.claim.total for s in mine)
+        if held + claim.total > limit:
+            raise Refused(413, "too_large", f"{key[0]}'s uploads in parts would hold {held + claim.total:,} bytes, "
+                          f"more than max_upload_mb allows ({limit:,} bytes)")
+        path, new = self._files.take()
+        session = Session(key, claim, path, new, self._clock(),
+                          progress=Progress(f"upload of round {key[1]} in parts", claim.total))
+        session.idle.set()
+        # In before the first await: the other parts of the body, arriving side by side, find
+        # it (and write into it: every write is below `total`, so sizing the file may come in
+        # any order with them).
+        self._sessions[key] = session
+        try:
+            await asyncio.to_thread(_size_file, path, claim.total)
+        except BaseException:
+            self.drop(session)
+            raise
+        return session
+
+    async def receive(self, session: Session, index: int, digest: str, body: Body) -> bool:
+        """Receive part `index` of `session` (its length checked already, `check_claim`) into its
+        place in the file, checked against `digest` as it streams. True when it is held now;
+        False when it was held already (its body is not read). Raises Refused (400
+        part_digest_mismatch: send it again) or the body's error."""
+        parse_digest(digest)
+        if index in session.held or session.assembling:
+            await body.drain()
+            return False
+        streaming = sum(len(s.streaming) for s in self.of(session.key[0]))
+        if streaming >= MAX_STREAMING_PER_PID:
+            await body.drain()
+            raise Refused(429, "too_many_parts_in_flight", f"{session.key[0]} has {streaming} parts streaming in, the "
+                          f"most one participant may send at once ({MAX_STREAMING_PER_PID})", {"retry_after_s": 1.0})
+        if index in session.streaming:  # (the route lets one attempt per part in at a time)
+            await body.drain()
+            raise Refused(429, "upload_in_progress", f"part {index} is streaming in on another connection",
+                          {"retry_after_s": 1.0})
+        session.streaming.add(index)
+        session.idle.clear()
+        if session.progress is not None:
+            body.count_with(session.progress.add)
+        session.heard = self._clock()
+        try:
+            start, stop = session.claim.span(index)
+            got = await _write_part(body, session.path, start, stop - start, digest)
+            if session.gone:
+                raise Refused(409, "upload_replaced", f"the upload part {index} belonged to was replaced or "
+                              "dropped while it streamed in")
+            if not digests_equal(got, digest):
+                raise Refused(400, "part_digest_mismatch", f"part {index}'s bytes have digest {got}, not the "
+                              f"{digest} it was sent with: send it again")
+            session.held[index] = digest
+            return True
+        except BaseException:
+            await body.drain()
+            raise
+        finally:
+            session.streaming.discard(index)
+            session.heard = self._clock()
+            if not session.streaming:
+                session.idle.set()
+                if session.gone:  # the last writer of a dropped session: its file goes now
+                    self._files.discard(session.path, session.new)
+
+    def whole(self, session: Session) -> Body:
+        """The complete session's file as the body of an ordinary upload."""
+        return Body(_file_chunks(session.path, session.claim.total))
+
+    def drop(self, session: Session) -> None:
+        """Forget `session`; its file goes now, or once no part streams into it."""
+        if self._sessions.get(session.key) is session:
+            del self._sessions[session.key]
+        if session.gone:
+            return
+        session.gone = True
+        if not session.streaming:
+            self._files.discard(session.path, session.new)
+
+    def drop_where(self, keep: Callable[[Key], bool]) -> int:
+        """Drop every session whose key `keep` refuses; how many went."""
+        gone = [s for k, s in self._sessions.items() if not keep(k) and not s.assembling]
+        for s in gone:
+            self.drop(s)
+        return len(gone)
+
+    def reclaim_idle(self) -> int:
+        """Drop the sessions that heard no part for IDLE_S (none streaming)."""
+        now = self._clock()
+        return self.drop_where(lambda k: self._sessions[k].streaming != set() or now - self._sessions[k].heard < IDLE_S)
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+def _size_file(path: Path, total: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, total)
+    finally:
+        os.close(fd)
+
+
+async def _write_part(body: Body, path: Path, offset: int, length: int, digest: str) -> str:
+    """Stream `length` bytes of `body` into `path` at `offset`, hashing them; their digest.
+    A body shorter or longer than `length` is a WireError."""
+    hasher = StreamingDigest.like(digest)
+    fd = await asyncio.to_thread(os.open, path, os.O_WRONLY | os.O_CREAT, 0o600)  # (perhaps before it is sized)
+    try:
+        buffers = [memoryview(bytearray(min(BATCH, length + 1))) for _ in range(2)]
+        pending: asyncio.Future[None] | None = None
+        done, turn = 0, 0
+        try:
+            while True:
+                buf = buffers[turn % 2]
+                n = await body.readinto(buf)
+                if done + n > length:
+                    raise WireError(f"the part is longer than its {length:,} bytes")
+                if n:
+                    if pending is not None:
+                        await pending
+                    pending = asyncio.ensure_future(asyncio.to_thread(_hash_write, hasher, fd, buf[:n], offset + done))
+                    done, turn = done + n, turn + 1
+                if n < len(buf):
+                    break
+            if pending is not None:
+                await pending
+                pending = None
+        finally:
+            if pending is not None:
+                await asyncio.gather(pending, return_exceptions=True)
+        if done != length:
+            raise WireError(f"the part ended after {done:,} of its {length:,} bytes")
+        return hasher.digest()
+    finally:
+        os.close(fd)
+
+
+def _hash_write(hasher: StreamingDigest, fd: int, view: memoryview, offset: int) -> None:
+    hasher.update(view)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+async def _file_chunks(path: Path, total: int) -> Any:
+    """The first `total` bytes of `path`, in BATCH chunks read on a worker thread."""
+    f = await asyncio.to_thread(open, path, "rb", buffering=0)
+    try:
+        left = total
+        while left:
+            chunk = await asyncio.to_thread(f.read, min(BATCH, left))
+            if not chunk:
+                raise WireError("an upload's spool file is shorter than its parts")
+            left -= len(chunk)
+            yield chunk
+    finally:
+        f.close()

@@ -1,0 +1,110 @@
+"""Upload sessions in parts (`coordinator/intake/parts.py`), with an injected clock: a session
+left idle is reclaimed with its file, a newer body replaces an older one, and the parts of a
+complete session are the body, bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from fedtrain.coordinator.intake import parts
+from fedtrain.coordinator.intake.parts import PartClaim, PartSessions
+from fedtrain.coordinator.intake.spool import SpoolFiles
+from fedtrain.errors import Refused
+from fedtrain.transport import Body
+from fedtrain.wire import digest_bytes
+
+PART = parts.MIN_PART_BYTES
+DATA = bytes(range(256)) * (PART * 3 // 256 + 7)  # three parts and a short fourth
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def chunks(data: bytes):  # type: ignore[no-untyped-def]
+    for i in range(0, len(data), 10_000):
+        yield data[i : i + 10_000]
+
+
+def claim(index: int, data: bytes = DATA) -> PartClaim:
+    return PartClaim(index, len(data), PART, digest_bytes(data), 100)
+
+
+def part(index: int, data: bytes = DATA) -> bytes:
+    start, stop = claim(index, data).span(index)
+    return data[start:stop]
+
+
+def files(tmp_path: Path) -> list[Path]:
+    return [p for p in tmp_path.iterdir() if p.stat().st_size]
+
+
+def test_parts_make_the_body_bit_for_bit_and_an_idle_session_is_reclaimed(tmp_path: Path) -> None:
+    clock = Clock()
+
+    async def go() -> None:
+        sessions = PartSessions(SpoolFiles(tmp_path), clock)
+        key = ("p0", 0, None)
+        s = await sessions.open(key, claim(0), 1 << 30, lambda: None, 1.0)
+        for i in reversed(range(claim(0).count)):  # any order
+            assert await sessions.receive(s, i, digest_bytes(part(i)), Body(chunks(part(i))))
+        assert s.complete
+        assert await sessions.whole(s).read(len(DATA) + 1) == DATA
+        assert not await sessions.receive(s, 1, digest_bytes(part(1)), Body(chunks(part(1))))  # held: not read
+        # another participant's session, left after one part
+        other = await sessions.open(("p1", 0, None), claim(0), 1 << 30, lambda: None, 1.0)
+        await sessions.receive(other, 0, digest_bytes(part(0)), Body(chunks(part(0))))
+        sessions.drop(s)
+        assert sessions.count == 1 and len(files(tmp_path)) == 1
+        clock.now += parts.IDLE_S - 1
+        assert sessions.reclaim_idle() == 0
+        clock.now += 2
+        assert sessions.reclaim_idle() == 1
+        assert sessions.count == 0 and files(tmp_path) == []
+
+    asyncio.run(go())
+
+
+def test_a_part_with_a_wrong_digest_is_not_held_and_a_newer_body_replaces_an_older(tmp_path: Path) -> None:
+    async def go() -> None:
+        sessions = PartSessions(SpoolFiles(tmp_path))
+        key = ("p0", 0, None)
+        s = await sessions.open(key, claim(0), 1 << 30, lambda: None, 1.0)
+        with pytest.raises(Refused) as e:
+            await sessions.receive(s, 2, digest_bytes(b"other"), Body(chunks(part(2))))
+        assert e.value.code == "part_digest_mismatch" and s.held == {}
+        await sessions.receive(s, 2, digest_bytes(part(2)), Body(chunks(part(2))))
+        newer = DATA[::-1]
+        stopped = []
+        s2 = await sessions.open(key, claim(0, newer), 1 << 30, lambda: stopped.append(1), 1.0)
+        assert s2 is not s and s.gone and stopped == [1] and s2.held == {}
+        assert sessions.count == 1 and len(files(tmp_path)) == 1
+        with pytest.raises(Refused) as e:  # more than the participant may hold, all its sessions together
+            await sessions.open(("p0", 0, "b"), claim(0), len(DATA) + len(DATA) // 2, lambda: None, 1.0)
+        assert e.value.status == 413
+
+    asyncio.run(go())
+
+
+def test_parts_arriving_side_by_side_make_one_session(tmp_path: Path) -> None:
+    """The parts of a body sent at once (transfer.streams) all land in one session, whichever opens it."""
+    async def go() -> None:
+        sessions = PartSessions(SpoolFiles(tmp_path))
+        key = ("p0", 0, None)
+
+        async def one(i: int) -> bool:
+            s = await sessions.open(key, claim(i), 1 << 30, lambda: None, 1.0)
+            return await sessions.receive(s, i, digest_bytes(part(i)), Body(chunks(part(i))))
+
+        assert await asyncio.gather(*(one(i) for i in range(claim(0).count))) == [True] * claim(0).count
+        s = sessions.get(key)
+        assert s is not None and s.complete and sessions.count == 1
+        assert await sessions.whole(s).read(len(DATA) + 1) == DATA
+
+    asyncio.run(go())
