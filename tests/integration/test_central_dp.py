@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from fedtrain import faults
 from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.helpers.api import client, put, wait_round
@@ -117,6 +119,38 @@ def test_a_roll_back_keeps_the_count_of_noisy_rounds(tmp_path: Path) -> None:
         assert json.loads(c.service.inspect().checkpoints.run_metadata(3)[META])["rounds"] == 2
     with BackgroundCoordinator(tmp_path / "s", cfg) as c:
         assert c.service.status()["privacy"]["rounds"] == 2
+
+
+def test_merges_rolled_back_count_and_the_run_stops_at_the_budget(tmp_path: Path) -> None:
+    """The budget fits the 3 planned rounds; a failed commit makes round 1 merge twice (its first
+    model may have been served: publish_first), so after 3 noisy merges at version 2 a fourth would
+    pass the budget: the run finishes there, and says why."""
+    sigma, delta = 2.0, 1e-5
+    budget = library_epsilon(sigma, 3, delta, "rdp") * 1.001
+    cfg = tiny_config(rounds=3, outer={"algorithm": "fedavg"}, publish_first=True,
+                      privacy={"noise_multiplier": sigma, "delta": delta, "epsilon_budget": budget})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c:
+        with client(c, ATOKEN) as http:
+            http.post("/v1/join", json={"name": "a"})
+        zero_round(c, 0, {"a": 100})
+        rule = faults.arm(faults.Rule("commit.before_db", "raise", round=1))
+        try:
+            with client(c, ATOKEN) as http:
+                zeros = {n: torch.zeros_like(t) for n, t in c.service.inspect().weights.items()}
+                assert put(http, 1, "a", zeros).status_code == 200
+                deadline = time.monotonic() + 20
+                while not (rule.fired == 1 and c.service.version == 1 and not c.service.status()["closing"]):
+                    assert time.monotonic() < deadline, "no roll back"
+                    time.sleep(0.05)
+        finally:
+            faults.disarm()
+        assert c.service.status()["privacy"]["rounds"] == 2  # the rolled-back merge counts
+        zero_round(c, 1, {"a": 100})
+        status = c.service.status()
+        assert status["privacy"]["rounds"] == 3 and status["privacy"]["budget_spent"]
+        assert status["finished"] and status["current_round"] == 2 and not status["privacy"]["over_budget"]
+        finished = [e["message"] for e in c.service.event_log(50) if e["kind"] == "finished"]
+        assert finished and "ε budget" in finished[0]
 
 
 def test_a_loopback_run_with_dp_trains(tmp_path: Path) -> None:

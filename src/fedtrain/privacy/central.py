@@ -122,7 +122,7 @@ class CentralDp:
             raise ConfigError(f"privacy.epsilon_budget: {refusal}")
         self.config = p
         self.settings = settings_of(p, planned_rounds)
-        self._spent = (rounds_done, *run_epsilon(self.settings, rounds_done))  # (rounds, ε, accountant)
+        self._spent = self._account(rounds_done)
 
     @property
     def rounds(self) -> int:
@@ -137,15 +137,26 @@ class CentralDp:
         w_max = max((s for s in shares.values() if s > 0), default=1.0)
         return float(self.config.noise_multiplier * min(1.0, w_max) * self.config.clip_norm)
 
+    def _account(self, rounds: int) -> tuple[int, float, str, bool]:
+        """(rounds, ε, the accountant that gave it, whether one more round would pass the budget)."""
+        budget = self.config.epsilon_budget
+        full = budget is not None and run_epsilon(self.settings, rounds + 1)[0] > budget
+        return (rounds, *run_epsilon(self.settings, rounds), full)
+
     def record_round(self) -> None:
         """One more round merged with noise: ε recomputed."""
-        rounds = self._spent[0] + 1
-        self._spent = (rounds, *run_epsilon(self.settings, rounds))
+        self._spent = self._account(self._spent[0] + 1)
+
+    def exhausted(self) -> bool:
+        """Whether one more round would spend more than the budget: the run stops there. The
+        budget rule refuses a config whose planned rounds pass it, so this happens only when more
+        rounds were merged than planned: merges rolled back after a failed commit count too."""
+        return self._spent[3]
 
     def view(self) -> dict[str, Any]:
         """The record for the status and the checkpoint metadata (plain JSON)."""
         p, budget = self.config, self.config.epsilon_budget
-        rounds, eps, accountant = self._spent
+        rounds, eps, accountant, _ = self._spent
         return {
             "mechanism": "central",
             "epsilon": eps,
@@ -153,6 +164,7 @@ class CentralDp:
             "rounds": rounds,
             "budget": budget,
             "over_budget": budget is not None and eps > budget,
+            "budget_spent": self._spent[3],  # one more round would pass the budget: the run stops
             "noise_multiplier": p.noise_multiplier,
             "clip_norm": p.clip_norm,
             "accountant": f"dp-accounting {accountant}",

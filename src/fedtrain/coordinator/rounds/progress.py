@@ -121,7 +121,9 @@ class Rounds:
 
     @property
     def finished(self) -> bool:
-        return policy.run_finished(self.open.version, self._configs.config)
+        """The configured rounds are done, or (central DP) one more round would pass the ε budget."""
+        dp_done = self.privacy is not None and self.privacy.exhausted()
+        return dp_done or policy.run_finished(self.open.version, self._configs.config)
 
     def deadline(self) -> tuple[float, str]:
         return self.open.deadline(self._configs.config)
@@ -301,7 +303,10 @@ class Rounds:
             "round", f"round {r} closed: {reason}; {record['n_submissions']} updates, merge {record['merge_s']:.2f}s"
         )
         if self.finished:
-            self._events.record("finished", f"run finished after {self.version} rounds")
+            dp = self.privacy
+            spent = (f": the ε budget {dp.config.epsilon_budget:g} is spent (ε {dp.epsilon:.4g} after {dp.rounds} "
+                     "rounds merged with noise)" if dp is not None and dp.exhausted() else "")
+            self._events.record("finished", f"run finished after {self.version} rounds{spent}")
         self._events.notify()
 
     def _merge(self, r: int, reason: str, tokens: dict[str, int], cfg: RunConfig, step: Step) -> Merged:
