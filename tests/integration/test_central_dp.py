@@ -89,6 +89,8 @@ def test_epsilon_after_every_round_in_status_and_checkpoints_and_after_a_restart
             assert p["rounds"] == r + 1 and p["budget"] == 50 and not p["over_budget"]
             assert p["epsilon"] == pytest.approx(library_epsilon(sigma, r + 1, delta, "rdp"), rel=1e-6)
             seen.append(p["epsilon"])
+        rounds_events = [e["message"] for e in c.service.event_log(50) if e["kind"] == "round"]
+        assert any(f"(ε, δ) = ({seen[-1]:.4g}, 1e-05)" in m for m in rounds_events), rounds_events
         ckpt = c.service.inspect().checkpoints
         for v in (1, 2, 3):  # keep_checkpoints 3: versions 1-3 are kept
             record = json.loads(ckpt.run_metadata(v)[META])
