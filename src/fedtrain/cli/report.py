@@ -160,7 +160,21 @@ def format_status(s: dict[str, Any]) -> str:
         )
     if s.get("evals"):
         parts.append("\nevals around each sync (held-out loss):\n" + format_evals(s["evals"][-40:]))
+    privacy = privacy_lines(s.get("privacy"))
+    if privacy:
+        parts.append(privacy)
     return "\n".join(parts)
+
+
+def privacy_lines(p: dict[str, Any] | None) -> str:
+    """Central DP's line of `fedtrain status`: (ε, δ) spent after the committed rounds, against the
+    budget ("" when the run has no DP)."""
+    if not p:
+        return ""
+    budget = "no budget" if p.get("budget") is None else f"budget ε {p['budget']:g}"
+    over = " OVER BUDGET" if p.get("over_budget") else ""
+    return (f"\nprivacy: central DP, (ε, δ) = ({p['epsilon']:.4g}, {p['delta']:g}) after {p['rounds']} rounds "
+            f"({budget}{over}); σ {p['noise_multiplier']:g}, C {p['clip_norm']:g}, {p['accountant']}")
 
 
 GLOBAL_EVAL = "global_eval/"

@@ -4,6 +4,7 @@ names of the model are re-exported here: `from fedtrain.config import RunConfig`
 
 from __future__ import annotations
 
+from fedtrain.config.privacy import PrivacyConfig
 from fedtrain.config.run_config import (
     MAX_LR,
     MAX_SECONDS,
@@ -48,6 +49,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "OuterConfig",
+    "PrivacyConfig",
     "RunConfig",
     "ScheduleConfig",
     "StreamingConfig",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fedtrain.config.privacy import FIXED_REASON as PRIVACY_FIXED
 from fedtrain.config.run_config import RunConfig, check_upload_limit, outer_defaults, parse_config
 from fedtrain.errors import ConfigError
 
@@ -23,6 +24,7 @@ FIXED_FIELDS: dict[str, str] = {
     "committed rounds are mapped to fragments by K",
     "streaming.assign": "each fragment keeps its own outer optimizer state and reference weights for the "
     "parameters assigned to it",
+    "privacy": PRIVACY_FIXED,
 }
 
 

@@ -19,6 +19,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from fedtrain.config.compression import check_compression
+from fedtrain.config.privacy import PrivacyConfig, check_privacy
 from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig, TransferConfig
 from fedtrain.config.sections import Strict as _Strict
 from fedtrain.errors import ConfigError
@@ -261,6 +262,7 @@ class RunConfig(_Strict):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     asynchronous: AsyncConfig = Field(default_factory=AsyncConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
+    privacy: PrivacyConfig | None = Field(None, description="Central differential privacy (null: off).")
     streaming: StreamingConfig | None = Field(
         None, description="Streaming DiLoCo: sync the model in K fragments, one per round (null: off)."
     )
@@ -356,6 +358,7 @@ class RunConfig(_Strict):
         if self.streaming is not None:
             _check_streaming(self)
         check_compression(self)
+        check_privacy(self)
         return self
 
 

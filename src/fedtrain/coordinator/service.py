@@ -495,6 +495,7 @@ class Coordinator:
             "current_round": self.version,
             "fragment": fragment.index if fragment is not None else None,  # the one the open round syncs
             "streaming": self._streaming_view(),
+            "privacy": self.rounds.privacy.view() if self.rounds.privacy is not None else None,  # central DP
             "rounds": self.rounds_total(),
             "rounds_configured": self.config.rounds,
             "finished": self.finished,

@@ -7,9 +7,11 @@ and the no-wrap rule), `masks` (ChaCha20 mask streams, the SecAgg+ pairing graph
 (the coordinator's ring sum and unmasking math), `participant_round` / `coordinator_round`
 (each side's steps of one round), `clipping` and `accountant` (DP). See docs/privacy.md.
 
-Not wired into runs yet: these are pure modules the coordinator's round and the participant's
-upload will call. `cryptography` and `dp-accounting` come with the `privacy` extra and are
-imported only when used (a missing one is a ConfigError naming the extra).
+Central DP is wired into runs (`central`: the round loop's `CentralDp`, the run's ε, the noise
+on a round's mean; the config's `privacy` section); secure aggregation and distributed DP are
+pure modules the coordinator's round and the participant's upload will call. `cryptography`
+and `dp-accounting` come with the `privacy` extra and are imported only when used (a missing
+one is a ConfigError naming the extra).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ _SOURCES = {
     "fedtrain.privacy.accountant": (
         "DpSettings", "PrivacyLedger", "check_budget", "epsilon_after", "privacy_spent", "refuse_over_budget",
     ),
+    "fedtrain.privacy.central": ("CentralDp", "run_epsilon"),
     "fedtrain.privacy.clipping": (
-        "add_noise", "clip_update", "distributed_noise_ok", "distributed_std", "l2_norm", "noise_std",
+        "add_noise", "clip_update", "clip_within", "distributed_noise_ok", "distributed_std", "l2_norm", "noise_std",
         "private_contribution",
     ),
     "fedtrain.privacy.coordinator_round": ("SecAggCoordinator",),
@@ -45,9 +48,11 @@ if TYPE_CHECKING:
         privacy_spent,
         refuse_over_budget,
     )
+    from fedtrain.privacy.central import CentralDp, run_epsilon
     from fedtrain.privacy.clipping import (
         add_noise,
         clip_update,
+        clip_within,
         distributed_noise_ok,
         distributed_std,
         l2_norm,
@@ -66,6 +71,7 @@ else:
     __getattr__, __dir__ = lazy_exports(__name__, _SOURCES)
 
 __all__ = [
+    "CentralDp",
     "DpSettings",
     "FixedPoint",
     "KeyDirectory",
@@ -85,6 +91,7 @@ __all__ = [
     "check_budget",
     "check_ring",
     "clip_update",
+    "clip_within",
     "distributed_noise_ok",
     "distributed_std",
     "epsilon_after",
@@ -98,5 +105,6 @@ __all__ = [
     "recover",
     "refuse_over_budget",
     "required_ring_bits",
+    "run_epsilon",
     "unmask_aggregate",
 ]

@@ -49,6 +49,15 @@ def clip_update(update: Mapping[str, torch.Tensor], max_norm: float) -> tuple[di
     return {n: (t * factor if t.is_floating_point() else t) for n, t in update.items()}, norm
 
 
+def clip_within(update: dict[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
+    """`update` itself when its L2 norm is at most `max_norm`, else scaled copies (`clip_update`):
+    a participant's clip before encoding, which must leave its Δ as it is."""
+    norm = l2_norm(update)
+    if math.isfinite(norm) and norm <= max_norm:
+        return update
+    return clip_update(update, max_norm)[0]
+
+
 def noise_std(noise_multiplier: float, max_norm: float, max_weight: float) -> float:
     """σ · w_max · C: the standard deviation the aggregate's noise must have in total."""
     if noise_multiplier < 0 or not 0 < max_weight <= 1:

@@ -31,6 +31,7 @@ from fedtrain.transport import writers
 from fedtrain.wire import EncodedBody, StreamingDigest, iter_file, read_tensors
 from fedtrain.wire.digest import digests_equal, parse_digest
 from fedtrain.wire.files import write_temp
+from fedtrain.wire.format import MAX_HEADER_BYTES, parse_header
 from fedtrain.wire.reader import OnHeader
 
 if TYPE_CHECKING:
@@ -165,6 +166,16 @@ class CheckpointDir:
 
     def load_global(self, version: int, digest: str | None) -> dict[str, torch.Tensor]:
         return self._load(self.global_path(version), digest)
+
+    def run_metadata(self, version: int) -> dict[str, str]:
+        """The metadata `version`'s model file carries (its header only; unverified: the caller
+        takes it as a record, the weights are verified on load), {} when it cannot be read."""
+        try:
+            with open(self.global_path(version), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                return parse_header(f.read(n))[1] if 0 < n <= MAX_HEADER_BYTES else {}
+        except (OSError, WireError):
+            return {}
 
     def load_outer(self, version: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The outer optimizer state of `version` and its metadata, verified against the digest

@@ -31,11 +31,14 @@ from fedtrain.coordinator.state.events import Events
 from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import MergeError, Refused, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum
+from fedtrain.privacy.central import add_noise_to_sum, noise_generator, rounds_in
 from fedtrain.wire import EncodedBody, parse_digest
 
 
-def model_meta(cfg: RunConfig, algorithm: str, version: int) -> dict[str, str]:
-    return {"run": cfg.name, "algorithm": algorithm, "version": str(version)}
+def model_meta(cfg: RunConfig, algorithm: str, version: int,
+               extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A version's metadata (in the served body and its checkpoint); `extra`: the privacy record."""
+    return {"run": cfg.name, "algorithm": algorithm, "version": str(version), **(extra or {})}
 
 
 class Committer:
@@ -122,12 +125,17 @@ class Committer:
     # -- a round (worker threads) -----------------------------------------------------------------
 
     def step(self, acc: RunningSum, scale: float = 1.0, every: int | None = None,
-             names: Collection[str] | None = None) -> None:
+             names: Collection[str] | None = None, noise_std: float = 0.0) -> None:
         """The outer step with the round's mean (the caller holds the fold lock), times `scale`
         (asynchronous mode's staleness weight, in (0, 1]); `every`: the delayed Nesterov step's
         N; `names`: the parameters it moves (a Streaming DiLoCo fragment; None: all). The sum is
-        finite by construction (`RunningSum`): only the result is checked (NonFiniteStep)."""
+        finite by construction (`RunningSum`): only the result is checked (NonFiniteStep).
+        `noise_std`: central DP's N(0, noise_std²) added to each coordinate of the mean (the sum
+        holds the fragment's tensors only), drawn from a generator seeded from the OS CSPRNG."""
         total, divisor = acc.scaled()
+        if noise_std > 0:
+            device = next(iter(total.values())).device
+            add_noise_to_sum(total, divisor, noise_std, noise_generator(device))
         if scale != 1.0:
             if not (0.0 < scale <= 1.0):
                 raise MergeError(f"the staleness scale must be in (0, 1], got {scale!r}")
@@ -136,11 +144,13 @@ class Committer:
             self.weights.epoch += 1
             self.model.step(total, divisor, finite=True, every=every, names=names)
 
-    def publish(self, version: int, cfg: RunConfig, hold: bool) -> Published:
+    def publish(self, version: int, cfg: RunConfig, hold: bool, extra: Mapping[str, str] | None = None) -> Published:
         """A body over the new weights, to serve from memory once the caller puts it in force
-        (`serve`); downloads hold back its end until it is committed when `hold`."""
+        (`serve`); downloads hold back its end until it is committed when `hold`. `extra`: more
+        metadata for the body and its checkpoint (the privacy record)."""
         outer = self.model
-        body = EncodedBody(outer.params, model_meta(cfg, outer.algorithm, version), digest_algorithm=cfg.digest)
+        body = EncodedBody(outer.params, model_meta(cfg, outer.algorithm, version, extra),
+                           digest_algorithm=cfg.digest)
         return Published(version, body.digest(), body, self.weights.epoch, hold=hold)
 
     def serve(self, published: Published | None) -> None:
@@ -186,10 +196,12 @@ class Committer:
                     self.ckpt.realign(outer, written)
         return written.digest
 
-    def commit_restored(self, r: int, outer: OuterOptimizer, reason: str, cfg: RunConfig, opened_at: float) -> None:
-        """Close round r with no updates and commit `outer` (a kept version's) as version r + 1."""
+    def commit_restored(self, r: int, outer: OuterOptimizer, reason: str, cfg: RunConfig, opened_at: float,
+                        extra: Mapping[str, str] | None = None) -> None:
+        """Close round r with no updates and commit `outer` (a kept version's) as version r + 1
+        (`extra`: the privacy record, carried on)."""
         self._store.discard_uncommitted(r)
-        body = EncodedBody(outer.params, model_meta(cfg, outer.algorithm, r + 1), digest_algorithm=cfg.digest)
+        body = EncodedBody(outer.params, model_meta(cfg, outer.algorithm, r + 1, extra), digest_algorithm=cfg.digest)
         record = restore_record(r, opened_at, reason, outer.algorithm)
         record["digest"] = self.write_checkpoint(r + 1, outer, body)
         self._store.commit_round(record, {})
@@ -214,6 +226,13 @@ class Committer:
             self.outer = outer
 
     # -- reading (event loop) ---------------------------------------------------------------------
+
+    def privacy_rounds(self) -> int:
+        """The rounds merged with DP noise up to the committed version, as its metadata records
+        them; a version that records none (written before DP, or by --recover) counts every
+        version as one such round: more, never fewer, than the truth."""
+        done = rounds_in(self.ckpt.run_metadata(self.committed_version))
+        return self.committed_version if done is None else done
 
     def kept_versions(self) -> list[int]:
         """The committed versions whose checkpoint files are kept, newest first."""

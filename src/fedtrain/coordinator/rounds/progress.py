@@ -19,6 +19,7 @@ from typing import Any
 
 from fedtrain import faults
 from fedtrain.config import OuterConfig, RunConfig
+from fedtrain.config.privacy import dp_on
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.intake.flow import Intake, MergeInputs
 from fedtrain.coordinator.members.roster import Roster
@@ -36,6 +37,7 @@ from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import MergeError, Refused
 from fedtrain.merge import OuterOptimizer, contribution_weights
 from fedtrain.merge.outer import NonFiniteStep
+from fedtrain.privacy.central import CentralDp
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -106,6 +108,8 @@ class Rounds:
         self._commit_task: asyncio.Task[None] | None = None  # the commit of the open round's predecessor
         self._tick_task: asyncio.Task[None] | None = None
         self.staleness_of: dict[str, int] = {}  # asynchronous mode: each participant's last applied staleness
+        cfg = configs.config  # central DP: its settings are fixed for the run (config/privacy.py)
+        self.privacy = CentralDp(cfg.privacy, cfg.rounds, committer.privacy_rounds()) if dp_on(cfg) else None
         intake.select(self.fragment(open_round.version))
 
     # -- reading --------------------------------------------------------------------------------
@@ -117,7 +121,9 @@ class Rounds:
 
     @property
     def finished(self) -> bool:
-        return policy.run_finished(self.open.version, self._configs.config)
+        """The configured rounds are done, or (central DP) one more round would pass the ε budget."""
+        dp_done = self.privacy is not None and self.privacy.exhausted()
+        return dp_done or policy.run_finished(self.open.version, self._configs.config)
 
     def deadline(self) -> tuple[float, str]:
         return self.open.deadline(self._configs.config)
@@ -293,11 +299,15 @@ class Rounds:
         self.open.closing = False
         self.enter_round()
         self.open.reason = "run finished" if self.finished else "round opened"
+        dp = f"; (ε, δ) = ({self.privacy.epsilon:.4g}, {self.privacy.config.delta:g})" if self.privacy else ""
         self._events.record(
             "round", f"round {r} closed: {reason}; {record['n_submissions']} updates, merge {record['merge_s']:.2f}s"
-        )
+            + dp)
         if self.finished:
-            self._events.record("finished", f"run finished after {self.version} rounds")
+            dp = self.privacy
+            spent = (f": the ε budget {dp.config.epsilon_budget:g} is spent (ε {dp.epsilon:.4g} after {dp.rounds} "
+                     "rounds merged with noise)" if dp is not None and dp.exhausted() else "")
+            self._events.record("finished", f"run finished after {self.version} rounds{spent}")
         self._events.notify()
 
     def _merge(self, r: int, reason: str, tokens: dict[str, int], cfg: RunConfig, step: Step) -> Merged:
@@ -310,13 +320,18 @@ class Rounds:
             faults.hit("merge.before_step", round=r)
             inputs = intake.merge_inputs(cfg)
             weights = round_weights(tokens, inputs.rejected, cfg.outer) if step.weights is None else step.weights
+            dp = self.privacy  # central DP: noise σ·w_max·C on the mean (of the fragment's tensors only)
+            noise = dp.noise_std(inputs.shares) if dp is not None else 0.0
             try:  # streaming: the fragment's parameters only, each fragment with its own optimizer state
-                self._committer.step(intake.sum, step.scale, step.every, fragment.names if fragment else None)
+                self._committer.step(intake.sum, step.scale, step.every, fragment.names if fragment else None,
+                                     noise_std=noise)
             except NonFiniteStep as e:
                 key, why = policy.largest_influence(inputs.shares, inputs.largest)
                 round_ = int(key.split("@late")[1]) if "@late" in key else r
                 raise PoisonedMerge(e.message, key, round_, why) from None
             intake.sum.reset()
+        if dp is not None:  # counted once merged: a round rolled back after this may have been served
+            dp.record_round()
         record = {
             "round": r,
             "opened_at": self.open.opened_at,
@@ -329,7 +344,7 @@ class Rounds:
             "weights": weights,
             **({"fragment": fragment.index} if fragment is not None else {}),
         }
-        published = self._committer.publish(r + 1, cfg, hold=not cfg.publish_first)
+        published = self._committer.publish(r + 1, cfg, hold=not cfg.publish_first, extra=self._privacy_meta())
         record["merge_s"] = time.perf_counter() - t0
         return Merged(record, published, inputs)
 
@@ -469,4 +484,9 @@ class Rounds:
             self._intake.sum.reset()
             self._committer.reconfigure(cfg, locked=True)  # the config in force may name another algorithm
         # Outside the fold lock, which the checkpoint writer takes itself; no fold runs (closing).
-        self._committer.commit_restored(r, self._committer.model, reason, cfg, self.open.opened_at)
+        self._committer.commit_restored(r, self._committer.model, reason, cfg, self.open.opened_at,
+                                        self._privacy_meta())
+
+    def _privacy_meta(self) -> dict[str, str] | None:
+        """The privacy record a new version carries (its checkpoint metadata), None without DP."""
+        return self.privacy.metadata() if self.privacy is not None else None

@@ -22,6 +22,7 @@ from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.privacy.clipping import clip_within
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
 from fedtrain.wire.compress import Codec, ErrorFeedback, compress
@@ -195,6 +196,8 @@ class SyncEngine:
             delta = {n: self._snapshot[n] for n in self._snapshot if n in self.piece.sends}
             rows = {n: r for n, r in self.piece.rows_of(delta).items() if r is not None}
             meta[ROWS_META] = json.dumps(rows)
+        elif config.privacy is not None and config.privacy.dp:  # a piece's rows: the coordinator clips the whole
+            delta = clip_within(delta, config.privacy.clip_norm)  # a copy if clipped: Δ stays for undo_delta
         if t.compression == "none" and not self._feedback.residual:  # (a residual: compression was on before)
             return EncodedBody(delta, meta, digest_algorithm=config.digest)
         codec = Codec.for_train(t)

@@ -174,6 +174,7 @@ function setStatus(st) {
   S.status = st;
   st.participants.forEach((p) => colorOf(p.id));
   renderCards(st);
+  renderPrivacy(st);
   renderParticipants(st);
   renderRounds(st);
   renderConfigVersions();
@@ -207,6 +208,17 @@ function renderCards(st) {
     `${st.mode || "rounds"} mode · config v${st.config_version}` +
     (st.latest_config_version > st.config_version ? ` · v${st.latest_config_version} from next round` : "");
   $("c-reason").textContent = st.reason;
+}
+
+// Central DP (issue #33): (ε, δ) spent after the rounds merged with noise, against the budget
+function renderPrivacy(st) {
+  const p = st.privacy;
+  $("c-privacy-card").hidden = p == null;
+  if (p == null) return;
+  $("c-privacy").textContent = `ε ${fmt.num(p.epsilon)}`;
+  $("c-privacy-sub").textContent = `δ ${p.delta} · ${p.rounds} rounds` +
+    (p.budget != null ? ` · budget ${fmt.num(p.budget)}${p.over_budget ? " (over)" : ""}` : " · no budget") +
+    ` · σ ${fmt.num(p.noise_multiplier)}, C ${fmt.num(p.clip_norm)}`;
 }
 
 function renderParticipants(st) {
