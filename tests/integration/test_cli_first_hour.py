@@ -257,10 +257,12 @@ def test_config_show_set_validate_history(coordinator: BackgroundCoordinator) ->
 
     r = cfg(coordinator, "set", "train.sync_every=30", "outer.lr=0.5", "train.compression=bf16")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == (
+    accepted, note = r.stdout.strip().split("\n")
+    assert accepted == (
         "config v2 accepted, in force from round 0: "
         "outer.lr: null -> 0.5, train.compression: none -> bf16, train.sync_every: 5 -> 30"
     )
+    assert note.startswith("note: train.compression none -> bf16 applies from each participant's next upload")
     shown = json.loads(cfg(coordinator, "show", "--json", token=PTOKEN).stdout)
     assert shown["version"] == 2
     assert shown["config"]["train"]["sync_every"] == 30 and shown["config"]["outer"]["lr"] == 0.5

@@ -299,10 +299,10 @@ class Rounds:
         self.open.closing = False
         self.enter_round()
         self.open.reason = "run finished" if self.finished else "round opened"
-        dp = f"; (ε, δ) = ({self.privacy.epsilon:.4g}, {self.privacy.config.delta:g})" if self.privacy else ""
+        spent_now = f"; (ε, δ) = ({self.privacy.epsilon:.4g}, {self.privacy.config.delta:g})" if self.privacy else ""
         self._events.record(
             "round", f"round {r} closed: {reason}; {record['n_submissions']} updates, merge {record['merge_s']:.2f}s"
-            + dp)
+            + spent_now)
         if self.finished:
             dp = self.privacy
             spent = (f": the ε budget {dp.config.epsilon_budget:g} is spent (ε {dp.epsilon:.4g} after {dp.rounds} "
