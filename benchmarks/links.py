@@ -23,6 +23,7 @@ leftovers of a crashed run are removed at the start, and each run's own at its e
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import subprocess
@@ -68,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--relay-streams", type=_ints, default=[1, 4], help="raw TCP streams through the relay (1,4)")
     p.add_argument("--streams", type=_ints, default=None,
                    help="transfer.streams of syncs through the relay (e.g. 1,2,4; needs a checkout that has it)")
+    p.add_argument("--part-mb", type=int, default=None,
+                   help="transfer.part_mb of every run (default: the checkout's own; needs a checkout that has it)")
     p.add_argument("--tbf-burst", type=int, default=None,
                    help="tbf's bucket in bytes (default: 2 ms at the rate, at least 64 KiB)")
     p.add_argument("--cpu-hogs", type=int, default=0,
@@ -150,6 +153,7 @@ class Bench:
         if args.baseline_src is not None:
             self.sides.append(Side(args.baseline_label, args.baseline_src))
         self.port = 18000
+        self.serial = itertools.count()  # each run's own directory
         self.inits: dict[int, Path] = {}
         self.report: dict[str, Any] = {"sides": [s.label for s in self.sides], "args": _jsonable(vars(args)),
                                        "raw": [], "sync": [], "faults": [], "relay": []}
@@ -188,7 +192,11 @@ class Bench:
     def one(self, link: Link, side: Side, params: int, n: int, warmup: int, rounds: int, fault: str | None,
             into: list[dict[str, Any]], transfer: dict[str, Any] | None = None,
             port: int | None = None) -> dict[str, Any]:
-        run_dir = self.tmp / f"run-{len(into)}-{side.label}-{params}-{n}-{fault}-{int(link.rate_bit)}"
+        if self.args.part_mb is not None:
+            transfer = {**(transfer or {}), "part_mb": self.args.part_mb}
+        streams = (transfer or {}).get("streams", 1)
+        name = f"run-{next(self.serial)}-{side.label}-{params}-{n}-{fault}-{int(link.rate_bit)}-p{streams}"
+        run_dir = self.tmp / name
         t0 = time.monotonic()
         result = run_sync(link, side, self.init(params), params, self.args.tensors, n, warmup, rounds,
                           port or self.next_port(), run_dir, fault=fault, transfer=transfer, limit_s=self.args.limit_s)
