@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.merge import weighted_mean
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
@@ -29,7 +30,16 @@ def test_two_participants_train_with_topk_uploads(tmp_path: Path) -> None:
         final_global = {k: v.clone() for k, v in c.service.inspect().weights.items()}
         model_bytes = sum(t.numel() * t.element_size() for t in final_global.values())
         rounds = c.service.round_history()
+        status = c.service.status()
     assert all(r["n_submissions"] == 2 for r in rounds)
+    # the status shows each round's bytes up against fp32 and the bytes down of the version it made
+    model_fp32 = sum(4 * t.numel() for t in final_global.values())
+    for r in status["recent_rounds"]:
+        assert r["fp32_bytes_in"] == 2 * model_fp32
+        assert r["vs_fp32_in"] == round(2 * model_fp32 / r["bytes_in"], 2) and r["vs_fp32_in"] > 10
+        assert r["bytes_out"] >= 2 * model_fp32  # both participants fetched the version the round made
+    shown = format_status(status)
+    assert "fp32 / up" in shown and f"{status['recent_rounds'][0]['vs_fp32_in']:g}x" in shown
     per_upload = rounds[0]["bytes_in"] / rounds[0]["n_submissions"]
     # 5% of the values, each a 2-byte offset and 4 bits, plus 8 bytes a chunk and the header
     assert per_upload <= model_bytes * 0.05 + 16_384, (per_upload, model_bytes)
@@ -105,6 +115,11 @@ def test_topk_deltas_with_error_feedback_per_streaming_fragment(tmp_path: Path) 
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, initial_model())) as c:
         start_loss = [t.build().loss(initial_model(), t.build().batch()).item() for t in tasks]
         runners = run_all([TinyParticipant(c.url, f"p{i}", task) for i, task in enumerate(tasks)])
+        recent = c.service.status()["recent_rounds"]
+    for rnd in recent:  # fp32 of the round's fragment only, as many times as it had updates
+        prefix = ("lin.", "head.")[rnd["fragment"]]
+        fp32 = sum(4 * t.numel() for n, t in initial_model().state_dict().items() if n.startswith(prefix))
+        assert rnd["fp32_bytes_in"] == rnd["n_submissions"] * fp32
     for r, before in zip(runners, start_loss, strict=True):
         assert r.fed is not None and r.fed.round == 6 and r.losses[-1] < before
         assert [rec["fragment"] for rec in r.fed.history] == [0, 1, 0, 1, 0, 1]

@@ -391,13 +391,17 @@ class Coordinator:
         self.roster.counted_download(pid, stream.size)
         return stream
 
-    def begin_download(self, who: str | None, pid: str | None, etag: str, what: str, length: int) -> Tracked:
-        """A download of `length` bytes (the range asked for) starts: in flight under `who` (a
-        participant, or a token for one that named none; None: an admin's, not shown) for the
-        status and the per-participant cap (`downloads.DownloadsInFlight`: 429
-        too_many_downloads past it); the bytes it sends count as participant `pid`'s when it ends."""
+    def begin_download(self, who: str | None, pid: str | None, etag: str, what: str, length: int,
+                       version: int | None = None) -> Tracked:
+        """A download of `length` bytes (the range asked for) of `version` starts: in flight under
+        `who` (a participant, or a token for one that named none; None: an admin's, not shown) for
+        the status and the per-participant cap (`downloads.DownloadsInFlight`: 429
+        too_many_downloads past it); the bytes it sends count as participant `pid`'s when it ends,
+        and (a participant's) as the bytes down of the round that made `version`."""
         def counted(sent: int) -> None:
             self.roster.counted_download(pid, sent)
+            if who is not None and version is not None:
+                self.committer.downloads.sent_of(version, sent)
 
         if who is None:
             return Tracked(None, None, counted)
@@ -521,10 +525,22 @@ class Coordinator:
                               **schedule.get(p.id, {}),
                               "transfer": self.intake.transfer_view(p.id)}  # its upload in flight (Progress.view)
                              for p in sorted(rows.values(), key=lambda p: p.id)],
-            "recent_rounds": recent,
+            "recent_rounds": [{**r, **self._round_traffic(r)} for r in recent],
         }
         self.committer.downloads.add_to(status["participants"])  # and their transfers in flight
         return status
+
+    def _round_traffic(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A committed round's bytes against fp32: `fp32_bytes_in`, what its updates would have
+        been as dense fp32 (the round's fragment with Streaming DiLoCo), `bytes_out`, what the
+        participants were sent of the version it made (None: not since this coordinator
+        started), and `vs_fp32_in`, how many times fewer bytes its uploads took than fp32."""
+        plan, fragment = self.rounds.plan, record.get("fragment")
+        names = plan.names[fragment] if plan is not None and fragment is not None else tuple(self.spec)
+        fp32 = record["n_submissions"] * sum(4 * math.prod(self.spec[n][1]) for n in names if n in self.spec)
+        bytes_in = record.get("bytes_in") or 0
+        return {"fp32_bytes_in": fp32, "vs_fp32_in": round(fp32 / bytes_in, 2) if bytes_in else None,
+                "bytes_out": self.committer.downloads.version_bytes(record["round"] + 1)}
 
     def _streaming_view(self) -> dict[str, Any] | None:
         """Streaming DiLoCo's K, τ and α for the status (None: off)."""

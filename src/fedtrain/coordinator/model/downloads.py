@@ -24,6 +24,8 @@ __all__ = ["MAX_DOWNLOAD_CONNECTIONS", "DownloadsInFlight", "Tracked"]
 #: twice the most parallel streams a run allows (`transfer.streams`), so that the connections
 #: of a broken download that the coordinator has not seen go yet leave room for their retries.
 MAX_DOWNLOAD_CONNECTIONS = 2 * MAX_STREAMS
+#: Versions whose downloaded bytes are kept for the status's recent rounds.
+KEPT_VERSIONS = 64
 
 
 class Tracked:
@@ -53,13 +55,28 @@ class Tracked:
 
 
 class DownloadsInFlight:
-    """The downloads in flight, by (participant, body ETag)."""
+    """The downloads in flight, by (participant, body ETag); and the bytes participants were
+    sent of each of the newest KEPT_VERSIONS versions (since this coordinator started)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._progress: dict[tuple[str, str], Progress] = {}
         self._connections: dict[tuple[str, str], int] = {}
+        self._by_version: dict[int, int] = {}
+
+    def sent_of(self, version: int, sent: int) -> None:
+        """`sent` more bytes of version `version` went to a participant; the newest
+        KEPT_VERSIONS versions are kept (a run's status shows its recent rounds)."""
+        with self._lock:
+            self._by_version[version] = self._by_version.get(version, 0) + sent
+            while len(self._by_version) > KEPT_VERSIONS:
+                del self._by_version[min(self._by_version)]
+
+    def version_bytes(self, version: int) -> int | None:
+        """The bytes participants were sent of `version` (None: none since this coordinator started)."""
+        with self._lock:
+            return self._by_version.get(version)
 
     def begin(self, pid: str, etag: str, what: str, nbytes: int,
               counted: Callable[[int], None] | None = None) -> Tracked:

@@ -213,7 +213,7 @@ async def model(
     who = participant_id if participant_id is not None else None if ident.is_admin else f"token {ident.token_id}"
     what = f"download of version {stream.version}" + (" (rows)" if rows is not None else "")
     try:
-        tracked = service.begin_download(who, participant_id, etag, what, span.length)
+        tracked = service.begin_download(who, participant_id, etag, what, span.length, stream.version)
     except Refused:
         stream.close()
         raise

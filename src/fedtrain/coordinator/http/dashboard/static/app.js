@@ -341,6 +341,9 @@ function renderRounds(st) {
       el("td", {}, ...openChips(st)),
       el("td", {}), el("td", {}), el("td", {})));
   }
+  const traffic = (r) => `up ${fmt.bytes(r.bytes_in)}` +
+    (r.vs_fp32_in ? ` (fp32 would be ${fmt.bytes(r.fp32_bytes_in)}: ${r.vs_fp32_in}× as many)` : "") +
+    `; down ${r.bytes_out == null ? "not counted since the coordinator started" : fmt.bytes(r.bytes_out)}`;
   const longest = Math.max(1e-9, ...st.recent_rounds.map((r) => r.closed_at - r.opened_at));
   for (const r of st.recent_rounds) {
     const dur = r.closed_at - r.opened_at;
@@ -355,7 +358,8 @@ function renderRounds(st) {
       el("td", { class: "reason", text: r.close_reason }),
       el("td", {}, ...chips(r.submissions)),
       el("td", { class: "num", text: fmt.si(r.tokens) }),
-      el("td", { class: "num", text: fmt.bytes(r.bytes_in) }),
+      el("td", { class: "num bytes", title: traffic(r), text: fmt.bytes(r.bytes_in) +
+        (r.vs_fp32_in && r.vs_fp32_in !== 1 ? ` (${r.vs_fp32_in}× < fp32)` : "") }),
       el("td", { class: "num", text: fmt.seconds(r.merge_s) })));
   }
   body.replaceChildren(...rows);
