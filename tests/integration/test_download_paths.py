@@ -16,6 +16,7 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, RoundClosedError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
 from fedtrain.participant.client import coordinator_client as client_module
+from fedtrain.participant.client import uploads as uploads_module
 from fedtrain.transport import direct_http as fetch
 from fedtrain.wire import EncodedBody, read_tensors, write_file
 from tests.helpers.config import PTOKEN, tiny_config
@@ -102,7 +103,7 @@ def test_direct_and_httpx_uploads_fold_the_same_and_answer_the_same(tmp_path: Pa
                                    **keys) as c, CoordinatorClient(c.url, PTOKEN, verify=str(ca)) as cl:
             pids = [cl.join(name)["participant_id"] for name in ("a", "b", "c")]
             for pid, direct in zip(pids, (True, False)):
-                monkeypatch.setattr(client_module, "is_direct", lambda url, d=direct: d)
+                monkeypatch.setattr(uploads_module, "is_direct", lambda url, d=direct: d)  # the upload path
                 assert cl.upload(0, pid, EncodedBody(delta), tokens=10) == {
                     "accepted": True, "duplicate": False, "round": 0}
                 assert cl.upload(0, pid, EncodedBody(delta), tokens=10)["duplicate"]
@@ -112,7 +113,7 @@ def test_direct_and_httpx_uploads_fold_the_same_and_answer_the_same(tmp_path: Pa
                 assert torch.equal(summed[n], 2 * delta[n]), n
             assert c.service.inspect().sum_weight == 20
             for direct in (True, False):
-                monkeypatch.setattr(client_module, "is_direct", lambda url, d=direct: d)
+                monkeypatch.setattr(uploads_module, "is_direct", lambda url, d=direct: d)  # the upload path
                 with pytest.raises(RoundClosedError):
                     cl.upload(7, pids[2], EncodedBody(delta), tokens=10)  # answered after the body is read
                 with CoordinatorClient(c.url, "not-a-token", verify=str(ca)) as stranger, \
