@@ -17,6 +17,16 @@ stalled connection forwards nothing more either way until it is closed by the pr
 (`close`), as a link that died without a word does; with `for_s` the whole link is silent
 that long: a connection made meanwhile goes nowhere (what it sends is neither forwarded nor
 counted) and is reset when the link comes back; new connections go through again from then.
+
+Faults by connection instead (a download's tests: the Nth connection's response):
+
+    with FaultyLink(c.host, c.port, [None, Fault("cut", 5 << 20), Fault("flip", 500)]) as link:
+        ...                                       # connection 0 passes, 1 is cut, 2 has a byte flipped
+        link.down, link.connections
+
+`Fault(kind, after, silent_s, before)`: once `after` bytes of that connection's response have
+passed, "cut" ends it, "silent" forwards nothing more for `silent_s` then ends it, "flip" alters
+the byte at `after`; `before` is called just before.
 """
 
 from __future__ import annotations
@@ -27,10 +37,21 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 Kind = Literal["cut", "stall", "corrupt"]
+
+
+@dataclass
+class Fault:
+    """What happens to one connection's response once `after` bytes of it have passed (see the module)."""
+
+    kind: Literal["cut", "silent", "flip"]
+    after: int
+    silent_s: float = 5.0
+    before: Callable[[], None] | None = None
 
 
 @dataclass
@@ -47,8 +68,9 @@ class FaultyLink:
 
     CHUNK = 64 << 10
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, by_connection: list[Fault | None] | None = None) -> None:
         self.target = (host, port)
+        self._by_connection = list(by_connection or [])
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(0.1)
         self.port = self._server.getsockname()[1]
@@ -64,6 +86,15 @@ class FaultyLink:
         self._threads: list[threading.Thread] = []
         self._accept = threading.Thread(target=self._accept_loop, name="faulty-link", daemon=True)
         self._accept.start()
+
+    @property
+    def down(self) -> int:
+        """Response bytes carried to clients (`bytes_down`; a test may set it back to 0)."""
+        return self.bytes_down
+
+    @down.setter
+    def down(self, value: int) -> None:
+        self.bytes_down = value
 
     # -- arming faults --------------------------------------------------------------------------
 
@@ -126,7 +157,9 @@ class FaultyLink:
             _reset(client)
             return
         with self._lock:
-            self.connections += 1
+            index, self.connections = self.connections, self.connections + 1
+        mine = self._by_connection[index] if index < len(self._by_connection) else None
+        passed = 0  # of this connection's response
         ends = {client: (upstream, False), upstream: (client, True)}  # socket -> (its peer, carries "down")
         try:
             while not self._closed.is_set():
@@ -136,6 +169,20 @@ class FaultyLink:
                     data = sock.recv(self.CHUNK)
                     if not data:
                         return
+                    if down and mine is not None and passed + len(data) > mine.after:
+                        keep, passed = mine.after - passed, passed + len(data)
+                        if mine.before is not None:
+                            mine.before()
+                        if mine.kind == "flip":
+                            data, mine = data[:keep] + bytes([data[keep] ^ 0xFF]) + data[keep + 1:], None
+                        else:
+                            _, head = self._through(data[:keep], down)
+                            peer.sendall(head)
+                            if mine.kind == "silent":
+                                self._closed.wait(mine.silent_s)
+                            return
+                    elif down:
+                        passed += len(data)
                     fault, data = self._through(data, down)
                     if data:
                         peer.sendall(data)

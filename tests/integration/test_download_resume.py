@@ -24,7 +24,7 @@ from fedtrain.transport import parallel
 from fedtrain.wire import read_tensors, write_file
 from tests.helpers.api import commit_round_0
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
-from tests.helpers.faulty_download import Fault, FaultyLink
+from tests.helpers.faulty_link import Fault, FaultyLink
 
 FAST = RetryPolicy(initial_s=0.05, max_backoff_s=0.2, max_elapsed_s=20)
 SLACK = 4096  # response headers of a few attempts
@@ -53,7 +53,7 @@ def download_through(c: BackgroundCoordinator, faults: list[Fault | None], direc
     the client has reached the coordinator: a first contact that fails is probed for TLS) meet
     `faults`; the link's `down` then counts the download's bytes only."""
     monkeypatch.setattr(client_module, "is_direct", lambda u: direct)
-    with FaultyLink(port_of(c), [None, *faults]) as link:
+    with FaultyLink("127.0.0.1", port_of(c), [None, *faults]) as link:
         with CoordinatorClient(link.url, PTOKEN, retry=FAST) as first:
             first.health()
             cl = first.clone()  # its own connections: the download's are the next ones
@@ -115,7 +115,8 @@ def test_a_version_that_moved_on_is_fetched_whole(tmp_path: Path, monkeypatch: p
             httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as http:
         http.post("/v1/join", json={"name": "a"})
         size0 = len(http.get("/v1/model").content)
-        with FaultyLink(port_of(c), [Fault("cut", size0 // 2, before=lambda: commit_round_0(c, http))]) as link:
+        cut = Fault("cut", size0 // 2, before=lambda: commit_round_0(c, http))
+        with FaultyLink("127.0.0.1", port_of(c), [cut]) as link:
             monkeypatch.setattr(client_module, "is_direct", lambda u: fast_io)
             with CoordinatorClient(link.url, PTOKEN, retry=FAST) as cl:
                 version, got = cl.download()
@@ -140,7 +141,8 @@ def test_a_download_in_flight_shows_in_the_status(tmp_path: Path, monkeypatch: p
         pid = joiner.join("watched")["participant_id"]
         key = joiner.participant_key(pid)
         assert key is not None
-        with FaultyLink(port_of(c), [None, Fault("silent", size // 3, silent_s=1, before=release.set)]) as link, \
+        silent = Fault("silent", size // 3, silent_s=1, before=release.set)
+        with FaultyLink("127.0.0.1", port_of(c), [None, silent]) as link, \
                 CoordinatorClient(link.url, PTOKEN, retry=FAST) as cl:
             cl.remember_key(pid, key)
             cl.health()
@@ -211,7 +213,7 @@ def test_a_resumed_download_counts_its_bytes_once(tmp_path: Path, monkeypatch: p
         pid = joiner.join("counted")["participant_id"]
         key = joiner.participant_key(pid)
         assert key is not None
-        with FaultyLink(port_of(c), [None, Fault("cut", size // 2)]) as link, \
+        with FaultyLink("127.0.0.1", port_of(c), [None, Fault("cut", size // 2)]) as link, \
                 CoordinatorClient(link.url, PTOKEN, retry=FAST) as cl:
             cl.remember_key(pid, key)
             cl.health()
