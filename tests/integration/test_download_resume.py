@@ -7,8 +7,10 @@ fetched whole as the new one."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -126,28 +128,40 @@ def test_a_version_that_moved_on_is_fetched_whole(tmp_path: Path, monkeypatch: p
         assert link.down >= size0 // 2 + len(new)
 
 
-def test_a_download_in_flight_shows_in_the_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a participant's download stalls, the status (and `fedtrain status`) shows it in flight,
-    down, with its bytes of the total; once it is over, no more. (32 MB: more than the socket
-    buffers on the way hold, so that the coordinator is still sending while the link is silent.)"""
+@contextlib.contextmanager
+def a_32mb_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[tuple]:
+    """A coordinator serving a 32 MB model (more than the socket buffers on the way hold, so that
+    it is still sending when the link breaks), participant `name` joined, and an admin client:
+    (coordinator, admin, the model body's size, pid, its key). Downloads go the direct path."""
     path = tmp_path / "init.safetensors"
     write_file(path, {"w": torch.randn(4000, 2000, generator=torch.Generator().manual_seed(0))})
     monkeypatch.setattr(client_module, "is_direct", lambda u: True)
-    release = threading.Event()
     with BackgroundCoordinator(tmp_path / "s", tiny_config(), init_weights=path) as c, \
             CoordinatorClient(c.url, PTOKEN) as joiner, \
             httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as admin:
         size = c.service.inspect().checkpoints.global_path(0).stat().st_size
-        pid = joiner.join("watched")["participant_id"]
+        pid = joiner.join(name)["participant_id"]
         key = joiner.participant_key(pid)
         assert key is not None
+        yield c, admin, size, pid, key
+
+
+def client_through(link: FaultyLink, pid: str, key: str) -> CoordinatorClient:
+    """A client speaking as `pid` through `link` whose next connection is its first download's
+    (a health check went first: a first contact that fails is probed for TLS)."""
+    with CoordinatorClient(link.url, PTOKEN, retry=FAST) as first:
+        first.remember_key(pid, key)
+        first.health()
+        return first.clone()
+
+
+def test_a_download_in_flight_shows_in_the_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a participant's download stalls, the status (and `fedtrain status`) shows it in flight,
+    down, with its bytes of the total; once it is over, no more."""
+    release = threading.Event()
+    with a_32mb_run(tmp_path, monkeypatch, "watched") as (c, admin, size, pid, key):
         silent = Fault("silent", size // 3, silent_s=1, before=release.set)
-        with FaultyLink("127.0.0.1", port_of(c), [None, silent]) as link, \
-                CoordinatorClient(link.url, PTOKEN, retry=FAST) as cl:
-            cl.remember_key(pid, key)
-            cl.health()
-            cl.close()  # the download's connection is the next one
-            cl = cl.clone()
+        with FaultyLink("127.0.0.1", port_of(c), [None, silent]) as link, client_through(link, pid, key) as cl:
             result: list[dict] = []
             t = threading.Thread(target=lambda: result.append(cl.download(pid=pid, version=0)[1]), daemon=True)
             t.start()
@@ -202,24 +216,11 @@ def test_a_parallel_download_of_rows(served, monkeypatch: pytest.MonkeyPatch) ->
 def test_a_resumed_download_counts_its_bytes_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The participant's bytes_down counts the bytes it was sent: a download cut halfway and
     resumed counts the model about once (plus what the socket buffers on the way took in before
-    the cut), not twice (each request counted the whole model). 32 MB, more than those buffers."""
-    path = tmp_path / "init.safetensors"
-    write_file(path, {"w": torch.randn(4000, 2000, generator=torch.Generator().manual_seed(0))})
-    monkeypatch.setattr(client_module, "is_direct", lambda u: True)
-    with BackgroundCoordinator(tmp_path / "s", tiny_config(), init_weights=path) as c, \
-            CoordinatorClient(c.url, PTOKEN) as joiner, \
-            httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {ATOKEN}"}, timeout=30) as admin:
-        size = c.service.inspect().checkpoints.global_path(0).stat().st_size
-        pid = joiner.join("counted")["participant_id"]
-        key = joiner.participant_key(pid)
-        assert key is not None
+    the cut), not twice (each request counted the whole model)."""
+    with a_32mb_run(tmp_path, monkeypatch, "counted") as (c, admin, size, pid, key):
         with FaultyLink("127.0.0.1", port_of(c), [None, Fault("cut", size // 2)]) as link, \
-                CoordinatorClient(link.url, PTOKEN, retry=FAST) as cl:
-            cl.remember_key(pid, key)
-            cl.health()
-            cl.close()
-            with cl.clone() as again:
-                again.download(pid=pid, version=0)
+                client_through(link, pid, key) as cl:
+            cl.download(pid=pid, version=0)
             assert link.connections == 3  # the health check, the cut attempt, the resumed one
         row = next(p for p in admin.get("/v1/status").json()["participants"] if p["id"] == pid)
         assert size <= row["bytes_down"] <= size + 12 * 2**20, (row["bytes_down"], size)
