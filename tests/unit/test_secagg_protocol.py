@@ -124,15 +124,20 @@ def test_values_past_the_range_are_clamped_not_wrapped() -> None:
     assert torch.allclose(got.double(), want, atol=1e-4)
 
 
+def assert_mean_of_alive(got: dict, setup, updates, weights, alive) -> None:  # type: ignore[no-untyped-def]
+    """The round's aggregate is the plain weighted mean of the `alive` participants' updates,
+    within fixed-point rounding."""
+    for name, ref in plain_mean(updates, weights, alive, 1.0).items():
+        assert float((got[name].double() - ref).abs().max()) <= _tolerance(setup, alive, weights)
+
+
 def test_masks_drawn_ahead_give_the_same_aggregate() -> None:
     rng = random.Random(21)
     ids = [1, 2, 3, 4, 5]
     setup = _setup(5, threshold=3)
     updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
     got = run_round(setup, updates, weights, precompute_for=[1, 3, 4], drop_after_masking=[4])
-    alive = [1, 2, 3, 5]
-    for name, ref in plain_mean(updates, weights, alive, 1.0).items():
-        assert float((got[name].double() - ref).abs().max()) <= _tolerance(setup, alive, weights)
+    assert_mean_of_alive(got, setup, updates, weights, [1, 2, 3, 5])
 
 
 @pytest.mark.parametrize("n, degree", [(12, 4), (15, 6)])
@@ -143,9 +148,7 @@ def test_sparse_pairing_gives_the_same_aggregate(n: int, degree: int) -> None:
     updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
     got = run_round(setup, updates, weights, drop_after_masking=[ids[3]])
     alive = [u for u in ids if u != ids[3]]
-    want = plain_mean(updates, weights, alive, 1.0)
-    for name, ref in want.items():
-        assert float((got[name].double() - ref).abs().max()) <= _tolerance(setup, alive, weights)
+    assert_mean_of_alive(got, setup, updates, weights, alive)
 
 
 @pytest.mark.parametrize("dropped", [[2], [1, 4], [7]])
@@ -156,9 +159,7 @@ def test_a_participant_dropping_after_masking_leaves_the_others_exact_aggregate(
     updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
     got = run_round(setup, updates, weights, drop_after_masking=dropped)
     alive = [u for u in ids if u not in dropped]
-    want = plain_mean(updates, weights, alive, 1.0)
-    for name, ref in want.items():
-        assert float((got[name].double() - ref).abs().max()) <= _tolerance(setup, alive, weights)
+    assert_mean_of_alive(got, setup, updates, weights, alive)
 
 
 def test_a_participant_dropping_before_sharing_is_left_out_of_the_masks() -> None:
@@ -168,9 +169,7 @@ def test_a_participant_dropping_before_sharing_is_left_out_of_the_masks() -> Non
     updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
     got = run_round(setup, updates, weights, drop_before_sharing=[3], drop_after_masking=[5])
     alive = [1, 2, 4]
-    want = plain_mean(updates, weights, alive, 1.0)
-    for name, ref in want.items():
-        assert float((got[name].double() - ref).abs().max()) <= _tolerance(setup, alive, weights)
+    assert_mean_of_alive(got, setup, updates, weights, alive)
 
 
 def test_fewer_than_t_survivors_is_refused_not_wrong() -> None:
