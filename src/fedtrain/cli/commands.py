@@ -41,12 +41,6 @@ TOKEN_FILE_HELP = (
     "the admin token for admin commands)"
 )
 ENV_HELP = cli_admin.ENV_HELP
-EXPORT_HELP = (
-    "The model comes from --coordinator URL, else --state-dir DIR (read directly), else $FEDTRAIN_COORDINATOR, else "
-    "$FEDTRAIN_STATE_DIR. From a coordinator, without --token or --token-file: $FEDTRAIN_TOKEN_FILE or "
-    "$FEDTRAIN_TOKEN, else the admin's ($FEDTRAIN_ADMIN_TOKEN_FILE, $FEDTRAIN_ADMIN_TOKEN); --ca-cert defaults to "
-    "$FEDTRAIN_CA_CERT."
-)
 
 
 def _add_token_args(p: argparse.ArgumentParser) -> None:
@@ -238,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_admin.add_config_parser(sub, client_parent)
 
-    e = sub.add_parser("export", help="write the global model as a safetensors file", epilog=EXPORT_HELP)
+    e = sub.add_parser("export", help="write the global model as a safetensors file", epilog=profile.EXPORT_HELP)
     src = e.add_mutually_exclusive_group()
     src.add_argument("--coordinator", metavar="URL",
                      help="download from a running coordinator (default $FEDTRAIN_COORDINATOR)")
@@ -458,23 +452,6 @@ def cmd_token(args: argparse.Namespace) -> int:
     return cli_admin.run_token(args, _client(args, admin=True))
 
 
-def _export_source(args: argparse.Namespace) -> None:
-    """Where `export` reads the model when neither --coordinator nor --state-dir is given: the
-    coordinator at $FEDTRAIN_COORDINATOR (its token from the environment, as every client command
-    finds it), else the state directory $FEDTRAIN_STATE_DIR read directly."""
-    if args.coordinator or args.state_dir is not None:
-        return
-    url = os.environ.get("FEDTRAIN_COORDINATOR", "").strip()
-    directory = os.environ.get("FEDTRAIN_STATE_DIR", "").strip()
-    if url:
-        args.coordinator = url
-    elif directory:
-        args.state_dir = Path(directory)
-    else:
-        raise FedtrainError("no model to export: pass --coordinator URL (a running coordinator) or --state-dir DIR "
-                            "(its state directory on this machine), or set FEDTRAIN_COORDINATOR or FEDTRAIN_STATE_DIR")
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from fedtrain.export import export_model
 
@@ -485,7 +462,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.coordinator, _token(args), verify=_verify(args), retry=RetryPolicy(max_elapsed_s=10)
         )
 
-    _export_source(args)
+    profile.export_source(args)
     version, n, digest = export_model(args, connect)
     print(f"wrote {args.out}: global model version {version}, {n} tensors, {digest}")
     return 0

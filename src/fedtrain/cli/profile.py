@@ -110,3 +110,28 @@ def token(args: argparse.Namespace, read_file: Any, *, admin: bool = False) -> s
     wanted = "FEDTRAIN_ADMIN_TOKEN_FILE" if admin else "FEDTRAIN_TOKEN_FILE"
     more = " or --state-dir DIR" if hasattr(args, "state_dir") else ""
     raise FedtrainError(f"no token: pass --token-file PATH (or --token){more}, or set {wanted}")
+
+
+EXPORT_HELP = (
+    "The model comes from --coordinator URL, else --state-dir DIR (read directly), else $FEDTRAIN_COORDINATOR, else "
+    "$FEDTRAIN_STATE_DIR. From a coordinator, without --token or --token-file: $FEDTRAIN_TOKEN_FILE or "
+    "$FEDTRAIN_TOKEN, else the admin's ($FEDTRAIN_ADMIN_TOKEN_FILE, $FEDTRAIN_ADMIN_TOKEN); --ca-cert defaults to "
+    "$FEDTRAIN_CA_CERT."
+)
+
+
+def export_source(args: argparse.Namespace) -> None:
+    """Where `export` reads the model when neither --coordinator nor --state-dir is given: the
+    coordinator at $FEDTRAIN_COORDINATOR (its token from the environment, as every client command
+    finds it), else the state directory $FEDTRAIN_STATE_DIR read directly."""
+    if args.coordinator or args.state_dir is not None:
+        return
+    url = os.environ.get("FEDTRAIN_COORDINATOR", "").strip()
+    directory = os.environ.get("FEDTRAIN_STATE_DIR", "").strip()
+    if url:
+        args.coordinator = url
+    elif directory:
+        args.state_dir = Path(directory)
+    else:
+        raise FedtrainError("no model to export: pass --coordinator URL (a running coordinator) or --state-dir DIR "
+                            "(its state directory on this machine), or set FEDTRAIN_COORDINATOR or FEDTRAIN_STATE_DIR")
