@@ -25,9 +25,11 @@ def test_slow_sites_get_fewer_steps_all_contribute_and_the_loss_falls(tmp_path: 
     cfg = tiny_config(rounds=rounds, train={"sync_every": 8}, schedule=BALANCED, heartbeat_interval_s=0.2)
     speeds = {"fast": 1.0, "mid": 0.5, "slow": 0.25}
     # Each step's own time is mostly a sleep, so that the sites' speeds are set by `speed`, not by
-    # how the test's threads share the CPUs; `speed` then stretches it (x1, x2, x4).
+    # how the test's threads share the CPUs; `speed` then stretches it (x1, x2, x4). The sleep is
+    # long enough (40 ms) that one stall of a loaded CI machine, which the throttle stretches too,
+    # cannot make the mid site slower than the slow one: with 10 ms, one did (CI, 2026-12-02).
     with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, Small())) as c:
-        ps = run_all(TinyParticipant(c.url, name, Regression(rows=rows, seed=i), speed=speed, step_sleep_s=0.01)
+        ps = run_all(TinyParticipant(c.url, name, Regression(rows=rows, seed=i), speed=speed, step_sleep_s=0.04)
                      for i, (name, speed) in enumerate(speeds.items()))
         status = c.service.status()
     told = {p.name: [r["sync_every"] for r in p.fed.history] for p in ps if p.fed is not None}
