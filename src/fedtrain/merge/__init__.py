@@ -11,7 +11,6 @@ from fedtrain._lazy import lazy_exports as _lazy_exports
 
 _SOURCES = {
     "fedtrain.merge.aggregate": (
-        "RunningSum",
         "TensorDict",
         "TensorSpec",
         "all_finite",
@@ -20,13 +19,13 @@ _SOURCES = {
         "pseudo_gradient",
         "weighted_mean",
     ),
+    "fedtrain.merge.running_sum": ("RunningSum",),
     "fedtrain.merge.outer": ("ALGORITHMS", "OuterOptimizer", "build_torch_optimizer"),
     "fedtrain.merge.yogi": ("Yogi",),
 }
 
 if TYPE_CHECKING:
     from fedtrain.merge.aggregate import (
-        RunningSum,
         TensorDict,
         TensorSpec,
         all_finite,
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
         weighted_mean,
     )
     from fedtrain.merge.outer import ALGORITHMS, OuterOptimizer, build_torch_optimizer
+    from fedtrain.merge.running_sum import RunningSum
     from fedtrain.merge.yogi import Yogi
 else:
     __getattr__, __dir__ = _lazy_exports(__name__, _SOURCES)
