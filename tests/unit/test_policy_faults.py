@@ -77,6 +77,12 @@ def test_outage_backoff_then_give_up() -> None:
     assert gone.action == "give_up" and "unreachable for 30s" in gone.reason and "connection refused" in gone.reason
 
 
+def test_one_attempt_never_retries_longer_than_the_whole_outage_budget() -> None:
+    policy = OutagePolicy(attempt_s=10.0)
+    assert policy.attempt_window(300.0) == 10.0
+    assert policy.attempt_window(2.0) == 2.0  # --give-up-after 2: not a 10 s upload retry first
+
+
 def test_transient_errors() -> None:
     assert is_transient(CoordinatorUnavailable("down"))
     assert is_transient(CoordinatorError("boom", status=500))

@@ -30,6 +30,12 @@ class OutagePolicy:
     backoff_initial_s: float = 1.0  # wait before the second attempt; doubles each failed attempt
     backoff_max_s: float = 10.0
 
+    def attempt_window(self, budget_s: float) -> float:
+        """The retry budget of each call of one sync attempt under an outage budget of `budget_s`:
+        `attempt_s`, but never more than the whole budget (a `--give-up-after 2` participant
+        would otherwise retry its upload for 10 s before its outage had even begun)."""
+        return min(self.attempt_s, budget_s)
+
 
 @dataclass
 class OutageState:

@@ -90,7 +90,7 @@ class Participant:
         self._outage = OutageState()
         budget = outage.budget_s if outage.budget_s is not None else self.client.retry.max_elapsed_s
         self._outage_budget_s = budget
-        self._attempt_retry = self.client.retry.within(outage.attempt_s)  # each call of one sync attempt
+        self._attempt_retry = self.client.retry.within(outage.attempt_window(budget))  # each call of one attempt
         self.outages: list[dict[str, Any]] = []  # each outage ridden out: {"round", "seconds", "attempts"}
         self.participant_id: str = ""
         self.round = 0
