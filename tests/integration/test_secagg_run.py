@@ -15,6 +15,7 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.helpers.api import client, put, wait_round
 from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.runs import heldout_loss, train_all
 from tests.helpers.secagg import Site, ok, run_to_upload
 
 pytest.importorskip("cryptography")
@@ -99,7 +100,7 @@ def test_a_dropout_after_masking_leaves_the_others_exact_aggregate(tmp_path: Pat
         assert masked_c
         for s in (a, b):
             ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
-        ok(http.post("/v1/leave", json={"participant_id": "c"}))  # ...and drops before its upload
+        ok(http.post("/v1/participants/c/leave"))  # ...and drops before its upload
         deadline = time.monotonic() + 10
         while c.service.status()["secure_aggregation"]["phase"] != "reveal":
             assert time.monotonic() < deadline, c.service.status()["reason"]
@@ -113,3 +114,61 @@ def test_a_dropout_after_masking_leaves_the_others_exact_aggregate(tmp_path: Pat
     for n, t in after.items():  # fedavg: θ - (¼Δa + ¼Δb) / ½
         want = before[n] - (ds["a"][n] + ds["b"][n]) / 2
         assert torch.allclose(t, want, rtol=0, atol=2 * unit() / 2 / 0.5 + 1e-6), n
+
+
+def test_fewer_than_t_survivors_refuse_the_round_and_it_opens_again(tmp_path: Path) -> None:
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={**SECAGG, "secagg_threshold": 3})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
+        for pid in TOKENS:
+            ok(http.post("/v1/join", json={"name": pid}))
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        ds = deltas(c)
+        sites = [Site(http, pid) for pid in TOKENS]
+        run_to_upload(sites, TOKENS)
+        old = sites[0].session
+        for s in sites[:2]:
+            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
+        ok(http.post("/v1/participants/c/leave"))  # 2 survivors, t = 3: the sum cannot be unmasked
+        deadline = time.monotonic() + 10
+        while c.service.status()["secure_aggregation"]["refused_attempts"] < 1:
+            assert time.monotonic() < deadline, c.service.status()["reason"]
+            time.sleep(0.02)
+        status = c.service.status()
+        assert status["current_round"] == 0 and not status["closing"] and status["submitted"] == []
+        assert status["secure_aggregation"]["phase"] == "keys" and status["secure_aggregation"]["session"] != old
+        assert "refused" in status["reason"] or "opened again" in status["reason"]
+        assert c.service.inspect().committed_version == 0
+        for n, t in c.service.inspect().weights.items():
+            assert torch.equal(t, before[n]), n  # not committed, not wrong: nothing moved
+        events = [e["message"] for e in c.service.event_log(20) if e["kind"] == "secagg_refused"]
+        assert events and "fewer than t = 3" in events[0]
+        # the old attempt's participants are told to start again
+        r = http.get("/v1/rounds/0/secagg/unmask/a", params={"session": old})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "secagg_session"
+
+
+def test_a_loopback_run_with_secure_aggregation_trains(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=4, train={"sync_every": 10, "lr": 1e-2}, min_participants=2, privacy=SECAGG)
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        initial = heldout_loss(c.service.inspect().weights)
+        train_all(c.url, 2)
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
+        status = c.service.status()
+        history = c.service.round_history(10)
+    assert status["current_round"] == 4 and status["secure_aggregation"]["refused_attempts"] == 0
+    params = sum(t.numel() for t in final.values())
+    assert all(r["n_submissions"] == 2 and r["bytes_in"] < 2 * (2 * params + 4096) for r in history)
+    assert heldout_loss(final) < initial - 1.0
+
+
+def test_a_loopback_run_with_distributed_dp_trains_and_reports_epsilon(tmp_path: Path) -> None:
+    pytest.importorskip("dp_accounting")
+    cfg = tiny_config(rounds=4, train={"sync_every": 10, "lr": 1e-2}, min_participants=2,
+                      privacy={**SECAGG, "dp": True, "clip_norm": 5.0, "noise_multiplier": 0.01})
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        initial = heldout_loss(c.service.inspect().weights)
+        train_all(c.url, 2)
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
+        p = c.service.status()["privacy"]
+    assert p["rounds"] == 4 and p["epsilon"] > 0
+    assert heldout_loss(final) < initial - 1.0

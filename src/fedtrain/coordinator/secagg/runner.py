@@ -104,6 +104,9 @@ class SecureAggregation:
         self._events.notify()
         survivors = a.uploaded()
         need = a.setup.threshold if a.setup is not None else 2
+        if len(survivors) < need:  # (survivors refuse to reveal for fewer than t: no need to wait)
+            raise SecAggRefused(f"{len(survivors)} masked upload(s), fewer than t = {need}: the sum cannot be "
+                                "unmasked")
         while True:
             d = decide_phase("reveal", survivors, a.revealed(), need, self.clock(), a.since,
                              self.privacy.secagg_phase_timeout_s)
