@@ -382,6 +382,10 @@ class Intake:
                             may_reach: Callable[[], int]) -> PieceAnswer:
         """Receive and verify one piece of `up.pid`'s update for the open round (`pieces.py`);
         once the pieces cover the sync set, assemble and place the update like any other."""
+        if self.masked is not None:  # a masked update is one body: its masks cover every tensor
+            await body.drain()
+            raise Refused(409, "secagg_pieces", "with secure aggregation an update is one masked body (its masks "
+                          "cover every tensor): pieces of an update (FSDP ranks) are not wired yet")
         key = (up.pid, up.round)
         if key in self._assembling:  # complete: its last piece is being assembled and placed
             await body.drain()

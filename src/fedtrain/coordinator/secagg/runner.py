@@ -120,6 +120,8 @@ class SecureAggregation:
         """Worker thread, under the fold lock, the sum empty: the survivors' token-weighted mean
         into `acc` as its one contribution (weight 1); returns the survivors' shares of it.
         Raises SecAggRefused (the sum left empty)."""
+        if not acc.is_empty:  # (only masked uploads are taken: nothing else may be in it)
+            raise SecAggRefused("the round's sum holds an update that is not masked: refused")
         mean, shares = self.attempt.aggregate()
         try:
             for name, t in mean.items():

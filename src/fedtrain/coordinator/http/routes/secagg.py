@@ -34,12 +34,13 @@ from fedtrain.privacy.shares import SEALED_BYTES
 
 router = APIRouter()
 
-Session = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+Session = Annotated[str, StringConstraints(min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$")]
 KeyHex = Annotated[str, StringConstraints(pattern=rf"^[0-9a-f]{{{2 * KEY_BYTES}}}$")]
 SealedHex = Annotated[str, StringConstraints(pattern=rf"^[0-9a-f]{{{2 * SEALED_BYTES}}}$")]
 ShareHex = Annotated[str, StringConstraints(pattern=rf"^[0-9a-f]{{{2 * SHARE_BYTES}}}$")]
 IdKey = Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,9}$")]
-SessionQuery = Annotated[str, Query(pattern=r"^[0-9a-f]{16}$", description="The attempt's session.")]
+SessionQuery = Annotated[str, Query(min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$",
+                                    description="The attempt's session.")]
 
 
 class Keys(BaseModel):
@@ -77,7 +78,7 @@ async def secagg_state(
     round_: Round,
     wait: float = Query(0.0, ge=0, le=60),
     phase: Literal["keys", "shares", "upload", "reveal", "done"] | None = Query(None),
-    session: str | None = Query(None, pattern=r"^[0-9a-f]{16}$"),
+    session: str | None = Query(None, min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$"),
     participant_id: PidQuery = None,
     ident: Identity = Depends(speaker_by_query),
     service: Coordinator = Depends(coordinator),
