@@ -6,6 +6,8 @@ train (the loss falls)."""
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from pathlib import Path
 
@@ -13,8 +15,11 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.participant import CoordinatorClient
+from fedtrain.participant.engine.secagg_sync import submit_masked
+from fedtrain.participant.engine.sync import SyncEngine
 from tests.helpers.api import client, put, wait_round
-from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 from tests.helpers.runs import heldout_loss, train_all
 from tests.helpers.secagg import Site, ok, run_to_upload
 
@@ -172,3 +177,83 @@ def test_a_loopback_run_with_distributed_dp_trains_and_reports_epsilon(tmp_path:
         p = c.service.status()["privacy"]
     assert p["rounds"] == 4 and p["epsilon"] > 0
     assert heldout_loss(final) < initial - 1.0
+
+
+def test_a_restarted_coordinator_runs_the_round_again_with_fresh_keys(tmp_path: Path) -> None:
+    """A coordinator never loads a partial round: after a restart mid-round the round's secure
+    aggregation starts again with a new session, the old session's requests are refused with
+    409 secagg_session (the participant's cue to start the round's steps again), and the round
+    then commits."""
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={**SECAGG, "secagg_threshold": 2})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
+        for pid in TOKENS:
+            ok(http.post("/v1/join", json={"name": pid}))
+        ds = deltas(c)
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        sites = [Site(http, pid) for pid in TOKENS]
+        run_to_upload(sites, TOKENS)
+        ok(sites[0].upload(sites[0].masked(ds["a"]), TOKENS["a"]))  # one masked upload in, then the restart
+        old, port = sites[0].session, c.port
+    with BackgroundCoordinator(tmp_path / "s", cfg, port=port) as c, client(c, ATOKEN) as http:
+        stale = http.get("/v1/rounds/0/secagg/mailbox/b", params={"session": old})
+        assert stale.status_code == 409 and stale.json()["error"]["code"] == "secagg_session"
+        sites = [Site(http, pid) for pid in TOKENS]
+        run_to_upload(sites, TOKENS)
+        assert sites[0].session != old
+        for s in sites:
+            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
+        deadline = time.monotonic() + 10
+        while c.service.status()["secure_aggregation"]["phase"] != "reveal":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for s in sites:
+            ok(s.reveal())
+        wait_version(c, 1)
+        after = c.service.inspect().weights
+    for n, t in after.items():
+        want = before[n] - (ds["a"][n] + ds["b"][n] + 2 * ds["c"][n]) / 4
+        assert torch.allclose(t, want, rtol=0, atol=3 * unit() / 2 + 1e-6), n
+
+
+def test_distributed_dp_noise_comes_from_the_participants_at_the_promised_scale(tmp_path: Path) -> None:
+    """Three real participant engines send a zero Δ: what the round moves the weights by is the
+    participants' noise alone (the coordinator adds none), with the variance the participants
+    promise: each adds (σ·w_max·C)² / t, three of them over a total weight of 1."""
+    pytest.importorskip("dp_accounting")
+    sigma, clip = 1.0, 0.01
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={
+        **SECAGG, "dp": True, "clip_norm": clip, "noise_multiplier": sigma, "secagg_range": 0.05})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c:
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        errors: list[BaseException] = []
+        joined_all = threading.Barrier(3, timeout=30)  # the keys phase waits for every active participant
+
+        def site(pid: str) -> None:
+            try:
+                with CoordinatorClient(c.url, PTOKEN) as cl:
+                    joined = cl.join(pid)
+                    joined_all.wait()
+                    params = {n: torch.zeros_like(t) for n, t in before.items()}
+                    engine = SyncEngine(cl, params, who=pid)
+                    engine.prepare(joined["model"])
+                    engine.load_global(pid)
+                    engine.take_delta()  # θ_round − θ = 0
+                    assert submit_masked(engine, 0, pid, cfg, tokens=TOKENS[pid])
+            except BaseException as e:  # reported by the test thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=site, args=(pid,)) for pid in TOKENS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        wait_version(c, 1)
+        moved = torch.cat([(c.service.inspect().weights[n] - before[n]).flatten() for n in before]).double()
+        p = c.service.status()["privacy"]
+        t_ = c.service.round_history(1)[0]
+    assert t_["n_submissions"] == 3 and p["rounds"] == 1 and p["epsilon"] > 0
+    w_max, n_min = 0.5, 2  # shares 1/4, 1/4, 1/2; t = max(2, ceil(2·3/3)) = 2
+    want = sigma * w_max * clip * math.sqrt(3 / n_min)
+    assert float(moved.std()) == pytest.approx(want, rel=0.05)  # ~10^4 values: the sample std is within 1%
+    assert abs(float(moved.mean())) < 5 * want / math.sqrt(moved.numel())

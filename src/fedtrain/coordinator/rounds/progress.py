@@ -383,11 +383,11 @@ class Rounds:
         changed), and it opens again with a fresh attempt; its participants' updates are dropped
         and they find round r open again (their next download is the same version)."""
         self._events.record("secagg_refused", f"round {r} refused: {why}; it opens again with fresh keys")
-        if self.secagg is not None:
-            self.secagg.refused += 1
         self._end_round(r, self.clock(), committed=False)
         self.open.closing = False
         self.open.reason = f"round opened again: {why}"
+        if self.secagg is not None:
+            self.secagg.refused += 1
         self._events.notify()
 
     def _count_tokens(self, pid: str, round_: int, claimed: int) -> int:

@@ -112,16 +112,16 @@ def _one_attempt(engine: SyncEngine, calls: SecAggCalls, r: int, pid: str, confi
         raise
     engine.bytes_up += body.content_length
     state = _wait(engine, calls, r, state, give_up_at)  # the upload phase ends with the round's close
-    if state["phase"] == "reveal":
-        request = _ask(lambda: calls.unmask_request(r, session))
-        shares = sp.reveal(request["survivors"], request["dropped"])
-        _ask(lambda: calls.reveal(r, session, [_share_json(s) for s in shares]))
-        state = _wait(engine, calls, r, state, give_up_at)
     try:
+        if state["phase"] == "reveal":
+            request = _ask(lambda: calls.unmask_request(r, session))
+            shares = sp.reveal(request["survivors"], request["dropped"])
+            _ask(lambda: calls.reveal(r, session, [_share_json(s) for s in shares]))
+            state = _wait(engine, calls, r, state, give_up_at)
         while state["phase"] == "done":
             state = _wait(engine, calls, r, state, give_up_at)
-    except _Moved:
-        return True  # round r was merged: the next round's attempt is open
+    except _Moved:  # round r is no longer open: merged (a refused round opens again, as another session)
+        return True
     raise _Restart(f"the attempt ended in its {state['phase']} phase without a merge")
 
 
