@@ -252,7 +252,7 @@ def test_distributed_dp_noise_comes_from_the_participants_at_the_promised_scale(
         moved = torch.cat([(c.service.inspect().weights[n] - before[n]).flatten() for n in before]).double()
         p = c.service.status()["privacy"]
         t_ = c.service.round_history(1)[0]
-    assert t_["n_submissions"] == 3 and p["rounds"] == 1 and p["epsilon"] > 0
+    assert t_["n_submissions"] == 3 and p["rounds"] == 1 and p["epsilon"] > 0 and p["mechanism"] == "distributed"
     w_max, n_min = 0.5, 2  # shares 1/4, 1/4, 1/2; t = max(2, ceil(2·3/3)) = 2
     want = sigma * w_max * clip * math.sqrt(3 / n_min)
     assert float(moved.std()) == pytest.approx(want, rel=0.05)  # ~10^4 values: the sample std is within 1%

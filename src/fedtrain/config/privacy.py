@@ -44,8 +44,9 @@ FIXED_REASON = ("the accountant composes every committed round with the σ, C an
 
 
 class PrivacyConfig(Strict):
-    """Central differential privacy (docs/privacy.md): clipping, Gaussian noise at the coordinator and
-    an (ε, δ) accountant. Fixed for the life of a run."""
+    """Differential privacy and secure aggregation (docs/privacy.md): clipping, Gaussian noise (at the
+    coordinator, or split among the participants with secure aggregation), an (ε, δ) accountant, and
+    masked uploads. Fixed for the life of a run."""
 
     dp: bool = Field(True, description="Central DP on (the section null, or dp false: off).")
     clip_norm: float = Field(

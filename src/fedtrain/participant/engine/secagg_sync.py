@@ -29,6 +29,7 @@ from fedtrain.errors import ConfigError, CoordinatorError, CoordinatorUnavailabl
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.participant.client.secagg import SecAggCalls
 from fedtrain.privacy.clipping import distributed_std, private_contribution
+from fedtrain.privacy.failures import PrivacyError
 from fedtrain.privacy.keys import ParticipantKeys, PublicKeys
 from fedtrain.privacy.participant_round import SecAggParticipant
 from fedtrain.privacy.round_setup import SECAGG_META, setup_from_json
@@ -71,6 +72,9 @@ def submit_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, to
             log.warning("round %d: secure aggregation starts again (%s)", r, e)
         except _Moved as e:
             log.warning("round %d moved on without our update (%s); taking the current model", r, e)
+            return False
+        except PrivacyError as e:  # e.g. a sealed bundle that fails authentication: a peer or relay lied
+            log.warning("round %d: our update is left out of the secure aggregation (%s)", r, e.args[0])
             return False
 
 
