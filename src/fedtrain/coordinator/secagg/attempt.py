@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class Attempt:
         self.protocol: SecAggCoordinator | None = None
         self.weights: dict[int, float] = {}
         self._revealed: set[int] = set()
+        self._fold_lock = threading.Lock()
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -209,7 +211,9 @@ class Attempt:
         from safetensors import safe_open
 
         assert self.protocol is not None
-        with safe_open(str(path), framework="np") as f:
+        # one fold at a time: numpy adds large arrays without the GIL, and two uploads adding into
+        # one accumulator at once would lose values
+        with self._fold_lock, safe_open(str(path), framework="np") as f:
             names = list(f.keys())
             self.protocol.add_upload(self._ids[pid], ((n, f.get_tensor(n)) for n in names))
 
