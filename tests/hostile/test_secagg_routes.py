@@ -101,10 +101,17 @@ def test_a_participant_speaks_only_for_itself(run: Any) -> None:
     with client(c, None) as anon:
         assert_error(anon.get("/v1/rounds/0/secagg"), 401)
         assert_error(anon.post("/v1/rounds/0/secagg/keys/a", json={}), 401)
-    with client(c, PTOKEN) as p:  # a participant token without a's participant key
-        r = p.post("/v1/rounds/0/secagg/keys/a", json={"session": "0" * 16, "mask": "00" * 32,
-                                                       "channel": "11" * 32, "tokens": 1})
-        assert r.status_code in (401, 403), r.text
+    session = "0" * 16
+    with client(c, PTOKEN) as p:  # a participant token without a's participant key: not a's to speak for
+        for route, body in (("keys", {"session": session, "mask": "00" * 32, "channel": "11" * 32, "tokens": 1}),
+                            ("shares", {"session": session, "shares": {"2": "00" * SEALED_BYTES}}),
+                            ("reveal", {"session": session, "shares": [{"owner": 2, "kind": "seed",
+                                                                        "share": "00" * SHARE_BYTES}]})):
+            r = p.post(f"/v1/rounds/0/secagg/{route}/a", json=body)
+            assert r.status_code in (401, 403), (route, r.text)
+        for route in ("directory", "mailbox", "unmask"):
+            r = p.get(f"/v1/rounds/0/secagg/{route}/a", params={"session": session})
+            assert r.status_code in (401, 403), (route, r.text)
 
 
 BAD_BODIES = [

@@ -145,6 +145,7 @@ def test_fewer_than_t_survivors_refuse_the_round_and_it_opens_again(tmp_path: Pa
         assert c.service.inspect().committed_version == 0
         for n, t in c.service.inspect().weights.items():
             assert torch.equal(t, before[n]), n  # not committed, not wrong: nothing moved
+        assert c.service.submissions(0) == []  # the refused attempt's uploads are not the round's
         events = [e["message"] for e in c.service.event_log(20) if e["kind"] == "secagg_refused"]
         assert events and "fewer than t = 3" in events[0]
         # the old attempt's participants are told to start again

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -383,6 +384,10 @@ class Rounds:
         changed), and it opens again with a fresh attempt; its participants' updates are dropped
         and they find round r open again (their next download is the same version)."""
         self._events.record("secagg_refused", f"round {r} refused: {why}; it opens again with fresh keys")
+        try:  # its submissions are not the round's any more: the next attempt's are
+            self._store.discard_uncommitted(r)
+        except sqlite3.Error as e:
+            log.warning("the submissions of refused round %d could not be forgotten: %s", r, e)
         self._end_round(r, self.clock(), committed=False)
         self.open.closing = False
         self.open.reason = f"round opened again: {why}"

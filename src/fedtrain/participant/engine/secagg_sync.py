@@ -18,14 +18,16 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.errors import ConfigError, CoordinatorError, CoordinatorUnavailable, RoundClosedError
+from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.participant.client.secagg import SecAggCalls
 from fedtrain.privacy.clipping import distributed_std, private_contribution
@@ -37,13 +39,27 @@ from fedtrain.privacy.unmask import RevealedShare
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import EncodedBody
 
-if TYPE_CHECKING:
-    from fedtrain.participant.engine.sync import SyncEngine
-
 log = logging.getLogger("fedtrain.participant")
 
 #: Codes that mean the attempt we were in is gone (the round's steps start again).
 _GONE = frozenset({"secagg_session", "secagg_phase", "secagg_not_member"})
+
+
+class SyncEngine(Protocol):
+    """What the masking steps need of the participant's sync engine (`engine/sync.py` SyncEngine)."""
+
+    client: CoordinatorClient
+    who: str | None
+    patience_s: float
+    wait_s: float
+    cancel: threading.Event
+    bytes_up: int
+    last_answer: dict[str, Any] | None
+
+    @property
+    def piece(self) -> Any: ...
+
+    def delta_view(self) -> dict[str, torch.Tensor]: ...
 
 
 class _Restart(Exception):
