@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient
 from fedtrain.participant.engine.secagg_sync import submit_masked
@@ -258,3 +259,24 @@ def test_distributed_dp_noise_comes_from_the_participants_at_the_promised_scale(
     want = sigma * w_max * clip * math.sqrt(3 / n_min)
     assert float(moved.std()) == pytest.approx(want, rel=0.05)  # ~10^4 values: the sample std is within 1%
     assert abs(float(moved.mean())) < 5 * want / math.sqrt(moved.numel())
+
+
+@pytest.mark.slow
+def test_a_real_participant_that_drops_after_masking_leaves_a_round_that_commits(tmp_path: Path) -> None:
+    """Through the participant's own code: p2 masks but never sends its upload in round 1 (it stays
+    active, so the round waits for its deadline); the round commits with p0's and p1's aggregate,
+    and p2 carries on from the new model."""
+    cfg = tiny_config(rounds=3, train={"sync_every": 10, "lr": 1e-2}, min_participants=2, round_timeout_s=8,
+                      privacy={**SECAGG, "secagg_threshold": 2})
+    rule = faults.arm(faults.Rule("participant.upload", "drop", who="p2", round=1))
+    try:
+        with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+            train_all(c.url, 3)
+            history = {r["round"]: r for r in c.service.round_history(10)}
+            status = c.service.status()
+    finally:
+        faults.disarm()
+    assert rule.fired == 1
+    assert status["current_round"] == 3 and status["secure_aggregation"]["refused_attempts"] == 0
+    assert history[0]["n_submissions"] == 3 and history[1]["n_submissions"] == 2
+    assert {s["participant_id"] for s in history[1]["submissions"]} == {"p0", "p1"}

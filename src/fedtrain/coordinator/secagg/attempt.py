@@ -13,6 +13,7 @@ and the ring sum (the round's tensors in ring elements). Event loop, except `fol
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import threading
 from collections.abc import Callable, Mapping
@@ -30,6 +31,10 @@ from fedtrain.privacy.keys import KeyDirectory, PublicKeys
 from fedtrain.privacy.round_setup import SECAGG_META, RoundSetup, setup_json
 from fedtrain.privacy.unmask import RevealedShare
 from fedtrain.wire import TensorSpec
+
+#: Threads that draw the masks to remove at the close (`SecAggCoordinator.finish`): ChaCha20 and
+#: numpy release the GIL on large buffers, so a coordinator with free cores unmasks faster.
+UNMASK_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
 def conflict(code: str, message: str, **details: Any) -> Refused:
@@ -247,7 +252,7 @@ class Attempt:
             raise conflict("secagg_reveal", e.args[0]) from None
         self._revealed.add(i)
 
-    def aggregate(self, workers: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def aggregate(self, workers: int = UNMASK_WORKERS) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Worker thread: the survivors' token-weighted mean and their shares of it, or SecAggRefused."""
         assert self.protocol is not None
         alive, _ = self.protocol.unmask_request()

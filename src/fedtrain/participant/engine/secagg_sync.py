@@ -116,7 +116,7 @@ def _one_attempt(engine: SyncEngine, calls: SecAggCalls, r: int, pid: str, confi
     sp.receive({int(s): bytes.fromhex(b) for s, b in mailbox["mail"].items()})
     sharing = [int(i) for i in mailbox["sharing"]]
     body = _masked_body(engine, sp, config, directory["weights"], int(me), sharing, session)
-    if faults.hit("participant.secagg_upload", who=engine.who or pid, round=r) == "drop":
+    if faults.hit("participant.upload", who=engine.who or pid, round=r) == "drop":
         log.warning("fault injected: round %d's masked upload is never sent (a dropout after masking)", r)
         raise _Moved("the masked upload was dropped")
     try:
