@@ -43,6 +43,7 @@ from fedtrain.coordinator.model.slices import SliceStream
 from fedtrain.coordinator.policy import ReceivePath
 from fedtrain.coordinator.rounds.progress import Rounds
 from fedtrain.coordinator.rounds.schedule import Schedule
+from fedtrain.coordinator.secagg import SecureAggregation
 from fedtrain.coordinator.state.broadcast import Broadcaster
 from fedtrain.coordinator.state.config_versions import ConfigVersions
 from fedtrain.coordinator.state.events import Events
@@ -378,6 +379,12 @@ class Coordinator:
     def round_info(self, round_: int, pid: str | None = None) -> dict[str, Any]:
         return self.rounds.round_info(round_, pid)
 
+    def secure_aggregation(self) -> SecureAggregation:
+        """The run's secure aggregation (`/v1/rounds/{r}/secagg/...`); 409 secagg_off without it."""
+        if self.rounds.secagg is None:
+            raise Refused(409, "secagg_off", "this run does not use secure aggregation (privacy.secure_aggregation)")
+        return self.rounds.secagg
+
     def model_stream(self, version: int | None, pid: str | None = None) -> ModelStream:
         """A download of global version `version` (default: the newest), counted in full as
         participant `pid`'s (a download of a byte range of it: `begin_download`)."""
@@ -500,6 +507,7 @@ class Coordinator:
             "fragment": fragment.index if fragment is not None else None,  # the one the open round syncs
             "streaming": self._streaming_view(),
             "privacy": self.rounds.privacy.view() if self.rounds.privacy is not None else None,  # central DP
+            "secure_aggregation": self.rounds.secagg.view() if self.rounds.secagg is not None else None,
             "rounds": self.rounds_total(),
             "rounds_configured": self.config.rounds,
             "finished": self.finished,

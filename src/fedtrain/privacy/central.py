@@ -158,7 +158,8 @@ class CentralDp:
         p, budget = self.config, self.config.epsilon_budget
         rounds, eps, accountant, _ = self._spent
         return {
-            "mechanism": "central",
+            # distributed: with secure aggregation each participant adds its share of the noise
+            "mechanism": "distributed" if getattr(p, "secure_aggregation", False) else "central",
             "epsilon": eps,
             "delta": p.delta,
             "rounds": rounds,

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fedtrain.privacy.failures import PrivacyError
 from fedtrain.privacy.keys import RoundTag
 from fedtrain.privacy.ring import FixedPoint
+
+#: A masked upload's safetensors metadata key: JSON {"session": <the attempt's>, "bits": 16 | 32}.
+SECAGG_META = "fedtrain.secagg"
 
 
 @dataclass(frozen=True)
@@ -31,3 +35,18 @@ class RoundSetup:
                 f"each secret needs t = {self.threshold} holders, more than the participant "
                 f"and its {self.degree} neighbours"
             )
+
+
+def setup_json(setup: RoundSetup) -> dict[str, Any]:
+    fp = setup.fixed_point
+    return {"run_id": setup.tag.run_id, "round": setup.tag.round, "bits": fp.bits, "range": fp.clip,
+            "precision_bits": fp.precision_bits, "n_max": fp.n_max, "threshold": setup.threshold,
+            "degree": setup.degree, "graph_seed": setup.graph_seed.hex()}
+
+
+def setup_from_json(data: dict[str, Any]) -> RoundSetup:
+    """A participant's copy of the coordinator's `setup_json` (checked again on construction)."""
+    fp = FixedPoint(int(data["bits"]), float(data["range"]), int(data["precision_bits"]), int(data["n_max"]))
+    degree = data.get("degree")
+    return RoundSetup(RoundTag(str(data["run_id"]), int(data["round"])), fp, int(data["threshold"]),
+                      int(degree) if degree is not None else None, bytes.fromhex(str(data["graph_seed"])))

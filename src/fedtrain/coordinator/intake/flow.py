@@ -43,9 +43,11 @@ from fedtrain.coordinator.intake.spool import SpoolFiles, Staging
 from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Ticket, Upload
 from fedtrain.coordinator.intake.values import ValueScan, non_finite
 from fedtrain.coordinator.rounds.fragment_plan import Fragment, check_fragment
+from fedtrain.coordinator.secagg import SecureAggregation
 from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import RunningSum, check_compatible
 from fedtrain.merge.robust import clip_scale
+from fedtrain.privacy.failures import PrivacyError
 from fedtrain.transport import Body, fast_io_enabled
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import BodyReader, TensorSpec
@@ -96,6 +98,7 @@ class Intake:
         self._assembled: dict[tuple[str, int], PiecesIn] = {}  # updates of the round made whole from pieces
         self._streaming: dict[tuple[str, int], dict[str, int]] = {}  # (participant, round) -> label -> bytes
         self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
+        self.masked: SecureAggregation | None = None  # secure aggregation: uploads are masked (`_receive_masked`)
 
     # -- what others may read ---------------------------------------------------------------
 
@@ -187,7 +190,10 @@ class Intake:
 
         One flow for every upload: the policy picks where its bytes land (`policy.receive_path`:
         the empty sum's memory, or a spool file), they land there verified (`_land_in_sum`,
-        `_land_in_spool`), then the upload is placed in the round (`_place`)."""
+        `_land_in_spool`), then the upload is placed in the round (`_place`). With secure
+        aggregation every upload is a masked body, which goes to the ring sum (`_receive_masked`)."""
+        if self.masked is not None:
+            return await self._receive_masked(self.masked, up, body, seats)
         plain = head is not None and scheme_of(head[1])[0] == "none"
         empty = self._direct is None and not self._in_flight.count and self.round.is_empty()
         fast = self._fast_io and self._direct_on
@@ -202,6 +208,37 @@ class Intake:
             return await self._place(up, landed, cfg, seats, may_reach)
         finally:
             self._give_back_freed()
+
+    async def _receive_masked(self, masked: SecureAggregation, up: Upload, body: Body, seats: Seats) -> Ticket | None:
+        """A masked upload (secure aggregation): admitted by its attempt, landed in a spool file
+        (header: the ring's dtype, flat tensors, the session), given its place, then added to the
+        attempt's ring sum on a worker thread. Its values cannot be checked: they are uniform noise
+        to the coordinator (docs/privacy.md, "What is lost")."""
+        try:
+            attempt = masked.admit(up.pid, up.round, up.tokens)
+        except Refused:
+            await body.drain()
+            raise
+        landed = await self._land_in_spool(up, body, attempt.check_header)
+        assert landed.path is not None
+        try:
+            ticket = seats.reserve(up)
+            if ticket is None:
+                return None
+            self._in_flight.enter()
+            try:
+                await asyncio.to_thread(attempt.fold, up.pid, landed.path)
+            except PrivacyError as e:
+                ticket.release()
+                raise Refused(409, "secagg_upload", e.args[0]) from None
+            except BaseException:
+                ticket.release()
+                raise
+            finally:
+                self._in_flight.leave()
+            return ticket
+        finally:
+            self._spool_files.discard(landed.path, landed.new)
 
     def check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
         if ROWS_META in metadata:
@@ -345,6 +382,10 @@ class Intake:
                             may_reach: Callable[[], int]) -> PieceAnswer:
         """Receive and verify one piece of `up.pid`'s update for the open round (`pieces.py`);
         once the pieces cover the sync set, assemble and place the update like any other."""
+        if self.masked is not None:  # a masked update is one body: its masks cover every tensor
+            await body.drain()
+            raise Refused(409, "secagg_pieces", "with secure aggregation an update is one masked body (its masks "
+                          "cover every tensor): pieces of an update (FSDP ranks) are not wired yet")
         key = (up.pid, up.round)
         if key in self._assembling:  # complete: its last piece is being assembled and placed
             await body.drain()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any
 
 from fedtrain import faults
 from fedtrain.config import OuterConfig, RunConfig
-from fedtrain.config.privacy import dp_on
+from fedtrain.config.privacy import dp_on, secagg_on
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.intake.flow import Intake, MergeInputs
 from fedtrain.coordinator.members.roster import Roster
@@ -29,6 +30,7 @@ from fedtrain.coordinator.model.slices import SliceStream
 from fedtrain.coordinator.policy import async_rules
 from fedtrain.coordinator.rounds.fragment_plan import Fragment, FragmentPlan
 from fedtrain.coordinator.rounds.open_round import OpenRound
+from fedtrain.coordinator.secagg import SecAggRefused, SecureAggregation
 from fedtrain.coordinator.state import storage
 from fedtrain.coordinator.state.config_versions import ConfigVersions
 from fedtrain.coordinator.state.events import Events
@@ -110,6 +112,12 @@ class Rounds:
         self.staleness_of: dict[str, int] = {}  # asynchronous mode: each participant's last applied staleness
         cfg = configs.config  # central DP: its settings are fixed for the run (config/privacy.py)
         self.privacy = CentralDp(cfg.privacy, cfg.rounds, committer.privacy_rounds()) if dp_on(cfg) else None
+        # secure aggregation (fixed for the run): uploads are masked, the merge takes the unmasked mean
+        self.secagg = SecureAggregation(
+            cfg.privacy, cfg.name, {n: tuple(t.shape) for n, t in committer.model.params.items()}, open_round.version,
+            events, clock, roster.active, self._count_tokens,
+            lambda claims: round_weights(claims, {}, self._configs.config.outer)) if secagg_on(cfg) else None
+        intake.masked = self.secagg
         intake.select(self.fragment(open_round.version))
 
     # -- reading --------------------------------------------------------------------------------
@@ -134,6 +142,8 @@ class Rounds:
 
     def decide(self) -> policy.Decision:
         cfg = self._configs.config
+        if self.secagg is not None and self.secagg.all_in(set(self.open.submitted)):
+            return policy.Decision("close", "every participant of the round's secure aggregation uploaded")
         if cfg.schedule.mode == "async":
             return async_rules.decide(self.open.version, self.open.staleness, cfg)
         return policy.decide_round(self.open.view(self.deadline()[0]), self._roster.views(), self.clock(),
@@ -216,6 +226,8 @@ class Rounds:
         failed = self._roster.fail_silent(self._configs.config)
         for pid in failed:
             self._intake.abort_direct(pid)
+        if self.secagg is not None and not self.open.closing:
+            self.secagg.tick()
         self.maybe_close()
         if failed:
             self._events.notify()
@@ -271,7 +283,12 @@ class Rounds:
                         async_rules.momentum_period(len(self._roster.active()), cfg)[0],
                         {k: async_rules.weight(staleness.get(k, 0), cfg)[0] for k in tokens})
         try:
+            if self.secagg is not None:  # the survivors reveal their shares before the merge unmasks
+                await self.secagg.unmask()
             merged = await asyncio.to_thread(self._merge, r, reason, tokens, cfg, step)
+        except SecAggRefused as e:
+            self._refuse_secagg(r, e.message)
+            return
         except PoisonedMerge as e:
             pid = e.key.split("@")[0]
             why = (f"the update of {pid} for round {e.round} was refused: the merge it took part in was not finite "
@@ -318,10 +335,14 @@ class Rounds:
         intake, fragment = self._intake, self.fragment(r)
         with intake.fold_lock:
             faults.hit("merge.before_step", round=r)
-            inputs = intake.merge_inputs(cfg)
+            if self.secagg is not None:  # the unmasked mean, as the sum's one contribution (SecAggRefused)
+                inputs = MergeInputs(self.secagg.aggregate_into(intake.sum), {}, {}, {})
+            else:
+                inputs = intake.merge_inputs(cfg)
             weights = round_weights(tokens, inputs.rejected, cfg.outer) if step.weights is None else step.weights
             dp = self.privacy  # central DP: noise σ·w_max·C on the mean (of the fragment's tensors only)
-            noise = dp.noise_std(inputs.shares) if dp is not None else 0.0
+            central = dp is not None and self.secagg is None  # (with secure aggregation the participants add it)
+            noise = dp.noise_std(inputs.shares) if central and dp is not None else 0.0
             try:  # streaming: the fragment's parameters only, each fragment with its own optimizer state
                 self._committer.step(intake.sum, step.scale, step.every, fragment.names if fragment else None,
                                      noise_std=noise)
@@ -355,6 +376,30 @@ class Rounds:
         cfg = self._configs.config
         self._intake.clear(committed, oldest_round=version - max(cfg.max_staleness, cfg.asynchronous.max_staleness))
         self._intake.select(self.fragment(version))
+        if self.secagg is not None:
+            self.secagg.open_round(version)
+
+    def _refuse_secagg(self, r: int, why: str) -> None:
+        """Round r's secure aggregation could not unmask: the round is not committed (nothing
+        changed), and it opens again with a fresh attempt; its participants' updates are dropped
+        and they find round r open again (their next download is the same version)."""
+        self._events.record("secagg_refused", f"round {r} refused: {why}; it opens again with fresh keys")
+        try:  # its submissions are not the round's any more: the next attempt's are
+            self._store.discard_uncommitted(r)
+        except sqlite3.Error as e:
+            log.warning("the submissions of refused round %d could not be forgotten: %s", r, e)
+        self._end_round(r, self.clock(), committed=False)
+        self.open.closing = False
+        self.open.reason = f"round opened again: {why}"
+        if self.secagg is not None:
+            self.secagg.refused += 1
+        self._events.notify()
+
+    def _count_tokens(self, pid: str, round_: int, claimed: int) -> int:
+        """The tokens a claim counts as (`policy.count_tokens`, as an upload's are counted)."""
+        told = self._store.assignments(round_).get(pid)
+        cfg = self._configs.for_round(round_, self.version)
+        return policy.count_tokens(claimed, cfg, told["sync_every"] if told is not None else None)[0]
 
     async def _commit_in_background(self, r: int, record: dict[str, Any], published: Published,
                                     outer: OuterOptimizer) -> None:

@@ -18,10 +18,12 @@ import torch
 
 from fedtrain import faults
 from fedtrain.config import RunConfig, TransferConfig
+from fedtrain.config.privacy import secagg_on
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError, ModelMismatchError, RoundClosedError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.engine.secagg_sync import submit_masked
 from fedtrain.privacy.clipping import clip_within
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
@@ -156,7 +158,10 @@ class SyncEngine:
         try:
             if self._holds not in ("cut_short", "fetched"):
                 self.take_delta()
-                self.submit(r, pid, self.encode(config), config, tokens=tokens, retry=retry)
+                if secagg_on(config):  # the masking protocol's steps around a masked upload
+                    submit_masked(self, r, pid, config, tokens=tokens, retry=retry)
+                else:
+                    self.submit(r, pid, self.encode(config), config, tokens=tokens, retry=retry)
             version = self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
         except CoordinatorError:
             self.restore()
@@ -185,6 +190,12 @@ class SyncEngine:
                 theta = sent[n] if sent is not None else p.detach().to("cpu", self._snapshot[n].dtype)
                 self._snapshot[n].sub_(theta)
         self._holds = "delta"
+
+    def delta_view(self) -> dict[str, torch.Tensor]:
+        """Δ as the snapshot holds it after `take_delta` (the live tensors: do not change them)."""
+        if self._holds != "delta":
+            raise RuntimeError(f"the snapshot holds {self._holds}, not Δ")
+        return dict(self._snapshot)
 
     def encode(self, config: RunConfig) -> EncodedBody:
         """Δ (held in the snapshot) as a body, compressed as the run config says: the whole of

@@ -1,0 +1,201 @@
+"""A participant's round with secure aggregation: the protocol's steps over the routes, around the
+upload of its masked update (`SyncEngine.fetch` calls `submit_masked` instead of `submit`).
+
+    keys    advertise two fresh X25519 public keys and the update's token count (public)
+    shares  read the directory (keys, weights), post sealed Shamir shares to the neighbours
+    upload  read the mailbox (shares for us, who shared), mask Δ (or, with DP, its clipped and
+            noised weighted contribution) in the ring, and upload it through the update route
+    reveal  read the unmask request, post the shares it asks for (`SecAggParticipant.reveal`'s rules)
+
+A new session (the coordinator restarted, or the round's attempt was refused) starts the steps
+again with fresh keys and the same Δ; a round that moved on without us (we came after its keys
+phase closed, or it closed) drops our update and we download the current model. The masks are
+drawn at upload time (precomputing them during the inner steps is not wired yet).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from typing import Any, Protocol
+
+import torch
+
+from fedtrain import faults
+from fedtrain.config import RunConfig
+from fedtrain.errors import ConfigError, CoordinatorError, CoordinatorUnavailable, RoundClosedError
+from fedtrain.participant.client.coordinator_client import CoordinatorClient
+from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.client.secagg import SecAggCalls
+from fedtrain.privacy.clipping import distributed_std, private_contribution
+from fedtrain.privacy.failures import PrivacyError
+from fedtrain.privacy.keys import ParticipantKeys, PublicKeys
+from fedtrain.privacy.participant_round import SecAggParticipant
+from fedtrain.privacy.round_setup import SECAGG_META, setup_from_json
+from fedtrain.privacy.unmask import RevealedShare
+from fedtrain.transport.progress import Progress
+from fedtrain.wire import EncodedBody
+
+log = logging.getLogger("fedtrain.participant")
+
+#: Codes that mean the attempt we were in is gone (the round's steps start again).
+_GONE = frozenset({"secagg_session", "secagg_phase", "secagg_not_member"})
+
+
+class SyncEngine(Protocol):
+    """What the masking steps need of the participant's sync engine (`engine/sync.py` SyncEngine)."""
+
+    client: CoordinatorClient
+    who: str | None
+    patience_s: float
+    wait_s: float
+    cancel: threading.Event
+    bytes_up: int
+    last_answer: dict[str, Any] | None
+
+    @property
+    def piece(self) -> Any: ...
+
+    def delta_view(self) -> dict[str, torch.Tensor]: ...
+
+
+class _Restart(Exception):
+    """The attempt changed under us: start the round's steps again."""
+
+
+class _Moved(Exception):
+    """The round is no longer open: our update is not in it."""
+
+
+def submit_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, tokens: int,
+                  retry: RetryPolicy | None = None) -> bool:
+    """Send our Δ (held in the engine's snapshot) to round r under secure aggregation and wait
+    until the round is merged: True, or False when our update is not in it (the caller then
+    downloads the current model, as after a round that closed before our upload)."""
+    if engine.piece is not None:
+        raise ConfigError("secure aggregation takes whole updates: FSDP pieces are not wired yet (use DDP or a "
+                          "single process)")
+    calls = SecAggCalls(engine.client, pid, retry)
+    phase_s = config.privacy.secagg_phase_timeout_s if config.privacy is not None else 0.0
+    give_up_at = time.monotonic() + config.round_timeout_s + engine.patience_s + 3 * phase_s
+    while True:
+        try:
+            return _one_attempt(engine, calls, r, pid, config, tokens, give_up_at)
+        except _Restart as e:
+            log.warning("round %d: secure aggregation starts again (%s)", r, e)
+        except _Moved as e:
+            log.warning("round %d moved on without our update (%s); taking the current model", r, e)
+            return False
+        except PrivacyError as e:  # e.g. a sealed bundle that fails authentication: a peer or relay lied
+            log.warning("round %d: our update is left out of the secure aggregation (%s)", r, e.args[0])
+            return False
+
+
+def _one_attempt(engine: SyncEngine, calls: SecAggCalls, r: int, pid: str, config: RunConfig, tokens: int,
+                 give_up_at: float) -> bool:
+    state = _ask(lambda: calls.state(r))
+    session = state["session"]
+    me = state.get("id")
+    if me is None or state["phase"] != "keys":  # too late for this attempt: wait for the next one or the end
+        _wait(engine, calls, r, state, give_up_at)
+        raise _Restart(f"joined after the keys phase of session {session}")
+    keys = ParticipantKeys.generate(int(me))
+    counted = _ask(lambda: calls.advertise(r, session, keys.public().to_json(), tokens))["tokens_counted"]
+    state = _wait(engine, calls, r, state, give_up_at)
+    setup = setup_from_json(state["setup"])
+    sp = SecAggParticipant(int(me), setup, keys=keys)
+    directory = _ask(lambda: calls.directory(r, session))
+    public = {int(i): PublicKeys.from_json(k) for i, k in directory["keys"].items()}
+    sealed = sp.share(public)
+    _ask(lambda: calls.post_shares(r, session, sealed))
+    state = _wait(engine, calls, r, state, give_up_at)
+    mailbox = _ask(lambda: calls.mailbox(r, session))
+    sp.receive({int(s): bytes.fromhex(b) for s, b in mailbox["mail"].items()})
+    sharing = [int(i) for i in mailbox["sharing"]]
+    body = _masked_body(engine, sp, config, directory["weights"], int(me), sharing, session)
+    if faults.hit("participant.upload", who=engine.who or pid, round=r) == "drop":
+        log.warning("fault injected: round %d's masked upload is never sent (a dropout after masking)", r)
+        raise _Moved("the masked upload was dropped")
+    try:
+        engine.last_answer = engine.client.upload(r, pid, body, tokens=int(counted), retry=calls.retry,
+                                                  transfer=config.transfer,
+                                                  progress=Progress(f"masked upload of round {r}", body.content_length,
+                                                                    log=log))
+    except RoundClosedError as e:
+        raise _Moved(e.message) from None
+    except CoordinatorError as e:
+        if e.code in _GONE:
+            raise _Restart(e.message) from None
+        raise
+    engine.bytes_up += body.content_length
+    state = _wait(engine, calls, r, state, give_up_at)  # the upload phase ends with the round's close
+    try:
+        if state["phase"] == "reveal":
+            request = _ask(lambda: calls.unmask_request(r, session))
+            shares = sp.reveal(request["survivors"], request["dropped"])
+            _ask(lambda: calls.reveal(r, session, [_share_json(s) for s in shares]))
+            state = _wait(engine, calls, r, state, give_up_at)
+        while state["phase"] == "done":
+            state = _wait(engine, calls, r, state, give_up_at)
+    except _Moved:  # round r is no longer open: merged (a refused round opens again, as another session)
+        return True
+    raise _Restart(f"the attempt ended in its {state['phase']} phase without a merge")
+
+
+def _masked_body(engine: SyncEngine, sp: SecAggParticipant, config: RunConfig, weights: dict[str, float], me: int,
+                 sharing: list[int], session: str) -> EncodedBody:
+    """Δ weighted by our public weight, in the ring, masked; with DP, clipped to C and noised with our
+    share of σ·w_max·C first (`private_contribution`: the coordinator never sees an un-noised sum)."""
+    delta = engine.delta_view()
+    weight = float(weights[str(me)])
+    p = config.privacy
+    assert p is not None  # (secure aggregation is on)
+    if p.dp:
+        std = distributed_std(p.noise_multiplier, p.clip_norm, max(weights.values()), sp.setup.threshold)
+        gen = torch.Generator().manual_seed(secrets.randbits(63))  # from the OS CSPRNG, never the run's seed
+        masked = sp.mask(private_contribution(delta, weight, p.clip_norm, std, gen), 1.0, sharing)
+    else:
+        masked = sp.mask(delta, weight, sharing)
+    tensors = {n: torch.from_numpy(a) for n, a in masked.items()}
+    meta = {SECAGG_META: json.dumps({"session": session, "bits": sp.setup.fixed_point.bits})}
+    return EncodedBody(tensors, meta, digest_algorithm=config.digest)
+
+
+def _share_json(s: RevealedShare) -> dict[str, Any]:
+    return {"owner": s.owner, "kind": s.kind, "share": s.share.to_bytes().hex()}
+
+
+def _ask(call: Any) -> dict[str, Any]:
+    """One request of the attempt; a refusal that says the attempt is gone restarts the steps."""
+    try:
+        answer: dict[str, Any] = call()
+        return answer
+    except RoundClosedError as e:
+        raise _Moved(e.message) from None
+    except CoordinatorError as e:
+        if e.code == "round_not_open":
+            raise _Moved(e.message) from None
+        if e.code in _GONE:
+            raise _Restart(e.message) from None
+        raise
+
+
+def _wait(engine: SyncEngine, calls: SecAggCalls, r: int, state: dict[str, Any], give_up_at: float) -> dict[str, Any]:
+    """Long-poll until the attempt leaves the phase of `state`: the new state, or _Restart (another
+    session), _Moved (the round closed)."""
+    session, phase = state["session"], state["phase"]
+    while True:
+        now = _ask(lambda: calls.state(r, wait_s=engine.wait_s, phase=phase, session=session))
+        if now["session"] != session:
+            raise _Restart(f"session {session} was replaced by {now['session']}")
+        if now["phase"] != phase:
+            return now
+        if engine.cancel.is_set():
+            raise CoordinatorUnavailable(f"stopped waiting for round {r}: the sync was cancelled", status=0,
+                                         code="cancelled")
+        if time.monotonic() > give_up_at:
+            raise CoordinatorUnavailable(f"round {r}'s secure aggregation is still in its {phase} phase: "
+                                         f"{now.get('reason', 'no reason given')}", status=0, code="unavailable")
