@@ -1,5 +1,5 @@
 """The dashboard of a run with central DP: a Privacy card with ε after the committed rounds, δ and
-the budget (hidden when the run has no DP)."""
+the budget (hidden when the run has no DP); with secure aggregation, its phase in the open round."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def test_the_privacy_card_shows_epsilon_and_the_budget(page: Page, tmp_path: Pat
         pg.goto(f"{c.url}/#token={PTOKEN}")
         expect(pg.locator("body")).to_have_attribute("data-ready", "1")
         expect(pg.locator("#c-privacy-card")).to_be_visible()
+        expect(pg.locator("#c-privacy-label")).to_have_text("Privacy (central DP)")
         expect(pg.locator("#c-privacy")).to_contain_text(f"ε {eps:.3f}"[:5])  # fmt.num: 4 significant digits
         expect(pg.locator("#c-privacy-sub")).to_contain_text("1 rounds · budget 40")
         pg.goto("about:blank")
@@ -44,5 +45,20 @@ def test_a_run_without_dp_shows_no_privacy_card(page: Page, tmp_path: Path) -> N
         pg.goto(f"{c.url}/#token={PTOKEN}")
         expect(pg.locator("body")).to_have_attribute("data-ready", "1")
         expect(pg.locator("#c-privacy-card")).to_be_hidden()
+        pg.goto("about:blank")
+    assert not page.errors, page.errors
+
+
+def test_secure_aggregation_shows_its_phase_on_the_privacy_card(page: Page, tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=1, privacy={"dp": False, "secure_aggregation": True})
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        phase = c.service.status()["secure_aggregation"]["phase"]
+        pg = page.page
+        pg.goto(f"{c.url}/#token={PTOKEN}")
+        expect(pg.locator("body")).to_have_attribute("data-ready", "1")
+        expect(pg.locator("#c-privacy-card")).to_be_visible()
+        expect(pg.locator("#c-privacy-label")).to_have_text("Privacy (secure aggregation)")
+        expect(pg.locator("#c-privacy")).to_have_text(phase)
+        expect(pg.locator("#c-privacy-sub")).to_contain_text(f"secure aggregation: round 0, {phase}, 0/0 uploaded")
         pg.goto("about:blank")
     assert not page.errors, page.errors

@@ -3,7 +3,7 @@ settings; none without DP."""
 
 from __future__ import annotations
 
-from fedtrain.cli.report import privacy_lines
+from fedtrain.cli.report import privacy_lines, secagg_line
 
 RECORD = {"mechanism": "central", "epsilon": 3.21456, "delta": 1e-5, "rounds": 7, "budget": 8.0,
           "over_budget": False, "noise_multiplier": 1.5, "clip_norm": 0.5, "accountant": "dp-accounting rdp"}
@@ -19,3 +19,13 @@ def test_the_privacy_line_says_epsilon_delta_rounds_and_budget() -> None:
 
 def test_no_dp_no_line() -> None:
     assert privacy_lines(None) == "" and privacy_lines({}) == ""
+
+
+def test_the_status_names_distributed_dp_and_secure_aggregations_phase() -> None:
+    assert "privacy: distributed DP" in privacy_lines({**RECORD, "mechanism": "distributed"})
+    line = secagg_line({"round": 3, "session": "s", "phase": "upload", "reason": "waiting for 1 upload",
+                        "participants": 4, "sharing": 4, "uploaded": 3, "threshold": 3, "ring_bits": 16,
+                        "refused_attempts": 1})
+    assert "secure aggregation: round 3, phase upload (3 of 4 sharing uploaded, 4 advertised, t = 3, 2^16 ring)" \
+        in line and "1 attempt refused" in line and "waiting for 1 upload" in line
+    assert secagg_line(None) == ""

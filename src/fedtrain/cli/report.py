@@ -162,7 +162,7 @@ def format_status(s: dict[str, Any]) -> str:
         )
     if s.get("evals"):
         parts.append("\nevals around each sync (held-out loss):\n" + format_evals(s["evals"][-40:]))
-    privacy = privacy_lines(s.get("privacy"))
+    privacy = privacy_lines(s.get("privacy")) + secagg_line(s.get("secure_aggregation"))
     if privacy:
         parts.append(privacy)
     return "\n".join(parts)
@@ -175,8 +175,22 @@ def privacy_lines(p: dict[str, Any] | None) -> str:
         return ""
     budget = "no budget" if p.get("budget") is None else f"budget ε {p['budget']:g}"
     over = " OVER BUDGET" if p.get("over_budget") else ""
-    return (f"\nprivacy: central DP, (ε, δ) = ({p['epsilon']:.4g}, {p['delta']:g}) after {p['rounds']} rounds "
+    mechanism = p.get("mechanism", "central")
+    return (f"\nprivacy: {mechanism} DP, (ε, δ) = ({p['epsilon']:.4g}, {p['delta']:g}) after {p['rounds']} rounds "
             f"({budget}{over}); σ {p['noise_multiplier']:g}, C {p['clip_norm']:g}, {p['accountant']}")
+
+
+def secagg_line(a: dict[str, Any] | None) -> str:
+    """Secure aggregation's line of `fedtrain status`: the open round's phase and how far it got
+    ("" when the run does not use it)."""
+    if not a:
+        return ""
+    ring = f", 2^{a['ring_bits']} ring" if a.get("ring_bits") else ""
+    refused = a.get("refused_attempts") or 0
+    return (f"\nsecure aggregation: round {a['round']}, phase {a['phase']} ({a['uploaded']} of {a['sharing']} "
+            f"sharing uploaded, {a['participants']} advertised, t = {a['threshold']}{ring}); "
+            f"{refused} attempt{'s' if refused != 1 else ''} refused"
+            + (f"\n  {a['reason']}" if a.get("reason") else ""))
 
 
 GLOBAL_EVAL = "global_eval/"

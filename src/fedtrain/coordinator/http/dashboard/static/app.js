@@ -210,15 +210,21 @@ function renderCards(st) {
   $("c-reason").textContent = st.reason;
 }
 
-// Central DP (issue #33): (ε, δ) spent after the rounds merged with noise, against the budget
+// Privacy (issue #33): (ε, δ) spent after the rounds merged with noise, against the budget (central
+// DP, or distributed with secure aggregation), and secure aggregation's phase in the open round
 function renderPrivacy(st) {
-  const p = st.privacy;
-  $("c-privacy-card").hidden = p == null;
-  if (p == null) return;
-  $("c-privacy").textContent = `ε ${fmt.num(p.epsilon)}`;
-  $("c-privacy-sub").textContent = `δ ${p.delta} · ${p.rounds} rounds` +
+  const p = st.privacy, a = st.secure_aggregation;
+  $("c-privacy-card").hidden = p == null && a == null;
+  if (p == null && a == null) return;
+  $("c-privacy-label").textContent = p != null ? `Privacy (${p.mechanism || "central"} DP)` : "Privacy (secure aggregation)";
+  $("c-privacy").textContent = p != null ? `ε ${fmt.num(p.epsilon)}` : `${a.phase}`;
+  const dp = p == null ? "" : `δ ${p.delta} · ${p.rounds} rounds` +
     (p.budget != null ? ` · budget ${fmt.num(p.budget)}${p.over_budget ? " (over)" : ""}` : " · no budget") +
     ` · σ ${fmt.num(p.noise_multiplier)}, C ${fmt.num(p.clip_norm)}`;
+  const sa = a == null ? "" : `secure aggregation: round ${a.round}, ${a.phase}, ${a.uploaded}/${a.sharing} uploaded, ` +
+    `t ${a.threshold}` + (a.ring_bits ? `, 2^${a.ring_bits} ring` : "") +
+    (a.refused_attempts ? ` · ${a.refused_attempts} refused` : "");
+  $("c-privacy-sub").textContent = [dp, sa].filter((x) => x).join(" · ");
 }
 
 function renderParticipants(st) {
