@@ -52,8 +52,6 @@ def zeros(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
     ({"late_uploads": "fold"}, "late_uploads refuse"),
     ({"train": {"compression": "topk"}}, "train.compression topk"),
     ({"train": {"compression": "e3m0"}}, "train.compression e3m0"),
-    ({"train": {"overlap": True}}, "train.overlap"),
-    ({"train": {"sync_every": 4}, "streaming": {"fragments": 2}, "model": {"n_layer": 2}}, "Streaming DiLoCo"),
 ])
 def test_compositions_that_cannot_be_masked_are_refused_with_the_reason(overrides: dict, why: str) -> None:
     with pytest.raises(pydantic.ValidationError, match="privacy.secure_aggregation") as e:

@@ -30,17 +30,20 @@ MAX_WAIT_S = 60.0
 
 
 class SecureAggregation:
-    """The open round's attempt and its moves. `active()`: the active participants (the keys phase
-    waits for them); `count_tokens(pid, round, claim)`: the tokens a claim counts as
+    """The open round's attempt and its moves. `shapes(round)`: the names and shapes of the tensors
+    round `round` syncs (the whole sync set, or with Streaming DiLoCo the round's fragment: the
+    masked uploads and the ring sum hold those only); `active()`: the active participants (the keys
+    phase waits for them); `count_tokens(pid, round, claim)`: the tokens a claim counts as
     (`policy.count_tokens`); `weigh(claims)`: the round's public weights of the claims."""
 
-    def __init__(self, privacy: Any, run: str, shapes: Mapping[str, tuple[int, ...]], round_: int, events: Events,
+    def __init__(self, privacy: Any, run: str, shapes: Callable[[int], Mapping[str, tuple[int, ...]]], round_: int,
+                 events: Events,
                  clock: Callable[[], float], active: Callable[[], set[str]],
                  count_tokens: Callable[[str, int, int], int],
                  weigh: Callable[[dict[str, int]], dict[str, float]]) -> None:
         self.privacy = privacy
         self._run = run
-        self._shapes = dict(shapes)
+        self._shapes = shapes
         self._events = events
         self.clock = clock
         self._active = active
@@ -50,7 +53,7 @@ class SecureAggregation:
         self.attempt = self._new(round_)
 
     def _new(self, round_: int) -> Attempt:
-        return Attempt(round_, self._run, self.privacy, self._shapes, self.clock(), self._weigh)
+        return Attempt(round_, self._run, self.privacy, self._shapes(round_), self.clock(), self._weigh)
 
     # -- the round loop's side ----------------------------------------------------------------------
 

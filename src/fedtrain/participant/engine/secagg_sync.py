@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from fedtrain import faults
-from fedtrain.config import RunConfig
+from fedtrain.config import RunConfig, TransferConfig
 from fedtrain.errors import ConfigError, CoordinatorError, CoordinatorUnavailable, RoundClosedError
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
@@ -61,6 +61,9 @@ class SyncEngine(Protocol):
 
     def delta_view(self) -> dict[str, torch.Tensor]: ...
 
+    def download(self, pid: str, *, after_round: int | None = None, retry: RetryPolicy | None = None,
+                 transfer: TransferConfig | None = None) -> int: ...
+
 
 class _Restart(Exception):
     """The attempt changed under us: start the round's steps again."""
@@ -92,6 +95,15 @@ def submit_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, to
         except PrivacyError as e:  # e.g. a sealed bundle that fails authentication: a peer or relay lied
             log.warning("round %d: our update is left out of the secure aggregation (%s)", r, e.args[0])
             return False
+
+
+def exchange_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, tokens: int,
+                    retry: RetryPolicy | None = None) -> int:
+    """`submit_masked` then the download: the whole masked exchange of round r, run on the
+    overlapped sync's worker thread (`sync_schedule.Exchanges.send`) while training goes on, as
+    the plain `SyncEngine.exchange` is. Leaves the new global weights in the snapshot; their version."""
+    submit_masked(engine, r, pid, config, tokens=tokens, retry=retry)
+    return engine.download(pid, after_round=r, retry=retry, transfer=config.transfer)
 
 
 def _one_attempt(engine: SyncEngine, calls: SecAggCalls, r: int, pid: str, config: RunConfig, tokens: int,

@@ -1,0 +1,121 @@
+"""Secure aggregation with Streaming DiLoCo and the overlapped sync: a round masks and sums its
+fragment's tensors only, and commits what a plain streaming round commits (within fixed-point
+rounding) on that fragment, leaving the other fragment as it was; loopback runs that stream
+fragments (τ > 0: sent while training goes on) and that overlap their sync, with secure
+aggregation, train (the loss falls)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedtrain.coordinator import BackgroundCoordinator
+from tests.helpers.api import client, put, wait_round
+from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.runs import heldout_loss, train_all
+from tests.helpers.secagg import Site, ok, run_to_upload
+
+pytest.importorskip("cryptography")
+
+N_MAX = 4  # a 2^16 ring with p = 16 - 1 - 2 = 13 bits: a unit of R / 8191
+RANGE = 0.5
+SECAGG = {"secure_aggregation": True, "dp": False, "secagg_max_participants": N_MAX, "secagg_range": RANGE}
+TOKENS = {"a": 100, "b": 100, "c": 200}
+STREAMING = {"train": {"sync_every": 4}, "model": {"n_layer": 2}, "streaming": {"fragments": 2},
+             "outer": {"algorithm": "fedavg"}}
+
+
+def unit() -> float:
+    return RANGE / (2**13 - 1)
+
+
+def fragment_deltas(weights: dict[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return {pid: {n: (torch.rand(weights[n].shape, generator=g) - 0.5) * 0.4 for n in names} for pid in TOKENS}
+
+
+def wait_version(c: BackgroundCoordinator, v: int) -> None:
+    deadline = time.monotonic() + 20
+    while c.service.inspect().committed_version < v:
+        assert time.monotonic() < deadline, c.service.status()["reason"]
+        time.sleep(0.02)
+
+
+def wait_phase(c: BackgroundCoordinator, phase: str) -> None:
+    deadline = time.monotonic() + 10
+    while c.service.status()["secure_aggregation"]["phase"] != phase:
+        assert time.monotonic() < deadline, c.service.status()["reason"]
+        time.sleep(0.02)
+
+
+def test_a_masked_fragment_round_commits_what_a_plain_streaming_round_commits(tmp_path: Path) -> None:
+    cfg = tiny_config(**STREAMING, privacy=SECAGG)
+    with BackgroundCoordinator(tmp_path / "masked", cfg) as c, client(c, ATOKEN) as http:
+        joined = [ok(http.post("/v1/join", json={"name": pid})) for pid in TOKENS]
+        frags = joined[0]["streaming"]["fragments"]
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        ds = fragment_deltas(before, frags[0])  # round 0 syncs fragment 0
+        sites = [Site(http, pid) for pid in TOKENS]
+        run_to_upload(sites, TOKENS)
+        for s in sites:
+            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
+        wait_phase(c, "reveal")
+        for s in sites:
+            ok(s.reveal())
+        wait_version(c, 1)
+        masked = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        record = c.service.round_history(1)[0]
+    ring_bytes = sum(2 * before[n].numel() for n in frags[0])  # 2 bytes a parameter of the fragment
+    assert record["fragment"] == 0 and record["n_submissions"] == 3
+    assert 3 * ring_bytes < record["bytes_in"] < 3 * (ring_bytes + 4096)
+    with BackgroundCoordinator(tmp_path / "plain", tiny_config(**STREAMING)) as c, client(c, ATOKEN) as http:
+        for pid in TOKENS:
+            ok(http.post("/v1/join", json={"name": pid}))
+        for pid, tok in TOKENS.items():
+            assert put(http, 0, pid, ds[pid], tokens=tok).status_code == 200
+        assert wait_round(http, 0)["state"] == "closed"
+        plain = c.service.inspect().weights
+    moved = 0.0
+    for n in frags[0]:  # each contribution is off by at most half a unit: 3 of them, over a total weight of 1
+        assert torch.allclose(masked[n], plain[n], rtol=0, atol=3 * unit() / 2 + 1e-6), n
+        moved = max(moved, float((plain[n] - before[n]).abs().max()))
+    assert moved > 100 * unit()  # the round really moved the fragment
+    for n in frags[1]:  # the other fragment is not in the round: not a bit moved
+        assert torch.equal(masked[n], before[n]) and torch.equal(plain[n], before[n]), n
+
+
+def test_a_streaming_run_with_secure_aggregation_trains(tmp_path: Path) -> None:
+    """Fragments sent τ = 1 step before the round's end, on the worker thread (the masking steps
+    and their waits too), while training goes on."""
+    cfg = tiny_config(rounds=6, min_participants=2, model={"n_layer": 2}, train={"sync_every": 10, "lr": 1e-2},
+                      streaming={"fragments": 2, "overlap": 1, "alpha": 0.5}, privacy=SECAGG)
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        initial = heldout_loss(c.service.inspect().weights)
+        train_all(c.url, 2)
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
+        status = c.service.status()
+        history = sorted(c.service.round_history(10), key=lambda r: r["round"])
+    assert status["current_round"] == 6 and status["secure_aggregation"]["refused_attempts"] == 0
+    assert [r["fragment"] for r in history] == [0, 1, 0, 1, 0, 1]
+    assert all(r["n_submissions"] == 2 for r in history)
+    assert heldout_loss(final) < initial - 0.5
+
+
+def test_an_overlapped_run_with_secure_aggregation_trains(tmp_path: Path) -> None:
+    """train.overlap: the participant sends at step H and trains on while the round's secure
+    aggregation (keys, shares, masked upload, reveal) runs on its worker thread."""
+    cfg = tiny_config(rounds=4, min_participants=2, train={"sync_every": 10, "lr": 1e-2, "overlap": True},
+                      privacy=SECAGG)
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        initial = heldout_loss(c.service.inspect().weights)
+        train_all(c.url, 2)
+        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
+        status = c.service.status()
+        history = c.service.round_history(10)
+    assert status["current_round"] == 4 and status["secure_aggregation"]["refused_attempts"] == 0
+    params = sum(t.numel() for t in final.values())
+    assert all(r["n_submissions"] == 2 and r["bytes_in"] < 2 * (2 * params + 4096) for r in history)
+    assert heldout_loss(final) < initial - 1.0
