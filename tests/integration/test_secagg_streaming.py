@@ -2,10 +2,12 @@
 fragment's tensors only, and commits what a plain streaming round commits (within fixed-point
 rounding) on that fragment, leaving the other fragment as it was; loopback runs that stream
 fragments (τ > 0: sent while training goes on) and that overlap their sync, with secure
-aggregation, train (the loss falls)."""
+aggregation, train (the loss falls); masks drawn during the inner steps (keys and shares before
+the token claim) give the plain mean."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -13,8 +15,11 @@ import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.participant import CoordinatorClient
+from fedtrain.participant.engine.secagg_sync import start_ahead, submit_masked
+from fedtrain.participant.engine.sync import SyncEngine
 from tests.helpers.api import client, put, wait_round
-from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 from tests.helpers.runs import heldout_loss, train_all
 from tests.helpers.secagg import Site, ok, run_to_upload
 
@@ -119,3 +124,56 @@ def test_an_overlapped_run_with_secure_aggregation_trains(tmp_path: Path) -> Non
     params = sum(t.numel() for t in final.values())
     assert all(r["n_submissions"] == 2 and r["bytes_in"] < 2 * (2 * params + 4096) for r in history)
     assert heldout_loss(final) < initial - 1.0
+
+
+def test_masks_drawn_during_the_inner_steps_give_the_plain_mean(tmp_path: Path) -> None:
+    """Three real participant engines join round 0's attempt at its start (`start_ahead`): keys and
+    shares go out without a token claim and the masks are drawn while "training" (the coordinator
+    sits in its claims phase, no claim made); after training each claims, masks and uploads with
+    what was drawn, and the round commits the plain token-weighted mean within fixed-point rounding."""
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy=SECAGG)
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c:
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        g = torch.Generator().manual_seed(5)
+        ds = {pid: {n: (torch.rand(t.shape, generator=g) - 0.5) * 0.4 for n, t in before.items()} for pid in TOKENS}
+        errors: list[BaseException] = []
+        joined_all = threading.Barrier(3, timeout=30)  # the keys phase waits for every active participant
+        drawn = threading.Barrier(4, timeout=30)
+        looked = threading.Event()
+
+        def site(pid: str) -> None:
+            try:
+                with CoordinatorClient(c.url, PTOKEN) as cl:
+                    joined = cl.join(pid)
+                    joined_all.wait()
+                    params = {n: t.clone() for n, t in before.items()}
+                    engine = SyncEngine(cl, params, who=pid)
+                    engine.prepare(joined["model"])
+                    engine.load_global(pid)
+                    start_ahead(engine, 0, pid, cfg)  # the round's start
+                    assert engine.masks_ahead is not None and engine.masks_ahead.result(30) is not None
+                    drawn.wait()
+                    assert looked.wait(30)
+                    for n, p in params.items():  # "training": θ_round − θ = Δ
+                        p.sub_(ds[pid][n])
+                    engine.take_delta()
+                    assert submit_masked(engine, 0, pid, cfg, tokens=TOKENS[pid])
+            except BaseException as e:  # reported by the test thread
+                errors.append(e)
+                drawn.abort()
+
+        threads = [threading.Thread(target=site, args=(pid,)) for pid in TOKENS]
+        for t in threads:
+            t.start()
+        drawn.wait()
+        st = c.service.status()["secure_aggregation"]
+        looked.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert st["phase"] == "claims" and st["sharing"] == 3  # masks drawn before anyone claimed
+        wait_version(c, 1)
+        after = c.service.inspect().weights
+    for n, t in after.items():
+        want = before[n] - (ds["a"][n] + ds["b"][n] + 2 * ds["c"][n]) / 4
+        assert torch.allclose(t, want, rtol=0, atol=3 * unit() / 2 + 1e-6), n
