@@ -19,7 +19,9 @@ upload, merge, download). The modes side by side, same run:
            only the claim, the encoding, one ring addition per tensor, the upload and the reveal
 
 Round time: from the moment every participant starts its sync until the last one holds the
-new model (the --train-s before it is not counted, whatever ran in it). Bytes per
+new model (the --train-s before it is not counted, whatever ran in it). To upload: from that
+moment until a participant's upload starts (what it does after its inner steps before its update
+is on the wire: the protocol's phases and the masking), the median over participants and rounds. Bytes per
 parameter: the round's bytes in (as the coordinator counted them) / (N × parameters). The first
 round of each mode is a warm-up; the best and the median of --rounds others are printed.
 """
@@ -72,10 +74,19 @@ class Site(threading.Thread):
         self.delta = {n: torch.randn(s, generator=g) * 0.003 for n, s in shapes.items()}
         self.start_all, self.done = start, done
         self.error: BaseException | None = None
+        self.started = 0.0
+        self.to_upload: list[float] = []  # per round: from the sync's start to our upload's start
 
     def run(self) -> None:
         try:
             with CoordinatorClient(self.url, TOKEN) as cl:
+                upload = cl.upload
+
+                def timed(*args: Any, **kwargs: Any) -> Any:
+                    self.to_upload.append(time.perf_counter() - self.started)
+                    return upload(*args, **kwargs)
+
+                cl.upload = timed  # type: ignore[method-assign]
                 joined = cl.join(self.pid)
                 engine = SyncEngine(cl, self.params, who=self.pid)
                 engine.prepare(joined["model"])
@@ -87,6 +98,7 @@ class Site(threading.Thread):
                         p.sub_(self.delta[n])
                     time.sleep(self.train_s)
                     self.start_all.wait()
+                    self.started = time.perf_counter()
                     r = engine.fetch(r, self.pid, self.cfg, tokens=1000)
                     engine.adopt()
                     self.done.wait()
@@ -122,8 +134,9 @@ def measure(mode: str, n: int, params: int, rounds: int, train_s: float) -> dict
             history = c.service.round_history(rounds + 1)
     per_param = [h["bytes_in"] / (n * 4 * size) for h in history]
     measured = times[1:]
+    to_upload = [t for s in sites for t in s.to_upload[1:]]
     return {"mode": mode, "n": n, "best_s": min(measured), "median_s": statistics.median(measured),
-            "bytes_per_param": statistics.median(per_param)}
+            "bytes_per_param": statistics.median(per_param), "to_upload_s": statistics.median(to_upload)}
 
 
 def main() -> None:
@@ -134,13 +147,14 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", choices=["int8", "secagg", "ahead"], default=["int8", "secagg", "ahead"])
     ap.add_argument("--train-s", type=float, default=2.0, help="the inner steps' time (a sleep, not counted)")
     args = ap.parse_args()
-    print(f"{'N':>3} {'mode':>7} {'best s':>8} {'median s':>9} {'bytes/param':>12} {'vs first':>8}")
+    print(f"{'N':>3} {'mode':>7} {'best s':>8} {'median s':>9} {'bytes/param':>12} {'vs first':>8} "
+          f"{'to upload s':>12}")
     for n in args.n:
         rows = [measure(m, n, int(args.params), args.rounds, args.train_s) for m in args.modes]
         for row in rows:
             ratio = row["median_s"] / rows[0]["median_s"]
             print(f"{n:>3} {row['mode']:>7} {row['best_s']:>8.2f} {row['median_s']:>9.2f} "
-                  f"{row['bytes_per_param']:>12.3f} {ratio:>7.2f}x", flush=True)
+                  f"{row['bytes_per_param']:>12.3f} {ratio:>7.2f}x {row['to_upload_s']:>12.3f}", flush=True)
 
 
 if __name__ == "__main__":
