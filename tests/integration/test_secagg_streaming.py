@@ -7,6 +7,7 @@ the token claim) give the plain mean."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -92,12 +93,13 @@ def test_a_masked_fragment_round_commits_what_a_plain_streaming_round_commits(tm
         assert torch.equal(masked[n], before[n]) and torch.equal(plain[n], before[n]), n
 
 
-def test_a_streaming_run_with_secure_aggregation_trains(tmp_path: Path) -> None:
+def test_a_streaming_run_with_secure_aggregation_trains(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Fragments sent τ = 1 step before the round's end, on the worker thread (the masking steps
-    and their waits too), while training goes on."""
+    and their waits too), while training goes on; each fragment's masks drawn during its inner steps."""
     cfg = tiny_config(rounds=6, min_participants=2, model={"n_layer": 2}, train={"sync_every": 10, "lr": 1e-2},
                       streaming={"fragments": 2, "overlap": 1, "alpha": 0.5}, privacy=SECAGG)
-    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+    with caplog.at_level(logging.INFO, logger="fedtrain.participant"), \
+            BackgroundCoordinator(tmp_path / "state", cfg) as c:
         initial = heldout_loss(c.service.inspect().weights)
         train_all(c.url, 2)
         final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
@@ -107,14 +109,18 @@ def test_a_streaming_run_with_secure_aggregation_trains(tmp_path: Path) -> None:
     assert [r["fragment"] for r in history] == [0, 1, 0, 1, 0, 1]
     assert all(r["n_submissions"] == 2 for r in history)
     assert heldout_loss(final) < initial - 0.5
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("drawn during the inner steps" in m for m in said) == 6 * 2, said  # every round, both
 
 
-def test_an_overlapped_run_with_secure_aggregation_trains(tmp_path: Path) -> None:
+def test_an_overlapped_run_with_secure_aggregation_trains(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """train.overlap: the participant sends at step H and trains on while the round's secure
-    aggregation (keys, shares, masked upload, reveal) runs on its worker thread."""
+    aggregation (claim, masked upload, reveal) runs on its worker thread; keys, shares and masks
+    were drawn during the inner steps, every round (no participant fell back to drawing them late)."""
     cfg = tiny_config(rounds=4, min_participants=2, train={"sync_every": 10, "lr": 1e-2, "overlap": True},
                       privacy=SECAGG)
-    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+    with caplog.at_level(logging.INFO, logger="fedtrain.participant"), \
+            BackgroundCoordinator(tmp_path / "state", cfg) as c:
         initial = heldout_loss(c.service.inspect().weights)
         train_all(c.url, 2)
         final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
@@ -124,6 +130,9 @@ def test_an_overlapped_run_with_secure_aggregation_trains(tmp_path: Path) -> Non
     params = sum(t.numel() for t in final.values())
     assert all(r["n_submissions"] == 2 and r["bytes_in"] < 2 * (2 * params + 4096) for r in history)
     assert heldout_loss(final) < initial - 1.0
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("drawn during the inner steps" in m for m in said) == 4 * 2, said  # every round, both
+    assert not [m for m in said if "not drawn ahead" in m or "starts again" in m]
 
 
 def test_masks_drawn_during_the_inner_steps_give_the_plain_mean(tmp_path: Path) -> None:

@@ -212,6 +212,7 @@ def _finish_ahead(engine: SyncEngine, calls: SecAggCalls, ahead: Ahead, config: 
     if state["session"] != session or state["phase"] not in ("shares", "claims"):
         raise _Restart(f"the attempt we drew masks for is in its {state['phase']} phase, session {state['session']}")
     counted = _ask(lambda: calls.claim(r, session, tokens))["tokens_counted"]
+    log.info("round %d: keys, shares and masks were drawn during the inner steps; claimed %d tokens", r, counted)
     return _upload_and_reveal(engine, calls, ahead.sp, ahead.me, ahead.sharing, r, config, int(counted), state,
                               give_up_at)
 
