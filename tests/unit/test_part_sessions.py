@@ -1,6 +1,7 @@
 """Upload sessions in parts (`coordinator/intake/parts.py`), with an injected clock: a session
-left idle is reclaimed with its file, a newer body replaces an older one, and the parts of a
-complete session are the body, bit for bit."""
+left idle is reclaimed with its file, a newer body replaces an older one, the parts of a
+complete session are the body, bit for bit, and a consumer reads that body as its parts
+arrive, never past the parts held, giving up when its session is dropped."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fedtrain.coordinator.intake import parts
 from fedtrain.coordinator.intake.parts import PartClaim, PartSessions
 from fedtrain.coordinator.intake.spool import SpoolFiles
 from fedtrain.errors import Refused
-from fedtrain.transport import Body
+from fedtrain.transport import Abandoned, Body
 from fedtrain.wire import digest_bytes
 
 PART = parts.MIN_PART_BYTES
@@ -106,5 +107,69 @@ def test_parts_arriving_side_by_side_make_one_session(tmp_path: Path) -> None:
         s = sessions.get(key)
         assert s is not None and s.complete and sessions.count == 1
         assert await sessions.whole(s).read(len(DATA) + 1) == DATA
+
+    asyncio.run(go())
+
+
+class Reader:
+    """A consumer of a session's body (`PartSessions.consume`): what it has read so far."""
+
+    def __init__(self) -> None:
+        self.got = bytearray()
+        self.grew = asyncio.Event()
+
+    async def __call__(self, body: Body) -> dict[str, int]:
+        buf = memoryview(bytearray(4096))  # (parts are whole multiples of it: a read never spans a wait)
+        while True:
+            n = await body.readinto(buf)
+            self.got += buf[:n]
+            self.grew.set()
+            if n < len(buf):
+                return {"bytes": len(self.got)}
+
+    async def has(self, nbytes: int) -> None:
+        while len(self.got) < nbytes:
+            self.grew.clear()
+            await asyncio.wait_for(self.grew.wait(), 10)
+
+
+def test_a_consumer_reads_the_parts_held_from_the_first_as_they_come_and_never_past_them(tmp_path: Path) -> None:
+    async def go() -> None:
+        sessions = PartSessions(SpoolFiles(tmp_path))
+        s = await sessions.open(("p0", 0, None), claim(0), 1 << 30, lambda: None, 1.0)
+        reader = Reader()
+        sessions.consume(s, reader)
+        await sessions.receive(s, 2, digest_bytes(part(2)), Body(chunks(part(2))))  # out of order: a gap before it
+        await sessions.receive(s, 0, digest_bytes(part(0)), Body(chunks(part(0))))
+        await reader.has(PART)
+        await asyncio.sleep(0.1)
+        assert bytes(reader.got) == DATA[:PART]  # part 2 is held, part 1 is not: it waits at the gap
+        await sessions.receive(s, 1, digest_bytes(part(1)), Body(chunks(part(1))))
+        await reader.has(3 * PART)
+        assert not s.consumer.done()  # type: ignore[union-attr]
+        await sessions.receive(s, 3, digest_bytes(part(3)), Body(chunks(part(3))))
+        assert await asyncio.wait_for(s.consumer, 10) == {"bytes": len(DATA)}  # type: ignore[arg-type]
+        assert bytes(reader.got) == DATA
+        sessions.drop(s)
+        assert files(tmp_path) == []
+
+    asyncio.run(go())
+
+
+def test_a_dropped_session_stops_its_waiting_consumer_and_its_file_goes_at_once(tmp_path: Path) -> None:
+    async def go() -> None:
+        sessions = PartSessions(SpoolFiles(tmp_path))
+        s = await sessions.open(("p0", 0, None), claim(0), 1 << 30, lambda: None, 1.0)
+        reader = Reader()
+        sessions.consume(s, reader)
+        await sessions.receive(s, 0, digest_bytes(part(0)), Body(chunks(part(0))))
+        await reader.has(PART)
+        assert not s.idle.is_set()  # its consumer runs: a newer body waits for it to end
+        sessions.drop(s)
+        assert files(tmp_path) == []  # (the consumer reads no byte of it from now on)
+        with pytest.raises(Abandoned):
+            await asyncio.wait_for(s.consumer, 10)  # type: ignore[arg-type]
+        await asyncio.wait_for(s.idle.wait(), 10)
+        assert bytes(reader.got) == DATA[:PART]
 
     asyncio.run(go())

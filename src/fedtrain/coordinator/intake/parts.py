@@ -53,7 +53,7 @@ MAX_STREAMING_PER_PID = 16
 #: How long a part over that bound waits for one of its participant's parts to end before it
 #: is refused (a client starts its next part once the last one's bytes are written, while
 #: the coordinator may still be reading their tail), and how many such parts may wait.
-SLOT_WAIT_S = 5.0
+SLOT_WAIT_S = 2.0
 MAX_WAITING_PER_PID = MAX_STREAMING_PER_PID
 #: A session that has heard no part for this long (and has none streaming) is reclaimed.
 IDLE_S = 600.0
