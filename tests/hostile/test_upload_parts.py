@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -270,6 +271,35 @@ def test_a_participant_streams_at_most_so_many_parts_at_once(run: BackgroundCoor
         r = s.put(parts.MAX_STREAMING_PER_PID, data=b"\0" * PART, total=total, whole=digest_bytes(b"whole"))
         assert (r.status_code, code(r)) == (429, "too_many_parts_in_flight"), r.text
         assert r.json()["error"]["details"]["retry_after_s"] > 0
+    finally:
+        for sock in socks:
+            sock.close()
+        s.close()
+
+
+def test_a_part_over_the_cap_waits_briefly_and_goes_in_once_a_slot_frees(run: BackgroundCoordinator) -> None:
+    """A client starts its next part once the last one's bytes are written, and the coordinator
+    may still be reading their tail: a part over the cap waits (at most `SLOT_WAIT_S`) for one
+    of its participant's parts to end, rather than being refused at once."""
+    s = Sender(run, "p0")
+    total = (parts.MAX_STREAMING_PER_PID + 4) * PART
+    socks: list[socket.socket] = []
+    try:
+        for i in range(parts.MAX_STREAMING_PER_PID):
+            socks.append(stalled_part(run, s, i, total))
+        deadline = time.monotonic() + 20
+        while len(s.held().json().get("streaming", [])) < parts.MAX_STREAMING_PER_PID:
+            assert time.monotonic() < deadline, "the parts never began to stream"
+            time.sleep(0.05)
+        got: list[httpx.Response] = []
+        late = threading.Thread(target=lambda: got.append(
+            s.put(parts.MAX_STREAMING_PER_PID, data=b"\0" * PART, total=total, whole=digest_bytes(b"whole"))))
+        late.start()
+        time.sleep(0.3)  # (it waits; should it come later, a slot is free by then and it goes in at once)
+        socks.pop(0).close()  # one part's connection ends: its slot is free
+        late.join(30)
+        assert got and got[0].status_code == 200, got[0].text if got else "no answer"
+        assert parts.MAX_STREAMING_PER_PID in s.held().json()["held"]
     finally:
         for sock in socks:
             sock.close()
