@@ -32,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fedtrain.coordinator.intake.spool import SpoolFiles
 from fedtrain.errors import Refused, WireError
@@ -317,7 +317,7 @@ class PartSessions:
         when the session is dropped."""
         if session.consuming or session.gone:
             return
-        feed = Body(held_body(session))
+        feed = Body(cast(AsyncIterator[bytes], held_body(session)))  # (a Body takes views as it takes bytes)
         session.feed = feed
         session.idle.clear()
         task = asyncio.ensure_future(run(feed))
@@ -386,11 +386,18 @@ class PartSessions:
         return self.drop_where(lambda k: self._sessions[k].streaming != set() or now - self._sessions[k].heard < IDLE_S)
 
 
-async def held_body(session: Session) -> AsyncIterator[bytes]:
+async def held_body(session: Session) -> AsyncIterator[memoryview]:
     """`session`'s body from its first byte as its parts are held: the contiguous prefix held
     so far, read from its file in BATCH chunks on a worker thread, then a wait for the next
-    part; never a byte past the prefix. Raises `Abandoned` once the session is dropped."""
+    part; never a byte past the prefix. Raises `Abandoned` once the session is dropped (and
+    yields nothing read after: its file goes at the drop, `_release_if_unused`).
+
+    Chunks are read into two buffers in turn, each yielded as a view: a `Body` copies a chunk
+    out (or keeps what it did not take ahead) before it asks for the next one, so a buffer is
+    read again only once the chunk before the last is used up."""
     at, total = 0, session.claim.total
+    buffers = [bytearray(min(BATCH, total)) for _ in range(2)]
+    turn = 0
     while at < total:
         changed = session.changed
         if session.gone and not session.assembling:
@@ -399,23 +406,24 @@ async def held_body(session: Session) -> AsyncIterator[bytes]:
         if at >= held:
             await changed.wait()
             continue
+        view = memoryview(buffers[turn % 2])[: min(BATCH, held - at)]
         try:
-            chunk = await asyncio.to_thread(_read_at, session.path, at, min(BATCH, held - at))
+            n = await asyncio.to_thread(_read_at, session.path, at, view)
         except OSError:
             if session.gone:  # (its file went with it)
                 raise Abandoned() from None
             raise
         if session.gone and not session.assembling:  # dropped meanwhile: the file may hold other bytes now
             raise Abandoned()
-        if not chunk:
+        if not n:
             raise WireError("an upload's spool file is shorter than its parts")
-        at += len(chunk)
-        yield chunk
+        at, turn = at + n, turn + 1
+        yield view[:n]
 
 
-def _read_at(path: Path, offset: int, n: int) -> bytes:
+def _read_at(path: Path, offset: int, view: memoryview) -> int:
     with open(path, "rb", buffering=0) as f:
-        return os.pread(f.fileno(), n, offset)
+        return os.preadv(f.fileno(), [view], offset)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
