@@ -313,9 +313,10 @@ class PartSessions:
 
     def consume(self, session: Session, run: Callable[[Body], Awaitable[dict[str, Any]]]) -> None:
         """Start `run` (the upload flow) on `session`'s body as its parts arrive (`held_body`),
-        unless one runs already. Its answer, or its error, is `session.consumer`'s; it gives up
-        when the session is dropped."""
-        if session.consuming or session.gone:
+        unless one runs already (or the session is complete and placed by the part that
+        completed it). Its answer, or its error, is `session.consumer`'s; it gives up when the
+        session is dropped."""
+        if session.consuming or session.gone or session.assembling:
             return
         feed = Body(cast(AsyncIterator[bytes], held_body(session)))  # (a Body takes views as it takes bytes)
         session.feed = feed
