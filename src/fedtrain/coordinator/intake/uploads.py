@@ -188,12 +188,17 @@ class Uploads:
         except Refused:
             await body.drain()
             raise
-        if _restart(session.consumer):  # none yet, or one that stopped short of a bad body
-            parts.consume(session, lambda held: self._receive_update(ident, pid, round_, claim.tokens, claim.digest,
-                                                                     claim.total, held, piece))
+
+        def read() -> None:  # none yet, or one that stopped short of an answer about the body
+            if _restart(session.consumer):
+                parts.consume(session, lambda held: self._receive_update(ident, pid, round_, claim.tokens,
+                                                                         claim.digest, claim.total, held, piece))
+
+        read()
         fresh = await parts.receive(session, claim.index, digest, body)
         about = {"part": claim.index, "parts": claim.count, "held": len(session.held)}
         if not session.complete or session.assembling or session.gone:
+            read()  # (one stopped while this part streamed in starts again now, not at the next part)
             self._events.notify()
             return {"accepted": True, "duplicate": not fresh, "round": round_, "parts_complete": False,
                     **about, **({"piece": piece} if piece else {})}
