@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from fedtrain.coordinator.intake.part_files import file_chunks, held_body, size_file, write_part
 from fedtrain.coordinator.intake.spool import SpoolFiles
-from fedtrain.errors import Refused, WireError
-from fedtrain.transport.body import Abandoned, Body
+from fedtrain.errors import Refused
+from fedtrain.transport.body import Body
 from fedtrain.transport.progress import Progress
-from fedtrain.wire.digest import StreamingDigest, digests_equal, parse_digest
+from fedtrain.wire.digest import digests_equal, parse_digest
 
 #: The smallest part a session may use (but for its last) and the largest.
 MIN_PART_BYTES = 64 << 10
@@ -48,7 +48,7 @@ MAX_PARTS = 1 << 16
 #: The sessions one participant may hold at once (an update, or its pieces, per round).
 MAX_SESSIONS_PER_PID = 64
 #: The parts of one participant streaming in at once, all its sessions together (what
-#: `transfer.streams` may ask for; each holds two receive buffers of up to BATCH).
+#: `transfer.streams` may ask for; each holds two receive buffers of up to `part_files.BATCH`).
 MAX_STREAMING_PER_PID = 16
 #: How long a part over that bound waits for one of its participant's parts to end before it
 #: is refused (a client starts its next part once the last one's bytes are written, while
@@ -57,8 +57,6 @@ SLOT_WAIT_S = 2.0
 MAX_WAITING_PER_PID = MAX_STREAMING_PER_PID
 #: A session that has heard no part for this long (and has none streaming) is reclaimed.
 IDLE_S = 600.0
-#: Bytes read from the socket, hashed and written at a time.
-BATCH = 2 << 20
 
 Key = tuple[str, int, str | None]  # (participant, round, piece label or None: the whole update)
 
@@ -133,6 +131,10 @@ class Session:
     @property
     def complete(self) -> bool:
         return len(self.held) == self.claim.count
+
+    @property
+    def total(self) -> int:
+        return self.claim.total
 
     @property
     def consuming(self) -> bool:
@@ -229,7 +231,7 @@ class PartSessions:
         # any order with them).
         self._sessions[key] = session
         try:
-            await asyncio.to_thread(_size_file, path, claim.total)
+            await asyncio.to_thread(size_file, path, claim.total)
         except BaseException:
             self.drop(session)
             raise
@@ -256,7 +258,7 @@ class PartSessions:
         session.heard = self._clock()
         try:
             start, stop = session.claim.span(index)
-            got = await _write_part(body, session.path, start, stop - start, digest)
+            got = await write_part(body, session.path, start, stop - start, digest)
             if session.gone:
                 raise Refused(409, "upload_replaced", f"the upload part {index} belonged to was replaced or "
                               "dropped while it streamed in")
@@ -347,7 +349,7 @@ class PartSessions:
 
     def whole(self, session: Session) -> Body:
         """The complete session's file as the body of an ordinary upload."""
-        return Body(_file_chunks(session.path, session.claim.total))
+        return Body(file_chunks(session.path, session.claim.total))
 
     def drop(self, session: Session) -> None:
         """Forget `session`: its consumer gives up; its file goes now, or once no part streams
@@ -387,114 +389,9 @@ class PartSessions:
         return self.drop_where(lambda k: self._sessions[k].streaming != set() or now - self._sessions[k].heard < IDLE_S)
 
 
-async def held_body(session: Session) -> AsyncIterator[memoryview]:
-    """`session`'s body from its first byte as its parts are held: the contiguous prefix held
-    so far, read from its file in BATCH chunks on a worker thread, then a wait for the next
-    part; never a byte past the prefix. Raises `Abandoned` once the session is dropped (and
-    yields nothing read after: its file goes at the drop, `_release_if_unused`).
-
-    Chunks are read into two buffers in turn, each yielded as a view: a `Body` copies a chunk
-    out (or keeps what it did not take ahead) before it asks for the next one, so a buffer is
-    read again only once the chunk before the last is used up."""
-    at, total = 0, session.claim.total
-    buffers = [bytearray(min(BATCH, total)) for _ in range(2)]
-    turn = 0
-    while at < total:
-        changed = session.changed
-        if session.gone and not session.assembling:
-            raise Abandoned()
-        held = session.prefix_bytes()
-        if at >= held:
-            await changed.wait()
-            continue
-        view = memoryview(buffers[turn % 2])[: min(BATCH, held - at)]
-        try:
-            n = await asyncio.to_thread(_read_at, session.path, at, view)
-        except OSError:
-            if session.gone:  # (its file went with it)
-                raise Abandoned() from None
-            raise
-        if session.gone and not session.assembling:  # dropped meanwhile: the file may hold other bytes now
-            raise Abandoned()
-        if not n:
-            raise WireError("an upload's spool file is shorter than its parts")
-        at, turn = at + n, turn + 1
-        yield view[:n]
-
-
-def _read_at(path: Path, offset: int, view: memoryview) -> int:
-    with open(path, "rb", buffering=0) as f:
-        return os.preadv(f.fileno(), [view], offset)
-
-
 async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
     try:
         await asyncio.wait_for(event.wait(), timeout_s)
     except asyncio.TimeoutError:
         return False
     return True
-
-
-def _size_file(path: Path, total: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        os.ftruncate(fd, total)
-    finally:
-        os.close(fd)
-
-
-async def _write_part(body: Body, path: Path, offset: int, length: int, digest: str) -> str:
-    """Stream `length` bytes of `body` into `path` at `offset`, hashing them; their digest.
-    A body shorter or longer than `length` is a WireError."""
-    hasher = StreamingDigest.like(digest)
-    fd = await asyncio.to_thread(os.open, path, os.O_WRONLY | os.O_CREAT, 0o600)  # (perhaps before it is sized)
-    try:
-        buffers = [memoryview(bytearray(min(BATCH, length + 1))) for _ in range(2)]
-        pending: asyncio.Future[None] | None = None
-        done, turn = 0, 0
-        try:
-            while True:
-                buf = buffers[turn % 2]
-                n = await body.readinto(buf)
-                if done + n > length:
-                    raise WireError(f"the part is longer than its {length:,} bytes")
-                if n:
-                    if pending is not None:
-                        await pending
-                    pending = asyncio.ensure_future(asyncio.to_thread(_hash_write, hasher, fd, buf[:n], offset + done))
-                    done, turn = done + n, turn + 1
-                if n < len(buf):
-                    break
-            if pending is not None:
-                await pending
-                pending = None
-        finally:
-            if pending is not None:
-                await asyncio.gather(pending, return_exceptions=True)
-        if done != length:
-            raise WireError(f"the part ended after {done:,} of its {length:,} bytes")
-        return hasher.digest()
-    finally:
-        os.close(fd)
-
-
-def _hash_write(hasher: StreamingDigest, fd: int, view: memoryview, offset: int) -> None:
-    hasher.update(view)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-async def _file_chunks(path: Path, total: int) -> Any:
-    """The first `total` bytes of `path`, in BATCH chunks read on a worker thread."""
-    f = await asyncio.to_thread(open, path, "rb", buffering=0)
-    try:
-        left = total
-        while left:
-            chunk = await asyncio.to_thread(f.read, min(BATCH, left))
-            if not chunk:
-                raise WireError("an upload's spool file is shorter than its parts")
-            left -= len(chunk)
-            yield chunk
-    finally:
-        f.close()
