@@ -173,3 +173,26 @@ def test_a_dropped_session_stops_its_waiting_consumer_and_its_file_goes_at_once(
         assert bytes(reader.got) == DATA[:PART]
 
     asyncio.run(go())
+
+
+def test_a_participant_has_at_most_so_many_readers_at_once(tmp_path: Path) -> None:
+    """Each reader may hold buffers while it waits for parts: one participant's are capped; a
+    session without one is read whole once complete, and gets one once a reader is free."""
+    async def go() -> None:
+        sessions = PartSessions(SpoolFiles(tmp_path))
+        opened = [await sessions.open(("p0", 0, f"piece{i}"), claim(0), 1 << 30, lambda: None, 1.0)
+                  for i in range(parts.MAX_READERS_PER_PID + 1)]
+        for s in opened:
+            sessions.consume(s, Reader())
+        assert [s.consumer is not None for s in opened] == [True] * parts.MAX_READERS_PER_PID + [False]
+        other = await sessions.open(("p1", 0, None), claim(0), 1 << 30, lambda: None, 1.0)
+        sessions.consume(other, Reader())
+        assert other.consumer is not None  # (per participant)
+        sessions.drop(opened[0])
+        with pytest.raises(Abandoned):
+            await asyncio.wait_for(opened[0].consumer, 10)  # type: ignore[arg-type]
+        sessions.consume(opened[-1], Reader())
+        assert opened[-1].consumer is not None
+        await sessions.stop()
+
+    asyncio.run(go())

@@ -43,9 +43,10 @@ async def held_body(session: Held) -> AsyncIterator[memoryview]:
 
     Chunks are read into two buffers in turn, each yielded as a view: a `Body` copies a chunk
     out (or keeps what it did not take ahead) before it asks for the next one, so a buffer is
-    read again only once the chunk before the last is used up."""
+    read again only once the chunk before the last is used up. A reader waiting for a part
+    holds no buffer (they are made again once it comes: twice a part, not twice a chunk)."""
     at, total = 0, session.total
-    buffers = [bytearray(min(BATCH, total)) for _ in range(2)]
+    buffers: list[bytearray] = []
     turn = 0
     while at < total:
         changed = session.changed
@@ -53,8 +54,11 @@ async def held_body(session: Held) -> AsyncIterator[memoryview]:
             raise Abandoned()
         held = session.prefix_bytes()
         if at >= held:
+            buffers = []
             await changed.wait()
             continue
+        if not buffers:
+            buffers = [bytearray(min(BATCH, total)) for _ in range(2)]
         view = memoryview(buffers[turn % 2])[: min(BATCH, held - at)]
         try:
             n = await asyncio.to_thread(_read_at, session.path, at, view)

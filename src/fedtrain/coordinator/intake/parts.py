@@ -50,6 +50,10 @@ MAX_SESSIONS_PER_PID = 64
 #: The parts of one participant streaming in at once, all its sessions together (what
 #: `transfer.streams` may ask for; each holds two receive buffers of up to `part_files.BATCH`).
 MAX_STREAMING_PER_PID = 16
+#: The readers of one participant's sessions running at once (`consume`): each may hold two
+#: read buffers of `part_files.BATCH` and the flow's two receive buffers while it waits for
+#: parts; a session without one is read whole once complete, as before there were readers.
+MAX_READERS_PER_PID = 4
 #: How long a part over that bound waits for one of its participant's parts to end before it
 #: is refused (a client starts its next part once the last one's bytes are written, while
 #: the coordinator may still be reading their tail), and how many such parts may wait.
@@ -320,6 +324,8 @@ class PartSessions:
         session is dropped."""
         if session.consuming or session.gone or session.assembling:
             return
+        if sum(s.consuming for s in self.of(session.key[0])) >= MAX_READERS_PER_PID:
+            return  # (read whole once complete; another part may start it once a reader is free)
         feed = Body(cast(AsyncIterator[bytes], held_body(session)))  # (a Body takes views as it takes bytes)
         session.feed = feed
         session.idle.clear()
