@@ -11,7 +11,10 @@ parts arrive (`consume`): `held_body` yields the contiguous prefix of held parts
 for more, never reading past it, so when the last part lands only its tail is left to read,
 check and place. The update still counts only once the whole is in and its digest holds.
 The consumer gives up (its body raises `Abandoned`) when its session is dropped; the file
-stays until both its parts and its consumer are over.
+goes once no part streams into it (a consumer reading the tail of a complete body keeps it
+until it has ended). At most `MAX_READERS_PER_PID` of a participant's sessions have a
+consumer at once; one without is read whole once complete. The bytes on disk are
+`part_files.py`'s.
 
 What a session may hold is bounded: its participant's sessions together hold at most
 `max_upload_mb` (the bound of one whole upload), and at most `MAX_SESSIONS_PER_PID` of
