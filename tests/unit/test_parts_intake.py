@@ -6,6 +6,7 @@ byte, and the update still lands whole, as a whole upload's would."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import torch
@@ -37,11 +38,10 @@ def test_a_reader_stopped_by_its_participants_failure_starts_again_at_the_next_p
         return await svc.receive_part(ADMIN_ID, pid, 0, claim, digest_bytes(chunk), len(chunk), chunked(chunk, 4096))
 
     async def reading() -> None:
-        for _ in range(1000):  # (the reader has the header: it is receiving into the sum)
-            if svc.intake.receiving_direct == pid:
-                return
+        deadline = time.monotonic() + 20
+        while svc.intake.receiving_direct != pid:  # (the reader has the header: it is receiving into the sum)
+            assert time.monotonic() < deadline, "no reader is receiving the parts into the sum"
             await asyncio.sleep(0.005)
-        raise AssertionError("no reader is receiving the parts into the sum")
 
     async def scenario() -> None:
         assert (await part(0))["parts_complete"] is False

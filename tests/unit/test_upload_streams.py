@@ -74,8 +74,8 @@ class AnsweredLate:
     coordinator checking the last part's bytes): when each part began writing, and how many
     wrote at once."""
 
-    def __init__(self, write_s: float, answer_s: float) -> None:
-        self.write_s, self.answer_s = write_s, answer_s
+    def __init__(self, write_s: float, answer_s: float, last: int) -> None:
+        self.write_s, self.answer_s, self.last = write_s, answer_s, last
         self._lock = threading.Lock()
         self.writing, self.most_writing = 0, 0
         self.began: dict[int, float] = {}
@@ -93,17 +93,19 @@ class AnsweredLate:
         time.sleep(self.answer_s)
         with self._lock:
             self.answered[index] = time.monotonic()
-        return {"parts_complete": index == 5}
+        return {"parts_complete": index == self.last}
 
 
 def test_the_next_part_writes_while_the_last_one_waits_for_its_answer() -> None:
-    link = AnsweredLate(0.01, 0.3)
-    body = EncodedBody({"a": torch.zeros(6 * (64 << 10) // 4)})
-    answer = send_parts(BodyParts(body, 64 << 10), list(range(6)), 1, link.send)
+    # (each part's start is at least 0.25 s ahead of the answer it is compared with, pipelined;
+    # one turnaround per part puts it after that answer)
+    link = AnsweredLate(0.25, 0.25, last=3)
+    body = EncodedBody({"a": torch.zeros(4 * (64 << 10) // 4)})
+    answer = send_parts(BodyParts(body, 64 << 10), list(range(4)), 1, link.send)
     assert answer == {"parts_complete": True}
-    assert sorted(link.began) == list(range(6))
+    assert sorted(link.began) == list(range(4))
     assert link.most_writing == 1  # one stream's worth of bytes at a time
-    assert all(link.began[i + 1] < link.answered[i] for i in range(5))  # not one turnaround per part
+    assert all(link.began[i + 1] < link.answered[i] for i in range(3))  # not one turnaround per part
 
 
 def test_a_part_that_fails_stops_the_parts_not_yet_begun() -> None:

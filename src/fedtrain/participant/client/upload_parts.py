@@ -161,6 +161,10 @@ def _side_by_side(todo: list[int], width: int, send: Send) -> dict[str, Any] | N
     return final
 
 
+def _nothing() -> None:
+    pass
+
+
 #: `streams: auto` doubles the connections while the rate grows by at least this factor.
 AUTO_GAIN = 1.25
 AUTO_MAX = 16
@@ -177,7 +181,8 @@ def probe_streams(todo: list[int], send: Send, log: logging.Logger | None = None
     while at < len(todo):
         batch = todo[at : at + width]
         started = time.monotonic()
-        answer = _side_by_side(batch, width, send)
+        # (one part alone on this thread: a pool's start would count against width 1's rate)
+        answer = _side_by_side(batch, width, send) if width > 1 else send(batch[0], _nothing)
         if answer is not None and answer.get("parts_complete"):
             final = answer
         at += len(batch)
