@@ -51,9 +51,9 @@ def test_auto_grows_the_connections_where_each_gets_its_own_share() -> None:
 
 
 def test_auto_stays_at_one_connection_where_one_fills_the_link() -> None:
-    link = Link(0.02, shared=True)
-    probe_streams(list(range(24)), link.send)
-    assert sorted(link.sent) == list(range(24))
+    link = Link(0.1, shared=True)  # (long enough that a loaded machine's oversleeping is noise)
+    probe_streams(list(range(12)), link.send)
+    assert sorted(link.sent) == list(range(12))
     assert link.most <= 2  # one round of two to see that it does not pay, then one
 
 
