@@ -1,7 +1,9 @@
 """`SyncEngine`: one rank's round trip with the coordinator, Δ up and θ down, which every schedule
 drives: it owns the sync set's reference copy (the snapshot, on the CPU), its state (reference,
 Δ, a download cut short, fetched), error feedback and the byte counters. An FSDP rank's engine
-sends and fetches its rows as its piece (`PieceOf`). See docs/architecture.md.
+sends and fetches its rows as its piece (`PieceOf`). With compressed downloads
+(`train.download_compression`) it also keeps the served model bit for bit (fp32, on the CPU)
+and takes each next version as a compressed delta (`wire/delta.py`). See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.engine.served import ServedModel
 from fedtrain.privacy.clipping import clip_within
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
@@ -97,6 +100,10 @@ class SyncEngine:
         self._holds: Holds = "reference"
         self._feedback = ErrorFeedback()
         self._only = shares is not None
+        # Compressed downloads (`deltas`, as the run config says): the served model as it came,
+        # bit for bit, and its version; a whole download sets them, a delta moves them on.
+        self.deltas = False
+        self._served = ServedModel()
 
     def fragment(self, names: list[str]) -> SyncEngine:
         """An engine over the tensors `names` of this one's sync set (a Streaming DiLoCo
@@ -153,6 +160,7 @@ class SyncEngine:
         """`sync` without the last step: the new global weights end in the snapshot ("fetched"),
         not in the model, until `adopt`. After a download cut short, or a fetch not adopted,
         round r is over: this downloads again without uploading."""
+        self.deltas = config.train.download_compression != "none"
         try:
             if self._holds not in ("cut_short", "fetched"):
                 self.take_delta()
@@ -211,6 +219,7 @@ class SyncEngine:
                  retry: RetryPolicy | None = None) -> int:
         """`submit` then `download`: the whole exchange of round `r`, which leaves the new
         global weights in the snapshot (not in the model). Returns their version."""
+        self.deltas = config.train.download_compression != "none"
         self.submit(r, pid, body, config, tokens=tokens, retry=retry)
         return self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
 
@@ -273,6 +282,13 @@ class SyncEngine:
         which: dict[str, Any] = {"version": version} if version is not None else {}
         if transfer is not None:
             which.update(stall_timeout_s=transfer.stall_timeout_s, streams=transfer.streams)
+        if self.deltas and self.piece is None and not self._only:  # compressed downloads: whole only when needed
+            got_delta = self._download_delta(pid, retry, transfer) if version is None else None
+            if got_delta is None:
+                got_delta = self._download_served(pid, retry, which)
+            self._holds = "reference"
+            return got_delta
+        self._served.forget()
         if self.piece is not None:  # a piece's rows (of a fragment's tensors, for a fragment's engine)
             got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
                                           allocate=self._allocate_rows, retry=retry, **which)
@@ -286,6 +302,28 @@ class SyncEngine:
         self._holds = "reference"
         self.bytes_down += self.snapshot_bytes
         return version
+
+    def _download_served(self, pid: str, retry: RetryPolicy | None, which: dict[str, Any]) -> int:
+        """The whole model, kept as served (`ServedModel`) and copied into the snapshot."""
+        version, tensors = self._served.take_whole(self.client, pid, self._check_header, retry, which)
+        self._into_snapshot(tensors)
+        self.bytes_down += sum(t.numel() * t.element_size() for t in tensors.values())
+        return version
+
+    def _download_delta(self, pid: str, retry: RetryPolicy | None, transfer: TransferConfig | None) -> int | None:
+        """The newest version as a compressed delta (`ServedModel.take_delta`); None: download whole."""
+        got = self._served.take_delta(self.client, pid, retry, transfer.stall_timeout_s if transfer else None)
+        if got is None:
+            return None
+        version, sent = got
+        self._into_snapshot(self._served.tensors)
+        self.bytes_down += sent
+        return version
+
+    def _into_snapshot(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, t in tensors.items():
+                self._snapshot[n].copy_(t)
 
     def adopt(self, sent: dict[str, torch.Tensor] | None = None) -> None:
         """Put the downloaded weights into the model: as they are, or (`sent`: θ_sent, as

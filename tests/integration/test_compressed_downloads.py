@@ -1,0 +1,117 @@
+"""Compressed downloads end to end over loopback (#32): participants that hold version r take
+r -> r + 1 as a compressed delta (topk, with the coordinator's error feedback) and end on the
+coordinator's served model bit for bit, through a coordinator restart (the residual comes back
+from its checkpoint) and a participant that leaves and joins again (a whole download); the
+status counts the compressed bytes sent and their ratio to fp32."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+import httpx
+import torch
+
+from fedtrain.coordinator import BackgroundCoordinator
+from fedtrain.participant import OutagePolicy, Participant, RetryPolicy
+from fedtrain.wire import DIGEST_HEADER, read_tensors
+from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, run_all
+
+WIDE = functools.partial(Small, width=1024)
+TRAIN = {"sync_every": 4, "compression": "topk", "topk_density": 0.25, "topk_chunk": 64, "topk_bits": 4,
+         "download_compression": "topk", "download_topk_density": 0.1}
+
+
+def _task(seed: int) -> Regression:
+    return Regression(rows=16, seed=seed, model=WIDE, lr=0.002)
+
+
+def _served(url: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The model the coordinator serves now, as a participant downloads it, and its digest."""
+    r = httpx.get(f"{url}/v1/model", headers={"Authorization": f"Bearer {PTOKEN}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return dict(read_tensors(iter([r.content]))), r.headers[DIGEST_HEADER]
+
+
+def _assert_bitwise(ours: dict[str, torch.Tensor], served: dict[str, torch.Tensor], who: str) -> None:
+    assert set(ours) == set(served), who
+    for name, t in served.items():
+        assert torch.equal(ours[name].contiguous().view(torch.int32), t.contiguous().view(torch.int32)), (who, name)
+
+
+def test_two_participants_end_on_the_served_model_bit_for_bit(tmp_path: Path) -> None:
+    cfg = tiny_config(rounds=4, min_participants=2, train=TRAIN)
+    with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
+        ps = run_all(TinyParticipant(c.url, f"p{i}", _task(i)) for i in range(2))
+        status = c.service.status()
+        served, _ = _served(c.url)
+    for p in ps:
+        assert p.fed is not None and p.fed.round == 4
+        _assert_bitwise(p.weights, served, str(p.name))
+        assert p.losses[-1] < p.losses[0]
+    fp32 = sum(4 * t.numel() for t in served.values())
+    for p in ps:  # the join's download is whole; each round's after it a delta, a small share of fp32
+        assert p.fed is not None
+        downs = [rec["bytes_down"] for rec in p.fed.history]
+        assert all(0 < d < fp32 * 0.2 for d in downs), (downs, fp32)
+    rounds = status["recent_rounds"]
+    assert rounds and all(r["bytes_out"] and r["vs_fp32_out"] > 3 for r in rounds), rounds
+    assert all(r["fp32_bytes_out"] > r["bytes_out"] for r in rounds)
+
+
+def _residual(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in c.service.committer.deltas.residual.items()}
+
+
+def test_bit_identity_holds_through_a_coordinator_restart_and_a_rejoin(tmp_path: Path) -> None:
+    """p0 pauses in round 3 while the coordinator restarts over the same state (its residual
+    comes back from the checkpoint); p1 leaves after round 4 and joins again under its name
+    (whole download, then deltas). Both end on the served model, bit for bit."""
+    cfg = tiny_config(rounds=7, min_participants=2, train=TRAIN)
+    state, init = tmp_path / "state", init_file(tmp_path, WIDE())
+    at_restart, restarted = threading.Event(), threading.Event()
+
+    def pause_in_round_3(fed: Participant, _loss: float) -> None:
+        if fed.round == 3 and not at_restart.is_set():
+            at_restart.set()
+            assert restarted.wait(60), "the coordinator did not come back"
+
+    patient = {"retry": RetryPolicy(max_elapsed_s=60),
+               "outage": OutagePolicy(budget_s=60, backoff_initial_s=0.2, backoff_max_s=1.0)}
+
+    c1 = BackgroundCoordinator(state, cfg, init_weights=init).start()
+    c2: BackgroundCoordinator | None = None
+    try:
+        p0 = TinyParticipant(c1.url, "p0", _task(0), on_step=pause_in_round_3, **patient).start()
+        p1 = TinyParticipant(c1.url, "p1", _task(1), steps=5 * TRAIN["sync_every"], **patient).start()
+        assert at_restart.wait(120), "p0 never reached round 3"
+        c1.stop()
+        kept = _residual(c1)
+        assert kept and (state / "checkpoints" / "residual-000003.safetensors").is_file()
+        c2 = BackgroundCoordinator(state, cfg, init_weights=init, port=c1.port).start()
+        restored = _residual(c2)
+        assert set(restored) == set(kept) and all(torch.equal(restored[n], kept[n]) for n in kept)
+        restarted.set()
+        p1.join(120)  # it left after round 4
+        assert p1.fed is not None and p1.fed.round == 5
+        p1b = TinyParticipant(c2.url, "p1", _task(1), **patient).start()  # joins again, under its name
+        p0.join(120)
+        p1b.join(120)
+        status = c2.service.status()
+        served, _ = _served(c2.url)
+    finally:
+        restarted.set()
+        for c in (c1, c2):
+            if c is not None:
+                c.stop()
+    for p in (p0, p1b):
+        assert p.fed is not None and p.fed.round == 7
+        _assert_bitwise(p.weights, served, str(p.name))
+    fp32 = sum(4 * t.numel() for t in served.values())
+    assert p1b.fed is not None and p1b.joined_at == 5
+    assert all(0 < rec["bytes_down"] < fp32 * 0.2 for rec in p1b.fed.history)  # deltas after its whole join
+    by = {r["round"]: r for r in status["recent_rounds"]}  # (the rounds before the restart: counted by c1)
+    assert all(by[r]["vs_fp32_out"] > 3 for r in (3, 5, 6)), by  # round 3: the first merge after the restart
+    assert by[4]["bytes_out"] > by[3]["bytes_out"] + fp32  # version 5 also went whole, to p1 joining again
