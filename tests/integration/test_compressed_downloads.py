@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import OutagePolicy, Participant, RetryPolicy
 from fedtrain.wire import DIGEST_HEADER, read_tensors
@@ -59,6 +60,8 @@ def test_two_participants_end_on_the_served_model_bit_for_bit(tmp_path: Path) ->
     rounds = status["recent_rounds"]
     assert rounds and all(r["bytes_out"] and r["vs_fp32_out"] > 3 for r in rounds), rounds
     assert all(r["fp32_bytes_out"] > r["bytes_out"] for r in rounds)
+    shown = format_status(status)  # `fedtrain status` shows the ratio
+    assert "fp32 / down" in shown and f"{rounds[0]['vs_fp32_out']:g}x" in shown
 
 
 def _residual(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:

@@ -10,7 +10,14 @@ import torch
 from fedtrain.errors import WireError
 from fedtrain.wire import EncodedBody, read_tensors
 from fedtrain.wire.compress import Codec, decompress
-from fedtrain.wire.delta import apply_delta, delta_metadata, encode_delta, info_of, target_body
+from fedtrain.wire.delta import (
+    apply_delta,
+    delta_metadata,
+    download_codec,
+    encode_delta,
+    info_of,
+    target_body,
+)
 
 CODECS = [Codec("int8", 64), Codec("e3m0", 64), Codec("topk", 64, k=26, chunk=256, bits=2),
           Codec("topk", 64, k=8, chunk=128, bits=4)]
@@ -119,3 +126,61 @@ def test_bad_deltas_are_refused() -> None:
             info_of({**good, key: value})
     with pytest.raises(WireError):
         info_of({k: v for k, v in good.items() if k != "fedtrain.delta.digest"})
+
+
+# -- the config and the checkpoint -----------------------------------------------------------------
+
+
+def test_download_codec_follows_the_train_section() -> None:
+    from tests.helpers.config import tiny_config
+
+    assert download_codec(tiny_config().train) is None
+    assert download_codec(tiny_config(train={"download_compression": "int8", "compression_block": 64}).train) == \
+        Codec("int8", 64)
+    topk = tiny_config(train={"download_compression": "topk", "topk_chunk": 1000, "topk_density": 0.05,
+                              "topk_bits": 4}).train
+    assert download_codec(topk) == Codec("topk", 256, k=50, chunk=1000, bits=4)
+    own = tiny_config(train={"download_compression": "topk", "topk_chunk": 1000, "download_topk_density": 0.01}).train
+    assert download_codec(own) == Codec("topk", 256, k=10, chunk=1000, bits=2)
+
+
+@pytest.mark.parametrize("bad", [{"download_compression": "bf16"}, {"download_compression": "zstd"},
+                                 {"download_topk_density": 0.5}, {"download_topk_density": 0.0},
+                                 {"download_topk_density": "x"}])
+def test_download_fields_have_bounds(bad: dict) -> None:
+    from pydantic import ValidationError
+
+    from tests.helpers.config import tiny_config
+
+    with pytest.raises(ValidationError):
+        tiny_config(train=bad)
+
+
+def test_compressed_downloads_with_streaming_are_refused_with_the_reason() -> None:
+    from pydantic import ValidationError
+
+    from tests.helpers.config import tiny_config
+
+    streaming = {"fragments": 2}
+    tiny_config(streaming=streaming, train={"sync_every": 4})  # (valid without compressed downloads)
+    with pytest.raises(ValidationError, match="download_compression int8 cannot be used with streaming"):
+        tiny_config(streaming=streaming, train={"sync_every": 4, "download_compression": "int8"})
+
+
+def test_the_residual_checkpoint_round_trips_and_a_damaged_one_is_none(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from fedtrain.coordinator.model.checkpoints import CheckpointDir
+
+    ckpt = CheckpointDir(tmp_path / "ckpt")
+    residual = _model(7)
+    assert ckpt.load_residual(3) is None  # none written: E = 0
+    ckpt.write_residual(3, residual, None)
+    back = ckpt.load_residual(3)
+    assert back is not None and all(torch.equal(back[n], residual[n]) for n in residual)
+    assert 3 in ckpt.versions()
+    path = ckpt.residual_path(3)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF  # one flipped bit in the last tensor
+    path.write_bytes(bytes(raw))
+    assert ckpt.load_residual(3) is None
+    ckpt.remove(3)
+    assert not path.exists()
