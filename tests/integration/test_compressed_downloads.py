@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from fedtrain.cli.report import format_status
@@ -118,3 +119,23 @@ def test_bit_identity_holds_through_a_coordinator_restart_and_a_rejoin(tmp_path:
     by = {r["round"]: r for r in status["recent_rounds"]}  # (the rounds before the restart: counted by c1)
     assert all(by[r]["vs_fp32_out"] > 3 for r in (3, 5, 6)), by  # round 3: the first merge after the restart
     assert by[4]["bytes_out"] > by[3]["bytes_out"] + fp32  # version 5 also went whole, to p1 joining again
+
+
+@pytest.mark.parametrize("overrides", [
+    {"outer": {"algorithm": "fedavg"}},
+    {"outer": {"algorithm": "fedadam"}},
+    {"schedule": {"mode": "balanced"}},
+    {"schedule": {"mode": "async"}, "min_participants": 1, "rounds": 8},
+], ids=["fedavg", "fedadam", "balanced", "async"])
+def test_compressed_downloads_compose(tmp_path: Path, overrides: dict) -> None:
+    """FedAvg, FedOpt, balanced and asynchronous rounds: each participant ends on the served
+    model bit for bit (async: one that is behind takes the model whole, the others a delta)."""
+    cfg = tiny_config(**{"rounds": 4, "min_participants": 2, "train": {**TRAIN, "download_compression": "int8"},
+                         **overrides})
+    with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
+        ps = run_all(TinyParticipant(c.url, f"p{i}", _task(i), step_sleep_s=0.002 * i) for i in range(2))
+        status = c.service.status()
+        served, _ = _served(c.url)
+    for p in ps:
+        _assert_bitwise(p.weights, served, str(p.name))
+    assert any(r["vs_fp32_out"] and r["vs_fp32_out"] > 2 for r in status["recent_rounds"]), status["recent_rounds"]

@@ -21,28 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fedtrain.coordinator.model.publish import SEND_PIECE, Published, pieces
+from fedtrain.coordinator.model.publish import SEND_PIECE, Published, PublishedDelta, pieces
 from fedtrain.transport.protocols import ModelSender, Steps
 from fedtrain.wire import EncodedBody
 from fedtrain.wire.compress import Codec
 from fedtrain.wire.delta import delta_metadata, encode_delta
 
-__all__ = ["DeltaStream", "DownloadDeltas", "PublishedDelta"]
-
-
-@dataclass
-class PublishedDelta:
-    """The step from version `from_version` to the published version `target`, as sent: `body`
-    (compressed, with the target's digest and metadata), and the residual E after it."""
-
-    from_version: int
-    target: Published
-    body: EncodedBody
-    residual: dict[str, torch.Tensor]
-
-    @property
-    def digest(self) -> str:
-        return self.body.digest()
+__all__ = ["DeltaStream", "DownloadDeltas"]
 
 
 class DownloadDeltas:

@@ -26,7 +26,7 @@ from fedtrain.transport.protocols import SEND, Hold, ModelSender, Steps
 from fedtrain.wire import EncodedBody
 
 if TYPE_CHECKING:
-    from fedtrain.coordinator.model.deltas import PublishedDelta
+    import torch
 
 SEND_PIECE = 4 << 20  # most a nonblocking write from memory can take at once (the socket buffer takes less)
 
@@ -84,6 +84,21 @@ class Published:
         """On the event loop: until the commit is over; raises if it failed."""
         await self.settled_async.wait()
         self.check_durable()
+
+
+@dataclass
+class PublishedDelta:
+    """The step from version `from_version` to the published version `target`, as sent: `body`
+    (compressed, with the target's digest and metadata), and the residual E after it."""
+
+    from_version: int
+    target: Published
+    body: EncodedBody
+    residual: dict[str, torch.Tensor]  # E after this step (written with the version's checkpoint)
+
+    @property
+    def digest(self) -> str:
+        return self.body.digest()
 
 
 @dataclass
