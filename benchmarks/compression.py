@@ -1,8 +1,10 @@
 """Compression of pseudo-gradients (issue #32): seconds to compress and decompress at 100M
-parameters per scheme, bytes against fp32, and the coordinator's memory folding sparse updates.
+parameters per scheme, bytes against fp32, the coordinator's memory folding sparse updates, and
+the cost of compressed downloads.
 
-    python benchmarks/compression.py                # 100M parameters (~3 minutes here)
+    python benchmarks/compression.py                # 100M parameters (~4 minutes here)
     python benchmarks/compression.py --params 10e6  # any size
+    python benchmarks/compression.py --only downloads
 
 The "model" is a stack of square float32 matrices (4096 x 4096, the last one cut to size)
 holding a random Δ (normal, scaled per row as a pseudo-gradient's rows differ). For each scheme:
@@ -18,6 +20,14 @@ holding a random Δ (normal, scaled per row as a pseudo-gradient's rows differ).
 Then the coordinator's memory: a child process holds a running sum of the model (its fp32
 copy) and folds N topk updates read from spool files, N = 1, 2, 4; its peak RSS (VmHWM) above
 what it held before the first fold, and its whole peak in model bytes, should not grow with N.
+
+Compressed downloads (`wire/delta.py`), per scheme of `train.download_compression`:
+- `encode`: the coordinator's half after an outer step, `encode_delta`: D = (G - P) + E, C =
+  codec(D), P' = P + decode(C) into the master weights, E' = D - decode(C) (one tensor at a time);
+- `apply`: the participant's `apply_delta` (P + decode(C), in place into its copy of P);
+- `digest`: the participant's check of the result, the digest of the version's body;
+- `whole`: the digest of a whole model body, for scale (what a whole download is checked with);
+- `bytes`: the delta body, and its ratio to the whole fp32 model's body.
 Times are medians of `--repeat` (3) runs on this machine's CPUs (`torch.get_num_threads()`).
 """
 
@@ -38,6 +48,7 @@ import torch
 from fedtrain.merge import RunningSum
 from fedtrain.wire import EncodedBody, iter_file, read_tensors, write_file
 from fedtrain.wire.compress import Codec, ErrorFeedback, compress, decode_parts, decompress
+from fedtrain.wire.delta import DeltaInfo, apply_delta, encode_delta, target_body
 
 SCHEMES: dict[str, Codec] = {
     "none": Codec("none"),
@@ -110,6 +121,45 @@ def bench(params: int, repeat: int) -> None:
         del tensors, fb
 
 
+DOWNLOADS: dict[str, Codec] = {k: v for k, v in SCHEMES.items() if k in ("int8", "e3m0", "topk 1% 2-bit",
+                                                                        "topk 5% 4-bit")}
+
+
+def downloads(params: int, repeat: int) -> None:
+    """Compressed downloads: the coordinator's encode and the participant's apply and check."""
+    prev = {n: t * 1e3 for n, t in model_delta(params, seed=7).items()}  # P: weights of order 1
+    step = model_delta(params, seed=8)  # G - P: an outer step
+    g = {n: prev[n] + step[n] for n in prev}
+    whole = EncodedBody(prev, {"version": "1"})
+    w = timed(lambda: EncodedBody(prev, {"version": "1"}).digest(), repeat)
+    print(f"\ncompressed downloads at {params / 1e6:.0f}M parameters (whole model body "
+          f"{whole.content_length / 1e6:.0f} MB, its digest {w:.2f} s)")
+    print("| scheme | encode s (coordinator) | apply s (participant) | digest s (participant) | body MB | vs fp32 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, codec in DOWNLOADS.items():
+        times, residual = [], {n: torch.zeros_like(t) for n, t in prev.items()}
+        for _ in range(repeat):
+            new = {n: t.clone() for n, t in g.items()}
+            start = time.perf_counter()
+            tensors, meta, left = encode_delta(prev, new, residual, codec)
+            times.append(time.perf_counter() - start)
+        held = {n: t.clone() for n, t in prev.items()}
+        applied = []
+        for _ in range(repeat):
+            for n, t in prev.items():
+                held[n].copy_(t)
+            start = time.perf_counter()
+            result = apply_delta(held, tensors, meta, out=held)
+            applied.append(time.perf_counter() - start)
+        assert all(torch.equal(result[n], new[n]) for n in new)  # bit for bit, the coordinator's weights
+        info = DeltaInfo(0, 1, "xxh3-128:" + "0" * 32, {"version": "1"})
+        d = timed(lambda r=result, i=info: target_body(r, i).digest(), repeat)
+        nbytes = EncodedBody(tensors, meta).content_length
+        print(f"| {label} | {statistics.median(times):.2f} | {statistics.median(applied):.2f} | {d:.2f} | "
+              f"{nbytes / 1e6:.2f} | {whole.content_length / nbytes:.1f}x |")
+        del tensors, left, new, held, result
+
+
 def rss_child(files: list[str], params: int) -> None:
     """In a child: a running sum of the model, then N topk updates folded from their files."""
     shapes = {n: tuple(t.shape) for n, t in model_delta(params).items()}
@@ -158,14 +208,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=100e6)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=("uploads", "memory", "downloads"), help="run one part only")
     ap.add_argument("--rss-child", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     params = int(args.params)
     if args.rss_child is not None:
         rss_child(args.rss_child, params)
         return
-    bench(params, args.repeat)
-    rss(params)
+    if args.only in (None, "uploads"):
+        bench(params, args.repeat)
+    if args.only in (None, "memory"):
+        rss(params)
+    if args.only in (None, "downloads"):
+        downloads(params, args.repeat)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,23 @@ def _check_prev(prev: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     return t
 
 
+def _add_decoded(name: str, base: torch.Tensor, dest: torch.Tensor, positions: torch.Tensor | None,
+                 values: torch.Tensor) -> torch.Tensor:
+    """dest = base + the decoded values of tensor `name` (dense, or at `positions`): the one add
+    both sides make, fp32 on the CPU (`dest` may be `base`)."""
+    if dest is not base:
+        dest.copy_(base)
+    if positions is None:
+        if tuple(values.shape) != tuple(base.shape) or values.dtype != torch.float32:
+            raise WireError(f"delta tensor {name} is {tuple(values.shape)} {values.dtype}, the model's "
+                            f"{tuple(base.shape)} float32")
+        dest.add_(values)
+    else:
+        flat = dest.view(-1)
+        flat.index_put_((positions,), flat[positions] + values)
+    return dest
+
+
 def apply_delta(prev: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
                 out: Mapping[str, torch.Tensor] | None = None) -> TensorDict:
     """P + decode(C), THE one computation of a published model from the one before and a delta
@@ -121,17 +138,7 @@ def apply_delta(prev: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Te
     for name, positions, values in decode_parts(tensors.items(), metadata, dtypes, shapes):
         base = _check_prev(prev, name)
         dest = out[name] if out is not None and name in out else torch.empty_like(base)
-        if dest is not base:
-            dest.copy_(base)
-        if positions is None:
-            if tuple(values.shape) != tuple(base.shape) or values.dtype != torch.float32:
-                raise WireError(f"delta tensor {name} is {tuple(values.shape)} {values.dtype}, the model's "
-                                f"{tuple(base.shape)} float32")
-            dest.add_(values)
-        else:
-            flat = dest.view(-1)
-            flat.index_put_((positions,), flat[positions] + values)
-        result[name] = dest
+        result[name] = _add_decoded(name, base, dest, positions, values)
     missing = [n for n in prev if n not in result]
     if missing:
         raise WireError(f"the delta leaves out tensors of the model: {', '.join(missing[:5])}")
@@ -143,9 +150,10 @@ def encode_delta(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
                  ) -> tuple[TensorDict, dict[str, str], TensorDict]:
     """The coordinator's half, one tensor at a time (bounded temporaries): for each tensor of
     `new` (G, the outer step's result from `prev`, P_r), D = (G - P_r) + E (E: `residual`,
-    zero where it holds none), C = codec(D); then P_{r+1} = `apply_delta`(P_r, C), written into
-    `new`'s tensors (the master weights, in place), and E_{r+1} = D - decode(C). Returns (C's
-    tensors, C's codec metadata, E_{r+1}). Tensors of `new` missing in `prev` are refused."""
+    zero where it holds none), C = codec(D); then P_{r+1} = P_r + decode(C) as `apply_delta`
+    computes it, written into `new`'s tensors (the master weights, in place), and E_{r+1} =
+    D - decode(C). Returns (C's tensors, C's codec metadata, E_{r+1}). Tensors of `new`
+    missing in `prev` are refused."""
     if codec.scheme == "none":
         raise WireError("a compressed download needs a compression scheme, not none")
     body: TensorDict = {}
@@ -158,15 +166,14 @@ def encode_delta(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
             d.add_(residual[name])
         part, meta = compress({name: d}, codec)
         body.update(part)
-        applied = apply_delta({name: p}, part, meta, out={name: g})[name]
-        # E_{r+1} = D - decode(C) = D - (P_{r+1} - P_r) up to rounding: take decode(C) itself.
+        # decode(C) as a participant decodes the body's bytes (the same checks and arithmetic)
         for _, at, sent in decode_parts(part.items(), meta, {name: torch.float32}, {name: tuple(p.shape)}):
+            _add_decoded(name, p, g, at, sent)
             if at is None:
                 d.sub_(sent)
             else:
                 d.view(-1).index_add_(0, at, sent, alpha=-1)
         left[name] = d
-        assert applied is g
     return body, meta, left
 
 
