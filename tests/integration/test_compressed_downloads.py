@@ -18,7 +18,7 @@ from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import OutagePolicy, Participant, RetryPolicy
 from fedtrain.wire import DIGEST_HEADER, read_tensors
-from tests.helpers.config import PTOKEN, tiny_config
+from tests.helpers.config import BOTH_TRANSPORTS, PTOKEN, tiny_config
 from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, run_all
 
 WIDE = functools.partial(Small, width=1024)
@@ -43,6 +43,7 @@ def _assert_bitwise(ours: dict[str, torch.Tensor], served: dict[str, torch.Tenso
         assert torch.equal(ours[name].contiguous().view(torch.int32), t.contiguous().view(torch.int32)), (who, name)
 
 
+@BOTH_TRANSPORTS  # the delta comes through the direct client and through httpx
 def test_two_participants_end_on_the_served_model_bit_for_bit(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=4, min_participants=2, train=TRAIN)
     with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
