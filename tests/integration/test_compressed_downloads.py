@@ -18,7 +18,7 @@ from fedtrain.cli.report import format_status
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import OutagePolicy, Participant, RetryPolicy
 from fedtrain.wire import DIGEST_HEADER, read_tensors
-from tests.helpers.config import BOTH_TRANSPORTS, PTOKEN, tiny_config
+from tests.helpers.config import ATOKEN, BOTH_TRANSPORTS, PTOKEN, tiny_config
 from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, run_all
 
 WIDE = functools.partial(Small, width=1024)
@@ -127,7 +127,8 @@ def test_bit_identity_holds_through_a_coordinator_restart_and_a_rejoin(tmp_path:
     {"outer": {"algorithm": "fedadam"}},
     {"schedule": {"mode": "balanced"}},
     {"schedule": {"mode": "async"}, "min_participants": 1, "rounds": 8},
-], ids=["fedavg", "fedadam", "balanced", "async"])
+    {"publish_first": True},
+], ids=["fedavg", "fedadam", "balanced", "async", "publish_first"])
 def test_compressed_downloads_compose(tmp_path: Path, overrides: dict) -> None:
     """FedAvg, FedOpt, balanced and asynchronous rounds: each participant ends on the served
     model bit for bit (async: one that is behind takes the model whole, the others a delta)."""
@@ -140,3 +141,33 @@ def test_compressed_downloads_compose(tmp_path: Path, overrides: dict) -> None:
     for p in ps:
         _assert_bitwise(p.weights, served, str(p.name))
     assert any(r["vs_fp32_out"] and r["vs_fp32_out"] > 2 for r in status["recent_rounds"]), status["recent_rounds"]
+
+
+def test_after_a_roll_back_the_model_goes_whole_then_deltas_again(tmp_path: Path) -> None:
+    """An admin's roll back commits the kept weights as a new version with no delta (409: the
+    participant downloads it whole) and starts the residual from zero; the next round's delta
+    leads from it to the next version's digest."""
+    from fedtrain.participant import CoordinatorClient
+    from fedtrain.participant.engine.served import ServedModel
+    from tests.helpers.api import client, commit_round_0, put
+
+    cfg = tiny_config(rounds=0, keep_checkpoints=3, train={"download_compression": "topk",
+                                                           "download_topk_density": 0.05, "topk_chunk": 256})
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c, client(c, ATOKEN) as admin, \
+            CoordinatorClient(c.url, PTOKEN) as http:
+        pid = http.join("a")["participant_id"]
+        held = ServedModel()
+        assert held.take_whole(http, pid, lambda *_: None, None, {})[0] == 0
+        commit_round_0(c, admin, pid)  # version 1
+        assert held.take_delta(http, pid, None, None) is not None and held.version == 1
+        assert c.service.committer.deltas.residual  # topk 5% left most of the step in E
+        assert admin.post("/v1/admin/rollback", json={"version": 0}).status_code == 200  # version 2
+        assert held.take_delta(http, pid, None, None) is None  # 409: no delta to a restored version
+        assert not c.service.committer.deltas.residual
+        assert held.take_whole(http, pid, lambda *_: None, None, {})[0] == 2
+        step = {n: torch.full_like(t, 0.01) for n, t in c.service.inspect().weights.items()}
+        assert put(admin, 2, pid, step).status_code == 200
+        admin.get("/v1/rounds/2", params={"wait": 10})
+        assert held.take_delta(http, pid, None, None) is not None and held.version == 3  # digest checked
+        served, _ = _served(c.url)
+    _assert_bitwise(held.tensors, served, "a")
