@@ -28,6 +28,8 @@ Compressed downloads (`wire/delta.py`), per scheme of `train.download_compressio
 - `digest`: the participant's check of the result, the digest of the version's body;
 - `whole`: the digest of a whole model body, for scale (what a whole download is checked with);
 - `bytes`: the delta body, and its ratio to the whole fp32 model's body.
+Then the coordinator's peak RSS over a merge (DiLoCo's Nesterov step from a running sum, then
+the delta), with compressed downloads off and on, in model bytes (a child process each).
 Times are medians of `--repeat` (3) runs on this machine's CPUs (`torch.get_num_threads()`).
 """
 
@@ -40,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -62,18 +64,22 @@ SCHEMES: dict[str, Codec] = {
 SIDE = 4096
 
 
-def model_delta(params: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def model_tensors(params: int, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors of a random Δ, one at a time."""
     g = torch.Generator().manual_seed(seed)
-    out, left, i = {}, params, 0
+    left, i = params, 0
     while left > 0:
         rows = min(SIDE, -(-left // SIDE))
         t = torch.randn(rows, SIDE, generator=g) * torch.rand(rows, 1, generator=g) * 1e-3
         if t.numel() > left:  # the last one, cut to size (flat)
             t = t.reshape(-1)[:left].clone()
-        out[f"layer{i}.weight"] = t
+        yield f"layer{i}.weight", t
         left -= t.numel()
         i += 1
-    return out
+
+
+def model_delta(params: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    return dict(model_tensors(params, seed))
 
 
 def timed(fn: Callable[[], object], repeat: int) -> float:
@@ -160,6 +166,47 @@ def downloads(params: int, repeat: int) -> None:
         del tensors, left, new, held, result
 
 
+def merge_memory_child(params: int, scheme: str) -> None:
+    """In a child: the coordinator's merge (DiLoCo's Nesterov step on a running sum) with
+    compressed downloads `scheme` ("none": off); its peak RSS in model bytes."""
+    from fedtrain.coordinator.model.deltas import DownloadDeltas
+    from fedtrain.merge import OuterOptimizer
+
+    baseline = _status("VmRSS")  # torch and the interpreter
+    weights = model_delta(params, seed=7)
+    outer = OuterOptimizer(weights, "diloco", {"lr": 0.4, "momentum": 0.9, "nesterov": True})
+    del weights
+    acc = RunningSum({n: (torch.float32, tuple(t.shape)) for n, t in outer.params.items()})
+    deltas = DownloadDeltas()
+    deltas.configure(None if scheme == "none" else DOWNLOADS[scheme])
+    model_bytes = acc.nbytes
+    for r in range(3):  # the momentum and the residual exist from the first merge on
+        acc.reset()
+        for name, t in model_tensors(params, seed=10 + r):  # one update, folded as it comes
+            acc.fold(name, t, 1.0)
+        acc.finish_contribution(1.0)
+        if r == 1:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        total, divisor = acc.scaled()
+        prev = deltas.before_step(outer.params, whole=True)
+        outer.step(total, divisor, finite=True)
+        if prev is not None:
+            deltas.encode(prev, outer.params)
+            del prev
+    peak = _status("VmHWM")
+    print(f"| {scheme} | {(peak - baseline) / model_bytes:.2f} | {peak / model_bytes:.2f} |")
+
+
+def merge_memory(params: int) -> None:
+    print(f"\ncoordinator peak RSS over a merge (DiLoCo, {params / 1e6:.0f}M parameters), in model bytes")
+    print("| download_compression | peak above torch's baseline / model bytes | peak RSS / model bytes |")
+    print("|---|---:|---:|")
+    for scheme in ("none", "int8", "topk 1% 2-bit"):
+        subprocess.run([sys.executable, __file__, "--params", str(params), "--merge-memory-child", scheme],
+                       check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
 def rss_child(files: list[str], params: int) -> None:
     """In a child: a running sum of the model, then N topk updates folded from their files."""
     shapes = {n: tuple(t.shape) for n, t in model_delta(params).items()}
@@ -210,10 +257,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=("uploads", "memory", "downloads"), help="run one part only")
     ap.add_argument("--rss-child", nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("--merge-memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     params = int(args.params)
     if args.rss_child is not None:
         rss_child(args.rss_child, params)
+        return
+    if args.merge_memory_child is not None:
+        merge_memory_child(params, args.merge_memory_child)
         return
     if args.only in (None, "uploads"):
         bench(params, args.repeat)
@@ -221,6 +272,7 @@ def main() -> None:
         rss(params)
     if args.only in (None, "downloads"):
         downloads(params, args.repeat)
+        merge_memory(params)
 
 
 if __name__ == "__main__":

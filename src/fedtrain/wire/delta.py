@@ -152,8 +152,9 @@ def encode_delta(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     `new` (G, the outer step's result from `prev`, P_r), D = (G - P_r) + E (E: `residual`,
     zero where it holds none), C = codec(D); then P_{r+1} = P_r + decode(C) as `apply_delta`
     computes it, written into `new`'s tensors (the master weights, in place), and E_{r+1} =
-    D - decode(C). Returns (C's tensors, C's codec metadata, E_{r+1}). Tensors of `new`
-    missing in `prev` are refused."""
+    D - decode(C), written into `residual`'s tensor where it holds one (so that the old and
+    the new residual are never both held whole). Returns (C's tensors, C's codec metadata,
+    E_{r+1}). Tensors of `new` missing in `prev` are refused."""
     if codec.scheme == "none":
         raise WireError("a compressed download needs a compression scheme, not none")
     body: TensorDict = {}
@@ -162,8 +163,9 @@ def encode_delta(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     for name, g in new.items():
         p = _check_prev(prev, name)
         d = torch.sub(g, p)
-        if name in residual:
-            d.add_(residual[name])
+        e = residual.get(name)
+        if e is not None:
+            d.add_(e)
         part, meta = compress({name: d}, codec)
         body.update(part)
         # decode(C) as a participant decodes the body's bytes (the same checks and arithmetic)
@@ -173,7 +175,10 @@ def encode_delta(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
                 d.sub_(sent)
             else:
                 d.view(-1).index_add_(0, at, sent, alpha=-1)
-        left[name] = d
+        if e is not None and e.shape == d.shape and e.dtype == d.dtype:
+            left[name] = e.copy_(d)
+        else:
+            left[name] = d
     return body, meta, left
 
 
