@@ -128,7 +128,8 @@ def test_bit_identity_holds_through_a_coordinator_restart_and_a_rejoin(tmp_path:
     {"schedule": {"mode": "balanced"}},
     {"schedule": {"mode": "async"}, "min_participants": 1, "rounds": 8},
     {"publish_first": True},
-], ids=["fedavg", "fedadam", "balanced", "async", "publish_first"])
+    {"transfer": {"streams": 2}},
+], ids=["fedavg", "fedadam", "balanced", "async", "publish_first", "two_streams"])
 def test_compressed_downloads_compose(tmp_path: Path, overrides: dict) -> None:
     """FedAvg, FedOpt, balanced and asynchronous rounds: each participant ends on the served
     model bit for bit (async: one that is behind takes the model whole, the others a delta)."""
