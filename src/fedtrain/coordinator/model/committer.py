@@ -166,8 +166,11 @@ class Committer:
         with self.weights.lock:
             self.weights.epoch += 1
             self.model.step(total, divisor, finite=True, every=every, names=names)
-            if prev is not None:
-                self.deltas.encode(prev, self.model.params)
+        if prev is not None:
+            # Off the lock (seconds at 100M parameters): the epoch moved on above, before the
+            # step touched the weights, and every reader of them checks it under the lock before
+            # each copy (`memory_steps`, `SliceStream`), so none reads them until `publish`.
+            self.deltas.encode(prev, self.model.params)
 
     def publish(self, version: int, cfg: RunConfig, hold: bool, extra: Mapping[str, str] | None = None) -> Published:
         """A body over the new weights, to serve from memory once the caller puts it in force

@@ -74,7 +74,7 @@ class DownloadDeltas:
 
     def encode(self, prev: Mapping[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
         """After the outer step: `params` (G) become P_{r+1} = P_r + decode(C) in place, E moves on.
-        The caller holds the weights lock (the master weights change)."""
+        The caller moved the weights' epoch on first (no download reads them meanwhile)."""
         assert self.codec is not None
         tensors, meta, self.residual = encode_delta(prev, params, self.residual, self.codec)
         self._made = (tensors, meta)
