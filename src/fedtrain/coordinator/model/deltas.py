@@ -33,8 +33,9 @@ __all__ = ["DeltaStream", "DownloadDeltas"]
 class DownloadDeltas:
     """The codec of compressed downloads, the residual, and the delta made by the last step
     (until `publish` puts it beside its version). Threads: the merge's worker thread changes it
-    (`encode`, `publish`), under the fold lock, as do `configure` and `reset`; the commit thread
-    reads a `PublishedDelta`'s residual, which nothing changes once it is made."""
+    (`encode` under the fold lock, then `publish`), and `configure` and `reset` run under the
+    fold lock; the commit thread reads a `PublishedDelta`'s residual, whose tensors the next
+    `encode` updates in place: that merge waits for the commit (`Rounds._settle_commit`)."""
 
     def __init__(self) -> None:
         self.codec: Codec | None = None

@@ -94,7 +94,8 @@ class PublishedDelta:
     from_version: int
     target: Published
     body: EncodedBody
-    residual: dict[str, torch.Tensor]  # E after this step (written with the version's checkpoint)
+    residual: dict[str, torch.Tensor]  # E after this step, written with the version's checkpoint (the
+    # next merge, which waits for that commit, updates these tensors in place)
 
     @property
     def digest(self) -> str:
