@@ -100,7 +100,8 @@ def test_bit_identity_holds_through_a_coordinator_restart_and_a_rejoin(tmp_path:
         assert set(restored) == set(kept) and all(torch.equal(restored[n], kept[n]) for n in kept)
         restarted.set()
         p1.join(120)  # it left after round 4
-        assert p1.fed is not None and p1.fed.round == 5
+        assert p1.fed is not None and 4 <= p1.fed.round < 7  # (5 unless an outage cost it a sync)
+        left_at = p1.fed.round
         p1b = TinyParticipant(c2.url, "p1", _task(1), **patient).start()  # joins again, under its name
         p0.join(120)
         p1b.join(120)
@@ -115,11 +116,12 @@ def test_bit_identity_holds_through_a_coordinator_restart_and_a_rejoin(tmp_path:
         assert p.fed is not None and p.fed.round == 7
         _assert_bitwise(p.weights, served, str(p.name))
     fp32 = sum(4 * t.numel() for t in served.values())
-    assert p1b.fed is not None and p1b.joined_at == 5
+    assert p1b.fed is not None and p1b.joined_at == left_at  # p0 waited for a second participant there
     assert all(0 < rec["bytes_down"] < fp32 * 0.2 for rec in p1b.fed.history)  # deltas after its whole join
     by = {r["round"]: r for r in status["recent_rounds"]}  # (the rounds before the restart: counted by c1)
-    assert all(by[r]["vs_fp32_out"] > 3 for r in (3, 5, 6)), by  # round 3: the first merge after the restart
-    assert by[4]["bytes_out"] > by[3]["bytes_out"] + fp32  # version 5 also went whole, to p1 joining again
+    whole = left_at - 1  # the round that made the version p1 joined again at: also sent whole, to it
+    assert all(by[r]["vs_fp32_out"] > 3 for r in range(3, 7) if r != whole), by  # 3: the first merge after the restart
+    assert by[whole]["bytes_out"] > by[3 if whole != 3 else 4]["bytes_out"] + fp32
 
 
 SLOW = pytest.mark.slow  # the default run keeps one FedOpt and the asynchronous mode (a participant behind)
