@@ -199,3 +199,32 @@ def test_lora_adapters_come_down_as_deltas(tmp_path: Path) -> None:
         _assert_bitwise(mine, served, f"p{i}")
     newest = status["recent_rounds"][:2]  # (small adapters: the body's header is a large share)
     assert all(r["vs_fp32_out"] and r["vs_fp32_out"] > 1.5 for r in newest), newest
+
+
+def test_streaming_fragments_come_down_as_their_own_deltas(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Streaming DiLoCo (K = 2, τ = 1, α = 0.5): each round's delta holds its fragment's tensors;
+    the fragments' engines share the served model, every delta's result matches the version's
+    digest (no whole download after the join), each round brings down fewer bytes than its
+    fragment in fp32, and the run ends on the served model bit for bit."""
+    from tests.helpers.runs import FRAGMENTS, initial_model
+    from tests.helpers.streaming import Fixed, streaming_config
+
+    cfg = streaming_config(6, 4, {"fragments": 2, "assign": FRAGMENTS, "overlap": 1, "alpha": 0.5},
+                           train={"download_compression": "int8", "compression_block": 8})
+    tasks = [Fixed(rows=16, seed=40 + i) for i in range(2)]
+    with caplog.at_level("INFO", logger="fedtrain.participant"), \
+            BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, initial_model())) as c:
+        runners = run_all([TinyParticipant(c.url, f"p{i}", task) for i, task in enumerate(tasks)])
+        recent = c.service.status()["recent_rounds"]
+        served, _ = _served(c.url)
+    assert not [r.message for r in caplog.records if "whole" in r.message]  # every delta checked out
+    for r in runners:  # the run's end lands on the global model: from the served copy, bit for bit
+        _assert_bitwise(r.weights, served, str(r.name))
+    model = initial_model().state_dict()
+    for r in runners:
+        assert r.fed is not None and r.fed.round == 6 and [h["fragment"] for h in r.fed.history] == [0, 1] * 3
+        for rec in r.fed.history:
+            prefix = ("lin.", "head.")[rec["fragment"]]
+            fp32 = sum(4 * t.numel() for n, t in model.items() if n.startswith(prefix))
+            assert 0 < rec["bytes_down"] < fp32, (rec["fragment"], rec["bytes_down"], fp32)
+    assert all(r["vs_fp32_out"] for r in recent)

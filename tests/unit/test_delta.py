@@ -156,15 +156,42 @@ def test_download_fields_have_bounds(bad: dict) -> None:
         tiny_config(train=bad)
 
 
-def test_compressed_downloads_with_streaming_are_refused_with_the_reason() -> None:
-    from pydantic import ValidationError
-
+def test_compressed_downloads_compose_with_streaming() -> None:
     from tests.helpers.config import tiny_config
 
-    streaming = {"fragments": 2}
-    tiny_config(streaming=streaming, train={"sync_every": 4})  # (valid without compressed downloads)
-    with pytest.raises(ValidationError, match="download_compression int8 cannot be used with streaming"):
-        tiny_config(streaming=streaming, train={"sync_every": 4, "download_compression": "int8"})
+    cfg = tiny_config(streaming={"fragments": 2}, train={"sync_every": 4, "download_compression": "int8"})
+    assert cfg.train.download_compression == "int8" and cfg.streaming is not None
+
+
+def test_a_fragments_delta_moves_its_tensors_only() -> None:
+    """Streaming DiLoCo: the step moved the fragment's tensors; its delta holds them alone, the
+    others' residual stays, and a participant's partial apply leaves the others as they were."""
+    from fedtrain.coordinator.model.deltas import DownloadDeltas
+    from fedtrain.coordinator.model.publish import Published
+
+    params = _model(8)
+    start = {n: t.clone() for n, t in params.items()}
+    deltas = DownloadDeltas()
+    deltas.configure(Codec("int8", 64))
+    deltas.residual = {"b": torch.full((7,), 0.5)}  # as an earlier round left it
+    prev = deltas.before_step(params, ["w"])
+    assert prev is not None and set(prev) == {"w"}
+    params["w"] += 0.01  # the fragment's outer step
+    deltas.encode(prev, params)
+    assert torch.equal(deltas.residual["b"], torch.full((7,), 0.5)) and "w" in deltas.residual
+    assert torch.equal(params["b"], start["b"]) and torch.equal(params["e"], start["e"])
+    target = EncodedBody(params, {"version": "1"})
+    published = deltas.publish(Published(1, target.digest(), target, 0))
+    assert published is not None and published.from_version == 0
+    meta: dict[str, str] = {}
+    raw = b"".join(bytes(v) for v in published.body)  # the delta body as it is served
+    tensors = dict(read_tensors(iter([raw]), on_header=lambda _s, m: meta.update(m)))
+    assert {n.split("::")[0] for n in tensors} == {"w"} and info_of(meta).digest == target.digest()
+    held = {n: t.clone() for n, t in start.items()}
+    with pytest.raises(WireError, match="leaves out"):
+        apply_delta(held, tensors, meta)
+    apply_delta(held, tensors, meta, out=held, partial=True)
+    assert all(torch.equal(held[n], params[n]) for n in params)
 
 
 def test_the_residual_checkpoint_round_trips_and_a_damaged_one_is_none(tmp_path) -> None:  # type: ignore[no-untyped-def]

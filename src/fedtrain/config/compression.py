@@ -7,14 +7,11 @@ the config: the compositions that cannot work are refused here, each with its re
 - topk without `train.error_feedback`: every round would drop 95-99% of each update for good;
   top-k compression converges only when what was not sent is carried into the next round.
 
-- `train.download_compression` with Streaming DiLoCo (`streaming`): a fragment's engine
-  downloads its tensors as a rows slice, whose digest names the slice and not the version, so
-  a participant could not check a per-fragment delta against the version's digest; refused
-  until fragments carry their own digests.
-
-Downloads compose with every outer algorithm, aggregator, schedule mode and DP: the delta is
-taken after the outer step, of the published model (`wire/delta.py`). A participant that is
-behind, joins or rejoins downloads the model whole; an FSDP rank downloads its rows whole.
+Compressed downloads (`train.download_compression`) compose with every outer algorithm,
+aggregator, schedule mode, DP and Streaming DiLoCo (a round's delta holds its fragment's
+tensors): the delta is taken after the outer step, of the published model (`wire/delta.py`).
+A participant that is behind, joins or rejoins downloads the model whole; an FSDP rank
+downloads its rows whole.
 
 Everything else composes: e3m0, int8 and bf16 bodies decode to dense tensors; a topk update's
 L2 norm (clip_norm, outlier_factor) is the norm of the values it sent, exactly what is merged.
@@ -31,11 +28,6 @@ DENSE_AGGREGATORS = ("median", "trimmed_mean")
 def check_compression(cfg: Any) -> None:
     """Raise ValueError (the config's validation error) for a compression that cannot compose."""
     t = cfg.train
-    if t.download_compression != "none" and cfg.streaming is not None:
-        raise ValueError(f"train.download_compression {t.download_compression} cannot be used with streaming "
-                         "(Streaming DiLoCo) yet: a fragment's tensors are downloaded as a slice whose digest names "
-                         "the slice, not the version, so a participant could not check a per-fragment delta "
-                         "against the version's digest; use download_compression none with streaming")
     if t.compression != "topk":
         return
     if cfg.outer.aggregator in DENSE_AGGREGATORS:

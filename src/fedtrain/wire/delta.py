@@ -126,12 +126,13 @@ def _add_decoded(name: str, base: torch.Tensor, dest: torch.Tensor, positions: t
 
 
 def apply_delta(prev: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
-                out: Mapping[str, torch.Tensor] | None = None) -> TensorDict:
+                out: Mapping[str, torch.Tensor] | None = None, partial: bool = False) -> TensorDict:
     """P + decode(C), THE one computation of a published model from the one before and a delta
     body's tensors (`tensors`, with `metadata`): per tensor of the body, in its order, a copy of
     P (into `out[name]` when given, which may be P itself) plus the decoded values, fp32 on the
     CPU; a topk tensor's values are added at their positions only. Every tensor of `prev` must
-    be in the body. Returns the new tensors in the body's order. WireError for a bad body."""
+    be in the body, unless `partial` (a Streaming DiLoCo fragment's delta: the others did not
+    move). Returns the new tensors in the body's order. WireError for a bad body."""
     dtypes = {n: torch.float32 for n in prev}
     shapes = {n: tuple(t.shape) for n, t in prev.items()}
     result: TensorDict = {}
@@ -140,7 +141,7 @@ def apply_delta(prev: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Te
         dest = out[name] if out is not None and name in out else torch.empty_like(base)
         result[name] = _add_decoded(name, base, dest, positions, values)
     missing = [n for n in prev if n not in result]
-    if missing:
+    if missing and not partial:
         raise WireError(f"the delta leaves out tensors of the model: {', '.join(missing[:5])}")
     return result
 

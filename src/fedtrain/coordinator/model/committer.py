@@ -162,7 +162,7 @@ class Committer:
             divisor = divisor / scale
         # Compressed downloads: P_r, kept through the step (read only here, off the lock: only
         # this thread changes the weights), for the delta that defines P_{r+1} (`deltas.py`).
-        prev = self.deltas.before_step(self.model.params, whole=names is None)
+        prev = self.deltas.before_step(self.model.params, names)
         with self.weights.lock:
             self.weights.epoch += 1
             self.model.step(total, divisor, finite=True, every=every, names=names)

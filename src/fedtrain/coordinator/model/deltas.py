@@ -16,7 +16,7 @@ while the outer step makes G).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -65,19 +65,21 @@ class DownloadDeltas:
         self.residual = {}
         self._made = None
 
-    def before_step(self, params: Mapping[str, torch.Tensor], whole: bool) -> dict[str, torch.Tensor] | None:
-        """P_r, copied before the outer step moves it (None: no delta this step: downloads are
-        off, or the step moves a fragment only, which `config/compression.py` refuses)."""
+    def before_step(self, params: Mapping[str, torch.Tensor], names: Collection[str] | None,
+                    ) -> dict[str, torch.Tensor] | None:
+        """P_r, copied before the outer step moves it: the tensors `names` (a Streaming DiLoCo
+        fragment's: the step moves only those) or all (None: no delta this step, downloads are off)."""
         self._made = None
-        if self.codec is None or not whole:
+        if self.codec is None:
             return None
-        return {n: t.detach().clone() for n, t in params.items()}
+        return {n: t.detach().clone() for n, t in params.items() if names is None or n in names}
 
     def encode(self, prev: Mapping[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
         """After the outer step: `params` (G) become P_{r+1} = P_r + decode(C) in place, E moves on.
         The caller moved the weights' epoch on first (no download reads them meanwhile)."""
         assert self.codec is not None
-        tensors, meta, self.residual = encode_delta(prev, params, self.residual, self.codec)
+        tensors, meta, left = encode_delta(prev, {n: params[n] for n in prev}, self.residual, self.codec)
+        self.residual.update(left)  # (a fragment's step: the other tensors' residual stays)
         self._made = (tensors, meta)
 
     def publish(self, published: Published) -> PublishedDelta | None:

@@ -4,7 +4,9 @@ With `train.download_compression` on, a participant's engine keeps the served gl
 (fp32, on the CPU, in the body's tensor order: one more copy of the sync set) and its version.
 A whole download sets it (`take_whole`); the next version then comes as the compressed delta
 from it (`take_delta`, `GET /v1/model/delta?from=`), applied with the coordinator's own function
-(`wire.delta.apply_delta`) and checked against the version's digest. Whenever that cannot be
+(`wire.delta.apply_delta`) and checked against the version's digest. The engines of a Streaming
+DiLoCo participant's fragments share one: a round's delta holds its fragment's tensors (the
+others did not move), and the digest covers the whole model. Whenever that cannot be
 done (nothing held, the coordinator has no delta from our version: we were behind, it
 restarted, it went back; or the result does not check) the caller downloads the model whole.
 """
@@ -46,7 +48,7 @@ class ServedModel:
     def forget(self) -> None:
         self.tensors, self.version = {}, None
 
-    def take_whole(self, client: CoordinatorClient, pid: str, on_header: OnHeader, retry: RetryPolicy | None,
+    def take_whole(self, client: CoordinatorClient, pid: str, on_header: OnHeader | None, retry: RetryPolicy | None,
                    which: dict[str, Any]) -> tuple[int, dict[str, torch.Tensor]]:
         """Download the model whole (`which`: the client's version, stall and stream fields) and
         keep it as served; returns (its version, its tensors)."""
@@ -76,9 +78,9 @@ class ServedModel:
         self.forget()  # changed in place below: held again only once the result checks
         try:
             info = info_of(meta)
-            new = apply_delta(held, tensors, meta, out=held)  # the coordinator's own computation
+            apply_delta(held, tensors, meta, out=held, partial=True)  # the coordinator's own computation
             same = (info.from_version, info.to_version) == (since, version) and \
-                digests_equal(target_body(new, info).digest(), info.digest)
+                digests_equal(target_body(held, info).digest(), info.digest)  # all of it, in the body's order
         except WireError as e:
             log.warning("the compressed download from version %d is unusable (%s): downloading the model whole",
                         since, e.message)
@@ -87,6 +89,6 @@ class ServedModel:
             log.warning("the model made from version %d and its compressed delta does not match the digest of "
                         "version %d: downloading the model whole", since, version)
             return None
-        self.tensors, self.version = new, version
+        self.tensors, self.version = held, version
         self.deltas_taken += 1
         return version, sum(t.numel() * t.element_size() for t in tensors.values())

@@ -81,9 +81,10 @@ class SyncEngine:
 
     def __init__(self, client: CoordinatorClient, params: Mapping[str, torch.Tensor], *, who: str | None = None,
                  patience_s: float = 0.0, piece: PieceOf | None = None,
-                 shares: Mapping[str, torch.Tensor] | None = None) -> None:
+                 shares: Mapping[str, torch.Tensor] | None = None, served: ServedModel | None = None) -> None:
         """`shares`: snapshot tensors of another engine that this one (a fragment's, `fragment`)
-        uses as its own; such an engine's downloads name its tensors."""
+        uses as its own; such an engine's downloads name its tensors. `served`: that engine's
+        served model (compressed downloads), shared the same way."""
         self.client = client
         self.params = params
         self.who = who
@@ -103,7 +104,7 @@ class SyncEngine:
         # Compressed downloads (`deltas`, as the run config says): the served model as it came,
         # bit for bit, and its version; a whole download sets them, a delta moves them on.
         self.deltas = False
-        self._served = ServedModel()
+        self._served = served if served is not None else ServedModel()
 
     def fragment(self, names: list[str]) -> SyncEngine:
         """An engine over the tensors `names` of this one's sync set (a Streaming DiLoCo
@@ -126,7 +127,7 @@ class SyncEngine:
             piece = PieceOf(self.piece.label, self.piece.sends & frozenset(names),
                             {n: r for n, r in self.piece.rows.items() if n in names}, self.piece.shapes)
         engine = SyncEngine(self.client, _Only(self.params, names), who=self.who, patience_s=self.patience_s,
-                            piece=piece, shares={n: self._snapshot[n] for n in names})
+                            piece=piece, shares={n: self._snapshot[n] for n in names}, served=self._served)
         engine.wait_s = self.wait_s
         return engine
 
@@ -282,13 +283,21 @@ class SyncEngine:
         which: dict[str, Any] = {"version": version} if version is not None else {}
         if transfer is not None:
             which.update(stall_timeout_s=transfer.stall_timeout_s, streams=transfer.streams)
-        if self.deltas and self.piece is None and not self._only:  # compressed downloads: whole only when needed
+        # Compressed downloads: the newest as a delta, else whole (kept as served); a version
+        # the served model is at already, from it; a fragment's engine asked for another version
+        # (`take_global`) takes its slice, the served copy untouched.
+        if self.deltas and self.piece is None and version is not None and version == self._served.version:
+            self._into_snapshot(self._served.tensors)
+            self._holds = "reference"
+            return version
+        if self.deltas and self.piece is None and (version is None or not self._only):
             got_delta = self._download_delta(pid, retry, transfer) if version is None else None
             if got_delta is None:
                 got_delta = self._download_served(pid, retry, which)
             self._holds = "reference"
             return got_delta
-        self._served.forget()
+        if not self.deltas:
+            self._served.forget()
         if self.piece is not None:  # a piece's rows (of a fragment's tensors, for a fragment's engine)
             got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
                                           allocate=self._allocate_rows, retry=retry, **which)
@@ -305,7 +314,8 @@ class SyncEngine:
 
     def _download_served(self, pid: str, retry: RetryPolicy | None, which: dict[str, Any]) -> int:
         """The whole model, kept as served (`ServedModel`) and copied into the snapshot."""
-        version, tensors = self._served.take_whole(self.client, pid, self._check_header, retry, which)
+        check = None if self._only else self._check_header  # (a fragment's: the whole model was checked at join)
+        version, tensors = self._served.take_whole(self.client, pid, check, retry, which)
         self._into_snapshot(tensors)
         self.bytes_down += sum(t.numel() * t.element_size() for t in tensors.values())
         return version
@@ -321,9 +331,10 @@ class SyncEngine:
         return version
 
     def _into_snapshot(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The served tensors of our sync set into the snapshot (a fragment's engine: its own)."""
         with torch.no_grad():
-            for n, t in tensors.items():
-                self._snapshot[n].copy_(t)
+            for n, snap in self._snapshot.items():
+                snap.copy_(tensors[n])
 
     def adopt(self, sent: dict[str, torch.Tensor] | None = None) -> None:
         """Put the downloaded weights into the model: as they are, or (`sent`: θ_sent, as
