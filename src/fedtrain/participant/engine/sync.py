@@ -283,21 +283,10 @@ class SyncEngine:
         which: dict[str, Any] = {"version": version} if version is not None else {}
         if transfer is not None:
             which.update(stall_timeout_s=transfer.stall_timeout_s, streams=transfer.streams)
-        # Compressed downloads: the newest as a delta, else whole (kept as served); a version
-        # the served model is at already, from it; a fragment's engine asked for another version
-        # (`take_global`) takes its slice, the served copy untouched.
-        if self.deltas and self.piece is None and version is not None and version == self._served.version:
-            self._into_snapshot(self._served.tensors)
+        compressed = self._download_compressed(pid, version, retry, transfer, which)
+        if compressed is not None:
             self._holds = "reference"
-            return version
-        if self.deltas and self.piece is None and (version is None or not self._only):
-            got_delta = self._download_delta(pid, retry, transfer) if version is None else None
-            if got_delta is None:
-                got_delta = self._download_served(pid, retry, which)
-            self._holds = "reference"
-            return got_delta
-        if not self.deltas:
-            self._served.forget()
+            return compressed
         if self.piece is not None:  # a piece's rows (of a fragment's tensors, for a fragment's engine)
             got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
                                           allocate=self._allocate_rows, retry=retry, **which)
@@ -311,6 +300,25 @@ class SyncEngine:
         self._holds = "reference"
         self.bytes_down += self.snapshot_bytes
         return version
+
+    def _download_compressed(self, pid: str, version: int | None, retry: RetryPolicy | None,
+                             transfer: TransferConfig | None, which: dict[str, Any]) -> int | None:
+        """With compressed downloads (`deltas`; not a piece's engine): the newest version as a
+        delta, else whole (kept as served); a version the served model holds already, from it.
+        None: the plain path downloads (downloads are not compressed, or a fragment's engine
+        asks for another version, `take_global`: its slice, the served copy untouched)."""
+        if not self.deltas:
+            self._served.forget()
+            return None
+        if self.piece is not None:
+            return None
+        if version is not None and version == self._served.version:
+            self._into_snapshot(self._served.tensors)
+            return version
+        if version is not None and self._only:
+            return None
+        got = self._download_delta(pid, retry, transfer) if version is None else None
+        return got if got is not None else self._download_served(pid, retry, which)
 
     def _download_served(self, pid: str, retry: RetryPolicy | None, which: dict[str, Any]) -> int:
         """The whole model, kept as served (`ServedModel`) and copied into the snapshot."""
