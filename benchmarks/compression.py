@@ -30,6 +30,9 @@ Compressed downloads (`wire/delta.py`), per scheme of `train.download_compressio
 - `bytes`: the delta body, and its ratio to the whole fp32 model's body.
 Then the coordinator's peak RSS over a merge (DiLoCo's Nesterov step from a running sum, then
 the delta), with compressed downloads off and on, in model bytes (a child process each).
+`representation` (10M parameters at most): how dense the round's aggregate of M topk 1% updates
+is, against how dense the outer step's move of the weights is after DiLoCo's Nesterov step:
+why downloads send a compressed delta of the published weights, not the sparse aggregate.
 Times are medians of `--repeat` (3) runs on this machine's CPUs (`torch.get_num_threads()`).
 """
 
@@ -166,6 +169,36 @@ def downloads(params: int, repeat: int) -> None:
         del tensors, left, new, held, result
 
 
+def representation(params: int, rounds: int = 5) -> None:
+    """Why the compressed outer-step delta and not the sparse aggregate with a replicated outer
+    step: how dense the round's aggregate of M topk 1% updates is, and how dense G - P is after
+    DiLoCo's Nesterov step (momentum 0.9), round by round."""
+    from fedtrain.merge import OuterOptimizer
+
+    codec = SCHEMES["topk 1% 2-bit"]
+    shapes = {n: tuple(t.shape) for n, t in model_tensors(params, seed=0)}
+    print(f"\nthe round's aggregate vs the outer step's delta ({params / 1e6:.0f}M parameters, topk 1% uploads, "
+          "DiLoCo outer lr 0.7, momentum 0.9)")
+    print("| M | round | aggregate nonzero | G - P nonzero |")
+    print("|---:|---:|---:|---:|")
+    for m in (2, 4):
+        outer = OuterOptimizer(model_delta(params, seed=99), "diloco", {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+        for r in range(rounds):
+            acc = RunningSum({n: (torch.float32, s) for n, s in shapes.items()})
+            for i in range(m):
+                tensors, meta = compress(model_delta(params, seed=1000 * r + i), codec)
+                for name, at, values in decode_parts(tensors.items(), meta, None, shapes):
+                    assert at is not None
+                    acc.fold_sparse(name, at, values, 1.0)
+                acc.finish_contribution(1.0)
+            total, divisor = acc.scaled()
+            nonzero = sum(int((t != 0).sum()) for t in total.values()) / params
+            before = {n: t.clone() for n, t in outer.params.items()}
+            outer.step(total, divisor, finite=True)
+            moved = sum(int((outer.params[n] != before[n]).sum()) for n in before) / params
+            print(f"| {m} | {r} | {nonzero:.2%} | {moved:.2%} |")
+
+
 def merge_memory_child(params: int, scheme: str) -> None:
     """In a child: the coordinator's merge (DiLoCo's Nesterov step on a running sum) with
     compressed downloads `scheme` ("none": off); its peak RSS in model bytes."""
@@ -255,7 +288,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=100e6)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--only", choices=("uploads", "memory", "downloads"), help="run one part only")
+    ap.add_argument("--only", choices=("uploads", "memory", "downloads", "representation"),
+                    help="run one part only")
     ap.add_argument("--rss-child", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--merge-memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -273,6 +307,8 @@ def main() -> None:
     if args.only in (None, "downloads"):
         downloads(params, args.repeat)
         merge_memory(params)
+    if args.only in (None, "representation"):
+        representation(min(params, 10_000_000))
 
 
 if __name__ == "__main__":
