@@ -134,6 +134,9 @@ SLOW = pytest.mark.slow  # the default run keeps one FedOpt and the asynchronous
     pytest.param({"schedule": {"mode": "async"}, "min_participants": 1, "rounds": 8}, id="async"),
     pytest.param({"publish_first": True}, marks=SLOW, id="publish_first"),
     pytest.param({"transfer": {"streams": 2}}, marks=SLOW, id="two_streams"),
+    pytest.param({"outer": {"aggregator": "median"}, "train": {**TRAIN, "compression": "int8",
+                                                              "download_compression": "int8"}},
+                 marks=SLOW, id="median"),
 ])
 def test_compressed_downloads_compose(tmp_path: Path, overrides: dict) -> None:
     """FedAvg, FedOpt, balanced and asynchronous rounds: each participant ends on the served
