@@ -6,16 +6,18 @@ keep it on the sender):
 
     D = (G - P_r) + E_r;   C = codec(D);   P_{r+1} = P_r + decode(C);   E_{r+1} = D - decode(C)
 
-`encode_delta` is the coordinator's half (C, the residual E_{r+1} and P_{r+1}); `apply_delta`
-is the one function both sides use for P_r + decode(C), so the coordinator's weights and every
-participant's are the same bits: decoding (`compress.decode_parts`) and the add are fp32 on the
-CPU, in the body's tensor order, and a topk tensor's entries are added to their positions only
-(no dense decode, no other op on the other values). The participant then checks the digest of
-`target_body` against the version's digest. Pure: no I/O, no globals.
+`encode_delta` is the coordinator's half (C, the residual E_{r+1} and P_{r+1}), `apply_delta`
+a participant's; both make P_r + decode(C) with the same decode (`compress.decode_parts`, of
+the same tensors) and the same add (`_add_decoded`), so the coordinator's weights and every
+participant's are the same bits: fp32 on the CPU, tensor by tensor, a topk tensor's entries
+added to their positions only (no dense decode, no other op on the other values). The
+participant then checks the digest of `target_body` against the version's digest. Pure: no
+I/O, no globals.
 
 A delta body is a compressed body (`compress.py`) whose metadata also names what it is a step
 between: `FROM_KEY`, `TO_KEY`, the target's digest `DIGEST_KEY` and the target body's own
-metadata `META_KEY` (JSON), which the target's digest covers.
+metadata `META_KEY` (JSON, its keys in their order: the target's digest covers its header).
+A Streaming DiLoCo round's delta holds its fragment's tensors only (`apply_delta(partial=True)`).
 """
 
 from __future__ import annotations

@@ -4,14 +4,15 @@ and its download.
 `DownloadDeltas` owns the codec in force (`train.download_compression`) and the residual E
 (fp32, one tensor per synced tensor). Around each outer step (`Committer.step`, the merge's
 worker thread, under the fold lock) it sets the published model P_{r+1} = P_r + decode(C)
-into the master weights and keeps E_{r+1} (`wire/delta.py`); the publish then wraps C as a
+into the master weights and keeps E_{r+1} (`wire/delta.py`), of the tensors the step moved
+(a Streaming DiLoCo fragment's, or all); the publish then wraps C as a
 `PublishedDelta` beside the version's `Published` body: both are served from memory, the
 delta to participants that hold P_r (`GET /v1/model/delta?from=r`). The residual is written
 with the version's checkpoint; a version served from its file (after a restart, a roll back)
 has no delta: its downloads are whole.
 
-Memory: E (one model, fp32) for the run, plus one copy of the weights during each merge (P_r,
-while the outer step makes G).
+Memory: E (one model, fp32) for the run, plus a copy of the weights the step moves during
+each merge (P_r, while the outer step makes G).
 """
 
 from __future__ import annotations
