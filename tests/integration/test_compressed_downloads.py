@@ -231,3 +231,21 @@ def test_streaming_fragments_come_down_as_their_own_deltas(tmp_path: Path, caplo
             fp32 = sum(4 * t.numel() for n, t in model.items() if n.startswith(prefix))
             assert 0 < rec["bytes_down"] < fp32, (rec["fragment"], rec["bytes_down"], fp32)
     assert all(r["vs_fp32_out"] for r in recent)
+
+
+def test_a_live_change_turns_compressed_downloads_on_at_a_round_boundary(tmp_path: Path) -> None:
+    from tests.helpers.api import client, commit_round_0, put
+
+    with BackgroundCoordinator(tmp_path / "state", tiny_config(rounds=0)) as c, client(c, ATOKEN) as admin:
+        assert admin.post("/v1/join", json={"name": "a"}).status_code == 200
+        assert admin.get("/v1/model/delta", params={"from": 0}).json()["error"]["code"] == "no_delta"
+        r = admin.put("/v1/config", json={"changes": {"train": {"download_compression": "int8"}}})
+        assert r.status_code == 200, r.text
+        commit_round_0(c, admin)  # merged whole; the change comes into force for round 1
+        gone = admin.get("/v1/model/delta", params={"from": 0})
+        assert gone.status_code == 409 and gone.json()["error"]["code"] == "delta_unavailable"
+        step = {n: torch.full_like(t, 0.01) for n, t in c.service.inspect().weights.items()}
+        assert put(admin, 1, "a", step).status_code == 200
+        admin.get("/v1/rounds/1", params={"wait": 10})
+        delta = admin.get("/v1/model/delta", params={"from": 1})
+        assert delta.status_code == 200 and delta.headers["x-fedtrain-version"] == "2"

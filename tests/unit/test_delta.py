@@ -211,3 +211,15 @@ def test_the_residual_checkpoint_round_trips_and_a_damaged_one_is_none(tmp_path)
     assert ckpt.load_residual(3) is None
     ckpt.remove(3)
     assert not path.exists()
+
+
+def test_a_live_change_of_download_compression_says_what_it_implies() -> None:
+    from fedtrain.config.changes import change_notes
+    from tests.helpers.config import tiny_config
+
+    off, on = tiny_config(), tiny_config(train={"download_compression": "topk"})
+    assert any("downloads the model whole once more" in n for n in change_notes(off, on))
+    assert any("drops the residual" in n for n in change_notes(on, off))
+    other = tiny_config(train={"download_compression": "int8"})
+    assert any("residual carried on" in n for n in change_notes(on, other))
+    assert not [n for n in change_notes(on, on) if "download_compression" in n]

@@ -25,6 +25,21 @@ from typing import Any
 DENSE_AGGREGATORS = ("median", "trimmed_mean")
 
 
+def download_notes(old: Any, new: Any) -> list[str]:
+    """What a live change of `train.download_compression` implies, in words (`changes.change_notes`)."""
+    a, b = old.train.download_compression, new.train.download_compression
+    if a == b:
+        return []
+    if b == "none":
+        return [f"train.download_compression {a} -> none: from the next round participants download the whole model; "
+                "the coordinator drops the residual its compressed downloads held back (that part of the outer "
+                "steps is not sent)"]
+    if a == "none":
+        return [f"train.download_compression none -> {b}: the next round's merge publishes a compressed delta; each "
+                "participant downloads the model whole once more (to hold it as served), then deltas"]
+    return [f"train.download_compression {a} -> {b}: from the next round's merge, the residual carried on"]
+
+
 def check_compression(cfg: Any) -> None:
     """Raise ValueError (the config's validation error) for a compression that cannot compose."""
     t = cfg.train
