@@ -2,7 +2,9 @@
 r -> r + 1 as a compressed delta (topk, with the coordinator's error feedback) and end on the
 coordinator's served model bit for bit, through a coordinator restart (the residual comes back
 from its checkpoint) and a participant that leaves and joins again (a whole download); the
-status counts the compressed bytes sent and their ratio to fp32."""
+status counts the compressed bytes sent and their ratio to fp32. Then how it composes: FedOpt,
+FedAvg, balanced and asynchronous rounds, publish_first, parallel streams, a robust
+aggregator, a roll back, LoRA, Streaming DiLoCo fragments, and a live change of the field."""
 
 from __future__ import annotations
 
