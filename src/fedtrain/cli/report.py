@@ -144,7 +144,8 @@ def format_status(s: dict[str, Any]) -> str:
             "\n"
             + table(
                 ["round"] + (["fragment"] if fragments else [])
-                + ["updates", "tokens", "bytes up", "fp32 / up", "bytes down", "duration", "merge", "closed because"],
+                + ["updates", "tokens", "bytes up", "fp32 / up", "bytes down", "fp32 / down", "duration", "merge",
+                   "closed because"],
                 [
                     [r["round"]] + ([_fmt(r.get("fragment"), "d")] if fragments else []) + [
                         r["n_submissions"],
@@ -152,6 +153,7 @@ def format_status(s: dict[str, Any]) -> str:
                         human_bytes(r.get("bytes_in", 0)),
                         f"{r['vs_fp32_in']:g}x" if r.get("vs_fp32_in") else "-",
                         human_bytes(r["bytes_out"]) if r.get("bytes_out") is not None else "-",
+                        f"{r['vs_fp32_out']:g}x" if r.get("vs_fp32_out") else "-",
                         f"{r['closed_at'] - r['opened_at']:.1f}s",
                         f"{r['merge_s']:.2f}s",
                         r["close_reason"],

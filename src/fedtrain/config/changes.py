@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fedtrain.config.compression import download_notes
 from fedtrain.config.privacy import FIXED_REASON as PRIVACY_FIXED
 from fedtrain.config.run_config import RunConfig, check_upload_limit, outer_defaults, parse_config
 from fedtrain.errors import ConfigError
@@ -91,7 +92,8 @@ def _with_algorithm_defaults(old: dict[str, Any], patch: dict[str, Any]) -> dict
 
 def change_notes(old: RunConfig, new: RunConfig) -> list[str]:
     """What a change implies beyond its diff, in words (shown by the validation answer)."""
-    notes = _mode_notes(old.schedule.mode, new.schedule.mode, new) + _compression_notes(old, new)
+    notes = _mode_notes(old.schedule.mode, new.schedule.mode, new) + _compression_notes(old, new) \
+        + download_notes(old, new)
     if old.outer.algorithm == new.outer.algorithm:
         return notes + _lr_notes(old, new)
     d = outer_defaults(new)

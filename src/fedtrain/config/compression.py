@@ -7,6 +7,12 @@ the config: the compositions that cannot work are refused here, each with its re
 - topk without `train.error_feedback`: every round would drop 95-99% of each update for good;
   top-k compression converges only when what was not sent is carried into the next round.
 
+Compressed downloads (`train.download_compression`) compose with every outer algorithm,
+aggregator, schedule mode, DP and Streaming DiLoCo (a round's delta holds its fragment's
+tensors): the delta is taken after the outer step, of the published model (`wire/delta.py`).
+A participant that is behind, joins or rejoins downloads the model whole; an FSDP rank
+downloads its rows whole.
+
 Everything else composes: e3m0, int8 and bf16 bodies decode to dense tensors; a topk update's
 L2 norm (clip_norm, outlier_factor) is the norm of the values it sent, exactly what is merged.
 """
@@ -17,6 +23,21 @@ from typing import Any
 
 #: Aggregators that need every coordinate of every update (`outer.aggregator`).
 DENSE_AGGREGATORS = ("median", "trimmed_mean")
+
+
+def download_notes(old: Any, new: Any) -> list[str]:
+    """What a live change of `train.download_compression` implies, in words (`changes.change_notes`)."""
+    a, b = old.train.download_compression, new.train.download_compression
+    if a == b:
+        return []
+    if b == "none":
+        return [f"train.download_compression {a} -> none: from the next round participants download the whole model; "
+                "the coordinator drops the residual its compressed downloads held back (that part of the outer "
+                "steps is not sent)"]
+    if a == "none":
+        return [f"train.download_compression none -> {b}: the next round's merge publishes a compressed delta; each "
+                "participant downloads the model whole once more (to hold it as served), then deltas"]
+    return [f"train.download_compression {a} -> {b}: from the next round's merge, the residual carried on"]
 
 
 def check_compression(cfg: Any) -> None:

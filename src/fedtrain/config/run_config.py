@@ -188,6 +188,15 @@ class TrainConfig(_Strict):
     error_feedback: bool = Field(
         True, description="With compression: carry what compression dropped into the next round's update."
     )
+    download_compression: Literal["none", "int8", "e3m0", "topk"] = Field(
+        "none", description="How participants that hold the previous version receive the next: the whole fp32 "
+        "model (none), or the outer step as a compressed delta (int8, e3m0, or topk with topk_bits bits and "
+        "download_topk_density), with the coordinator's error feedback; the published model is what was sent, "
+        "bit-identical everywhere and checked by its digest (docs/training-jobs.md, Compressed downloads).",
+    )
+    download_topk_density: float | None = Field(
+        None, ge=1e-4, le=0.25, description="topk downloads: share of each chunk's values sent (unset: topk_density)."
+    )
 
 
 class OuterConfig(_Strict):

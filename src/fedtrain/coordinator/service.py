@@ -36,6 +36,7 @@ from fedtrain.coordinator.members.roster import Live, Roster
 from fedtrain.coordinator.members.views import participant_view
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.coordinator.model.committer import Committer
+from fedtrain.coordinator.model.deltas import DeltaStream
 from fedtrain.coordinator.model.downloads import Tracked
 from fedtrain.coordinator.model.global_eval import GlobalEvaluator
 from fedtrain.coordinator.model.publish import ModelStream
@@ -398,17 +399,23 @@ class Coordinator:
         self.roster.counted_download(pid, stream.size)
         return stream
 
+    def model_delta(self, from_version: int) -> DeltaStream:
+        """A download of the newest version as the compressed delta from `from_version`
+        (404/409 when there is none: the participant downloads the model whole)."""
+        return self.committer.delta_stream(self.rounds.version, from_version)
+
     def begin_download(self, who: str | None, pid: str | None, etag: str, what: str, length: int,
-                       version: int | None = None) -> Tracked:
+                       version: int | None = None, fp32_scale: float = 1.0) -> Tracked:
         """A download of `length` bytes (the range asked for) of `version` starts: in flight under
         `who` (a participant, or a token for one that named none; None: an admin's, not shown) for
         the status and the per-participant cap (`downloads.DownloadsInFlight`: 429
         too_many_downloads past it); the bytes it sends count as participant `pid`'s when it ends,
-        and (a participant's) as the bytes down of the round that made `version`."""
+        and (a participant's) as the bytes down of the round that made `version`; `fp32_scale`:
+        the whole model's bytes per byte of this body (a compressed delta's, for the status)."""
         def counted(sent: int) -> None:
             self.roster.counted_download(pid, sent)
             if who is not None and version is not None:
-                self.committer.downloads.sent_of(version, sent)
+                self.committer.downloads.sent_of(version, sent, round(sent * fp32_scale))
 
         if who is None:
             return Tracked(None, None, counted)
@@ -542,13 +549,19 @@ class Coordinator:
         """A committed round's bytes against fp32: `fp32_bytes_in`, what its updates would have
         been as dense fp32 (the round's fragment with Streaming DiLoCo), `bytes_out`, what the
         participants were sent of the version it made (None: not since this coordinator
-        started), and `vs_fp32_in`, how many times fewer bytes its uploads took than fp32."""
+        started), and `vs_fp32_in`, how many times fewer bytes its uploads took than fp32;
+        `fp32_bytes_out` and `vs_fp32_out` the same of its downloads (compressed deltas against
+        whole fp32 models)."""
         plan, fragment = self.rounds.plan, record.get("fragment")
         names = plan.names[fragment] if plan is not None and fragment is not None else tuple(self.spec)
         fp32 = record["n_submissions"] * sum(4 * math.prod(self.spec[n][1]) for n in names if n in self.spec)
         bytes_in = record.get("bytes_in") or 0
+        downloads = self.committer.downloads
+        bytes_out = downloads.version_bytes(record["round"] + 1)
+        fp32_out = downloads.version_fp32_bytes(record["round"] + 1)
         return {"fp32_bytes_in": fp32, "vs_fp32_in": round(fp32 / bytes_in, 2) if bytes_in else None,
-                "bytes_out": self.committer.downloads.version_bytes(record["round"] + 1)}
+                "bytes_out": bytes_out, "fp32_bytes_out": fp32_out,
+                "vs_fp32_out": round(fp32_out / bytes_out, 2) if bytes_out and fp32_out is not None else None}
 
     def _streaming_view(self) -> dict[str, Any] | None:
         """Streaming DiLoCo's K, τ and α for the status (None: off)."""

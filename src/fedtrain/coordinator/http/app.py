@@ -24,7 +24,16 @@ import fedtrain
 from fedtrain.config import MB
 from fedtrain.coordinator.http.dashboard import STATIC_DIR
 from fedtrain.coordinator.http.limits import BodyLimit, UploadsInFlight
-from fedtrain.coordinator.http.routes import admin, live_config, membership, observability, round_traffic, secagg, web
+from fedtrain.coordinator.http.routes import (
+    admin,
+    live_config,
+    membership,
+    model_delta,
+    observability,
+    round_traffic,
+    secagg,
+    web,
+)
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.coordinator.state import storage
 from fedtrain.coordinator.state.storage import storage_full
@@ -42,7 +51,7 @@ log = logging.getLogger("fedtrain.coordinator")
 
 #: The routers in the order their routes are matched and listed in the OpenAPI document.
 ROUTERS = (web.router, admin.router, observability.router, membership.router, live_config.router,
-           round_traffic.router, secagg.router)
+           round_traffic.router, model_delta.router, secagg.router)
 
 
 def _status_of(exc: FedtrainError) -> int:

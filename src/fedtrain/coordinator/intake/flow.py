@@ -549,7 +549,8 @@ class Intake:
         self.parts.drop_where(lambda k: k[1] >= oldest_round)  # uploads in parts the run no longer takes
 
     async def stop(self) -> None:
-        """Cancel the folds waiting for a direct upload (shutting down)."""
+        """Cancel the folds waiting for a direct upload, and the uploads in parts (shutting down)."""
+        await self.parts.stop()
         for task in list(self._deferred):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down: nothing to report

@@ -8,6 +8,8 @@ More: docs/architecture.md, "coordinator/intake/uploads.py".
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any
 
@@ -15,7 +17,7 @@ from fedtrain import faults
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.intake.attempts import TAKEOVER_WAIT_S
 from fedtrain.coordinator.intake.flow import Intake
-from fedtrain.coordinator.intake.parts import PartClaim, check_claim
+from fedtrain.coordinator.intake.parts import PartClaim, Session, check_claim
 from fedtrain.coordinator.intake.pieces import check_label
 from fedtrain.coordinator.intake.receive import peek_header
 from fedtrain.coordinator.intake.tickets import Ticket, Upload
@@ -31,8 +33,31 @@ from fedtrain.coordinator.state.events import Events
 from fedtrain.coordinator.state.storage import storage_full
 from fedtrain.coordinator.state.store import ParticipantRow, Store
 from fedtrain.errors import Refused
-from fedtrain.transport import Body
+from fedtrain.transport import Abandoned, Body
 from fedtrain.transport.progress import Progress
+
+log = logging.getLogger("fedtrain.coordinator")
+
+#: What stops a consumer of an upload in parts short of an answer about its body: then it is
+#: started again (at the next part), or the whole file read once more (`Uploads._consumed`).
+RESTART_STATUSES = frozenset({409, 429, 503})
+
+
+def _restart(consumer: asyncio.Task[dict[str, Any]] | None) -> bool:
+    """Whether an upload in parts needs a new consumer: it has none, or its consumer ended
+    without an answer about the body (stopped, or refused for a reason the body is not:
+    the round closing or its participant failing meanwhile, a slot taken)."""
+    if consumer is None:
+        return True
+    if not consumer.done():
+        return False
+    if consumer.cancelled():
+        return True
+    error = consumer.exception()
+    if error is None:
+        return False
+    return isinstance(error, Abandoned) or (isinstance(error, Refused) and error.status in RESTART_STATUSES)
+
 
 #: Asynchronous mode: how long a verified update waits for the open round to take it (below
 #: the participant's read timeout of 90 s: its request is answered within it).
@@ -136,9 +161,10 @@ class Uploads:
     async def receive_part(self, ident: Identity, pid: str, round_: int, claim: PartClaim, digest: str,
                            length: int | None, body: Body, piece: str | None = None) -> dict[str, Any]:
         """Receive one part of `pid`'s update for `round_` (or of its `piece`): checked against
-        `digest` and held; the part that completes the body sends it, whole, through
-        `receive_update` (the whole digest, header and values checked, placed and counted as a
-        whole upload is), and answers as that upload does."""
+        `digest` and held. The ordinary upload flow (`_receive_update`: the whole digest, header
+        and values checked, placed and counted as a whole upload is) reads the body as its parts
+        arrive (`PartSessions.consume`); the part that completes the body waits for it to end,
+        and answers as that upload does."""
         self._roster.get(ident, pid)
         parts = self._intake.parts
         parts.drop_where(self._still_taken)  # anyone's sessions for rounds gone: reclaimed now
@@ -162,19 +188,46 @@ class Uploads:
         except Refused:
             await body.drain()
             raise
+
+        def read() -> None:  # none yet, or one that stopped short of an answer about the body
+            if _restart(session.consumer):
+                parts.consume(session, lambda held: self._receive_update(ident, pid, round_, claim.tokens,
+                                                                         claim.digest, claim.total, held, piece))
+
+        read()
         fresh = await parts.receive(session, claim.index, digest, body)
         about = {"part": claim.index, "parts": claim.count, "held": len(session.held)}
         if not session.complete or session.assembling or session.gone:
+            read()  # (one stopped while this part streamed in starts again now, not at the next part)
             self._events.notify()
             return {"accepted": True, "duplicate": not fresh, "round": round_, "parts_complete": False,
                     **about, **({"piece": piece} if piece else {})}
-        session.assembling = True
+        session.assembling = True  # (no await since the last part was held: nothing dropped it meanwhile)
         try:
-            answer = await self._receive_update(ident, pid, round_, claim.tokens, claim.digest, claim.total,
-                                                parts.whole(session), piece)
+            answer = await self._consumed(session, ident, pid, round_, claim, piece)
         finally:
             parts.drop(session)
         return {**answer, **about, "parts_complete": True}  # (a piece's "complete": its update's)
+
+    async def _consumed(self, session: Session, ident: Identity, pid: str, round_: int, claim: PartClaim,
+                        piece: str | None) -> dict[str, Any]:
+        """The answer of the flow that read `session`'s body as it came, now that every part is
+        held. Where it stopped short of an answer about the body (the round's close or its
+        participant's failure stopped it, a newer body took its place in the sum), the whole
+        file goes through the flow once more, as it would have without it."""
+        consumer = session.consumer
+        if consumer is not None:
+            try:
+                return await asyncio.shield(consumer)
+            except asyncio.CancelledError:
+                if not consumer.cancelled():
+                    raise  # (this request was cancelled: the consumer goes on)
+            except Exception as e:
+                if not _restart(consumer):
+                    raise
+                log.info("the upload of %s for round %d in parts is read again whole: %s", pid, round_, e)
+        return await self._receive_update(ident, pid, round_, claim.tokens, claim.digest, claim.total,
+                                          self._intake.parts.whole(session), piece)
 
     def part_session(self, ident: Identity, pid: str, round_: int, piece: str | None) -> dict[str, Any]:
         """Which parts of `pid`'s upload in parts for `round_` (or its `piece`) the coordinator

@@ -1,6 +1,7 @@
 """Committed rounds on disk: the global model and the outer optimizer state per version.
 
-File names carry the global version (`global-000012.safetensors`, `outer-000012.safetensors`);
+File names carry the global version (`global-000012.safetensors`, `outer-000012.safetensors`,
+and with compressed downloads the coordinator's error feedback `residual-000012.safetensors`);
 each file is written atomically (temp file, fsync, rename, fsync of the directory) by
 `fedtrain.wire.write_file`, so a file under its final name is always complete. A version
 counts as committed only once the database says so; files of newer versions are orphans of
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^(global|outer)-(\d{6,})\.safetensors$")
+_NAME = re.compile(r"^(global|outer|residual)-(\d{6,})\.safetensors$")
 SPARES = 2  # one round writes two files
 STATE_DIGEST_KEY = "fedtrain.state_digest"
 """Metadata key of an outer state file: the digest of the file's body without this key."""
@@ -107,6 +108,36 @@ class CheckpointDir:
 
     def outer_path(self, version: int) -> Path:
         return self.root / f"outer-{version:06d}.safetensors"
+
+    def residual_path(self, version: int) -> Path:
+        return self.root / f"residual-{version:06d}.safetensors"
+
+    def write_residual(self, version: int, tensors: dict[str, torch.Tensor], digest_algorithm: str | None) -> None:
+        """The compressed downloads' error feedback of `version` (`wire/delta.py`), atomically and
+        with the digest of its body; written before the version's model file, so a version whose
+        model file exists has its residual (if it had one)."""
+        claimed = EncodedBody(tensors, {}, digest_algorithm=digest_algorithm).digest()
+        write_temp(self.residual_path(version), tensors, {STATE_DIGEST_KEY: claimed}, digest_algorithm,
+                   digest="").commit()
+
+    def load_residual(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The residual of `version`, verified; None when there is none or it does not verify
+        (logged): losing it costs the signal it held back, never the bit-identity of the weights."""
+        path = self.residual_path(version)
+        if not path.is_file():
+            return None
+        meta: dict[str, str] = {}
+        try:
+            tensors = self._load(path, None, on_header=lambda _specs, m: meta.update(m))
+            claimed = meta.get(STATE_DIGEST_KEY, "")
+            got = EncodedBody(tensors, {}, digest_algorithm=parse_digest(claimed)[0]).digest()
+        except (StateError, WireError) as e:
+            log.warning("residual %s cannot be read (%s): compressed downloads restart with none", path, e)
+            return None
+        if not digests_equal(got, claimed):
+            log.warning("residual %s does not match its digest: compressed downloads restart with none", path)
+            return None
+        return tensors
 
     def write(
         self,
@@ -236,6 +267,7 @@ class CheckpointDir:
     def remove(self, version: int) -> None:
         """Drop both files of `version`: kept as spares while fewer than `SPARES` are, and
         nobody reads them; else unlinked."""
+        self.residual_path(version).unlink(missing_ok=True)  # never a spare: only some runs write one
         for path in (self.global_path(version), self.outer_path(version)):
             with self._lock:
                 if len(self._spares) < SPARES and not self._readers[path] and path.is_file():

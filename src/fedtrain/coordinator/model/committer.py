@@ -1,7 +1,8 @@
 """The committer: the global model, its outer optimizer, checkpoints, publishing, going back.
 
 `Committer` owns the master weights and the outer optimizer state (`OuterOptimizer`), the
-checkpoint directory, the version served from memory (`Published`) and the guard that
+checkpoint directory, the version served from memory (`Published`; with compressed downloads
+its delta and the error feedback: `DownloadDeltas`) and the guard that
 orders copies of the weights against changes to them (`WeightsGuard`), the newest durable
 version (`committed_version`), and the janitor thread that prunes old checkpoint files.
 
@@ -23,6 +24,7 @@ import torch
 from fedtrain import faults
 from fedtrain.config import RunConfig, outer_choice
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
+from fedtrain.coordinator.model.deltas import DeltaStream, DownloadDeltas
 from fedtrain.coordinator.model.downloads import DownloadsInFlight
 from fedtrain.coordinator.model.publish import ModelStream, Published, WeightsGuard
 from fedtrain.coordinator.model.restore import load_version, newest_intact, restore_record
@@ -33,6 +35,7 @@ from fedtrain.errors import MergeError, Refused, StateError
 from fedtrain.merge import OuterOptimizer, RunningSum
 from fedtrain.privacy.central import add_noise_to_sum, noise_generator, rounds_in
 from fedtrain.wire import EncodedBody, parse_digest
+from fedtrain.wire.delta import download_codec
 
 
 def model_meta(cfg: RunConfig, algorithm: str, version: int,
@@ -54,6 +57,7 @@ class Committer:
         self.published: Published | None = None  # the version served from memory
         self.committed_version = 0
         self.downloads = DownloadsInFlight()  # by participant, for the status
+        self.deltas = DownloadDeltas()  # compressed downloads: the codec, the residual
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedtrain-prune")
 
     @property
@@ -66,6 +70,7 @@ class Committer:
     def create(self, params: dict[str, torch.Tensor], cfg: RunConfig) -> str:
         """A new run: version 0 is `params`, written durably; returns its digest."""
         self.outer = OuterOptimizer(params, *outer_choice(cfg))
+        self.deltas.configure(download_codec(cfg.train))
         body = EncodedBody(self.outer.params, model_meta(cfg, self.outer.algorithm, 0), digest_algorithm=cfg.digest)
         return self.write_checkpoint(0, self.outer, body)
 
@@ -74,9 +79,11 @@ class Committer:
         clear refusal naming the newest intact kept version, or with `recover` that version
         committed again as `version + 1` (recorded as an event). Returns the version the run
         resumes at."""
+        self.deltas.configure(download_codec(cfg.train))
         try:
             self.outer = load_version(self.ckpt, self._store, version)
             self.committed_version = version
+            self._load_residual(version)
             return version
         except StateError as e:
             damaged = e.message
@@ -97,6 +104,17 @@ class Committer:
                                          f"{intact} (--recover)")
         return version + 1
 
+    def _load_residual(self, version: int) -> None:
+        """The compressed downloads' residual of `version` (none kept: E = 0, which only costs the
+        signal it held back: the weights are what was sent, bit-identical, either way)."""
+        if not self.deltas.on:
+            return
+        residual = self.ckpt.load_residual(version)
+        self.deltas.load(residual)
+        if residual is None and version > 0:
+            self._events.record("config", f"compressed downloads resume at version {version} without the residual "
+                                          "of the ones before (none kept): it starts again from zero")
+
     def reconfigure(self, cfg: RunConfig, locked: bool = False) -> None:
         """Make the outer optimizer match `cfg` (`outer_choice`): a new algorithm starts with fresh
         state, but for the momentum carried between DiLoCo's step and asynchronous mode's delayed
@@ -106,6 +124,8 @@ class Committer:
             with self._fold_lock:
                 self.reconfigure(cfg, locked=True)
             return
+        if self.deltas.configure(download_codec(cfg.train)):
+            self._events.record("config", "compressed downloads off: the residual they held back is dropped")
         outer = self.model
         want_alg, want_hp = outer_choice(cfg)
         if outer.algorithm == want_alg and outer.hp == want_hp:
@@ -140,9 +160,17 @@ class Committer:
             if not (0.0 < scale <= 1.0):
                 raise MergeError(f"the staleness scale must be in (0, 1], got {scale!r}")
             divisor = divisor / scale
+        # Compressed downloads: P_r, kept through the step (read only here, off the lock: only
+        # this thread changes the weights), for the delta that defines P_{r+1} (`deltas.py`).
+        prev = self.deltas.before_step(self.model.params, names)
         with self.weights.lock:
             self.weights.epoch += 1
             self.model.step(total, divisor, finite=True, every=every, names=names)
+        if prev is not None:
+            # Off the lock (seconds at 100M parameters): the epoch moved on above, before the
+            # step touched the weights, and every reader of them checks it under the lock before
+            # each copy (`memory_steps`, `SliceStream`), so none reads them until `publish`.
+            self.deltas.encode(prev, self.model.params)
 
     def publish(self, version: int, cfg: RunConfig, hold: bool, extra: Mapping[str, str] | None = None) -> Published:
         """A body over the new weights, to serve from memory once the caller puts it in force
@@ -151,7 +179,9 @@ class Committer:
         outer = self.model
         body = EncodedBody(outer.params, model_meta(cfg, outer.algorithm, version, extra),
                            digest_algorithm=cfg.digest)
-        return Published(version, body.digest(), body, self.weights.epoch, hold=hold)
+        published = Published(version, body.digest(), body, self.weights.epoch, hold=hold)
+        published.delta = self.deltas.publish(published)
+        return published
 
     def serve(self, published: Published | None) -> None:
         """Event loop: serve `published` from memory from now on (None: from the files)."""
@@ -165,6 +195,8 @@ class Committer:
         caller marks it committed (`committed`) on the event loop."""
         t0 = time.perf_counter()
         weights = record.pop("weights")
+        if published.delta is not None:  # before the model file: a version's file means its residual is there
+            self.ckpt.write_residual(r + 1, published.delta.residual, published.body.digest_algorithm)
         record["digest"] = self.write_checkpoint(r + 1, outer, published.body)
         faults.hit("checkpoint.after_global_write", round=r)
         record["commit_s"] = time.perf_counter() - t0
@@ -214,6 +246,8 @@ class Committer:
         with self.weights.lock:
             self.weights.epoch += 1
             self.outer = OuterOptimizer.restore(params, tensors, meta)
+        self.deltas.reset()
+        self._load_residual(version)
         self._store.discard_uncommitted(version)
         self.ckpt.prune(version, keep)
 
@@ -224,6 +258,7 @@ class Committer:
         with self.weights.lock:
             self.weights.epoch += 1
             self.outer = outer
+        self.deltas.reset()  # the kept version is committed again whole: its residual is not ours
 
     # -- reading (event loop) ---------------------------------------------------------------------
 
@@ -253,6 +288,21 @@ class Committer:
             except FileNotFoundError:  # pruned a moment ago
                 raise self._not_kept(v) from None
         return stream
+
+    def delta_stream(self, newest: int, from_version: int) -> DeltaStream:
+        """A download of the compressed delta from `from_version` to the newest version `newest`
+        (from memory); 404 when downloads go whole in this run, 409 when `from_version` is not
+        the version before `newest` or the newest has no delta (served from its file: after a
+        restart or a roll back): the participant then downloads the model whole."""
+        if not self.deltas.on:
+            raise Refused(404, "no_delta", "this run sends the model whole (train.download_compression none)")
+        published = self.published
+        delta = published.delta if published is not None and published.version == newest else None
+        if delta is None or delta.from_version != from_version:
+            raise Refused(409, "delta_unavailable", f"no compressed delta from version {from_version} to the newest "
+                          f"version {newest} (one exists only from the version just before it, while it is served "
+                          "from memory): download the model whole", {"version": newest, "from": from_version})
+        return DeltaStream(delta)
 
     async def model_slice(self, v: int, rows: str) -> SliceStream:
         """A download of the rows `rows` (a JSON query, `slices.parse_rows`) of global version

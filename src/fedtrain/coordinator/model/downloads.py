@@ -63,20 +63,29 @@ class DownloadsInFlight:
         self._lock = threading.Lock()
         self._progress: dict[tuple[str, str], Progress] = {}
         self._connections: dict[tuple[str, str], int] = {}
-        self._by_version: dict[int, int] = {}
+        self._by_version: dict[int, tuple[int, int]] = {}  # (bytes sent, as the whole fp32 model)
 
-    def sent_of(self, version: int, sent: int) -> None:
-        """`sent` more bytes of version `version` went to a participant; the newest
-        KEPT_VERSIONS versions are kept (a run's status shows its recent rounds)."""
+    def sent_of(self, version: int, sent: int, fp32: int | None = None) -> None:
+        """`sent` more bytes of version `version` went to a participant (`fp32`: what they stand
+        for in bytes of the whole model, for a compressed delta; None: `sent`, a whole model's);
+        the newest KEPT_VERSIONS versions are kept (a run's status shows its recent rounds)."""
         with self._lock:
-            self._by_version[version] = self._by_version.get(version, 0) + sent
+            was, was_fp32 = self._by_version.get(version, (0, 0))
+            self._by_version[version] = (was + sent, was_fp32 + (sent if fp32 is None else fp32))
             while len(self._by_version) > KEPT_VERSIONS:
                 del self._by_version[min(self._by_version)]
 
     def version_bytes(self, version: int) -> int | None:
         """The bytes participants were sent of `version` (None: none since this coordinator started)."""
         with self._lock:
-            return self._by_version.get(version)
+            got = self._by_version.get(version)
+            return None if got is None else got[0]
+
+    def version_fp32_bytes(self, version: int) -> int | None:
+        """What the bytes sent of `version` would have been as whole fp32 models (None: none sent)."""
+        with self._lock:
+            got = self._by_version.get(version)
+            return None if got is None else got[1]
 
     def begin(self, pid: str, etag: str, what: str, nbytes: int,
               counted: Callable[[int], None] | None = None) -> Tracked:

@@ -1,8 +1,9 @@
 """Serving the global model: from memory until the weights move on, then from the file.
 
 `ModelStream` is one download of one version, `Published` the version served from memory
-and `WeightsGuard` what orders copies of the weights against the next outer step. By
-default a download holds back its last piece until the round is committed.
+(with the compressed delta that leads to it, if any: `deltas.py`) and `WeightsGuard` what
+orders copies of the weights against the next outer step. By default a download holds back
+its last piece until the round is committed.
 
 More: docs/architecture.md, "coordinator/model/publish.py".
 """
@@ -14,7 +15,7 @@ import threading
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
@@ -23,6 +24,9 @@ from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.transport.chunks import chunks_of
 from fedtrain.transport.protocols import SEND, Hold, ModelSender, Steps
 from fedtrain.wire import EncodedBody
+
+if TYPE_CHECKING:
+    import torch
 
 SEND_PIECE = 4 << 20  # most a nonblocking write from memory can take at once (the socket buffer takes less)
 
@@ -55,6 +59,8 @@ class Published:
     settled: threading.Event = field(default_factory=threading.Event)  # the commit is over, either way
     # The same, for waiters on the event loop (settle() runs there: `rounds.Rounds`).
     settled_async: asyncio.Event = field(default_factory=asyncio.Event)
+    # Compressed downloads: the step from the version before to this one, as sent (`deltas.py`).
+    delta: PublishedDelta | None = None
 
     def settle(self, durable: bool) -> None:
         """On the event loop: the commit is over, durable or not."""
@@ -78,6 +84,22 @@ class Published:
         """On the event loop: until the commit is over; raises if it failed."""
         await self.settled_async.wait()
         self.check_durable()
+
+
+@dataclass
+class PublishedDelta:
+    """The step from version `from_version` to the published version `target`, as sent: `body`
+    (compressed, with the target's digest and metadata), and the residual E after it."""
+
+    from_version: int
+    target: Published
+    body: EncodedBody
+    residual: dict[str, torch.Tensor]  # E after this step, written with the version's checkpoint (the
+    # next merge, which waits for that commit, updates these tensors in place)
+
+    @property
+    def digest(self) -> str:
+        return self.body.digest()
 
 
 @dataclass
@@ -131,7 +153,7 @@ def memory_steps(body: EncodedBody, memory: Published, guard: WeightsGuard, out:
     commit (`NotCommitted` when it failed). Returns the bytes sent: all, or fewer when the
     weights moved on (then the committed file holds the rest)."""
     offset, moved = 0, False
-    for view, last in _pieces(body, SEND_PIECE):
+    for view, last in pieces(body, SEND_PIECE):
         if last and memory.hold:
             if not memory.settled.is_set():
                 yield memory  # waited for on the loop, or by `pump` on its thread
@@ -150,7 +172,7 @@ def memory_steps(body: EncodedBody, memory: Published, guard: WeightsGuard, out:
     return offset
 
 
-def _pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
+def pieces(body: EncodedBody, size: int) -> Iterator[tuple[memoryview, bool]]:
     """The body in pieces of at most `size` bytes, each with whether it is the last."""
     held: memoryview | None = None
     for view in body:

@@ -350,6 +350,7 @@ class CoordinatorClient(UploadCalls):
         rows: Mapping[str, Sequence[int] | None] | None = None,
         stall_timeout_s: float | None = None,
         streams: int | Literal["auto"] = 1,
+        delta_from: int | None = None,
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """Stream the global model; returns (version, tensors). Each tensor is read straight
         into the storage `allocate` gives (e.g. a parameter), one copy per byte. With `rows`
@@ -359,8 +360,13 @@ class CoordinatorClient(UploadCalls):
         silent for `stall_timeout_s` (default: the read timeout) counts as broken. `streams` > 1:
         byte ranges of the body over that many connections at once (`transport.parallel`; fast
         IO's direct path only, else one); "auto": as many as paid on this client's last
-        downloads (`parallel.StreamChooser`)."""
+        downloads (`parallel.StreamChooser`). `delta_from`: instead, the newest version as the
+        compressed delta from that version (`GET /v1/model/delta`, one stream; `wire/delta.py`
+        applies it); a CoordinatorError 404 no_delta or 409 delta_unavailable when there is none."""
         params: dict[str, Any] = {}
+        path = "/v1/model"
+        if delta_from is not None:
+            path, streams, params["from"] = "/v1/model/delta", 1, delta_from
         if version is not None:
             params["version"] = version
         if pid is not None:
@@ -369,7 +375,8 @@ class CoordinatorClient(UploadCalls):
             params["rows"] = json.dumps({n: None if r is None else list(r) for n, r in rows.items()},
                                         separators=(",", ":"))
         read_s = self._timeouts.read if stall_timeout_s is None else stall_timeout_s
-        what = "download of the global model" + ("" if version is None else f" version {version}")
+        what = "download of the global model" + ("" if version is None else f" version {version}") + (
+            "" if delta_from is None else f" as the delta from version {delta_from}")
         partial = PartialDownload(what, allocate, on_header, log)
 
         p = self._streams.choose() if streams == "auto" else streams
@@ -381,8 +388,8 @@ class CoordinatorClient(UploadCalls):
             headers = {**self._as(pid), **partial.headers()}
             try:
                 if is_direct(self.url):
-                    return self._download_direct(params, headers, partial, read_s)
-                return self._download_httpx(params, headers, partial, read_s)
+                    return self._download_direct(path, params, headers, partial, read_s)
+                return self._download_httpx(path, params, headers, partial, read_s)
             except BaseException:
                 partial.failed()
                 raise
@@ -396,14 +403,14 @@ class CoordinatorClient(UploadCalls):
                                  time.monotonic() - t0)
         return got
 
-    def _download_httpx(self, params: dict[str, Any], headers: dict[str, str], partial: PartialDownload,
+    def _download_httpx(self, path: str, params: dict[str, Any], headers: dict[str, str], partial: PartialDownload,
                         read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
         """One attempt of `download` through httpx (the plain path)."""
         timeout = dataclasses.replace(self._timeouts, read=read_s).httpx()
-        with self._http.stream("GET", "/v1/model", params=params, headers=headers, timeout=timeout) as r:
+        with self._http.stream("GET", path, params=params, headers=headers, timeout=timeout) as r:
             if r.status_code >= 400:
                 r.read()
-                raise self._refusal(r, "GET /v1/model")
+                raise self._refusal(r, f"GET {path}")
             body = partial.start(r.status_code, r.headers)
             # No chunk size: httpx would re-chunk through a BytesIO (three more copies
             # per byte); a socket read is at most httpcore's read size (see `tune_httpcore`).
@@ -427,13 +434,13 @@ class CoordinatorClient(UploadCalls):
 
         return ParallelDownload(request, streams, allocate, on_header, what, refuse, log).run()
 
-    def _download_direct(self, params: dict[str, Any], headers: dict[str, str], partial: PartialDownload,
-                         read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+    def _download_direct(self, path: str, params: dict[str, Any], headers: dict[str, str],
+                         partial: PartialDownload, read_s: float) -> tuple[int, dict[str, torch.Tensor]]:
         """`download` over `fetch.direct_request`: socket reads land in the tensors' storage."""
         fields = {"Authorization": f"Bearer {self._token}", "User-Agent": "fedtrain-participant", **headers}
-        with direct_request("GET", self.url, "/v1/model", params, fields, connect_timeout=self._timeouts.connect,
+        with direct_request("GET", self.url, path, params, fields, connect_timeout=self._timeouts.connect,
                             read_timeout=read_s, tls=self._direct_tls) as r:
             if r.status >= 400:
-                raise self._refusal(r.as_httpx(), "GET /v1/model")
+                raise self._refusal(r.as_httpx(), f"GET {path}")
             partial.start(r.status, r.headers).read_into(r)
             return partial.finish()

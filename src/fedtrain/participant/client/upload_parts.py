@@ -3,8 +3,11 @@ a whole upload would send, each with its own digest, sent up to `streams` at a t
 
 `BodyParts` cuts an `EncodedBody` into parts without copying it (views over its chunks) and
 hashes each part once. `send_parts` sends the parts the coordinator does not hold yet (up to
-`transfer.streams` at once; `auto`: `probe_streams` measures), and
-returns the answer of the part that completed the body (the whole upload's answer). After a
+`transfer.streams` writing their bytes at once; `auto`: `probe_streams` measures), and
+returns the answer of the part that completed the body (the whole upload's answer). A part
+whose bytes are all written frees its stream for the next part while it waits for its
+answer, on a connection of its own, so the link stays busy between parts (at most `streams`
+more wait so). After a
 broken or silent connection the caller asks which parts are held and calls it again: only
 the rest travel. No torch at module level.
 """
@@ -16,7 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from fedtrain.transport.progress import Progress
@@ -25,7 +28,7 @@ from fedtrain.wire.digest import StreamingDigest
 if TYPE_CHECKING:
     from fedtrain.wire.encode import EncodedBody
 
-__all__ = ["BodyParts", "CountedProgress", "send_parts"]
+__all__ = ["BodyParts", "CountedProgress", "Send", "send_parts"]
 
 #: The header that names the whole body's digest on each part (the coordinator's).
 WHOLE_DIGEST_HEADER = "X-Fedtrain-Upload-Digest"
@@ -87,51 +90,79 @@ class CountedProgress:
             with self._lock:
                 self.progress.add(n)
 
-    def counting(self, chunks: Iterator[memoryview]) -> Iterator[memoryview]:
-        """`chunks`, counted as they are handed to the connection."""
+    def counting(self, chunks: Iterator[memoryview], written: Callable[[], None] | None = None) -> Iterator[memoryview]:
+        """`chunks`, counted as they are handed to the connection; `written()` once the last is."""
         for chunk in chunks:
             yield chunk
             self.add(chunk.nbytes)
+        if written is not None:
+            written()
 
 
-def send_parts(parts: BodyParts, todo: list[int], streams: int | str,
-               send: Callable[[int], dict[str, Any]], log: logging.Logger | None = None) -> dict[str, Any] | None:
-    """Send parts `todo` with `send(index)` (its answer), up to `streams` at once ("auto":
-    `probe_streams` picks the number as it goes); the answer that says the body is complete
-    (None: none did, e.g. every part was in already but the update was not placed). The first
-    failure is raised once the parts in flight have ended; parts not yet begun are not sent."""
+#: `send(index, written)`: send part `index`, calling `written()` once its bytes are all
+#: handed to the connection (then only its answer is awaited); its answer.
+Send = Callable[[int, Callable[[], None]], dict[str, Any]]
+
+
+def send_parts(parts: BodyParts, todo: list[int], streams: int | str, send: Send,
+               log: logging.Logger | None = None) -> dict[str, Any] | None:
+    """Send parts `todo` with `send`, up to `streams` writing at once ("auto": `probe_streams`
+    picks the number as it goes); the answer that says the body is complete (None: none did,
+    e.g. every part was in already but the update was not placed). The first failure is
+    raised once the parts in flight have ended; parts not yet begun are not sent."""
     if not todo:
         return None
     if streams == "auto":
         return probe_streams(todo, send, log)
-    width = int(streams)
-    if width <= 1 or len(todo) == 1:
-        final = None
-        for index in todo:
-            answer = send(index)
-            if answer.get("parts_complete"):
-                final = answer
-        return final
-    return _side_by_side(todo, width, send)
+    return _side_by_side(todo, int(streams), send)
 
 
-def _side_by_side(todo: list[int], width: int, send: Callable[[int], dict[str, Any]]) -> dict[str, Any] | None:
+def _side_by_side(todo: list[int], width: int, send: Send) -> dict[str, Any] | None:
+    """Parts `todo` in order, `width` of them writing bytes at once: a part whose bytes are
+    written frees its stream (the next part starts on another connection) and waits for its
+    answer, at most `width` such waits beside the writes."""
+    width = max(1, width)
+    writing = threading.Semaphore(width)
+    failed = threading.Event()
+
+    def one(index: int) -> dict[str, Any]:
+        freed = False
+
+        def written() -> None:
+            nonlocal freed
+            if not freed:
+                freed = True
+                writing.release()
+
+        try:
+            return send(index, written)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            written()
+
     final = None
-    with ThreadPoolExecutor(min(width, len(todo)), thread_name_prefix="fedtrain-part") as pool:
-        futures: list[Future[dict[str, Any]]] = [pool.submit(send, i) for i in todo]
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        wait(pending)
-        for f in futures:
-            if f.cancelled():
-                continue
-            error = f.exception()
-            if error is not None:
-                raise error
-            if f.result().get("parts_complete"):
-                final = f.result()
+    futures: list[Future[dict[str, Any]]] = []
+    with ThreadPoolExecutor(min(2 * width, len(todo)), thread_name_prefix="fedtrain-part") as pool:
+        for index in todo:
+            writing.acquire()  # (every part frees its stream at the latest when it ends)
+            if failed.is_set():
+                writing.release()
+                break
+            futures.append(pool.submit(one, index))
+        wait(futures)
+    for f in futures:
+        error = f.exception()
+        if error is not None:
+            raise error
+        if f.result().get("parts_complete"):
+            final = f.result()
     return final
+
+
+def _nothing() -> None:
+    pass
 
 
 #: `streams: auto` doubles the connections while the rate grows by at least this factor.
@@ -139,8 +170,7 @@ AUTO_GAIN = 1.25
 AUTO_MAX = 16
 
 
-def probe_streams(todo: list[int], send: Callable[[int], dict[str, Any]],
-                  log: logging.Logger | None = None) -> dict[str, Any] | None:
+def probe_streams(todo: list[int], send: Send, log: logging.Logger | None = None) -> dict[str, Any] | None:
     """`streams: auto`: send the parts a round of P at a time, P = 1 first, doubling P while a
     round's rate (parts per second) beats the last one by AUTO_GAIN; once it does not, the
     rest go at the best P found. On a link one connection fills, P stays 1 (or falls back to
@@ -151,7 +181,8 @@ def probe_streams(todo: list[int], send: Callable[[int], dict[str, Any]],
     while at < len(todo):
         batch = todo[at : at + width]
         started = time.monotonic()
-        answer = _side_by_side(batch, width, send) if width > 1 else send(batch[0])
+        # (one part alone on this thread: a pool's start would count against width 1's rate)
+        answer = _side_by_side(batch, width, send) if width > 1 else send(batch[0], _nothing)
         if answer is not None and answer.get("parts_complete"):
             final = answer
         at += len(batch)

@@ -175,7 +175,7 @@ class UploadCalls:
         base: dict[str, Any] = {"tokens": tokens, "total": parts.total, "part_bytes": parts.part_bytes,
                                 **({"piece": piece} if piece is not None else {})}
 
-        def send(index: int) -> dict[str, Any]:
+        def send(index: int, written: Callable[[], None]) -> dict[str, Any]:
             start, stop = parts.span(index)
             headers = {DIGEST_HEADER: parts.digest(index), WHOLE_DIGEST_HEADER: whole,
                        "Content-Length": str(stop - start), "Content-Type": "application/octet-stream", **self._as(pid)}
@@ -183,7 +183,7 @@ class UploadCalls:
             # waits for its placement: if that takes longer, the retry finds every part in and
             # asks again until the update is placed), so a silent answer is a silent link too.
             answer: dict[str, Any] = self._put(path, {**base, "part": index}, headers,
-                                               counted.counting(parts.chunks(index)), stall_s, stall_s)
+                                               counted.counting(parts.chunks(index), written), stall_s, stall_s)
             return answer
 
         def once() -> Any:

@@ -215,6 +215,8 @@ class Participant:
         self.book.joined(answer)
         version = int(answer["round"]) if self.role.kind == "sharded" else None
         engine = self._engine
+        if engine is not None:  # compressed downloads: the whole model now is the one the next delta applies to
+            engine.deltas = self.book.config.train.download_compression != "none"
         outcomes, error = self.ranks.together(
             None if engine is None else lambda: engine.download(self.participant_id, version=version,
                                                                 transfer=self.book.config.transfer))

@@ -1,7 +1,9 @@
 """`SyncEngine`: one rank's round trip with the coordinator, Δ up and θ down, which every schedule
 drives: it owns the sync set's reference copy (the snapshot, on the CPU), its state (reference,
 Δ, a download cut short, fetched), error feedback and the byte counters. An FSDP rank's engine
-sends and fetches its rows as its piece (`PieceOf`). See docs/architecture.md.
+sends and fetches its rows as its piece (`PieceOf`). With compressed downloads
+(`train.download_compression`) it also keeps the served model bit for bit (fp32, on the CPU)
+and takes each next version as a compressed delta (`wire/delta.py`). See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.participant.engine.secagg_sync import Ahead, submit_masked
+from fedtrain.participant.engine.served import ServedModel
 from fedtrain.privacy.clipping import clip_within
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
@@ -81,9 +84,10 @@ class SyncEngine:
 
     def __init__(self, client: CoordinatorClient, params: Mapping[str, torch.Tensor], *, who: str | None = None,
                  patience_s: float = 0.0, piece: PieceOf | None = None,
-                 shares: Mapping[str, torch.Tensor] | None = None) -> None:
+                 shares: Mapping[str, torch.Tensor] | None = None, served: ServedModel | None = None) -> None:
         """`shares`: snapshot tensors of another engine that this one (a fragment's, `fragment`)
-        uses as its own; such an engine's downloads name its tensors."""
+        uses as its own; such an engine's downloads name its tensors. `served`: that engine's
+        served model (compressed downloads), shared the same way."""
         self.client = client
         self.params = params
         self.who = who
@@ -101,6 +105,10 @@ class SyncEngine:
         self._holds: Holds = "reference"
         self._feedback = ErrorFeedback()
         self._only = shares is not None
+        # Compressed downloads (`deltas`, as the run config says): the served model as it came,
+        # bit for bit, and its version; a whole download sets them, a delta moves them on.
+        self.deltas = False
+        self._served = served if served is not None else ServedModel()
 
     def fragment(self, names: list[str]) -> SyncEngine:
         """An engine over the tensors `names` of this one's sync set (a Streaming DiLoCo
@@ -123,7 +131,7 @@ class SyncEngine:
             piece = PieceOf(self.piece.label, self.piece.sends & frozenset(names),
                             {n: r for n, r in self.piece.rows.items() if n in names}, self.piece.shapes)
         engine = SyncEngine(self.client, _Only(self.params, names), who=self.who, patience_s=self.patience_s,
-                            piece=piece, shares={n: self._snapshot[n] for n in names})
+                            piece=piece, shares={n: self._snapshot[n] for n in names}, served=self._served)
         engine.wait_s = self.wait_s
         return engine
 
@@ -157,6 +165,7 @@ class SyncEngine:
         """`sync` without the last step: the new global weights end in the snapshot ("fetched"),
         not in the model, until `adopt`. After a download cut short, or a fetch not adopted,
         round r is over: this downloads again without uploading."""
+        self.deltas = config.train.download_compression != "none"
         try:
             if self._holds not in ("cut_short", "fetched"):
                 self.take_delta()
@@ -224,6 +233,7 @@ class SyncEngine:
                  retry: RetryPolicy | None = None) -> int:
         """`submit` then `download`: the whole exchange of round `r`, which leaves the new
         global weights in the snapshot (not in the model). Returns their version."""
+        self.deltas = config.train.download_compression != "none"
         self.submit(r, pid, body, config, tokens=tokens, retry=retry)
         return self.download(pid, after_round=r, retry=retry, transfer=config.transfer)
 
@@ -286,6 +296,10 @@ class SyncEngine:
         which: dict[str, Any] = {"version": version} if version is not None else {}
         if transfer is not None:
             which.update(stall_timeout_s=transfer.stall_timeout_s, streams=transfer.streams)
+        compressed = self._download_compressed(pid, version, retry, transfer, which)
+        if compressed is not None:
+            self._holds = "reference"
+            return compressed
         if self.piece is not None:  # a piece's rows (of a fragment's tensors, for a fragment's engine)
             got, _ = self.client.download(pid=pid, rows=self.piece.rows_of(self._snapshot),
                                           allocate=self._allocate_rows, retry=retry, **which)
@@ -299,6 +313,49 @@ class SyncEngine:
         self._holds = "reference"
         self.bytes_down += self.snapshot_bytes
         return version
+
+    def _download_compressed(self, pid: str, version: int | None, retry: RetryPolicy | None,
+                             transfer: TransferConfig | None, which: dict[str, Any]) -> int | None:
+        """With compressed downloads (`deltas`; not a piece's engine): the newest version as a
+        delta, else whole (kept as served); a version the served model holds already, from it.
+        None: the plain path downloads (downloads are not compressed, or a fragment's engine
+        asks for another version, `take_global`: its slice, the served copy untouched)."""
+        if not self.deltas:
+            self._served.forget()
+            return None
+        if self.piece is not None:
+            return None
+        if version is not None and version == self._served.version:
+            self._into_snapshot(self._served.tensors)
+            return version
+        if version is not None and self._only:
+            return None
+        got = self._download_delta(pid, retry, transfer) if version is None else None
+        return got if got is not None else self._download_served(pid, retry, which)
+
+    def _download_served(self, pid: str, retry: RetryPolicy | None, which: dict[str, Any]) -> int:
+        """The whole model, kept as served (`ServedModel`) and copied into the snapshot."""
+        check = None if self._only else self._check_header  # (a fragment's: the whole model was checked at join)
+        version, tensors = self._served.take_whole(self.client, pid, check, retry, which)
+        self._into_snapshot(tensors)
+        self.bytes_down += sum(t.numel() * t.element_size() for t in tensors.values())
+        return version
+
+    def _download_delta(self, pid: str, retry: RetryPolicy | None, transfer: TransferConfig | None) -> int | None:
+        """The newest version as a compressed delta (`ServedModel.take_delta`); None: download whole."""
+        got = self._served.take_delta(self.client, pid, retry, transfer.stall_timeout_s if transfer else None)
+        if got is None:
+            return None
+        version, sent = got
+        self._into_snapshot(self._served.tensors)
+        self.bytes_down += sent
+        return version
+
+    def _into_snapshot(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The served tensors of our sync set into the snapshot (a fragment's engine: its own)."""
+        with torch.no_grad():
+            for n, snap in self._snapshot.items():
+                snap.copy_(tensors[n])
 
     def adopt(self, sent: dict[str, torch.Tensor] | None = None) -> None:
         """Put the downloaded weights into the model: as they are, or (`sent`: θ_sent, as

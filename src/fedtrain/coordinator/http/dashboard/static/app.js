@@ -349,7 +349,8 @@ function renderRounds(st) {
   }
   const traffic = (r) => `up ${fmt.bytes(r.bytes_in)}` +
     (r.vs_fp32_in ? ` (fp32 would be ${fmt.bytes(r.fp32_bytes_in)}: ${r.vs_fp32_in}× as many)` : "") +
-    `; down ${r.bytes_out == null ? "not counted since the coordinator started" : fmt.bytes(r.bytes_out)}`;
+    `; down ${r.bytes_out == null ? "not counted since the coordinator started" : fmt.bytes(r.bytes_out)}` +
+    (r.vs_fp32_out && r.vs_fp32_out !== 1 ? ` (fp32 would be ${fmt.bytes(r.fp32_bytes_out)}: ${r.vs_fp32_out}× as many)` : "");
   const longest = Math.max(1e-9, ...st.recent_rounds.map((r) => r.closed_at - r.opened_at));
   for (const r of st.recent_rounds) {
     const dur = r.closed_at - r.opened_at;
@@ -365,7 +366,9 @@ function renderRounds(st) {
       el("td", {}, ...chips(r.submissions)),
       el("td", { class: "num", text: fmt.si(r.tokens) }),
       el("td", { class: "num bytes", title: traffic(r), text: fmt.bytes(r.bytes_in) +
-        (r.vs_fp32_in && r.vs_fp32_in !== 1 ? ` (${r.vs_fp32_in}× < fp32)` : "") }),
+        (r.vs_fp32_in && r.vs_fp32_in !== 1 ? ` (${r.vs_fp32_in}× < fp32)` : "") +
+        (r.bytes_out != null ? ` / down ${fmt.bytes(r.bytes_out)}` +
+          (r.vs_fp32_out && r.vs_fp32_out !== 1 ? ` (${r.vs_fp32_out}× < fp32)` : "") : "") }),
       el("td", { class: "num", text: fmt.seconds(r.merge_s) })));
   }
   body.replaceChildren(...rows);
