@@ -1,7 +1,7 @@
 """Routes of secure aggregation (`/v1/rounds/{r}/secagg/...`): a round's phase, public keys and
 token claims (with the keys, or after training: `claim`), the key directory, sealed shares, a
-participant's mailbox, the unmask request and
-the revealed shares. Masked updates themselves go through the update route.
+participant's mailbox, the unmask request and the revealed shares. Masked updates themselves go
+through the update route.
 
 Every request speaks for the participant of its path (or `participant_id`) with its key, as the
 other round routes do; every body is bounded in its schema (`privacy.secagg_max_participants`
