@@ -67,6 +67,7 @@ class SyncEngine(Protocol):
     last_answer: dict[str, Any] | None
     params: Mapping[str, torch.Tensor]
     masks_ahead: Future[Ahead | None] | None
+    deltas: bool
 
     @property
     def piece(self) -> Any: ...
@@ -129,6 +130,7 @@ def exchange_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, 
     """`submit_masked` then the download: the whole masked exchange of round r, run on the
     overlapped sync's worker thread (`sync_schedule.Exchanges.send`) while training goes on, as
     the plain `SyncEngine.exchange` is. Leaves the new global weights in the snapshot; their version."""
+    engine.deltas = config.train.download_compression != "none"  # (as `SyncEngine.exchange` sets it)
     submit_masked(engine, r, pid, config, tokens=tokens, retry=retry)
     return engine.download(pid, after_round=r, retry=retry, transfer=config.transfer)
 
