@@ -15,6 +15,7 @@ from fedtrain.recipes import build_model
 from fedtrain.wire import iter_file, read_tensors
 from tests.helpers.config import tiny_config
 from tests.helpers.runs import LLAMA, run_two
+from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, run_all
 
 pytest.importorskip("cryptography")
 
@@ -53,3 +54,26 @@ def test_with_lora_only_the_adapters_are_masked_and_summed(tmp_path: Path) -> No
     for i in range(2):  # each participant ends on the global adapters (the unmasked aggregate)
         mine = dict(read_tensors(iter_file(tmp_path / f"p{i}" / "final.safetensors")))
         assert all(torch.equal(mine[n], final[n]) for n in final)
+
+
+def test_with_balanced_rounds_each_site_claims_the_tokens_of_its_own_steps(tmp_path: Path) -> None:
+    rounds, rows = 3, 16
+    cfg = tiny_config(rounds=rounds, train={"sync_every": 6}, schedule={"mode": "balanced"},
+                      heartbeat_interval_s=0.2, privacy=SECAGG)
+    speeds = {"fast": 1.0, "slow": 0.25}
+    with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, Small())) as c:
+        ps = run_all(TinyParticipant(c.url, name, Regression(rows=rows, seed=i), speed=speed, step_sleep_s=0.03)
+                     for i, (name, speed) in enumerate(speeds.items()))
+        status = c.service.status()
+    assert status["secure_aggregation"]["refused_attempts"] == 0
+    told = {str(p.name): [r["sync_every"] for r in p.fed.history] for p in ps if p.fed is not None}
+    assert all(len(h) == rounds for h in told.values()), told
+    assert any(told["slow"][r] < told["fast"][r] for r in range(1, rounds)), told  # H differs by speed
+    for p in ps:
+        assert p.fed is not None and p.fed.steps == sum(told[str(p.name)])
+        assert p.losses[-1] < p.losses[0] / 2, (p.name, p.losses[0], p.losses[-1])
+    by_round = {r["round"]: {s["participant_id"]: s["tokens"] for s in r["submissions"]}
+                for r in status["recent_rounds"]}
+    assert sorted(by_round) == list(range(rounds))
+    for r, tokens in by_round.items():  # both masked in every round, each weighted by the tokens it trained
+        assert tokens == {name: told[name][r] * rows for name in speeds}, (r, tokens)
