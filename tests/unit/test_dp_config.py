@@ -12,8 +12,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from fedtrain.config import parse_config
+from fedtrain.config import RunConfig, parse_config
 from fedtrain.config.changes import apply_change
+from fedtrain.config.privacy import PrivacyConfig
 from fedtrain.errors import ConfigError
 from fedtrain.participant.engine.sync import SyncEngine
 
@@ -129,3 +130,14 @@ def test_a_participant_without_the_accountant_takes_the_config_and_a_coordinator
     monkeypatch.delitem(sys.modules, "dp_accounting")
     with pytest.raises(ConfigError, match="over the budget 1"):
         CentralDp(cfg.privacy, cfg.rounds)
+
+
+def test_secure_aggregation_alone_adds_no_noise_unless_dp_is_asked_for() -> None:
+    def privacy(section: dict[str, object]) -> PrivacyConfig:
+        p = RunConfig.model_validate({"privacy": section}).privacy
+        assert p is not None
+        return p
+    assert privacy({}).dp  # a privacy section alone: central DP
+    assert not privacy({"secure_aggregation": True}).dp  # masks alone: no σ = 1 nobody asked for
+    assert privacy({"secure_aggregation": True, "dp": True}).dp  # distributed DP, by name
+    assert not privacy({"secure_aggregation": False, "dp": False}).dp

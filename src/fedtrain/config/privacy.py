@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fedtrain.config.sections import Strict
 from fedtrain.errors import ConfigError
@@ -48,7 +48,10 @@ class PrivacyConfig(Strict):
     coordinator, or split among the participants with secure aggregation), an (ε, δ) accountant, and
     masked uploads. Fixed for the life of a run."""
 
-    dp: bool = Field(True, description="Central DP on (the section null, or dp false: off).")
+    dp: bool = Field(
+        True, description="DP on: central, or distributed with secure_aggregation. Default true, but false when "
+        "secure_aggregation is on and dp is not given: masks alone add no noise; say dp: true for distributed DP.",
+    )
     clip_norm: float = Field(
         1.0, gt=0, le=1e6,
         description="C: each update's L2 norm over the round's sync set is clipped to C, by the participant and "
@@ -107,6 +110,16 @@ class PrivacyConfig(Strict):
         description="Each phase of a round's secure aggregation (keys once at least t advertised, shares, "
         "reveal) closes when everyone expected has answered or after this long.",
     )
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secure_aggregation_alone(cls, data: Any) -> Any:
+        """`secure_aggregation: true` without `dp`: secure aggregation alone, no noise. A user who
+        asks for masks does not expect σ = 1 of noise on every round; DP is asked for by name."""
+        if isinstance(data, dict) and data.get("secure_aggregation") is True and "dp" not in data:
+            return {**data, "dp": False}
+        return data
 
 
 def dp_on(cfg: Any) -> bool:
