@@ -251,3 +251,27 @@ def test_a_live_change_turns_compressed_downloads_on_at_a_round_boundary(tmp_pat
         admin.get("/v1/rounds/1", params={"wait": 10})
         delta = admin.get("/v1/model/delta", params={"from": 1})
         assert delta.status_code == 200 and delta.headers["x-fedtrain-version"] == "2"
+
+
+def test_central_dp_composes_with_compressed_downloads(tmp_path: Path) -> None:
+    """Central DP noises the outer step; the delta and the residual are computed from the noised
+    step alone (post-processing), so both participants still end on the served model bit for
+    bit, the downloads after the join are deltas, and ε is dp-accounting's figure for the rounds
+    merged, as without compression."""
+    dpa = pytest.importorskip("dp_accounting")
+    sigma, delta, rounds = 0.5, 1e-5, 2
+    cfg = tiny_config(rounds=rounds, min_participants=2, train=TRAIN,
+                      privacy={"clip_norm": 5.0, "noise_multiplier": sigma, "delta": delta})
+    with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
+        ps = run_all(TinyParticipant(c.url, f"p{i}", _task(i)) for i in range(2))
+        status = c.service.status()
+        served, _ = _served(c.url)
+    fp32 = sum(4 * t.numel() for t in served.values())
+    for p in ps:
+        assert p.fed is not None and p.fed.round == rounds
+        _assert_bitwise(p.weights, served, str(p.name))
+        assert all(0 < rec["bytes_down"] < fp32 * 0.2 for rec in p.fed.history)
+    acc = dpa.rdp.RdpAccountant()
+    acc.compose(dpa.GaussianDpEvent(sigma), rounds)
+    assert status["privacy"]["rounds"] == rounds
+    assert status["privacy"]["epsilon"] == pytest.approx(float(acc.get_epsilon(delta)), rel=1e-6)
