@@ -4,7 +4,8 @@ coordinator's served model bit for bit, through a coordinator restart (the resid
 from its checkpoint) and a participant that leaves and joins again (a whole download); the
 status counts the compressed bytes sent and their ratio to fp32. Then how it composes: FedOpt,
 FedAvg, balanced and asynchronous rounds, publish_first, parallel streams, a robust
-aggregator, a roll back, LoRA, Streaming DiLoCo fragments, and a live change of the field."""
+aggregator, a roll back, LoRA, Streaming DiLoCo fragments, a live change of the field, and
+central DP."""
 
 from __future__ import annotations
 
