@@ -254,19 +254,22 @@ def test_a_live_change_turns_compressed_downloads_on_at_a_round_boundary(tmp_pat
         assert delta.status_code == 200 and delta.headers["x-fedtrain-version"] == "2"
 
 
-def test_central_dp_composes_with_compressed_downloads(tmp_path: Path) -> None:
+def test_central_dp_composes_with_compressed_downloads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Central DP noises the outer step; the delta and the residual are computed from the noised
     step alone (post-processing), so both participants still end on the served model bit for
     bit, the downloads after the join are deltas, and ε is dp-accounting's figure for the rounds
-    merged, as without compression."""
+    merged, as without compression. The coordinator read P_r back from its file at every merge
+    (no copy of the model in memory)."""
     dpa = pytest.importorskip("dp_accounting")
     sigma, delta, rounds = 0.5, 1e-5, 2
     cfg = tiny_config(rounds=rounds, min_participants=2, train=TRAIN,
                       privacy={"clip_norm": 5.0, "noise_multiplier": sigma, "delta": delta})
-    with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
+    with caplog.at_level("INFO", logger="fedtrain.coordinator"), \
+            BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
         ps = run_all(TinyParticipant(c.url, f"p{i}", _task(i)) for i in range(2))
         status = c.service.status()
         served, _ = _served(c.url)
+    assert not [r.message for r in caplog.records if "copied in memory" in r.message]
     fp32 = sum(4 * t.numel() for t in served.values())
     for p in ps:
         assert p.fed is not None and p.fed.round == rounds
