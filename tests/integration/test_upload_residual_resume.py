@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import Participant
+from fedtrain.recipes import TokenStream
 from fedtrain.recipes.runtime import RunDir
 from tests.helpers.config import tiny_config
 from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file
@@ -28,15 +30,16 @@ def _task() -> Regression:
     return Regression(rows=16, seed=3, model=WIDE, lr=0.01)
 
 
-def _saver(run_dir: RunDir) -> object:
-    """on_step: at each round boundary, the participant's checkpoint as the recipe writes it."""
+def _saver(run_dir: RunDir, who: list[TinyParticipant]) -> Callable[[Participant, float], None]:
+    """on_step: at each round boundary, the participant's checkpoint as the recipe writes it
+    (`RunDir.after_sync`: its inner optimizer, a data position, its upload residual)."""
     seen = {"round": -1}
+    stream = TokenStream(torch.arange(64), batch_size=1, seq_len=4, seed=0)  # (a position to keep)
 
     def save(fed: Participant, _loss: float) -> None:
         if fed.round != seen["round"]:
             seen["round"] = fed.round
-            run_dir.checkpoint.save(
-                round_=fed.round, optimizer=None, steps=fed.steps, tokens=fed.tokens, residual=fed.upload_residual())
+            run_dir.after_sync(fed, who[0].optimizer, stream)
     return save
 
 
@@ -49,13 +52,16 @@ def _run(tmp_path: Path, *, leave_after: int | None, restore: bool = True) -> di
     init = init_file(tmp_path, WIDE())
     with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init) as c:
         steps = None if leave_after is None else leave_after * H
-        first = TinyParticipant(c.url, "p", _task(), steps=steps, on_step=_saver(run_dir)).run()
+        who: list[TinyParticipant] = []
+        first = TinyParticipant(c.url, "p", _task(), steps=steps, on_step=_saver(run_dir, who))
+        who.append(first)
+        first.run()
         assert first.fed is not None
         if leave_after is not None:
             assert first.fed.round == leave_after and first.fed.upload_residual()  # topk 5%: most of Δ is left
 
             def resume(fed: Participant) -> None:
-                saved = run_dir.checkpoint.load(None)
+                saved = run_dir.checkpoint.load(second.optimizer)
                 assert saved is not None and saved["round"] == leave_after
                 if restore:
                     run_dir.restore_counters(fed, saved)
@@ -63,7 +69,9 @@ def _run(tmp_path: Path, *, leave_after: int | None, restore: bool = True) -> di
                     back = fed.upload_residual()
                     assert set(back) == set(kept) and all(torch.equal(back[n], kept[n]) for n in kept)
 
-            TinyParticipant(c.url, "p", _task(), on_join=resume, on_step=_saver(run_dir)).run()
+            second = TinyParticipant(c.url, "p", _task(), on_join=resume, on_step=_saver(run_dir, who))
+            who[0] = second
+            second.run()
         assert c.service.status()["finished"]
         return {n: t.clone() for n, t in c.service.inspect().weights.items()}
 

@@ -123,10 +123,10 @@ class RunDir:
             except ModelMismatchError as e:
                 log.warning("the saved upload residual does not fit this model (%s)", e.message)
         t = fed.config.train
-        if t.compression != "none" and t.error_feedback:
+        local = isinstance(self.checkpoint, LocalCheckpoint)
+        if t.compression != "none" and t.error_feedback and (self.rank == 0 or not local):  # (DDP: rank 0 uploads)
             log.info("rank %d: no saved upload residual: the upload error feedback starts from zero%s", self.rank,
-                     " (an FSDP checkpoint does not keep it)" if not isinstance(self.checkpoint, LocalCheckpoint)
-                     else "")
+                     "" if local else " (an FSDP checkpoint does not keep it)")
 
     def after_sync(self, fed: Participant, optimizer: torch.optim.Optimizer, stream: TokenStream) -> None:
         """At a round boundary: write the checkpoint and the round's metrics."""
