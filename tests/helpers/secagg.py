@@ -46,13 +46,18 @@ class Site:
         self.id, self.session = st["id"], st["session"]
         return st
 
-    def advertise(self, tokens: int = 100) -> httpx.Response:
+    def advertise(self, tokens: int | None = 100) -> httpx.Response:
+        """Our keys, with our claim (None: claimed later, `claim`)."""
         if self.id is None:
             self.enrol()
         assert self.id is not None
         self.keys = ParticipantKeys.generate(self.id)
+        claim = {} if tokens is None else {"tokens": tokens}
         return self.http.post(f"{self.base}/keys/{self.pid}",
-                              json={"session": self.session, **self.keys.public().to_json(), "tokens": tokens})
+                              json={"session": self.session, **self.keys.public().to_json(), **claim})
+
+    def claim(self, tokens: int) -> httpx.Response:
+        return self.http.post(f"{self.base}/claim/{self.pid}", json={"session": self.session, "tokens": tokens})
 
     def share(self) -> httpx.Response:
         st = self.state()
@@ -76,7 +81,8 @@ class Site:
 
     @property
     def weight(self) -> float:
-        return float(self.directory["weights"][str(self.id)])
+        """Our public weight (fixed when the claims phase closes: the state shows it from then on)."""
+        return float(self.state()["weights"][str(self.id)])
 
     def masked(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.sharing:

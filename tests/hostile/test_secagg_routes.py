@@ -8,6 +8,7 @@ their reason."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,6 @@ def zeros(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
     ({"late_uploads": "fold"}, "late_uploads refuse"),
     ({"train": {"compression": "topk"}}, "train.compression topk"),
     ({"train": {"compression": "e3m0"}}, "train.compression e3m0"),
-    ({"train": {"overlap": True}}, "train.overlap"),
-    ({"train": {"sync_every": 4}, "streaming": {"fragments": 2}, "model": {"n_layer": 2}}, "Streaming DiLoCo"),
 ])
 def test_compositions_that_cannot_be_masked_are_refused_with_the_reason(overrides: dict, why: str) -> None:
     with pytest.raises(pydantic.ValidationError, match="privacy.secure_aggregation") as e:
@@ -105,6 +104,7 @@ def test_a_participant_speaks_only_for_itself(run: Any) -> None:
     with client(c, PTOKEN) as p:  # a participant token without a's participant key: not a's to speak for
         for route, body in (("keys", {"session": session, "mask": "00" * 32, "channel": "11" * 32, "tokens": 1}),
                             ("shares", {"session": session, "shares": {"2": "00" * SEALED_BYTES}}),
+                            ("claim", {"session": session, "tokens": 1}),
                             ("reveal", {"session": session, "shares": [{"owner": 2, "kind": "seed",
                                                                         "share": "00" * SHARE_BYTES}]})):
             r = p.post(f"/v1/rounds/0/secagg/{route}/a", json=body)
@@ -121,6 +121,11 @@ BAD_BODIES = [
     ("keys", {"session": "0" * 16, "mask": "00" * 32, "channel": "11" * 32, "tokens": 2**63}),
     ("keys", {"session": "0" * 16, "mask": "00" * 32, "channel": "11" * 32, "tokens": "5"}),
     ("keys", {"session": "0" * 16, "mask": "00" * 32, "channel": "11" * 32, "tokens": 1, "extra": 1}),
+    ("claim", {"session": "zz", "tokens": 1}),
+    ("claim", {"session": "0" * 16, "tokens": -1}),
+    ("claim", {"session": "0" * 16, "tokens": 2**63}),
+    ("claim", {"session": "0" * 16}),
+    ("claim", {"session": "0" * 16, "tokens": 1, "extra": 1}),
     ("shares", {"session": "0" * 16, "shares": {"1": "00" * (SEALED_BYTES - 1)}}),
     ("shares", {"session": "0" * 16, "shares": {"0": "00" * SEALED_BYTES}}),
     ("shares", {"session": "0" * 16, "shares": {str(i): "00" for i in range(1, 4098)}}),
@@ -252,9 +257,9 @@ def test_a_survivor_may_not_reveal_what_would_unmask_one_upload(run: Any) -> Non
 # -- what a liar gains ------------------------------------------------------------------------------------
 
 def test_a_token_claim_counts_as_at_most_the_rounds_bound(run: Any) -> None:
-    """Weights are public and fixed from the claims made with the keys: a claim past what a round's
-    schedule allows counts as that bound (as a plain upload's does), so a liar's weight is the
-    largest an honest participant can have, not more."""
+    """Weights are public and fixed from the claims (made with the keys, or after the shares): a
+    claim past what a round's schedule allows counts as that bound (as a plain upload's does), so a
+    liar's weight is the largest an honest participant can have, not more."""
     _, http = run
     sites = [Site(http, pid) for pid in TOKENS]
     for s in sites:
@@ -263,16 +268,87 @@ def test_a_token_claim_counts_as_at_most_the_rounds_bound(run: Any) -> None:
     bound = answer["tokens_counted"]
     assert bound < 2**62
     ok(sites[1].advertise(bound))
-    ok(sites[2].advertise(bound))
+    ok(sites[2].advertise(None))  # claims after the shares (masks drawn ahead)
     for s in sites:
         ok(s.share())
-    w = sites[0].directory["weights"]
+    assert ok(sites[2].claim(2**62))["tokens_counted"] == bound
+    w = sites[0].state()["weights"]
     assert w[str(sites[0].id)] == pytest.approx(w[str(sites[1].id)])  # no more than an honest full claim
+    assert w[str(sites[2].id)] == pytest.approx(w[str(sites[1].id)])
+
+
+def test_a_late_claim_is_made_once_by_a_participant_that_shared_and_fixes_the_weights(run: Any) -> None:
+    """Keys without a claim: the weights are not fixed (no upload is taken) until every participant
+    that shared has claimed; a second claim, a claim with the keys and again, or a claim of one
+    that did not share are refused (409); the upload must repeat the claim (400)."""
+    c, http = run
+    sites = [Site(http, pid) for pid in TOKENS]
+    for s in sites:
+        s.enrol()
+    a, b, cc = sites
+    assert_error(a.claim(100), 409, "secagg_phase")  # no claim in the keys phase: it goes with the keys
+    ok(a.advertise(None))
+    ok(b.advertise(None))
+    ok(cc.advertise(TOKENS["c"]))
+    ok(a.share())
+    ok(b.share())
+    ok(cc.share())
+    for s in sites:
+        s.receive()  # the mailbox opens with the claims phase: masks can be drawn before training ends
+    st = a.state()
+    assert st["phase"] == "claims" and st["weights"] is None
+    assert_error(cc.claim(TOKENS["c"]), 409, "secagg_claim")  # claimed with its keys
+    ring = {n: torch.zeros(t.numel(), dtype=torch.uint16) for n, t in zeros(c).items()}
+    assert_error(a.upload(ring, TOKENS["a"]), 409, "secagg_phase")  # no weights yet: refused unread
+    ok(a.claim(TOKENS["a"]))
+    assert_error(a.claim(TOKENS["a"]), 409, "secagg_claim")  # once
+    assert a.state()["phase"] == "claims"  # b has not claimed
+    ok(b.claim(TOKENS["b"]))
+    st = a.state()
+    assert st["phase"] == "upload"
+    assert [st["weights"][str(s.id)] for s in sites] == pytest.approx([0.25, 0.25, 0.5])
+    assert_error(b.claim(TOKENS["b"]), 409, "secagg_phase")  # the claims phase is closed
+    assert_error(b.upload(b.masked(zeros(c)), 101), 400, "secagg_tokens")  # not its claim
+
+
+def test_a_participant_that_shared_but_never_claimed_is_dropped_at_the_claims_timeout(tmp_path: Path) -> None:
+    """With t claims in, the claims phase closes secagg_phase_timeout_s after the first claim
+    without the one that never claimed: it has no weight, cannot upload (409), and counts as
+    dropped (its pairwise masks are removed with its revealed key)."""
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={**SECAGG, "secagg_threshold": 2,
+                                                             "secagg_phase_timeout_s": 0.5})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
+        for pid in TOKENS:
+            ok(http.post("/v1/join", json={"name": pid}))
+        sites = [Site(http, pid) for pid in TOKENS]
+        for s in sites:
+            s.enrol()
+        for s in sites:
+            ok(s.advertise(None))
+        for s in sites:
+            ok(s.share())
+        a, b, late = sites
+        ok(a.claim(TOKENS["a"]))
+        ok(b.claim(TOKENS["b"]))
+        _wait_phase(c, "upload")
+        assert set(a.state()["weights"]) == {str(a.id), str(b.id)}
+        ring = {n: torch.zeros(t.numel(), dtype=torch.uint16) for n, t in zeros(c).items()}
+        assert_error(late.upload(ring, TOKENS["c"]), 409, "secagg_not_member")
+        for s in (a, b):
+            ok(s.upload(s.masked(zeros(c)), TOKENS[s.pid]))
+        _wait_phase(c, "reveal")
+        req = ok(http.get(f"{a.base}/unmask/a", params={"session": a.session}))
+        assert req["dropped"] == [late.id]
+        for s in (a, b):
+            ok(s.reveal())
+        deadline = time.monotonic() + 10
+        while c.service.inspect().committed_version < 1:
+            assert time.monotonic() < deadline, c.service.status()["reason"]
+            time.sleep(0.02)
+        assert c.service.round_history(1)[0]["n_submissions"] == 2
 
 
 def _wait_phase(c: BackgroundCoordinator, phase: str) -> None:
-    import time
-
     deadline = time.monotonic() + 10
     while c.service.status()["secure_aggregation"]["phase"] != phase:
         assert time.monotonic() < deadline, c.service.status()["secure_aggregation"]

@@ -38,6 +38,18 @@ def test_at_the_timeout_a_phase_goes_on_with_t_answers_or_starts_again() -> None
     assert decide_phase("upload", set(), set(), 2, now=0, since=0, timeout_s=1).action == "wait"
 
 
+def test_the_claims_phase_waits_for_training_then_gives_the_rest_the_phase_time() -> None:
+    """Claims come after the inner steps: no clock until the first claim (since None), then the
+    phase's time; with fewer than t claims it waits (the round's deadline ends it), never restarts."""
+    assert decide_phase("claims", {"a", "b"}, set(), 2, now=1e9, since=None, timeout_s=30).action == "wait"
+    assert decide_phase("claims", {"a", "b"}, {"a", "b"}, 2, now=1.0, since=0.0, timeout_s=30).action == "advance"
+    d = decide_phase("claims", {"a", "b", "c"}, {"a", "b"}, 2, now=29.0, since=0.0, timeout_s=30)
+    assert d.action == "wait" and "c" in d.reason
+    d = decide_phase("claims", {"a", "b", "c"}, {"a", "b"}, 2, now=30.0, since=0.0, timeout_s=30)
+    assert d.action == "advance" and "did not answer" in d.reason
+    assert decide_phase("claims", {"a", "b", "c"}, {"a"}, 2, now=300.0, since=0.0, timeout_s=30).action == "wait"
+
+
 @pytest.mark.parametrize("n, degree, t", [(2, None, 2), (3, None, 2), (4, None, 3), (9, None, 6), (20, 4, 4),
                                           (20, 5, 5), (4, 8, 3)])
 def test_the_default_threshold_is_two_thirds_of_each_secrets_holders(n: int, degree: int | None, t: int) -> None:

@@ -206,11 +206,6 @@ def _secagg_refusal(cfg: Any, p: PrivacyConfig) -> str | None:
                    if train.compression == "topk" else
                    "each participant's private block scales make the codes add up to nothing")
                 + "; use none or int8 (the update is encoded on the ring's public grid either way)")
-    if train.overlap:
-        return ("is not wired for train.overlap yet (the masking steps run in the blocking sync); unset it")
-    if cfg.streaming is not None:
-        return ("is not wired for Streaming DiLoCo fragments yet (each fragment sync would need its own masking "
-                "round); unset streaming")
     if p.secagg_threshold is not None and p.secagg_threshold > p.secagg_max_participants:
         return (f"needs secagg_threshold ({p.secagg_threshold}) at most secagg_max_participants "
                 f"({p.secagg_max_participants})")

@@ -33,7 +33,6 @@ from fedtrain.coordinator.intake.pieces import check_label
 from fedtrain.coordinator.intake.uploads import Uploads
 from fedtrain.coordinator.members.auth import Identity, Tokens, require_admin
 from fedtrain.coordinator.members.roster import Live, Roster
-from fedtrain.coordinator.members.views import participant_view
 from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.coordinator.model.committer import Committer
 from fedtrain.coordinator.model.deltas import DeltaStream
@@ -50,6 +49,7 @@ from fedtrain.coordinator.state.config_versions import ConfigVersions
 from fedtrain.coordinator.state.events import Events
 from fedtrain.coordinator.state.statelock import StateLock
 from fedtrain.coordinator.state.store import ParticipantRow, Store
+from fedtrain.coordinator.status import run_status
 from fedtrain.errors import MergeError, Refused
 from fedtrain.merge import all_finite, check_compatible
 from fedtrain.transport import Body
@@ -497,78 +497,11 @@ class Coordinator:
     # -- status ---------------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        params = sum(math.prod(s) for _, s in self.spec.values())
-        recent = self.store.rounds(limit=20)
-        last_weights = {s["participant_id"]: s["weight"] for s in recent[0]["submissions"]} if recent else {}
-        rows = self.roster.rows
-        live = self.roster.live
-        pieces = self.intake.pieces_in(self.version)
-        told = self.schedule.status(self.version, self.config, list(rows))
-        schedule = self.rounds.schedule_view()  # staleness, applied updates, share of the applied weight
-        fragment = self.rounds.fragment(self.version)  # Streaming DiLoCo (None: off)
-        deadline_s, deadline_reason = self.deadline()
-        status = {
-            "run": self.config.name,
-            "mode": self.config.schedule.mode,
-            "current_round": self.version,
-            "fragment": fragment.index if fragment is not None else None,  # the one the open round syncs
-            "streaming": self._streaming_view(),
-            "privacy": self.rounds.privacy.view() if self.rounds.privacy is not None else None,  # central DP
-            "secure_aggregation": self.rounds.secagg.view() if self.rounds.secagg is not None else None,
-            "rounds": self.rounds_total(),
-            "rounds_configured": self.config.rounds,
-            "finished": self.finished,
-            "closing": self.rounds.open.closing,
-            "reason": self.rounds.open.reason,
-            "deadline_s": deadline_s,
-            "deadline_reason": deadline_reason,
-            "algorithm": self.committer.model.algorithm,
-            # as resolved: an unset DiLoCo lr follows M and H (outer_defaults)
-            "outer_lr": self.committer.model.hp["lr"],
-            "schedule_mode": self.config.schedule.mode,
-            "config_version": self.configs.version,
-            "latest_config_version": self.configs.latest_version,
-            "parameters": params,
-            "model_bytes": sum(t.numel() * t.element_size() for t in self.committer.model.params.values()),
-            # The run's traffic: the sums of the participants' counters, which persist (a
-            # download without a participant_id, such as `fedtrain export`, is not counted).
-            "bytes_in": sum(p.bytes_up for p in rows.values()),
-            "bytes_out": sum(p.bytes_down for p in rows.values()),
-            "submitted": sorted(self.rounds.open.submitted),
-            "participants": [{**participant_view(p, live.get(p.id, Live()), last_weights.get(p.id), pieces.get(p.id),
-                                                 told[p.id], self.roster.site_of(p.token_id)),
-                              **schedule.get(p.id, {}),
-                              "transfer": self.intake.transfer_view(p.id)}  # its upload in flight (Progress.view)
-                             for p in sorted(rows.values(), key=lambda p: p.id)],
-            "recent_rounds": [{**r, **self._round_traffic(r)} for r in recent],
-        }
-        self.committer.downloads.add_to(status["participants"])  # and their transfers in flight
-        return status
-
-    def _round_traffic(self, record: dict[str, Any]) -> dict[str, Any]:
-        """A committed round's bytes against fp32: `fp32_bytes_in`, what its updates would have
-        been as dense fp32 (the round's fragment with Streaming DiLoCo), `bytes_out`, what the
-        participants were sent of the version it made (None: not since this coordinator
-        started), and `vs_fp32_in`, how many times fewer bytes its uploads took than fp32;
-        `fp32_bytes_out` and `vs_fp32_out` the same of its downloads (compressed deltas against
-        whole fp32 models)."""
-        plan, fragment = self.rounds.plan, record.get("fragment")
-        names = plan.names[fragment] if plan is not None and fragment is not None else tuple(self.spec)
-        fp32 = record["n_submissions"] * sum(4 * math.prod(self.spec[n][1]) for n in names if n in self.spec)
-        bytes_in = record.get("bytes_in") or 0
-        downloads = self.committer.downloads
-        bytes_out = downloads.version_bytes(record["round"] + 1)
-        fp32_out = downloads.version_fp32_bytes(record["round"] + 1)
-        return {"fp32_bytes_in": fp32, "vs_fp32_in": round(fp32 / bytes_in, 2) if bytes_in else None,
-                "bytes_out": bytes_out, "fp32_bytes_out": fp32_out,
-                "vs_fp32_out": round(fp32_out / bytes_out, 2) if bytes_out and fp32_out is not None else None}
-
-    def _streaming_view(self) -> dict[str, Any] | None:
-        """Streaming DiLoCo's K, τ and α for the status (None: off)."""
-        st, plan = self.config.streaming, self.rounds.plan
-        if st is None or plan is None:
-            return None
-        return {"k": plan.k, "overlap": st.overlap, "alpha": st.alpha}
+        """The run's status (`coordinator/status.py`: what each part holds now, as JSON)."""
+        return run_status(config=self.config, spec=self.spec, store=self.store, roster=self.roster,
+                          intake=self.intake, schedule=self.schedule, rounds=self.rounds, committer=self.committer,
+                          configs=self.configs, version=self.version, finished=self.finished,
+                          deadline=self.deadline(), rounds_total=self.rounds_total())
 
     # -- reads for the routes --------------------------------------------------------------------
     # What the HTTP routes read (`coordinator/routes/`): they reach the run through these

@@ -114,8 +114,8 @@ class Rounds:
         self.privacy = CentralDp(cfg.privacy, cfg.rounds, committer.privacy_rounds()) if dp_on(cfg) else None
         # secure aggregation (fixed for the run): uploads are masked, the merge takes the unmasked mean
         self.secagg = SecureAggregation(
-            cfg.privacy, cfg.name, {n: tuple(t.shape) for n, t in committer.model.params.items()}, open_round.version,
-            events, clock, roster.active, self._count_tokens,
+            cfg.privacy, cfg.name, self._synced_shapes, open_round.version, events, clock, roster.active,
+            self._count_tokens,
             lambda claims: round_weights(claims, {}, self._configs.config.outer)) if secagg_on(cfg) else None
         intake.masked = self.secagg
         intake.select(self.fragment(open_round.version))
@@ -135,6 +135,11 @@ class Rounds:
 
     def deadline(self) -> tuple[float, str]:
         return self.open.deadline(self._configs.config)
+
+    def _synced_shapes(self, round_: int) -> dict[str, tuple[int, ...]]:
+        """The tensors round `round_` syncs (its fragment's, streaming), by name: what it masks."""
+        params, fragment = self._committer.model.params, self.fragment(round_)
+        return {n: tuple(params[n].shape) for n in (fragment.names if fragment is not None else params)}
 
     def fragment(self, round_: int) -> Fragment | None:
         """The Streaming DiLoCo fragment round `round_` syncs (None: streaming is off)."""

@@ -56,11 +56,12 @@ class Attempt:
         self._shapes = {n: tuple(s) for n, s in shapes.items()}
         self._ids: dict[str, int] = {}  # participant -> its id in this attempt (1, 2, ...)
         self._keys = KeyDirectory()
-        self._claims: dict[int, int] = {}  # id -> tokens counted (public)
+        self._claims: dict[int, int] = {}  # id -> tokens counted (public), with the keys or in the claims phase
+        self._first_claim_at: float | None = None  # the claims phase's clock: the first participant done training
         self._graph_seed = secrets.token_bytes(16)
         self.setup: RoundSetup | None = None  # fixed when the keys phase closes
         self.protocol: SecAggCoordinator | None = None
-        self.weights: dict[int, float] = {}
+        self.weights: dict[int, float] = {}  # fixed when the claims phase closes: who may upload, and with what
         self._revealed: set[int] = set()
         self._fold_lock = threading.Lock()
 
@@ -88,12 +89,16 @@ class Attempt:
         i = self._ids.get(pid)
         return self._claims.get(i) if i is not None else None
 
+    def claimed(self) -> set[str]:
+        return self.pids(set(self._claims))
+
     def view(self, pid: str | None) -> dict[str, Any]:
         """What GET /v1/rounds/{r}/secagg answers: the phase and, from `shares` on, the setup."""
         return {"round": self.round, "session": self.session, "phase": self.phase, "reason": self.reason,
                 "id": self._ids.get(pid) if pid is not None else None,
                 "participants": len(self._ids),
-                "setup": setup_json(self.setup) if self.setup is not None else None}
+                "setup": setup_json(self.setup) if self.setup is not None else None,
+                "weights": {str(i): w for i, w in self.weights.items()} or None}
 
     def check(self, session: str, *phases: Phase) -> None:
         if session != self.session:
@@ -123,26 +128,28 @@ class Attempt:
         self._ids[pid] = len(self._ids) + 1
         return self._ids[pid]
 
-    def advertise(self, pid: str, keys: PublicKeys, tokens: int, now: float) -> int:
+    def advertise(self, pid: str, keys: PublicKeys, tokens: int | None, now: float) -> int:
+        """Keys, and the token claim if the participant has trained already (None: it claims in the
+        claims phase, having drawn its masks during its inner steps)."""
         i = self._member(pid)
         try:
             self._keys.add(i, keys)
         except PrivacyError as e:
             raise conflict("secagg_keys", e.args[0]) from None
-        self._claims[i] = tokens
+        if tokens is not None:
+            self._claim(i, tokens, now)
         if self.since is None:
             self.since = now
         return i
 
     def close_keys(self, now: float) -> None:
-        """U0 is fixed: the setup (t from n), the pairing graph and the public weights."""
+        """U0 is fixed: the setup (t from n) and the pairing graph."""
         ids = self._keys.participants()
         self.setup = setup_for(self._run, self.session, self.round, len(ids), self._p, self._graph_seed)
         self.protocol = SecAggCoordinator(self.setup, self._shapes)
         for i in ids:
             self.protocol.advertise(i, self._keys.get(i))
         self.protocol.directory()  # closes advertisement
-        self.weights = {int(k): w for k, w in self._weigh({str(i): self._claims[i] for i in ids}).items()}
         self._enter("shares", now)
 
     def directory(self, pid: str) -> dict[str, Any]:
@@ -151,8 +158,8 @@ class Attempt:
             raise conflict("secagg_phase", f"round {self.round}'s keys phase is still open", phase=self.phase)
         keys = self.protocol.directory()
         return {"session": self.session, "keys": {str(i): k.to_json() for i, k in keys.items()},
-                "weights": {str(i): w for i, w in self.weights.items()},
-                "tokens": {str(i): self._claims[i] for i in keys},
+                "weights": {str(i): w for i, w in self.weights.items()},  # (empty until the claims phase closes)
+                "tokens": {str(i): self._claims[i] for i in keys if i in self._claims},
                 "neighbours": sorted(self.protocol.graph().get(self._ids[pid], ()))}
 
     # -- shares ----------------------------------------------------------------------------------
@@ -166,6 +173,37 @@ class Attempt:
             raise Refused(400 if i not in self.protocol.sharing() else 409, "secagg_shares", e.args[0]) from None
 
     def close_shares(self, now: float) -> None:
+        """U1 is fixed. The claims phase's clock started with the first claim (made with the keys or
+        after): once one participant has trained, the others have the phase's time to finish, as
+        the keys phase gave them when every claim came with the keys."""
+        self._enter("claims", now)
+        self.since = self._first_claim_at
+
+    # -- claims ----------------------------------------------------------------------------------
+
+    def post_claim(self, pid: str, tokens: int, now: float) -> None:
+        """A claim not made with the keys (once; a participant that shared only)."""
+        i = self._member(pid)
+        assert self.protocol is not None
+        if i not in self.protocol.sharing():
+            raise conflict("secagg_not_member", f"{pid} posted no shares in round {self.round}: it cannot claim")
+        if i in self._claims:
+            raise conflict("secagg_claim", f"{pid} already claimed {self._claims[i]} tokens in round {self.round}")
+        self._claim(i, tokens, now)
+        if self.since is None:
+            self.since = now
+
+    def _claim(self, i: int, tokens: int, now: float) -> None:
+        self._claims[i] = tokens
+        if self._first_claim_at is None:
+            self._first_claim_at = now
+
+    def close_claims(self, now: float) -> None:
+        """The public weights: the shares of the claims of U1 (capped as the round's weights are).
+        A participant of U1 without a claim takes no part in the upload: it counts as dropped."""
+        assert self.protocol is not None
+        claims = {str(i): self._claims[i] for i in self.protocol.sharing() if i in self._claims}
+        self.weights = {int(k): w for k, w in self._weigh(claims).items()}
         self._enter("upload", now)
 
     def mailbox(self, pid: str) -> dict[str, Any]:
@@ -188,9 +226,12 @@ class Attempt:
         if i not in self.protocol.sharing():
             raise conflict("secagg_not_member", f"{pid} posted no shares in round {self.round}: its masks could "
                            "not be removed")
+        if i not in self.weights:
+            raise conflict("secagg_not_member", f"{pid} made no token claim before round {self.round}'s claims "
+                           "phase closed: it has no weight")
         if tokens != self._claims[i]:
-            raise Refused(400, "secagg_tokens", f"the upload claims {tokens} tokens, the keys {self._claims[i]}: "
-                          "the weights were fixed from the claims made with the keys")
+            raise Refused(400, "secagg_tokens", f"the upload claims {tokens} tokens, its claim {self._claims[i]}: "
+                          "the weights were fixed from the claims")
 
     def check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
         """A masked body: the round's tensors, flat, in the ring's unsigned dtype, for this session."""

@@ -1,8 +1,11 @@
 """When each phase of a round's secure aggregation closes, and the round's public parameters: pure.
 
-Phases, in order: `keys` (participants advertise public keys and their token claims), `shares`
-(each posts its sealed Shamir shares), `upload` (masked updates come through the update route; the
-round's own close ends it), `reveal` (survivors reveal the shares that unmask the sum), `done`.
+Phases, in order: `keys` (participants advertise public keys, and their token claims if they
+know them), `shares` (each posts its sealed Shamir shares), `claims` (the token claims not made with
+the keys: a participant that exchanged keys and shares at the round's start, drawing its masks
+during the inner steps, claims after training; the public weights are fixed when it closes),
+`upload` (masked updates come through the update route; the round's own close ends it), `reveal`
+(survivors reveal the shares that unmask the sum), `done`.
 Every decision takes the clock as an argument and says why, as `policy.decide_round` does.
 """
 
@@ -17,8 +20,8 @@ from fedtrain.privacy.keys import RoundTag
 from fedtrain.privacy.ring import FixedPoint
 from fedtrain.privacy.round_setup import RoundSetup
 
-PHASES = ("keys", "shares", "upload", "reveal", "done")
-Phase = Literal["keys", "shares", "upload", "reveal", "done"]
+PHASES = ("keys", "shares", "claims", "upload", "reveal", "done")
+Phase = Literal["keys", "shares", "claims", "upload", "reveal", "done"]
 
 
 class SecAggRefused(FedtrainError):
@@ -58,9 +61,10 @@ def setup_for(run: str, session: str, round_: int, n: int, p: Any, graph_seed: b
 def decide_phase(phase: Phase, expected: set[str], answered: set[str], need: int, now: float,
                  since: float | None, timeout_s: float) -> PhaseDecision:
     """Whether phase `phase` closes now. `expected`: who should answer (keys: the active
-    participants; shares: those that advertised; reveal: the survivors), `answered`: who did,
-    `need`: the fewest answers the next phase can work with (t), `since`: when the phase's clock
-    started (keys: the first advertisement; None: not yet)."""
+    participants; shares: those that advertised; claims: the active participants that shared;
+    reveal: the survivors), `answered`: who did, `need`: the fewest answers the next phase can work
+    with (t), `since`: when the phase's clock started (keys: the first advertisement; claims: the
+    first claim made after the shares, since the others are still training; None: not yet)."""
     if phase in ("upload", "done"):
         return PhaseDecision("wait", f"the {phase} phase ends with the round")
     waiting = sorted(expected - answered)
@@ -73,8 +77,8 @@ def decide_phase(phase: Phase, expected: set[str], answered: set[str], need: int
     if len(answered) >= need or phase == "reveal":  # (reveal: the unmasking says whether the shares suffice)
         return PhaseDecision("advance", f"{phase}: {timeout_s:g}s passed with {len(answered)} answer(s); "
                              f"{len(waiting)} did not answer")
-    if phase == "keys":
-        return PhaseDecision("wait", f"keys: {len(answered)} advertised after {timeout_s:g}s, fewer than the "
+    if phase in ("keys", "claims"):  # (more may still come; the round's own deadline ends the wait)
+        return PhaseDecision("wait", f"{phase}: {len(answered)} answered after {timeout_s:g}s, fewer than the "
                              f"{need} a round needs; waiting for more")
     return PhaseDecision("restart", f"{phase}: only {len(answered)} answered in {timeout_s:g}s, fewer than t = "
                          f"{need}; the round's secure aggregation starts again with fresh keys")

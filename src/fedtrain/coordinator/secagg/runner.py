@@ -30,17 +30,20 @@ MAX_WAIT_S = 60.0
 
 
 class SecureAggregation:
-    """The open round's attempt and its moves. `active()`: the active participants (the keys phase
-    waits for them); `count_tokens(pid, round, claim)`: the tokens a claim counts as
+    """The open round's attempt and its moves. `shapes(round)`: the names and shapes of the tensors
+    round `round` syncs (the whole sync set, or with Streaming DiLoCo the round's fragment: the
+    masked uploads and the ring sum hold those only); `active()`: the active participants (the keys
+    phase waits for them); `count_tokens(pid, round, claim)`: the tokens a claim counts as
     (`policy.count_tokens`); `weigh(claims)`: the round's public weights of the claims."""
 
-    def __init__(self, privacy: Any, run: str, shapes: Mapping[str, tuple[int, ...]], round_: int, events: Events,
+    def __init__(self, privacy: Any, run: str, shapes: Callable[[int], Mapping[str, tuple[int, ...]]], round_: int,
+                 events: Events,
                  clock: Callable[[], float], active: Callable[[], set[str]],
                  count_tokens: Callable[[str, int, int], int],
                  weigh: Callable[[dict[str, int]], dict[str, float]]) -> None:
         self.privacy = privacy
         self._run = run
-        self._shapes = dict(shapes)
+        self._shapes = shapes
         self._events = events
         self.clock = clock
         self._active = active
@@ -50,7 +53,7 @@ class SecureAggregation:
         self.attempt = self._new(round_)
 
     def _new(self, round_: int) -> Attempt:
-        return Attempt(round_, self._run, self.privacy, self._shapes, self.clock(), self._weigh)
+        return Attempt(round_, self._run, self.privacy, self._shapes(round_), self.clock(), self._weigh)
 
     # -- the round loop's side ----------------------------------------------------------------------
 
@@ -66,8 +69,8 @@ class SecureAggregation:
         self.open_round(self.attempt.round)
 
     def tick(self) -> None:
-        """Close the phase whose answers are in or whose time is up (keys, shares; reveal is
-        waited for by `unmask`). On the round's tick and after each answer."""
+        """Close the phase whose answers are in or whose time is up (keys, shares, claims; reveal
+        is waited for by `unmask`). On the round's tick and after each answer."""
         a, now, active = self.attempt, self.clock(), self._active()
         timeout = self.privacy.secagg_phase_timeout_s
         if a.phase == "keys":
@@ -84,13 +87,22 @@ class SecureAggregation:
             if d.action == "advance":
                 a.close_shares(now)
                 self._events.notify()
+                self.tick()  # the claims phase closes at once when every claim came with the keys
             elif d.action == "restart":
                 self.restart(d.reason)
+        elif a.phase == "claims":
+            assert a.setup is not None
+            d = decide_phase("claims", (a.sharing() & active) | a.claimed(), a.claimed() & a.sharing(),
+                             a.setup.threshold, now, a.since, timeout)
+            a.reason = d.reason
+            if d.action == "advance":
+                a.close_claims(now)
+                self._events.notify()
 
     def all_in(self, submitted: set[str]) -> bool:
         """Every participant that can upload this round has: the round need not wait for more."""
         a = self.attempt
-        return a.phase == "upload" and bool(a.sharing()) and a.sharing() <= submitted
+        return a.phase == "upload" and bool(a.weights) and a.pids(set(a.weights)) <= submitted
 
     async def unmask(self) -> None:
         """At the round's close (no fold in flight): ask the survivors for their shares and wait for
@@ -166,22 +178,32 @@ class SecureAggregation:
             if moved or not await self._events.wait_changed(deadline - time.monotonic()):
                 return self.current(round_).view(pid)
 
-    def advertise(self, pid: str, round_: int, session: str, keys: dict[str, str], tokens: int) -> dict[str, Any]:
+    def advertise(self, pid: str, round_: int, session: str, keys: dict[str, str],
+                  tokens: int | None) -> dict[str, Any]:
         a = self.current(round_)
         a.check(session, "keys")
         try:
             public = PublicKeys.from_json(keys)
         except PrivacyError as e:
             raise Refused(400, "secagg_keys", e.args[0]) from None
-        i = a.advertise(pid, public, self._count_tokens(pid, round_, tokens), self.clock())
+        i = a.advertise(pid, public, None if tokens is None else self._count_tokens(pid, round_, tokens), self.clock())
         counted = a.claim(pid)
         self.tick()  # the phase closes at once when every active participant's keys are in
         self._events.notify()
         return {"id": i, "session": a.session, "tokens_counted": counted}
 
+    def claim(self, pid: str, round_: int, session: str, tokens: int) -> dict[str, Any]:
+        """A token claim after the shares (keys and shares were exchanged before training)."""
+        a = self.current(round_)
+        a.check(session, "shares", "claims")
+        a.post_claim(pid, self._count_tokens(pid, round_, tokens), self.clock())
+        self.tick()  # the phase closes at once when every participant that shared has claimed
+        self._events.notify()
+        return {"session": a.session, "tokens_counted": a.claim(pid)}
+
     def directory(self, pid: str, round_: int, session: str) -> dict[str, Any]:
         a = self.current(round_)
-        a.check(session, "shares", "upload", "reveal")
+        a.check(session, "shares", "claims", "upload", "reveal")
         return a.directory(pid)
 
     def post_shares(self, pid: str, round_: int, session: str, shares: dict[str, str]) -> dict[str, Any]:
@@ -198,7 +220,7 @@ class SecureAggregation:
 
     def mailbox(self, pid: str, round_: int, session: str) -> dict[str, Any]:
         a = self.current(round_)
-        a.check(session, "upload", "reveal")
+        a.check(session, "claims", "upload", "reveal")
         return a.mailbox(pid)
 
     def unmask_request(self, pid: str, round_: int, session: str) -> dict[str, Any]:

@@ -34,9 +34,16 @@ class SecAggCalls:
             params["session"] = session
         return self._call("GET", f"/v1/rounds/{r}/secagg", params=params)
 
-    def advertise(self, r: int, session: str, keys: dict[str, str], tokens: int) -> dict[str, Any]:
-        return self._call("POST", f"/v1/rounds/{r}/secagg/keys/{self.pid}",
-                          json={"session": session, **keys, "tokens": tokens})
+    def advertise(self, r: int, session: str, keys: dict[str, str], tokens: int | None) -> dict[str, Any]:
+        """Our public keys, with our token claim (None: claimed after training, `claim`)."""
+        body: dict[str, Any] = {"session": session, **keys}
+        if tokens is not None:
+            body["tokens"] = tokens
+        return self._call("POST", f"/v1/rounds/{r}/secagg/keys/{self.pid}", json=body)
+
+    def claim(self, r: int, session: str, tokens: int) -> dict[str, Any]:
+        return self._call("POST", f"/v1/rounds/{r}/secagg/claim/{self.pid}", json={"session": session,
+                                                                                 "tokens": tokens})
 
     def directory(self, r: int, session: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/rounds/{r}/secagg/directory/{self.pid}", params={"session": session})

@@ -27,6 +27,7 @@ from torch import nn
 
 from fedtrain import faults
 from fedtrain.config import RunConfig
+from fedtrain.config.privacy import secagg_on
 from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, FedtrainError, ModelMismatchError
 from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.participant.client.keys import join_as
@@ -34,6 +35,7 @@ from fedtrain.participant.client.presence import Presence, TokenRate
 from fedtrain.participant.engine.outage import OutagePolicy, OutageState, next_attempt
 from fedtrain.participant.engine.pace import Pace, check_speed
 from fedtrain.participant.engine.records import ConfigCallback, EvalFn, RoundBook
+from fedtrain.participant.engine.secagg_sync import start_ahead
 from fedtrain.participant.engine.sync_schedule import Exchanges, InFlight, Plan, decide, plan_of
 from fedtrain.participant.ranks.control import Outcome, RankGroup
 from fedtrain.participant.ranks.roles import role_for
@@ -453,9 +455,13 @@ class Participant:
             self.outages.append(ended)
 
     def _enter_round(self, version: int) -> None:
-        """The model now holds global version `version`: it is the round we are in."""
+        """The model now holds global version `version`: it is the round we are in (secure
+        aggregation: its keys and shares are exchanged and its masks drawn during the inner steps)."""
         self.round = version
         self.finished = self.config.rounds > 0 and version >= self.config.rounds
+        engine = self._exchanges.engine_of(version)
+        if secagg_on(self.config) and not self.finished and engine is not None and engine.piece is None:
+            start_ahead(engine, version, self.participant_id, self.config, self._attempt_retry)
 
     # -- agreeing, failing, riding out an outage ---------------------------------------------------------
 

@@ -1,16 +1,23 @@
 """A participant's round with secure aggregation: the protocol's steps over the routes, around the
 upload of its masked update (`SyncEngine.fetch` calls `submit_masked` instead of `submit`).
 
-    keys    advertise two fresh X25519 public keys and the update's token count (public)
-    shares  read the directory (keys, weights), post sealed Shamir shares to the neighbours
-    upload  read the mailbox (shares for us, who shared), mask Δ (or, with DP, its clipped and
-            noised weighted contribution) in the ring, and upload it through the update route
+    keys    advertise two fresh X25519 public keys (and, if we have trained, the token count)
+    shares  read the directory (keys, neighbours), post sealed Shamir shares to the neighbours
+    claims  read the mailbox (shares for us, who shared); claim the token count if not claimed yet
+    upload  read the public weights, mask Δ (or, with DP, its clipped and noised weighted
+            contribution) in the ring, and upload it through the update route
     reveal  read the unmask request, post the shares it asks for (`SecAggParticipant.reveal`'s rules)
+
+Masks drawn ahead (`start_ahead`, at the round's start, on a thread of its own): keys and shares
+are exchanged while the inner steps run, without the token claim (not known before training), and
+the masks drawn (`SecAggParticipant.precompute`: they depend on the keys and on who shared, not
+on Δ or its weight); after training only the claim, the encoding and one ring addition per tensor
+remain (`submit_masked` takes what `start_ahead` left in `engine.masks_ahead`). Without it, or when
+it did not get there (the attempt changed, the round moved on), the steps all run at upload time.
 
 A new session (the coordinator restarted, or the round's attempt was refused) starts the steps
 again with fresh keys and the same Δ; a round that moved on without us (we came after its keys
-phase closed, or it closed) drops our update and we download the current model. The masks are
-drawn at upload time (precomputing them during the inner steps is not wired yet).
+phase closed, or it closed) drops our update and we download the current model.
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from fedtrain import faults
-from fedtrain.config import RunConfig
-from fedtrain.errors import ConfigError, CoordinatorError, CoordinatorUnavailable, RoundClosedError
+from fedtrain.config import RunConfig, TransferConfig
+from fedtrain.errors import ConfigError, CoordinatorError, CoordinatorUnavailable, FedtrainError, RoundClosedError
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.participant.client.secagg import SecAggCalls
@@ -55,11 +65,29 @@ class SyncEngine(Protocol):
     cancel: threading.Event
     bytes_up: int
     last_answer: dict[str, Any] | None
+    params: Mapping[str, torch.Tensor]
+    masks_ahead: Future[Ahead | None] | None
+    deltas: bool
 
     @property
     def piece(self) -> Any: ...
 
     def delta_view(self) -> dict[str, torch.Tensor]: ...
+
+    def download(self, pid: str, *, after_round: int | None = None, retry: RetryPolicy | None = None,
+                 transfer: TransferConfig | None = None) -> int: ...
+
+
+@dataclass
+class Ahead:
+    """Round `round`'s attempt `session` joined before training ended: our id, the protocol's
+    state with the masks drawn, and who shared (the claim, the encoding and the upload remain)."""
+
+    round: int
+    session: str
+    me: int
+    sp: SecAggParticipant
+    sharing: list[int]
 
 
 class _Restart(Exception):
@@ -79,10 +107,13 @@ def submit_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, to
         raise ConfigError("secure aggregation takes whole updates: FSDP pieces are not wired yet (use DDP or a "
                           "single process)")
     calls = SecAggCalls(engine.client, pid, retry)
-    phase_s = config.privacy.secagg_phase_timeout_s if config.privacy is not None else 0.0
-    give_up_at = time.monotonic() + config.round_timeout_s + engine.patience_s + 3 * phase_s
+    give_up_at = time.monotonic() + _patience(engine, config)
+    ahead = _take_ahead(engine, r)
     while True:
         try:
+            if ahead is not None:
+                prepared, ahead = ahead, None  # (used once: a restart runs every step again)
+                return _finish_ahead(engine, calls, prepared, config, tokens, give_up_at)
             return _one_attempt(engine, calls, r, pid, config, tokens, give_up_at)
         except _Restart as e:
             log.warning("round %d: secure aggregation starts again (%s)", r, e)
@@ -92,6 +123,100 @@ def submit_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, to
         except PrivacyError as e:  # e.g. a sealed bundle that fails authentication: a peer or relay lied
             log.warning("round %d: our update is left out of the secure aggregation (%s)", r, e.args[0])
             return False
+
+
+def exchange_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, tokens: int,
+                    retry: RetryPolicy | None = None) -> int:
+    """`submit_masked` then the download: the whole masked exchange of round r, run on the
+    overlapped sync's worker thread (`sync_schedule.Exchanges.send`) while training goes on, as
+    the plain `SyncEngine.exchange` is. Leaves the new global weights in the snapshot; their version."""
+    engine.deltas = config.train.download_compression != "none"  # (as `SyncEngine.exchange` sets it)
+    submit_masked(engine, r, pid, config, tokens=tokens, retry=retry)
+    return engine.download(pid, after_round=r, retry=retry, transfer=config.transfer)
+
+
+def start_ahead(engine: SyncEngine, r: int, pid: str, config: RunConfig, retry: RetryPolicy | None = None) -> None:
+    """At round r's start: join its attempt and draw the masks on a thread of our own while the
+    inner steps run (`engine.masks_ahead`, which `submit_masked` takes). A failure only means the
+    steps run at upload time."""
+    future: Future[Ahead | None] = Future()
+    engine.masks_ahead = future
+
+    def run() -> None:
+        try:
+            future.set_result(_prepare(engine, SecAggCalls(engine.client, pid, retry), r, config))
+        except (_Moved, _Restart, FedtrainError, PrivacyError, KeyError, ValueError) as e:
+            log.info("round %d: masks not drawn ahead (%s): they are drawn at upload time", r, e)
+        finally:  # (never leaves the upload waiting: None, and the upload runs every step itself)
+            if not future.done():
+                future.set_result(None)
+
+    threading.Thread(target=run, name=f"fedtrain-secagg-{r}", daemon=True).start()
+
+
+def _patience(engine: SyncEngine, config: RunConfig) -> float:
+    phase_s = config.privacy.secagg_phase_timeout_s if config.privacy is not None else 0.0
+    return config.round_timeout_s + engine.patience_s + 3 * phase_s
+
+
+def _take_ahead(engine: SyncEngine, r: int) -> Ahead | None:
+    future, engine.masks_ahead = engine.masks_ahead, None
+    if future is None:
+        return None
+    ahead = future.result()  # (it ends by itself: each of its waits is bounded)
+    return ahead if ahead is not None and ahead.round == r else None
+
+
+def _prepare(engine: SyncEngine, calls: SecAggCalls, r: int, config: RunConfig) -> Ahead | None:
+    """Keys without the claim, shares, mailbox, masks drawn: round r's attempt up to the claim."""
+    give_up_at = time.monotonic() + _patience(engine, config)
+    state = _open_state(engine, calls, r, give_up_at)
+    me = state.get("id")
+    if me is None or state["phase"] != "keys":
+        return None  # too late for this attempt: the upload's steps take the next one
+    session = state["session"]
+    keys = ParticipantKeys.generate(int(me))
+    _ask(lambda: calls.advertise(r, session, keys.public().to_json(), None))
+    state = _wait(engine, calls, r, state, give_up_at)
+    sp = SecAggParticipant(int(me), setup_from_json(state["setup"]), keys=keys)
+    directory = _ask(lambda: calls.directory(r, session))
+    sealed = sp.share({int(i): PublicKeys.from_json(k) for i, k in directory["keys"].items()})
+    _ask(lambda: calls.post_shares(r, session, sealed))
+    state = _wait(engine, calls, r, state, give_up_at)
+    if state["phase"] != "claims":
+        return None
+    mailbox = _ask(lambda: calls.mailbox(r, session))
+    sp.receive({int(s): bytes.fromhex(b) for s, b in mailbox["mail"].items()})
+    sharing = [int(i) for i in mailbox["sharing"]]
+    sp.precompute({n: t.numel() for n, t in engine.params.items()}, sharing)
+    return Ahead(r, session, int(me), sp, sharing)
+
+
+def _open_state(engine: SyncEngine, calls: SecAggCalls, r: int, give_up_at: float) -> dict[str, Any]:
+    """Round r's attempt, once round r is the open round (overlapped: the one before may still be
+    merging when we start r)."""
+    while True:
+        try:
+            return calls.state(r)
+        except CoordinatorError as e:
+            behind = e.code == "round_not_open" and int(e.details.get("current_round", r)) < r
+            if not behind or time.monotonic() > give_up_at or engine.cancel.is_set():
+                raise _Moved(e.message) from None
+        time.sleep(0.1)
+
+
+def _finish_ahead(engine: SyncEngine, calls: SecAggCalls, ahead: Ahead, config: RunConfig, tokens: int,
+                  give_up_at: float) -> bool:
+    """The steps after training, with keys and shares exchanged and the masks drawn: claim, mask
+    (one ring addition per tensor), upload, reveal."""
+    r, session = ahead.round, ahead.session
+    state = _ask(lambda: calls.state(r))
+    if state["session"] != session or state["phase"] not in ("shares", "claims"):
+        raise _Restart(f"the attempt we drew masks for is in its {state['phase']} phase, session {state['session']}")
+    counted = _ask(lambda: calls.claim(r, session, tokens))["tokens_counted"]
+    log.info("round %d: keys, shares and masks were drawn during the inner steps; claimed %d tokens", r, counted)
+    return _upload_and_reveal(engine, calls, ahead.sp, ahead.me, ahead.sharing, r, config, int(counted), state,
+                              give_up_at)
 
 
 def _one_attempt(engine: SyncEngine, calls: SecAggCalls, r: int, pid: str, config: RunConfig, tokens: int,
@@ -115,12 +240,24 @@ def _one_attempt(engine: SyncEngine, calls: SecAggCalls, r: int, pid: str, confi
     mailbox = _ask(lambda: calls.mailbox(r, session))
     sp.receive({int(s): bytes.fromhex(b) for s, b in mailbox["mail"].items()})
     sharing = [int(i) for i in mailbox["sharing"]]
-    body = _masked_body(engine, sp, config, directory["weights"], int(me), sharing, session)
+    return _upload_and_reveal(engine, calls, sp, int(me), sharing, r, config, int(counted), state, give_up_at)
+
+
+def _upload_and_reveal(engine: SyncEngine, calls: SecAggCalls, sp: SecAggParticipant, me: int, sharing: list[int],
+                       r: int, config: RunConfig, counted: int, state: dict[str, Any], give_up_at: float) -> bool:
+    """Wait for the public weights (the claims phase's close), mask, upload, reveal, wait for the merge."""
+    session, pid = state["session"], calls.pid
+    while state["phase"] in ("shares", "claims"):
+        state = _wait(engine, calls, r, state, give_up_at)
+    weights = state.get("weights") or {}
+    if state["phase"] != "upload" or str(me) not in weights:
+        raise _Moved(f"the claims phase closed without our claim ({state['phase']} phase)")
+    body = _masked_body(engine, sp, config, weights, me, sharing, session)
     if faults.hit("participant.upload", who=engine.who or pid, round=r) == "drop":
         log.warning("fault injected: round %d's masked upload is never sent (a dropout after masking)", r)
         raise _Moved("the masked upload was dropped")
     try:
-        engine.last_answer = engine.client.upload(r, pid, body, tokens=int(counted), retry=calls.retry,
+        engine.last_answer = engine.client.upload(r, pid, body, tokens=counted, retry=calls.retry,
                                                   transfer=config.transfer,
                                                   progress=Progress(f"masked upload of round {r}", body.content_length,
                                                                     log=log))

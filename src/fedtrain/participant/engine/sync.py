@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
-from fedtrain.participant.engine.secagg_sync import submit_masked
+from fedtrain.participant.engine.secagg_sync import Ahead, submit_masked
 from fedtrain.participant.engine.served import ServedModel
 from fedtrain.privacy.clipping import clip_within
 from fedtrain.transport.progress import Progress
@@ -97,6 +98,7 @@ class SyncEngine:
         self.last_answer: dict[str, Any] | None = None  # the coordinator's answer to our last upload
         self.wait_s = 25.0  # one long-poll of the round's state
         self.cancel = threading.Event()  # set (by another thread) to stop waiting for the round
+        self.masks_ahead: Future[Ahead | None] | None = None  # secure aggregation: `secagg_sync.start_ahead`
         self._piece_in: int | None = None  # the round our piece is in (a conflict told us it is)
         self._applied: int | None = None  # asynchronous mode: the round our last upload was applied in
         self._snapshot: dict[str, torch.Tensor] = dict(shares or {})  # else set aside by `prepare`, at join

@@ -22,8 +22,10 @@ from typing import Any, Literal
 import torch
 
 from fedtrain.config import RunConfig, TransferConfig
+from fedtrain.config.privacy import secagg_on
 from fedtrain.errors import ModelMismatchError
 from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.engine.secagg_sync import exchange_masked
 from fedtrain.participant.engine.sync import SyncEngine
 
 __all__ = ["Exchanges", "InFlight", "Plan", "decide", "plan_of"]
@@ -180,8 +182,11 @@ class Exchanges:
         if engine is not None:
             sent = engine.copy_sync_set()
             engine.take_delta(sent)
-            body = engine.encode(config)
-            future = self._pool.submit(engine.exchange, r, pid, body, config, tokens=tokens, retry=retry)
+            if secagg_on(config):  # the masking steps and their waits run on the worker thread too
+                future = self._pool.submit(exchange_masked, engine, r, pid, config, tokens=tokens, retry=retry)
+            else:
+                body = engine.encode(config)
+                future = self._pool.submit(engine.exchange, r, pid, body, config, tokens=tokens, retry=retry)
         self.pending = InFlight(r, self.of(r), sent, future, record, at)
 
     def result(self) -> int | None:

@@ -1,6 +1,7 @@
 """Routes of secure aggregation (`/v1/rounds/{r}/secagg/...`): a round's phase, public keys and
-token claims, the key directory, sealed shares, a participant's mailbox, the unmask request and
-the revealed shares. Masked updates themselves go through the update route.
+token claims (with the keys, or after training: `claim`), the key directory, sealed shares, a
+participant's mailbox, the unmask request and the revealed shares. Masked updates themselves go
+through the update route.
 
 Every request speaks for the participant of its path (or `participant_id`) with its key, as the
 other round routes do; every body is bounded in its schema (`privacy.secagg_max_participants`
@@ -48,8 +49,16 @@ class Keys(BaseModel):
     session: Session
     mask: KeyHex
     channel: KeyHex
-    tokens: int = Field(ge=0, le=MAX_TOKEN_CLAIM, description="The tokens of the update it will upload (public: "
-                        "they set its weight, fixed when the keys phase closes).")
+    tokens: int | None = Field(None, ge=0, le=MAX_TOKEN_CLAIM, description="The tokens of the update it will "
+                               "upload (public: they set its weight, fixed when the claims phase closes); omitted "
+                               "by a participant that exchanges keys before training and claims after it.")
+
+
+class Claim(BaseModel):
+    model_config = BODY
+    session: Session
+    tokens: int = Field(ge=0, le=MAX_TOKEN_CLAIM, description="The tokens of the update it will upload (public), "
+                        "once, by a participant that advertised its keys without them.")
 
 
 class Shares(BaseModel):
@@ -77,7 +86,7 @@ class Reveal(BaseModel):
 async def secagg_state(
     round_: Round,
     wait: float = Query(0.0, ge=0, le=60),
-    phase: Literal["keys", "shares", "upload", "reveal", "done"] | None = Query(None),
+    phase: Literal["keys", "shares", "claims", "upload", "reveal", "done"] | None = Query(None),
     session: str | None = Query(None, min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$"),
     participant_id: PidQuery = None,
     ident: Identity = Depends(speaker_by_query),
@@ -92,6 +101,13 @@ async def secagg_keys(round_: Round, pid: Pid, body: Keys, ident: Identity = Dep
                       service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
     return service.secure_aggregation().advertise(pid, round_, body.session,
                                                   {"mask": body.mask, "channel": body.channel}, body.tokens)
+
+
+@router.post("/v1/rounds/{round_}/secagg/claim/{pid}", summary="A participant's token claim, once, if it did "
+             "not claim with its keys (shares or claims phase)")
+async def secagg_claim(round_: Round, pid: Pid, body: Claim, ident: Identity = Depends(speaker),
+                       service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+    return service.secure_aggregation().claim(pid, round_, body.session, body.tokens)
 
 
 @router.get("/v1/rounds/{round_}/secagg/directory/{pid}", summary="The round's public keys, weights and your "
@@ -109,7 +125,7 @@ async def secagg_shares(round_: Round, pid: Pid, body: Shares, ident: Identity =
 
 
 @router.get("/v1/rounds/{round_}/secagg/mailbox/{pid}", summary="The sealed bundles sent to you and who shared "
-            "(from the upload phase on)")
+            "(from the claims phase on)")
 async def secagg_mailbox(round_: Round, pid: Pid, session: SessionQuery, ident: Identity = Depends(speaker),
                          service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
     return service.secure_aggregation().mailbox(pid, round_, session)
