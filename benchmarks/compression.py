@@ -5,6 +5,7 @@ the cost of compressed downloads.
     python benchmarks/compression.py                # 100M parameters (~4 minutes here)
     python benchmarks/compression.py --params 10e6  # any size
     python benchmarks/compression.py --only downloads
+    python benchmarks/compression.py --only merge-memory  # the coordinator's peak RSS over a merge
 
 The "model" is a stack of square float32 matrices (4096 x 4096, the last one cut to size)
 holding a random Δ (normal, scaled per row as a pseudo-gradient's rows differ). For each scheme:
@@ -29,7 +30,9 @@ Compressed downloads (`wire/delta.py`), per scheme of `train.download_compressio
 - `whole`: the digest of a whole model body, for scale (what a whole download is checked with);
 - `bytes`: the delta body, and its ratio to the whole fp32 model's body.
 Then the coordinator's peak RSS over a merge (DiLoCo's Nesterov step from a running sum, then
-the delta), with compressed downloads off and on, in model bytes (a child process each).
+the delta), with compressed downloads off and on, in model bytes (a child process each); on,
+side by side: P_r copied in memory before the step (`copy`, the coordinator before it read P_r
+back from its file) and read back from version r's model file tensor by tensor (`file`, now).
 `representation` (10M parameters at most): how dense the round's aggregate of M topk 1% updates
 is, against how dense the outer step's move of the weights is after DiLoCo's Nesterov step:
 why downloads send a compressed delta of the published weights, not the sparse aggregate.
@@ -201,41 +204,56 @@ def representation(params: int, rounds: int = 5) -> None:
 
 def merge_memory_child(params: int, scheme: str) -> None:
     """In a child: the coordinator's merge (DiLoCo's Nesterov step on a running sum) with
-    compressed downloads `scheme` ("none": off); its peak RSS in model bytes."""
+    compressed downloads `scheme` ("none": off; "<scheme> copy": P_r copied in memory before the
+    step, as before #32's follow-up; "<scheme> file": P_r read back tensor by tensor from version
+    r's model file, as the coordinator does now); its peak RSS in model bytes. Every merge
+    writes the version's model file first, as the commit of the version before does (its
+    memory is not counted: the peak is reset after it)."""
+    from fedtrain.coordinator.model.checkpoints import CheckpointDir
     from fedtrain.coordinator.model.deltas import DownloadDeltas
+    from fedtrain.coordinator.model.published_file import PublishedFile
     from fedtrain.merge import OuterOptimizer
 
+    codec_name, _, mode = scheme.rpartition(" ") if scheme != "none" else ("none", "", "")
     baseline = _status("VmRSS")  # torch and the interpreter
     weights = model_delta(params, seed=7)
     outer = OuterOptimizer(weights, "diloco", {"lr": 0.4, "momentum": 0.9, "nesterov": True})
     del weights
     acc = RunningSum({n: (torch.float32, tuple(t.shape)) for n, t in outer.params.items()})
     deltas = DownloadDeltas()
-    deltas.configure(None if scheme == "none" else DOWNLOADS[scheme])
+    deltas.configure(None if codec_name == "none" else DOWNLOADS[codec_name])
     model_bytes = acc.nbytes
-    for r in range(3):  # the momentum and the residual exist from the first merge on
-        acc.reset()
-        for name, t in model_tensors(params, seed=10 + r):  # one update, folded as it comes
-            acc.fold(name, t, 1.0)
-        acc.finish_contribution(1.0)
-        if r == 1:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        total, divisor = acc.scaled()
-        prev = deltas.before_step(outer.params, whole=True)
-        outer.step(total, divisor, finite=True)
-        if prev is not None:
-            deltas.encode(prev, outer.params)
-            del prev
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = CheckpointDir(Path(d))
+        for r in range(3):  # the momentum and the residual exist from the first merge on
+            digest = write_file(ckpt.global_path(r), outer.params)  # version r, committed
+            if r:
+                ckpt.remove(r - 1)
+            acc.reset()
+            for name, t in model_tensors(params, seed=10 + r):  # one update, folded as it comes
+                acc.fold(name, t, 1.0)
+            acc.finish_contribution(1.0)
+            if r == 1:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            total, divisor = acc.scaled()
+            kept = PublishedFile(ckpt, r, digest, outer.params, None) if mode == "file" else None
+            prev = deltas.before_step(outer.params, None, kept)
+            outer.step(total, divisor, finite=True)
+            if prev is not None:
+                deltas.encode(prev, outer.params)
+                del prev
+            if kept is not None:
+                kept.close()
     peak = _status("VmHWM")
     print(f"| {scheme} | {(peak - baseline) / model_bytes:.2f} | {peak / model_bytes:.2f} |")
 
 
 def merge_memory(params: int) -> None:
     print(f"\ncoordinator peak RSS over a merge (DiLoCo, {params / 1e6:.0f}M parameters), in model bytes")
-    print("| download_compression | peak above torch's baseline / model bytes | peak RSS / model bytes |")
+    print("| download_compression, P_r | peak above torch's baseline / model bytes | peak RSS / model bytes |")
     print("|---|---:|---:|")
-    for scheme in ("none", "int8", "topk 1% 2-bit"):
+    for scheme in ("none", "int8 copy", "int8 file", "topk 1% 2-bit copy", "topk 1% 2-bit file"):
         subprocess.run([sys.executable, __file__, "--params", str(params), "--merge-memory-child", scheme],
                        check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
@@ -288,7 +306,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=100e6)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--only", choices=("uploads", "memory", "downloads", "representation"),
+    ap.add_argument("--only", choices=("uploads", "memory", "downloads", "merge-memory", "representation"),
                     help="run one part only")
     ap.add_argument("--rss-child", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--merge-memory-child", help=argparse.SUPPRESS)
@@ -306,6 +324,7 @@ def main() -> None:
         rss(params)
     if args.only in (None, "downloads"):
         downloads(params, args.repeat)
+    if args.only in (None, "downloads", "merge-memory"):
         merge_memory(params)
     if args.only in (None, "representation"):
         representation(min(params, 10_000_000))

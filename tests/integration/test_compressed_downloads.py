@@ -4,7 +4,8 @@ coordinator's served model bit for bit, through a coordinator restart (the resid
 from its checkpoint) and a participant that leaves and joins again (a whole download); the
 status counts the compressed bytes sent and their ratio to fp32. Then how it composes: FedOpt,
 FedAvg, balanced and asynchronous rounds, publish_first, parallel streams, a robust
-aggregator, a roll back, LoRA, Streaming DiLoCo fragments, and a live change of the field."""
+aggregator, a roll back, LoRA, Streaming DiLoCo fragments, a live change of the field, and
+central DP."""
 
 from __future__ import annotations
 
@@ -251,3 +252,30 @@ def test_a_live_change_turns_compressed_downloads_on_at_a_round_boundary(tmp_pat
         admin.get("/v1/rounds/1", params={"wait": 10})
         delta = admin.get("/v1/model/delta", params={"from": 1})
         assert delta.status_code == 200 and delta.headers["x-fedtrain-version"] == "2"
+
+
+def test_central_dp_composes_with_compressed_downloads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Central DP noises the outer step; the delta and the residual are computed from the noised
+    step alone (post-processing), so both participants still end on the served model bit for
+    bit, the downloads after the join are deltas, and ε is dp-accounting's figure for the rounds
+    merged, as without compression. The coordinator read P_r back from its file at every merge
+    (no copy of the model in memory)."""
+    dpa = pytest.importorskip("dp_accounting")
+    sigma, delta, rounds = 0.5, 1e-5, 2
+    cfg = tiny_config(rounds=rounds, min_participants=2, train=TRAIN,
+                      privacy={"clip_norm": 5.0, "noise_multiplier": sigma, "delta": delta})
+    with caplog.at_level("INFO", logger="fedtrain.coordinator"), \
+            BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
+        ps = run_all(TinyParticipant(c.url, f"p{i}", _task(i)) for i in range(2))
+        status = c.service.status()
+        served, _ = _served(c.url)
+    assert not [r.message for r in caplog.records if "copied in memory" in r.message]
+    fp32 = sum(4 * t.numel() for t in served.values())
+    for p in ps:
+        assert p.fed is not None and p.fed.round == rounds
+        _assert_bitwise(p.weights, served, str(p.name))
+        assert all(0 < rec["bytes_down"] < fp32 * 0.2 for rec in p.fed.history)
+    acc = dpa.rdp.RdpAccountant()
+    acc.compose(dpa.GaussianDpEvent(sigma), rounds)
+    assert status["privacy"]["rounds"] == rounds
+    assert status["privacy"]["epsilon"] == pytest.approx(float(acc.get_epsilon(delta)), rel=1e-6)

@@ -6,7 +6,8 @@ to run forward and backward through (the model, its `DistributedDataParallel` wr
 `fully_shard`ed model itself).
 
 `RunDir` is the participant's local directory: the checkpoint written at every round
-boundary and restored at start (inner optimizer state, data position, counters), the
+boundary and restored at start (inner optimizer state, upload residual, data position,
+counters), the
 per-round metrics (JSON lines, TensorBoard when installed) and, at the end, the final
 weights of the sync set. Under torchrun rank 0 owns `DIR/`; with DDP rank k keeps its own
 checkpoint (its data position) in `DIR/rank-k/`. With FSDP the checkpoint is one
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fedtrain.errors import ModelMismatchError
 from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.participant.engine.records import EvalFn
 from fedtrain.participant.local.checkpoint import LocalCheckpoint
@@ -110,7 +112,21 @@ class RunDir:
         return saved
 
     def restore_counters(self, fed: Participant, saved: dict[str, Any]) -> None:
+        """After the participant joined again: its counters and its upload residual."""
         fed.steps, fed.tokens = int(saved["steps"]), int(saved["tokens"])
+        residual = self.checkpoint.load_residual() if isinstance(self.checkpoint, LocalCheckpoint) else None
+        if residual:
+            try:
+                fed.restore_upload_residual(residual)
+                log.info("resumed the upload residual of round %d (%d tensors)", saved["round"], len(residual))
+                return
+            except ModelMismatchError as e:
+                log.warning("the saved upload residual does not fit this model (%s)", e.message)
+        t = fed.config.train
+        local = isinstance(self.checkpoint, LocalCheckpoint)
+        if t.compression != "none" and t.error_feedback and (self.rank == 0 or not local):  # (DDP: rank 0 uploads)
+            log.info("rank %d: no saved upload residual: the upload error feedback starts from zero%s", self.rank,
+                     "" if local else " (an FSDP checkpoint does not keep it)")
 
     def after_sync(self, fed: Participant, optimizer: torch.optim.Optimizer, stream: TokenStream) -> None:
         """At a round boundary: write the checkpoint and the round's metrics."""
@@ -120,6 +136,7 @@ class RunDir:
             steps=fed.steps,
             tokens=fed.tokens,
             user_state={"data": stream.state_dict()},
+            **({"residual": fed.upload_residual()} if isinstance(self.checkpoint, LocalCheckpoint) else {}),
         )
         if self.metrics is not None and fed.history:
             self.metrics.write(fed.history[-1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import Collection, Mapping
@@ -27,6 +28,7 @@ from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.coordinator.model.deltas import DeltaStream, DownloadDeltas
 from fedtrain.coordinator.model.downloads import DownloadsInFlight
 from fedtrain.coordinator.model.publish import ModelStream, Published, WeightsGuard
+from fedtrain.coordinator.model.published_file import PublishedFile
 from fedtrain.coordinator.model.restore import load_version, newest_intact, restore_record
 from fedtrain.coordinator.model.slices import SliceStream, parse_rows
 from fedtrain.coordinator.state.events import Events
@@ -42,6 +44,9 @@ def model_meta(cfg: RunConfig, algorithm: str, version: int,
                extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """A version's metadata (in the served body and its checkpoint); `extra`: the privacy record."""
     return {"run": cfg.name, "algorithm": algorithm, "version": str(version), **(extra or {})}
+
+
+log = logging.getLogger(__name__)
 
 
 class Committer:
@@ -160,17 +165,38 @@ class Committer:
             if not (0.0 < scale <= 1.0):
                 raise MergeError(f"the staleness scale must be in (0, 1], got {scale!r}")
             divisor = divisor / scale
-        # Compressed downloads: P_r, kept through the step (read only here, off the lock: only
-        # this thread changes the weights), for the delta that defines P_{r+1} (`deltas.py`).
-        prev = self.deltas.before_step(self.model.params, names)
-        with self.weights.lock:
-            self.weights.epoch += 1
-            self.model.step(total, divisor, finite=True, every=every, names=names)
-        if prev is not None:
-            # Off the lock (seconds at 100M parameters): the epoch moved on above, before the
-            # step touched the weights, and every reader of them checks it under the lock before
-            # each copy (`memory_steps`, `SliceStream`), so none reads them until `publish`.
-            self.deltas.encode(prev, self.model.params)
+        # Compressed downloads: P_r, kept through the step for the delta that defines P_{r+1}
+        # (`deltas.py`): read back from its file, or copied (read only here, off the lock: only
+        # this thread changes the weights).
+        kept = self._published_file(names) if self.deltas.on else None
+        try:
+            prev = self.deltas.before_step(self.model.params, names, kept)
+            with self.weights.lock:
+                self.weights.epoch += 1
+                self.model.step(total, divisor, finite=True, every=every, names=names)
+            if prev is not None:
+                # Off the lock (seconds at 100M parameters): the epoch moved on above, before the
+                # step touched the weights, and every reader of them checks it under the lock
+                # before each copy (`memory_steps`, `SliceStream`), so none reads them until `publish`.
+                self.deltas.encode(prev, self.model.params)
+        finally:
+            if kept is not None:
+                kept.close()
+
+    def _published_file(self, names: Collection[str] | None) -> PublishedFile | None:
+        """P_r from the committed version's model file (the weights in force are that version's:
+        the merge waited for its commit), verified; None (logged) when it cannot serve."""
+        v = self.committed_version
+        published = self.published
+        digest = self._store.get_meta(f"digest/{v}")
+        if digest is None or (published is not None and published.version != v):
+            log.info("compressed downloads: version %d is not the committed one on disk: P_r copied in memory", v)
+            return None
+        try:
+            return PublishedFile(self.ckpt, v, digest, self.model.params, names)
+        except StateError as e:
+            log.warning("compressed downloads: P_r copied in memory (%s)", e.message)
+            return None
 
     def publish(self, version: int, cfg: RunConfig, hold: bool, extra: Mapping[str, str] | None = None) -> Published:
         """A body over the new weights, to serve from memory once the caller puts it in force

@@ -11,8 +11,10 @@ delta to participants that hold P_r (`GET /v1/model/delta?from=r`). The residual
 with the version's checkpoint; a version served from its file (after a restart, a roll back)
 has no delta: its downloads are whole.
 
-Memory: E (one model, fp32) for the run, plus a copy of the weights the step moves during
-each merge (P_r, while the outer step makes G).
+Memory: E (one model, fp32) for the run. P_r, which the delta is computed from after the outer
+step made G, is read back from version r's model file one tensor at a time
+(`published_file.py`); only when that file cannot serve (missing, or it does not check out)
+is it copied from memory before the step: one more model during that merge.
 """
 
 from __future__ import annotations
@@ -67,15 +69,19 @@ class DownloadDeltas:
         self._made = None
 
     def before_step(self, params: Mapping[str, torch.Tensor], names: Collection[str] | None,
-                    ) -> dict[str, torch.Tensor] | None:
-        """P_r, copied before the outer step moves it: the tensors `names` (a Streaming DiLoCo
-        fragment's: the step moves only those) or all (None: no delta this step, downloads are off)."""
+                    kept: Mapping[str, torch.Tensor] | None = None) -> Mapping[str, torch.Tensor] | None:
+        """P_r through the outer step, of the tensors `names` (a Streaming DiLoCo fragment's: the
+        step moves only those) or all; None: no delta this step, downloads are off. `kept`: P_r
+        read back from its file, tensor by tensor (`PublishedFile`, over the same names), taken
+        as it is; without it P_r is copied now (one more model in memory for the merge)."""
         self._made = None
         if self.codec is None:
             return None
+        if kept is not None:
+            return kept
         return {n: t.detach().clone() for n, t in params.items() if names is None or n in names}
 
-    def encode(self, prev: Mapping[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
+    def encode(self, prev: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
         """After the outer step: `params` (G) become P_{r+1} = P_r + decode(C) in place, E moves on.
         The caller moved the weights' epoch on first (no download reads them meanwhile)."""
         assert self.codec is not None

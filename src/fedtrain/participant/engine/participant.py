@@ -154,6 +154,15 @@ class Participant:
         """Bytes of global models this participant has downloaded (a group's: all ranks together)."""
         return self.book.bytes_down
 
+    def upload_residual(self) -> dict[str, torch.Tensor]:
+        """What compressed uploads with error feedback have not sent yet, by tensor name (this
+        rank's): save it with the local checkpoint, give it back with `restore_upload_residual`."""
+        return self._exchanges.upload_residual()
+
+    def restore_upload_residual(self, tensors: dict[str, torch.Tensor]) -> None:
+        """After `__enter__`: take a saved upload residual (ModelMismatchError if it does not fit)."""
+        self._exchanges.restore_upload_residual(tensors)
+
     @property
     def shard_bytes(self) -> int:
         """Bytes of this rank's snapshot: its rows of the sync set (a replicated rank > 0: none)."""

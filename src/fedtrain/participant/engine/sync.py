@@ -229,6 +229,24 @@ class SyncEngine:
             tensors, packed = compress(delta, codec)
         return EncodedBody(tensors, {**packed, **meta}, digest_algorithm=config.digest)
 
+    @property
+    def upload_residual(self) -> dict[str, torch.Tensor]:
+        """The upload error feedback's residual: what compressed uploads have not sent yet."""
+        return dict(self._feedback.residual)
+
+    def restore_upload_residual(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
+        """Take the residual an earlier process saved (its local checkpoint) for the tensors of
+        this engine's sync set; returns the names taken. A residual that does not fit the tensor
+        (shape, a float dtype, finite values) is a ModelMismatchError and nothing is taken."""
+        mine = {n: t for n, t in tensors.items() if n in self._snapshot}
+        for name, t in mine.items():
+            ref = self._snapshot[name]
+            if t.shape != ref.shape or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                raise ModelMismatchError(f"the saved upload residual of {name} ({t.dtype}, {tuple(t.shape)}) does "
+                                         f"not fit the tensor ({ref.dtype}, {tuple(ref.shape)}) or is not finite")
+        self._feedback.residual = {n: t.to(self._snapshot[n].dtype) for n, t in mine.items()}
+        return set(mine)
+
     def exchange(self, r: int, pid: str, body: EncodedBody, config: RunConfig, *, tokens: int,
                  retry: RetryPolicy | None = None) -> int:
         """`submit` then `download`: the whole exchange of round `r`, which leaves the new

@@ -148,6 +148,29 @@ class Exchanges:
             engines.append(self.engine)
         return engines
 
+    def upload_residual(self) -> dict[str, torch.Tensor]:
+        """Every engine's upload residual (the fragments' tensors are disjoint)."""
+        out: dict[str, torch.Tensor] = {}
+        for e in self._counted():
+            out.update(e.upload_residual)
+        return out
+
+    def restore_upload_residual(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Give each engine its tensors of a saved residual; a name no engine syncs is a
+        ModelMismatchError (a checkpoint of another model), and then no engine keeps any."""
+        taken: set[str] = set()
+        try:
+            for e in self._counted():
+                taken |= e.restore_upload_residual(tensors)
+            unknown = sorted(set(tensors) - taken)
+            if unknown:
+                raise ModelMismatchError(f"the saved upload residual names tensors this model does not sync: "
+                                         f"{', '.join(unknown[:5])}")
+        except ModelMismatchError:
+            for e in self._counted():
+                e.restore_upload_residual({})
+            raise
+
     def send(self, r: int, pid: str, config: RunConfig, *, tokens: int, retry: RetryPolicy | None,
              record: dict[str, Any]) -> None:
         """Take round r's Δ (its fragment's) now and send it on the worker thread; returns at once."""

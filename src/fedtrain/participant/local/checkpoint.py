@@ -1,26 +1,31 @@
-"""A participant's local checkpoint at round boundaries: inner optimizer state, data position, counters.
+"""A participant's local checkpoint at round boundaries: inner optimizer state, upload residual, data
+position, counters.
 
 A participant killed and restarted rejoins at the coordinator's current round and takes
 the global weights from it; what only the participant knows is kept here: the inner
-optimizer's state (AdamW moments and step counts), the position of its data stream, its
+optimizer's state (AdamW moments and step counts), the residual of its upload error
+feedback (what compressed uploads have not sent yet), the position of its data stream, its
 step and token counters, and any JSON-able state of the user's loop. Saving at a round
 boundary makes the set consistent (the weights then are exactly a global version).
 
 Files (no pickle anywhere; nothing here calls `torch.load`):
 
     DIR/optimizer-<round>.safetensors   every tensor of optimizer.state_dict()["state"]
+    DIR/residual-<round>.safetensors    the upload residual (only when there is one)
     DIR/state.json                      the rest: param groups, scalars, counters, user state,
-                                        and the name and sha256 digest of the tensor file
+                                        and the name and sha256 digest of each tensor file
 
-Both are written atomically (temp file, fsync, rename); state.json last, so that it
-always names a complete tensor file; older tensor files are removed after.
+All are written atomically (temp file, fsync, rename); state.json last, so that it
+always names complete tensor files of one round; older tensor files are removed after.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,8 @@ from fedtrain.errors import FedtrainError, StateError
 from fedtrain.wire import iter_file, read_tensors, write_file
 
 __all__ = ["LocalCheckpoint", "optimizer_state_from_files", "optimizer_state_to_files"]
+
+log = logging.getLogger("fedtrain.participant")
 
 _STATE_FILE = "state.json"
 _FORMAT = 1
@@ -96,8 +103,10 @@ class LocalCheckpoint:
         steps: int = 0,
         tokens: int = 0,
         user_state: dict[str, Any] | None = None,
+        residual: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """Write the state after the sync that started round `round_`."""
+        """Write the state after the sync that started round `round_`; `residual`: the
+        participant's upload residual (`Participant.upload_residual()`), if any."""
         self.dir.mkdir(parents=True, exist_ok=True)
         record: dict[str, Any] = {
             "format": _FORMAT,
@@ -111,11 +120,16 @@ class LocalCheckpoint:
             name = f"optimizer-{round_}.safetensors"
             digest = write_file(self.dir / name, tensors, {"format": str(_FORMAT)})
             record["optimizer"] = {"file": name, "digest": digest, **meta}
+        if residual:
+            name = f"residual-{round_}.safetensors"
+            held = {n: t.detach().to("cpu").contiguous() for n, t in residual.items()}
+            record["residual"] = {"file": name, "digest": write_file(self.dir / name, held, {"format": str(_FORMAT)})}
         write_json_atomically(self.dir / _STATE_FILE, record)
-        keep = record.get("optimizer", {}).get("file")
-        for old in self.dir.glob("optimizer-*.safetensors"):
-            if old.name != keep:
-                old.unlink(missing_ok=True)
+        for kind in ("optimizer", "residual"):
+            keep = record.get(kind, {}).get("file")
+            for old in self.dir.glob(f"{kind}-*.safetensors"):
+                if old.name != keep:
+                    old.unlink(missing_ok=True)
 
     def load(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
         """Restore the optimizer state in place; return the record (round, steps, tokens,
@@ -136,3 +150,20 @@ class LocalCheckpoint:
         except FedtrainError as e:
             raise StateError(f"the participant checkpoint in {self.dir} cannot be restored: {e.message}") from None
         return record
+
+    def load_residual(self) -> dict[str, torch.Tensor] | None:
+        """The upload residual the checkpoint holds, checked against its digest; None when it
+        holds none, or when its file is missing or damaged (logged: the error feedback then
+        starts from zero, which loses only the signal it held back)."""
+        path = self.dir / _STATE_FILE
+        try:
+            saved = json.loads(path.read_text()).get("residual") if path.is_file() else None
+            if saved is None:
+                return None
+            return dict(read_tensors(iter_file(self.dir / saved["file"]), expected_digest=saved["digest"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("the upload residual in %s cannot be read (%s): error feedback starts from zero", self.dir, e)
+        except FedtrainError as e:
+            log.warning("the upload residual in %s cannot be read (%s): error feedback starts from zero",
+                        self.dir, e.message)
+        return None

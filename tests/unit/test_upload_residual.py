@@ -1,0 +1,77 @@
+"""The upload residual in a participant's local checkpoint (#32): it round-trips bit for bit,
+with the rest, atomically; a damaged or missing file is logged and reads as none (the error
+feedback starts from zero); a residual that does not fit the model (a checkpoint of another
+model, a wrong shape, non-finite values) is refused whole by the engines, which then hold none."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedtrain.errors import ModelMismatchError
+from fedtrain.participant.engine.sync import SyncEngine
+from fedtrain.participant.engine.sync_schedule import Exchanges
+from fedtrain.participant.local.checkpoint import LocalCheckpoint
+
+
+def _exchanges(fragments: list[list[str]] | None = None) -> Exchanges:
+    params = {"a": torch.nn.Parameter(torch.zeros(4, 3)), "b": torch.nn.Parameter(torch.zeros(5))}
+    engine = SyncEngine(None, params, who="site")  # type: ignore[arg-type]  # (no call reaches the client)
+    engine.prepare({"a": {"dtype": "F32", "shape": [4, 3]}, "b": {"dtype": "F32", "shape": [5]}})
+    return Exchanges(engine, fragments)
+
+
+def test_the_residual_round_trips_with_the_checkpoint_and_old_files_go(tmp_path: Path) -> None:
+    ck = LocalCheckpoint(tmp_path)
+    residual = {"a": torch.randn(4, 3), "b": torch.randn(5)}
+    ck.save(round_=1, optimizer=None, residual={n: t * 2 for n, t in residual.items()})
+    ck.save(round_=2, optimizer=None, residual=residual)
+    back = ck.load_residual()
+    assert back is not None and set(back) == set(residual)
+    assert all(torch.equal(back[n], residual[n]) for n in residual)
+    assert sorted(p.name for p in tmp_path.glob("residual-*")) == ["residual-2.safetensors"]
+    ck.save(round_=3, optimizer=None)  # none now (compression turned off): no file is left
+    assert ck.load_residual() is None and not list(tmp_path.glob("residual-*"))
+
+
+@pytest.mark.parametrize("harm", ["flip", "remove"])
+def test_a_damaged_or_missing_residual_reads_as_none_and_is_logged(tmp_path: Path, harm: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    ck = LocalCheckpoint(tmp_path)
+    ck.save(round_=0, optimizer=None, residual={"a": torch.ones(4, 3)})
+    f = tmp_path / "residual-0.safetensors"
+    if harm == "flip":
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    else:
+        f.unlink()
+    with caplog.at_level(logging.WARNING, logger="fedtrain.participant"):
+        assert ck.load_residual() is None
+    assert any("starts from zero" in r.message for r in caplog.records)
+    assert ck.load(None) is not None  # the rest of the checkpoint still loads
+
+
+@pytest.mark.parametrize("fragments", [None, [["a"], ["b"]]], ids=["whole", "fragments"])
+def test_the_engines_take_a_residual_that_fits(fragments: list[list[str]] | None) -> None:
+    ex = _exchanges(fragments)
+    residual = {"a": torch.randn(4, 3), "b": torch.randn(5)}
+    ex.restore_upload_residual(residual)
+    back = ex.upload_residual()
+    assert set(back) == {"a", "b"} and all(torch.equal(back[n], residual[n]) for n in residual)
+
+
+@pytest.mark.parametrize("bad", [
+    {"a": torch.zeros(3, 4)},  # the wrong shape
+    {"zzz": torch.zeros(2)},  # a tensor this model does not sync
+    {"a": torch.zeros(4, 3, dtype=torch.int32)},  # not a float
+    {"b": torch.tensor([0.0, float("nan"), 0.0, 0.0, 0.0])},  # not finite
+], ids=["shape", "name", "dtype", "nan"])
+def test_a_residual_that_does_not_fit_is_refused_whole(bad: dict[str, torch.Tensor]) -> None:
+    ex = _exchanges([["a"], ["b"]])
+    with pytest.raises(ModelMismatchError):
+        ex.restore_upload_residual({"a": torch.ones(4, 3), "b": torch.ones(5), **bad})
+    assert ex.upload_residual() == {}
