@@ -169,7 +169,7 @@ def close_send_pool() -> None:
     with _pool_lock:
         pool, _pool = _pool, None
     if pool is not None:
-        pool.shutdown(wait=True)
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _advance(steps: Steps, out: SocketOut) -> object:
