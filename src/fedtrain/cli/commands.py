@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -280,12 +281,17 @@ def run() -> NoReturn:
     """The console script (`fedtrain`, `python -m fedtrain`): `main`, then the process ends.
 
     A process that imported torch spends ~0.6 s of CPU tearing its modules down at a normal
-    exit, after everything of ours is closed. So once the only thread left is this one, the
-    exit handlers run (logging's flush, multiprocessing's reaping, temp dirs) and the process
-    ends at once; with another thread still running, the exit is the normal one (it waits).
+    exit, after everything of ours is closed. So once no other thread but daemon threads is
+    left (the interpreter never waits for those: they stop where they are, as they would at a
+    normal exit), the exit handlers run (logging's flush, multiprocessing's reaping, temp dirs)
+    and the process ends at once. With another thread still running, the exit is the normal
+    one (it waits for the thread), with the objects alive now frozen first (`gc.freeze`): the
+    interpreter's last garbage collections then skip torch's ~300k module objects, most of the
+    teardown's time (~2.5 s of ~3 s on a loaded 2-core machine).
     """
     code = main()
-    if threading.active_count() > 1:
+    if any(t is not threading.current_thread() and not t.daemon for t in threading.enumerate()):
+        gc.freeze()
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

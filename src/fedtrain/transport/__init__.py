@@ -29,7 +29,7 @@ _SOURCES = {
     "fedtrain.transport.allocator": ("tune_process",),
     "fedtrain.transport.writers": ("BufferedWriter", "checkpoint_writer"),
     "fedtrain.transport.direct": ("DirectWriter",),
-    "fedtrain.transport.send": ("SocketOut",),
+    "fedtrain.transport.send": ("SocketOut", "close_send_pool"),
 }
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
         ResponseSink,
         Steps,
     )
-    from fedtrain.transport.send import SocketOut
+    from fedtrain.transport.send import SocketOut, close_send_pool
     from fedtrain.transport.server_limits import ServerLimits
     from fedtrain.transport.setting import FAST_IO_ENV, fast_io_enabled
     from fedtrain.transport.writers import BufferedWriter, checkpoint_writer
@@ -74,6 +74,7 @@ __all__ = [
     "SocketOut",
     "Steps",
     "checkpoint_writer",
+    "close_send_pool",
     "fast_io_enabled",
     "fast_protocol",
     "tune_process",

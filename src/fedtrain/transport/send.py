@@ -33,7 +33,7 @@ from fedtrain.transport.server_limits import ServerLimits
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-__all__ = ["SendTimeout", "SocketOut", "SocketSink"]
+__all__ = ["SendTimeout", "SocketOut", "SocketSink", "close_send_pool"]
 
 
 class Connection(Protocol):
@@ -159,6 +159,17 @@ def _send_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix="fedtrain-send")
         return _pool
+
+
+def close_send_pool() -> None:
+    """Stop the send pool's threads (idle once no response is being sent); the next response
+    starts a new pool. For the end of a process's serving: an idle worker left behind is a
+    thread the process's exit waits for (`fedtrain.cli.commands.run`)."""
+    global _pool
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _advance(steps: Steps, out: SocketOut) -> object:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from fedtrain.participant.ranks.control import RankGroup
+from tests.helpers.workers import end_at_once
 
 
 def one_life() -> None:
@@ -25,3 +26,4 @@ def one_life() -> None:
 if __name__ == "__main__":
     one_life()
     print("control ok")
+    end_at_once()

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from fedtrain.participant.local.dcp_checkpoint import DcpCheckpoint
 from fedtrain.participant.ranks.shards import chunk_rows
 from tests.helpers.dcp import optimizer_tensors, sharded, train
+from tests.helpers.workers import end_at_once
 
 
 def rows(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
@@ -45,3 +46,4 @@ def main(src: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]))
+    end_at_once()

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from fedtrain.config import RunConfig
 from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.recipes.build import build_model
+from tests.helpers.workers import end_at_once
 
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """The inner AdamW's arguments (besides the run's lr), on both sides of every comparison."""
@@ -81,3 +82,4 @@ def main(out: Path, phases: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
+    end_at_once()

@@ -26,6 +26,7 @@ from fedtrain.participant.engine.outage import OutagePolicy
 from fedtrain.participant.ranks.shards import local_tensor, shard_layout
 from fedtrain.recipes.build import build_model
 from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
+from tests.helpers.workers import end_at_once
 
 
 def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePolicy, speed: float) -> None:
@@ -83,3 +84,4 @@ if __name__ == "__main__":
     a = cli.parse_args()
     main(a.url, a.name, a.out, a.key_file, OutagePolicy(budget_s=a.budget_s, attempt_s=a.attempt_s,
                                                        backoff_initial_s=0.2, backoff_max_s=1.0), a.speed)
+    end_at_once()

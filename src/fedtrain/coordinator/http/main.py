@@ -25,6 +25,7 @@ from fedtrain.coordinator.service import Coordinator
 from fedtrain.coordinator.state.statelock import StateLock
 from fedtrain.errors import ConfigError, StateError
 from fedtrain.transport.allocator import tune_process
+from fedtrain.transport.send import close_send_pool
 
 ENDPOINT_FILE = "endpoint.json"
 TOKENS_FILE = "tokens.json"  # a legacy state dir's tokens (participant and admin); new ones have none
@@ -225,4 +226,5 @@ def run_coordinator(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        close_send_pool()  # its idle threads would make this process's exit wait (`cli.commands.run`)
     return 0
