@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from quality_compress_report import compress_goals, compress_table, compress_text, dp_table, dp_text, plot_panels
 from quality_report import goals, plot, plot_tokens20, table, tokens20_text, write_markdown
 from quality_sim import RUNS, Log, Method, Setup, check_stream_is_diloco
 
@@ -114,9 +115,63 @@ def methods_tokens20() -> list[Method]:
     return out
 
 
+# Issue #32's presets: each uploads with the participants' error feedback; "-both" also downloads
+# the compressed delta of the new model (the coordinator's error feedback).
+PRESETS: dict[str, dict[str, Any]] = {
+    "int8": dict(compression="int8", error_feedback=True),
+    "e3m0": dict(compression="e3m0", error_feedback=True),
+    "topk1": dict(compression="topk", density=0.01, bits=2, error_feedback=True),
+    "topk3": dict(compression="topk", density=0.03, bits=2, error_feedback=True),
+}
+
+
+def _fed20(m: int, tag: str, **kw: Any) -> Method:
+    """DiLoCo at the tokens20 budget, H = 30, outer lr 0.7 (pinned), M = m."""
+    return Method(f"m{m}-{tag}", kw.pop("group", "main"), sync_every=30, outer_lr=0.7, workers=m, **kw)
+
+
+def _preset(m: int, name: str, both: bool) -> Method:
+    return _fed20(m, f"{name}-{'both' if both else 'up'}", **PRESETS[name], download=both)
+
+
+def methods_compress20() -> list[Method]:
+    """Issue #32's study, most telling first: DP, fp32 DiLoCo and top-k 1% both ways at M = 2,
+    then the same at M = 4 (whose DiLoCo also gives the Δ norms dp20's C comes from), then the
+    rest. The streaming run is K = 2 (by block), τ = 1, α = 0.5 with the topk1 preset both ways."""
+    def stream(m: int) -> Method:
+        return Method(f"m{m}-stream-k2-topk1-both", "main", kind="stream", sync_every=30, outer_lr=0.7, workers=m,
+                      fragments=2, fragment_split="strided", overlap=1, alpha=0.5, **PRESETS["topk1"], download=True)
+
+    dp = {m: Method(f"m{m}-dp", "main", kind="dp", workers=m) for m in (2, 4)}
+    diloco = {m: _fed20(m, "diloco-h30") for m in (2, 4)}
+    out = [dp[2], diloco[2], _preset(2, "topk1", True), diloco[4], dp[4], _preset(4, "topk1", True)]
+    out += [_preset(m, "topk3", True) for m in (2, 4)] + [_preset(m, "topk1", False) for m in (2, 4)]
+    out += [stream(2), stream(4)]
+    out += [_preset(m, name, True) for name in ("e3m0", "int8") for m in (2, 4)]
+    out += [_preset(m, name, False) for name in ("e3m0", "int8", "topk3") for m in (2, 4)]
+    return out
+
+
+# dp20: C from the measured Δ norms of fp32 DiLoCo at M = 4 (`delta_norms` of m4-diloco-h30), and
+# noise multipliers σ whose noise on the mean (σ·C/M per coordinate) spans small to ruinous.
+DP_CLIP = 1.0
+DP_NOISES = (0.01, 0.03, 0.1)
+
+
+def methods_dp20() -> list[Method]:
+    """Issue #33's study at M = 4: non-private DiLoCo (shared with compress20), clipping alone, then
+    central DP at each σ (C = DP_CLIP), smallest noise first."""
+    out = [_fed20(4, "diloco-h30"), Method("m4-dp", "main", kind="dp", workers=4)]
+    out += [_fed20(4, f"diloco-h30-dp{s:g}", clip=DP_CLIP, noise=s) for s in DP_NOISES]
+    out.append(_fed20(4, "diloco-h30-clip", clip=DP_CLIP))
+    return out
+
+
 STUDIES: dict[str, tuple[Setup, Setup, Callable[[], list[Method]]]] = {
     "tokens5": (FULL, QUICK, methods),
     "tokens20": (TOKENS20, QUICK20, methods_tokens20),
+    "compress20": (TOKENS20, QUICK20, methods_compress20),
+    "dp20": (TOKENS20, QUICK20, methods_dp20),
 }
 
 
@@ -139,7 +194,8 @@ def run_one(setup: Setup, method: Method, threads: int) -> dict[str, Any]:
 
 # Fields added after the tokens5 study was cached: left out of the key at their defaults, so its
 # cached runs keep their keys.
-NEW_FIELDS = {Setup: {"short_steps"}, Method: {"workers", "budget", "fragments", "fragment_split", "overlap", "alpha"}}
+NEW_FIELDS = {Setup: {"short_steps"}, Method: {"workers", "budget", "fragments", "fragment_split", "overlap", "alpha",
+                                                "density", "bits", "download", "clip", "noise"}}
 
 
 def _key_fields(obj: Any) -> dict[str, Any]:
@@ -219,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
-    if args.study == "tokens20" and not args.cached_only:  # a few seconds, before hours of streaming runs
+    if args.study in ("tokens20", "compress20") and not args.cached_only:  # seconds, before hours of runs
         print(check_stream_is_diloco(setup.for_run(Method("check", "check", workers=2))), file=sys.stderr, flush=True)
     results = run_all(setup, todo, args.jobs, args.threads, args.cache, args.cached_only)
     todo = [m for m in todo if m.name in results]
@@ -229,7 +285,17 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t0
     command = ("python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     runs = {m.name: setup.for_run(m) for m in todo}
-    if args.study == "tokens20":
+    if args.study in ("compress20", "dp20"):
+        md, png = out / "quality.md", out / f"quality-{args.study}.png"
+        text = compress_text if args.study == "compress20" else dp_text
+        text(md, setup, runs, todo, results, command, total)
+        by_m = {w: [m for m in todo if runs[m.name].workers == w] for w in sorted({s.workers for s in runs.values()})}
+        drawn = plot_panels(png, {f"M = {w}": ms for w, ms in by_m.items()}, results)
+        print("\n".join(compress_table(todo, results, runs) if args.study == "compress20"
+                        else dp_table(todo, results, runs)))
+        if args.study == "compress20":
+            print("\n".join(compress_goals(todo, results, runs)))
+    elif args.study == "tokens20":
         md, png = out / "quality.md", out / "quality-tokens20.png"
         tokens20_text(md, setup, runs, todo, results, command, total)
         drawn = plot_tokens20(png, todo, results)
