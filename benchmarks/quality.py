@@ -45,7 +45,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from quality_compress_report import compress_goals, compress_table, compress_text, dp_table, dp_text, plot_panels
+from quality_compress_report import (
+    compress_goals,
+    compress_table,
+    compress_text,
+    dp_table,
+    dp_text,
+    plot_panels,
+    with_relay,
+)
 from quality_report import goals, plot, plot_tokens20, table, tokens20_text, write_markdown
 from quality_sim import RUNS, Log, Method, Setup, check_stream_is_diloco
 
@@ -116,18 +124,28 @@ def methods_tokens20() -> list[Method]:
 
 
 # Issue #32's presets: each uploads with the participants' error feedback; "-both" also downloads
-# the compressed delta of the new model (the coordinator's error feedback).
+# the compressed delta of the new model (the coordinator's error feedback), "-up" the whole model
+# (the report also counts "-up" runs as relayed: the sparse aggregate instead of the model, with a
+# replicated outer step; same math, other download bytes). "-fedavg": outer SGD lr 1 without
+# momentum, as SparseLoCo (the error feedback accumulates like momentum); the others DiLoCo's
+# outer Nesterov, lr 0.7, momentum 0.9, which with topk's error feedback stalled (up) or diverged
+# (both) in the first measured runs.
 PRESETS: dict[str, dict[str, Any]] = {
     "int8": dict(compression="int8", error_feedback=True),
     "e3m0": dict(compression="e3m0", error_feedback=True),
     "topk1": dict(compression="topk", density=0.01, bits=2, error_feedback=True),
     "topk3": dict(compression="topk", density=0.03, bits=2, error_feedback=True),
+    "topk1-fedavg": dict(compression="topk", density=0.01, bits=2, error_feedback=True, algorithm="fedavg",
+                         outer_lr=1.0),
+    "topk3-fedavg": dict(compression="topk", density=0.03, bits=2, error_feedback=True, algorithm="fedavg",
+                         outer_lr=1.0),
 }
 
 
 def _fed20(m: int, tag: str, **kw: Any) -> Method:
-    """DiLoCo at the tokens20 budget, H = 30, outer lr 0.7 (pinned), M = m."""
-    return Method(f"m{m}-{tag}", kw.pop("group", "main"), sync_every=30, outer_lr=0.7, workers=m, **kw)
+    """DiLoCo at the tokens20 budget, H = 30, outer lr 0.7 (pinned unless `kw` says), M = m."""
+    kw = {"outer_lr": 0.7, **kw}
+    return Method(f"m{m}-{tag}", kw.pop("group", "main"), sync_every=30, workers=m, **kw)
 
 
 def _preset(m: int, name: str, both: bool) -> Method:
@@ -135,21 +153,29 @@ def _preset(m: int, name: str, both: bool) -> Method:
 
 
 def methods_compress20() -> list[Method]:
-    """Issue #32's study, most telling first: DP, fp32 DiLoCo and top-k 1% both ways at M = 2,
-    then the same at M = 4 (whose DiLoCo also gives the Δ norms dp20's C comes from), then the
-    rest. The streaming run is K = 2 (by block), τ = 1, α = 0.5 with the topk1 preset both ways."""
+    """Issue #32's study, most telling first: DP, fp32 DiLoCo and top-k 1% both ways at M = 2;
+    M = 4's DiLoCo (whose Δ norms dp20's C comes from); the SparseLoCo-like presets (topk with an
+    outer SGD without momentum) at both M; then the rest. `FIRST`: the runs before dp20's."""
     def stream(m: int) -> Method:
-        return Method(f"m{m}-stream-k2-topk1-both", "main", kind="stream", sync_every=30, outer_lr=0.7, workers=m,
-                      fragments=2, fragment_split="strided", overlap=1, alpha=0.5, **PRESETS["topk1"], download=True)
+        kw = {**PRESETS["topk3-fedavg"], "outer_lr": 1.0}
+        return Method(f"m{m}-stream-k2-topk3-fedavg-up", "main", kind="stream", sync_every=30, workers=m,
+                      fragments=2, fragment_split="strided", overlap=1, alpha=0.5, **kw)
 
     dp = {m: Method(f"m{m}-dp", "main", kind="dp", workers=m) for m in (2, 4)}
     diloco = {m: _fed20(m, "diloco-h30") for m in (2, 4)}
-    out = [dp[2], diloco[2], _preset(2, "topk1", True), diloco[4], dp[4], _preset(4, "topk1", True)]
-    out += [_preset(m, "topk3", True) for m in (2, 4)] + [_preset(m, "topk1", False) for m in (2, 4)]
-    out += [stream(2), stream(4)]
-    out += [_preset(m, name, True) for name in ("e3m0", "int8") for m in (2, 4)]
-    out += [_preset(m, name, False) for name in ("e3m0", "int8", "topk3") for m in (2, 4)]
+    out = [dp[2], diloco[2], _preset(2, "topk1", True), diloco[4]]
+    out += [_preset(2, "topk1-fedavg", False), _preset(2, "topk3-fedavg", False), dp[4]]
+    out += [_preset(4, "topk1-fedavg", False), _preset(4, "topk3-fedavg", False)]
+    out += [_preset(m, "e3m0", True) for m in (2, 4)] + [stream(2)]
+    out += [_preset(m, "int8", True) for m in (2, 4)] + [stream(4)]
+    out += [_preset(m, "topk3-fedavg", True) for m in (2, 4)] + [_preset(4, "topk1", True)]
+    out += [_preset(m, name, False) for name in ("topk1", "e3m0", "int8") for m in (2, 4)]
+    out += [_preset(m, "topk3", True) for m in (2, 4)] + [_preset(m, "topk3", False) for m in (2, 4)]
     return out
+
+
+#: The compress20 runs the background chain runs before dp20 (docs/quality.md, Running).
+FIRST = 12
 
 
 # dp20: C from the measured Δ norms of fp32 DiLoCo at M = 4 (`delta_norms` of m4-diloco-h30), and
@@ -291,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         text(md, setup, runs, todo, results, command, total)
         by_m = {w: [m for m in todo if runs[m.name].workers == w] for w in sorted({s.workers for s in runs.values()})}
         drawn = plot_panels(png, {f"M = {w}": ms for w, ms in by_m.items()}, results)
-        print("\n".join(compress_table(todo, results, runs) if args.study == "compress20"
+        print("\n".join(compress_table(*with_relay(todo, results, runs)) if args.study == "compress20"
                         else dp_table(todo, results, runs)))
         if args.study == "compress20":
-            print("\n".join(compress_goals(todo, results, runs)))
+            print("\n".join(compress_goals(*with_relay(todo, results, runs))))
     elif args.study == "tokens20":
         md, png = out / "quality.md", out / "quality-tokens20.png"
         tokens20_text(md, setup, runs, todo, results, command, total)

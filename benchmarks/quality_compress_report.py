@@ -4,6 +4,7 @@ study in its own generated block of quality.md. Numbers only come from the resul
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,39 @@ def fp32_reference(todo: list[Method], runs: dict[str, Setup]) -> dict[str, str]
     return {m.name: refs[runs[m.name].workers] for m in todo if runs[m.name].workers in refs}
 
 
+RELAY = "-relay"
+
+
+def with_relay(todo: list[Method], results: dict[str, dict], runs: dict[str, Setup]) -> tuple[
+        list[Method], dict[str, dict], dict[str, Setup]]:
+    """Every compressed "-up" run also as relayed ("-relay"): each participant downloads the other
+    M − 1 participants' upload bodies (the sparse aggregate) instead of the new model, and every
+    participant runs the same outer step on their decoded mean, so the weights are the "-up" run's
+    exactly and only the download bytes differ: (M − 1) × its uploads. Exact for these codecs:
+    every int8, e3m0 or topk body of a model has the same size. The peak of one sync event is M
+    uploads (streaming: not derived, its fragments differ in size)."""
+    out, res, setups = [], dict(results), dict(runs)
+    for m in todo:
+        out.append(m)
+        r = results[m.name]
+        if m.kind == "dp" or m.compression == "none" or m.download or not m.name.endswith("-up"):
+            continue
+        workers = runs[m.name].workers
+        name = m.name[: -len("-up")] + RELAY
+        down = (workers - 1) * r["bytes_up"]
+        peak = r["bytes_up"] // r["rounds"] if m.kind == "fed" else 0
+        res[name] = {**r, "bytes_down": down, "bytes": r["bytes_up"] + down, "peak_sync_bytes": peak}
+        setups[name] = runs[m.name]
+        out.append(dataclasses.replace(m, name=name))
+    return out, res, setups
+
+
+def _describe(m: Method) -> str:
+    if m.name.endswith(RELAY):
+        return m.describe() + ", the sparse aggregate relayed (replicated outer step; bytes derived from `-up`)"
+    return m.describe()
+
+
 def _gap(r: dict[str, Any], base: dict[str, Any] | None) -> str:
     return f"{(r['final'] / base['final'] - 1) * 100:+.2f}%" if base else "–"
 
@@ -55,9 +89,10 @@ def compress_table(todo: list[Method], results: dict[str, dict], runs: dict[str,
         up = human_bytes(r["bytes_up"]) if fed else "–"
         down = human_bytes(r["bytes_down"] + r.get("bytes_initial", 0)) if fed else "–"
         fewer = f"{total_bytes(base) / total_bytes(r):.0f}×" if base else "–"
-        cells = [f"`{m.name}`", str(runs[m.name].workers), m.describe(), f"{r['final']:.4f}", _gap(r, base),
+        peak = human_bytes(r["peak_sync_bytes"]) if r["peak_sync_bytes"] else "–"
+        cells = [f"`{m.name}`", str(runs[m.name].workers), _describe(m), f"{r['final']:.4f}", _gap(r, base),
                  _gap(r, fp32) if fed else "–", up, down, human_bytes(total_bytes(r)), fewer,
-                 human_bytes(r["peak_sync_bytes"]), str(r["rounds"]), f"{r['wall_s']:.0f}"]
+                 peak, str(r["rounds"]), f"{r['wall_s']:.0f}"]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -99,6 +134,7 @@ def compress_goals(todo: list[Method], results: dict[str, dict], runs: dict[str,
 def compress_text(path: Path, setup: Setup, runs: dict[str, Setup], todo: list[Method], results: dict[str, dict],
                   command: str, total_s: float) -> None:
     """The compress20 study's generated block of quality.md."""
+    todo, results, runs = with_relay(todo, results, runs)
     params = next(iter(results.values()))["params"]
     lines = [
         BEGIN32, *header(command, todo, results, total_s),
@@ -108,7 +144,11 @@ def compress_text(path: Path, setup: Setup, runs: dict[str, Setup], todo: list[M
         "with a scale per 256 values, topk at 1% or 3% of each 4096-value chunk with 2-bit values. *-both* runs also "
         "download the compressed delta of the new model with the coordinator's error feedback (D = G − P + E, "
         "P ← P + decode(compress(D)), E ← D − decode(...); every participant and the next outer step start from P); "
-        "the others download the whole fp32 model every round.",
+        "*-up* runs download the whole fp32 model every round; each is also shown as *-relay*: the participants "
+        "download the others' upload bodies (the sparse aggregate) and all run the same outer step, the same "
+        "weights with other download bytes (derived: (M − 1) × the uploads, exact since every body of a codec has "
+        "one size). *-fedavg* presets: outer SGD lr 1 without momentum (SparseLoCo's choice: the error feedback "
+        "accumulates like momentum); the others DiLoCo's Nesterov outer step.",
         "",
         "Bytes: *up* sums every participant's compressed upload body; *down* every participant's downloads "
         "(compressed delta bodies, or whole fp32 models), its first whole-model download included; DP: a ring "

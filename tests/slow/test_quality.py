@@ -306,7 +306,7 @@ def test_quality_compress20_and_dp20_quick(tmp_path: Path) -> None:
     lines, the plots; compressed downloads cut the bytes down, topk both ways the bytes in all."""
     pytest.importorskip("matplotlib")
     cache = tmp_path / "cache"
-    runs = ["m2-dp", "m2-diloco-h30", "m2-topk1-both", "m2-topk1-up", "m2-int8-both", "m2-stream-k2-topk1-both"]
+    runs = ["m2-dp", "m2-diloco-h30", "m2-topk1-both", "m2-topk1-up", "m2-int8-both", "m2-stream-k2-topk3-fedavg-up"]
     for study, only in (("compress20", runs), ("dp20", [])):
         r = subprocess.run([sys.executable, str(SCRIPT), "--study", study, "--quick", "--out-dir", str(tmp_path),
                             "--cache", str(cache), *(["--only", *only] if only else [])],
@@ -321,6 +321,11 @@ def test_quality_compress20_and_dp20_quick(tmp_path: Path) -> None:
     assert _size(rows["m2-topk1-both"][6]) * 3 < _size(rows["m2-topk1-up"][6])
     assert _size(rows["m2-topk1-both"][7]) * 5 < _size(rows["m2-diloco-h30"][7])
     assert _size(rows["m2-topk1-up"][5]) * 20 < _size(rows["m2-diloco-h30"][5])
-    assert _size(rows["m2-stream-k2-topk1-both"][9]) < _size(rows["m2-topk1-both"][9])
+    # Relayed: the -up run's loss and uploads; down the other's uploads (M = 2: as many as up) and the
+    # first whole model, instead of a model every round.
+    relay, up = rows["m2-topk1-relay"], rows["m2-topk1-up"]
+    assert relay[2] == up[2] and relay[5] == up[5]
+    assert _size(relay[5]) < _size(relay[6]) < _size(up[6]) / 3
+    assert _size(rows["m2-stream-k2-topk3-fedavg-relay"][7]) * 3 < _size(rows["m2-stream-k2-topk3-fedavg-up"][7])
     for name in [*runs, "m4-diloco-h30-dp0.1"]:
         assert 1.0 < float(rows[name][2 if name.startswith("m2") else 4]) < 6.0, (name, rows[name])
