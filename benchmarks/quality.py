@@ -13,6 +13,12 @@ held-out stdlib modules (`heldout_paths()`). Two studies:
 - `tokens20`: about 20 tokens per parameter (8.97 M tokens) at M = 2 and 4: DP, DiLoCo and
   Streaming DiLoCo at H = 30, FedAvg, an outer-lr sweep; and at 2.05 M tokens an outer-lr
   sweep over H (issue #21). One run of 8.97 M tokens takes about 13 min of one core.
+- `compress20`: the tokens20 budget at M = 2 and 4, H = 30: DP, fp32 DiLoCo, int8, e3m0 and topk
+  (1% and 3%, 2-bit) uploads, each with whole-model or compressed downloads (or, derived in the
+  report, the relayed sparse aggregate), and Streaming DiLoCo K = 2 with a topk preset (issue #32;
+  `quality_compress.py`, `quality_compress_report.py`).
+- `dp20`: the tokens20 budget at M = 4: central DP (clip C, noise σ) against non-private DiLoCo,
+  with the accountant's ε (issue #33).
 
     python benchmarks/quality.py                  # tokens5 (about an hour on 2 cores)
     python benchmarks/quality.py --quick          # a minute or two: smaller model, fewer steps
@@ -20,6 +26,7 @@ held-out stdlib modules (`heldout_paths()`). Two studies:
     python benchmarks/quality.py --study tokens20 --quick
     python benchmarks/quality.py --only dp diloco-h100 --cache /tmp/quality-cache
     python benchmarks/quality.py --study tokens20 --cache DIR --cached-only   # report what is done
+    python benchmarks/quality.py --study compress20 --quick   # a minute; then --study dp20 --quick
 
 Writes `quality.md` (tokens5 and tokens20 each fill their own generated block; hand-written
 text outside it is kept on a rerun) and a plot (`quality.png`, `quality-tokens20.png`) into
