@@ -13,6 +13,12 @@ held-out stdlib modules (`heldout_paths()`). Two studies:
 - `tokens20`: about 20 tokens per parameter (8.97 M tokens) at M = 2 and 4: DP, DiLoCo and
   Streaming DiLoCo at H = 30, FedAvg, an outer-lr sweep; and at 2.05 M tokens an outer-lr
   sweep over H (issue #21). One run of 8.97 M tokens takes about 13 min of one core.
+- `compress20`: the tokens20 budget at M = 2 and 4, H = 30: DP, fp32 DiLoCo, int8, e3m0 and topk
+  (1% and 3%, 2-bit) uploads, each with whole-model or compressed downloads (or, derived in the
+  report, the relayed sparse aggregate), and Streaming DiLoCo K = 2 with a topk preset (issue #32;
+  `quality_compress.py`, `quality_compress_report.py`).
+- `dp20`: the tokens20 budget at M = 4: central DP (clip C, noise σ) against non-private DiLoCo,
+  with the accountant's ε (issue #33).
 
     python benchmarks/quality.py                  # tokens5 (about an hour on 2 cores)
     python benchmarks/quality.py --quick          # a minute or two: smaller model, fewer steps
@@ -20,6 +26,7 @@ held-out stdlib modules (`heldout_paths()`). Two studies:
     python benchmarks/quality.py --study tokens20 --quick
     python benchmarks/quality.py --only dp diloco-h100 --cache /tmp/quality-cache
     python benchmarks/quality.py --study tokens20 --cache DIR --cached-only   # report what is done
+    python benchmarks/quality.py --study compress20 --quick   # a minute; then --study dp20 --quick
 
 Writes `quality.md` (tokens5 and tokens20 each fill their own generated block; hand-written
 text outside it is kept on a rerun) and a plot (`quality.png`, `quality-tokens20.png`) into
@@ -45,6 +52,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from quality_compress_report import (
+    compress_goals,
+    compress_table,
+    compress_text,
+    dp_table,
+    dp_text,
+    plot_panels,
+    with_relay,
+)
 from quality_report import goals, plot, plot_tokens20, table, tokens20_text, write_markdown
 from quality_sim import RUNS, Log, Method, Setup, check_stream_is_diloco
 
@@ -114,9 +130,89 @@ def methods_tokens20() -> list[Method]:
     return out
 
 
+# Issue #32's presets: each uploads with the participants' error feedback; "-both" also downloads
+# the compressed delta of the new model (the coordinator's error feedback), "-up" the whole model
+# (the report also counts "-up" runs as relayed: the sparse aggregate instead of the model, with a
+# replicated outer step; same math, other download bytes). "-fedavg": outer SGD lr 1 without
+# momentum, as SparseLoCo (the error feedback accumulates like momentum); the others DiLoCo's
+# outer Nesterov, lr 0.7, momentum 0.9, which with topk's error feedback stalled (up) or diverged
+# (both) in the first measured runs.
+PRESETS: dict[str, dict[str, Any]] = {
+    "int8": dict(compression="int8", error_feedback=True),
+    "e3m0": dict(compression="e3m0", error_feedback=True),
+    "topk1": dict(compression="topk", density=0.01, bits=2, error_feedback=True),
+    "topk3": dict(compression="topk", density=0.03, bits=2, error_feedback=True),
+    "topk1-fedavg": dict(compression="topk", density=0.01, bits=2, error_feedback=True, algorithm="fedavg",
+                         outer_lr=1.0),
+    "topk3-fedavg": dict(compression="topk", density=0.03, bits=2, error_feedback=True, algorithm="fedavg",
+                         outer_lr=1.0),
+    # Added when topk1-fedavg came out at +3.5% with 1,200× fewer bytes than DP relayed (M = 2): the
+    # densest topk whose relay still fits 250× at M = 4 (about 57 KB a body).
+    "topk5-fedavg": dict(compression="topk", density=0.05, bits=2, error_feedback=True, algorithm="fedavg",
+                         outer_lr=1.0),
+}
+
+
+def _fed20(m: int, tag: str, **kw: Any) -> Method:
+    """DiLoCo at the tokens20 budget, H = 30, outer lr 0.7 (pinned unless `kw` says), M = m."""
+    kw = {"outer_lr": 0.7, **kw}
+    return Method(f"m{m}-{tag}", kw.pop("group", "main"), sync_every=30, workers=m, **kw)
+
+
+def _preset(m: int, name: str, both: bool) -> Method:
+    return _fed20(m, f"{name}-{'both' if both else 'up'}", **PRESETS[name], download=both)
+
+
+def methods_compress20() -> list[Method]:
+    """Issue #32's study, most telling first: DP, fp32 DiLoCo and top-k 1% both ways at M = 2;
+    M = 4's DiLoCo (whose Δ norms dp20's C comes from); the SparseLoCo-like presets (topk with an
+    outer SGD without momentum) at both M; then the rest. `FIRST`: the runs before dp20's."""
+    def stream(m: int) -> Method:
+        kw = {**PRESETS["topk3-fedavg"], "outer_lr": 1.0}
+        return Method(f"m{m}-stream-k2-topk3-fedavg-up", "main", kind="stream", sync_every=30, workers=m,
+                      fragments=2, fragment_split="strided", overlap=1, alpha=0.5, **kw)
+
+    dp = {m: Method(f"m{m}-dp", "main", kind="dp", workers=m) for m in (2, 4)}
+    diloco = {m: _fed20(m, "diloco-h30") for m in (2, 4)}
+    out = [dp[2], diloco[2], _preset(2, "topk1", True), diloco[4]]
+    out += [_preset(2, "topk1-fedavg", False), _preset(2, "topk3-fedavg", False), dp[4]]
+    out += [_preset(4, "topk1-fedavg", False), _preset(4, "topk3-fedavg", False)]
+    out += [_preset(m, "e3m0", True) for m in (2, 4)] + [stream(2)]
+    out += [_preset(m, "topk5-fedavg", both) for both in (False, True) for m in (2, 4)]
+    out += [_preset(m, "int8", True) for m in (2, 4)] + [stream(4)]
+    out += [_preset(m, "topk3-fedavg", True) for m in (2, 4)] + [_preset(4, "topk1", True)]
+    out += [_preset(m, name, False) for name in ("topk1", "e3m0", "int8") for m in (2, 4)]
+    out += [_preset(m, "topk3", True) for m in (2, 4)] + [_preset(m, "topk3", False) for m in (2, 4)]
+    return out
+
+
+#: The compress20 runs the background chain runs before dp20 (docs/quality.md, Running).
+FIRST = 12
+
+
+# dp20: C from the measured Δ norms of fp32 DiLoCo at M = 4 (`delta_norms` of m4-diloco-h30: p10 1.17,
+# median 4.17, p90 5.51, max 6.22 over its 146 rounds × 4 participants): C = 4, about the median (the
+# target of adaptive clipping, Andrew et al. 2021), so about half the Δs are clipped, by at most 1.6×.
+# σ from the config's least (0.01) up: the noise on the mean is σ·C/M per coordinate (σ at M = 4),
+# on 437,760 coordinates, against a mean Δ of norm at most C.
+DP_CLIP = 4.0
+DP_NOISES = (0.01, 0.03, 0.1)
+
+
+def methods_dp20() -> list[Method]:
+    """Issue #33's study at M = 4: non-private DiLoCo (shared with compress20), clipping alone, then
+    central DP at each σ (C = DP_CLIP), smallest noise first."""
+    out = [_fed20(4, "diloco-h30"), Method("m4-dp", "main", kind="dp", workers=4)]
+    out += [_fed20(4, f"diloco-h30-dp{s:g}", clip=DP_CLIP, noise=s) for s in DP_NOISES]
+    out.append(_fed20(4, "diloco-h30-clip", clip=DP_CLIP))
+    return out
+
+
 STUDIES: dict[str, tuple[Setup, Setup, Callable[[], list[Method]]]] = {
     "tokens5": (FULL, QUICK, methods),
     "tokens20": (TOKENS20, QUICK20, methods_tokens20),
+    "compress20": (TOKENS20, QUICK20, methods_compress20),
+    "dp20": (TOKENS20, QUICK20, methods_dp20),
 }
 
 
@@ -139,7 +235,8 @@ def run_one(setup: Setup, method: Method, threads: int) -> dict[str, Any]:
 
 # Fields added after the tokens5 study was cached: left out of the key at their defaults, so its
 # cached runs keep their keys.
-NEW_FIELDS = {Setup: {"short_steps"}, Method: {"workers", "budget", "fragments", "fragment_split", "overlap", "alpha"}}
+NEW_FIELDS = {Setup: {"short_steps"}, Method: {"workers", "budget", "fragments", "fragment_split", "overlap", "alpha",
+                                                "density", "bits", "download", "clip", "noise"}}
 
 
 def _key_fields(obj: Any) -> dict[str, Any]:
@@ -219,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
-    if args.study == "tokens20" and not args.cached_only:  # a few seconds, before hours of streaming runs
+    if args.study in ("tokens20", "compress20") and not args.cached_only:  # seconds, before hours of runs
         print(check_stream_is_diloco(setup.for_run(Method("check", "check", workers=2))), file=sys.stderr, flush=True)
     results = run_all(setup, todo, args.jobs, args.threads, args.cache, args.cached_only)
     todo = [m for m in todo if m.name in results]
@@ -229,7 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t0
     command = ("python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     runs = {m.name: setup.for_run(m) for m in todo}
-    if args.study == "tokens20":
+    if args.study in ("compress20", "dp20"):
+        md, png = out / "quality.md", out / f"quality-{args.study}.png"
+        text = compress_text if args.study == "compress20" else dp_text
+        text(md, setup, runs, todo, results, command, total)
+        by_m = {w: [m for m in todo if runs[m.name].workers == w] for w in sorted({s.workers for s in runs.values()})}
+        drawn = plot_panels(png, {f"M = {w}": ms for w, ms in by_m.items()}, results)
+        print("\n".join(compress_table(*with_relay(todo, results, runs)) if args.study == "compress20"
+                        else dp_table(todo, results, runs)))
+        if args.study == "compress20":
+            print("\n".join(compress_goals(*with_relay(todo, results, runs))))
+    elif args.study == "tokens20":
         md, png = out / "quality.md", out / "quality-tokens20.png"
         tokens20_text(md, setup, runs, todo, results, command, total)
         drawn = plot_tokens20(png, todo, results)

@@ -4,10 +4,12 @@ M participants in one process: each has its own copy of the built-in byte-level 
 own AdamW inner optimizer (kept across rounds) and trains on its own data; their Δ = θ_g − θᵢ
 is merged exactly as the coordinator merges it (`fedtrain.merge`: token-weighted
 `RunningSum`, then `OuterOptimizer.step`). Uploads are encoded as the participant encodes
-them (`fedtrain.wire.compress`, optional error feedback) and counted in bytes with
-`EncodedBody.content_length`. The baseline is synchronous data parallelism with M workers,
-simulated by accumulating the gradients of M micro-batches (one from each participant's
-stream, so every method sees the very same tokens) into one AdamW step.
+them (`quality_compress.Uplink`: int8, e3m0 or topk, optional error feedback) and counted in
+bytes with `EncodedBody.content_length`; downloads are the whole model or its compressed delta
+with the coordinator's error feedback (`quality_compress.Downlink`); central DP clips and
+noises as the coordinator does (`quality_compress.Privacy`). The baseline is synchronous data
+parallelism with M workers, simulated by accumulating the gradients of M micro-batches (one
+from each participant's stream, so every method sees the very same tokens) into one AdamW step.
 
 Streaming DiLoCo (`run_stream`) follows `fedtrain.streaming`'s docstring: K fragments of the
 parameter names (`study_fragments`), one `OuterOptimizer` per fragment, fragment n mod K sent
@@ -30,9 +32,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from quality_compress import Downlink, Privacy, Uplink, codec_of, full_body_bytes, norm_summary
 
 from fedtrain.config import ModelConfig, OuterConfig, RunConfig, outer_defaults
 from fedtrain.merge import OuterOptimizer, RunningSum, contribution_weights, pseudo_gradient
+from fedtrain.privacy.clipping import l2_norm
 from fedtrain.recipes import (
     TokenStream,
     build_model,
@@ -43,8 +47,6 @@ from fedtrain.recipes import (
     stdlib_shards,
 )
 from fedtrain.streaming import check_schedule, fragments, schedule
-from fedtrain.wire import EncodedBody
-from fedtrain.wire.compress import ErrorFeedback, compress, decompress
 
 IID_CHUNK = 4096  # bytes per piece when the pooled corpus is dealt out at random (IID split)
 BUDGETS = ("", "short")  # a study's main token budget, or its shorter one (Setup.short_steps)
@@ -102,8 +104,13 @@ class Method:
     sync_every: int = 0  # H
     outer_lr: float | None = None  # None: outer_defaults
     split: str = "noniid"  # noniid (stdlib_shards) | iid (pooled and dealt out at random)
-    compression: str = "none"  # none | int8
-    error_feedback: bool = False
+    compression: str = "none"  # none | int8 | e3m0 | topk (uploads; `quality_compress.codec_of`)
+    error_feedback: bool = False  # the participants' (upload) error feedback
+    density: float = 0.0  # topk: share of each chunk's values sent
+    bits: int = 2  # topk: bits per value sent
+    download: bool = False  # downloads compressed with the upload codec, server-side error feedback
+    clip: float = 0.0  # central DP: each Δ clipped to this L2 norm (0: no clipping)
+    noise: float = 0.0  # central DP: σ, the noise multiplier (0: no noise)
     sync_warmup: int = 0  # first inner steps trained as synchronous DP, then federated from there
     workers: int = 0  # M; 0: the setup's
     budget: str = ""  # "": the study's token budget; "short": its shorter one
@@ -126,13 +133,19 @@ class Method:
         lr = f"outer lr {self.outer_hp()['lr']:g}"
         if self.kind == "stream":
             split = "by block" if self.fragment_split == "strided" else "attention / MLP halves"
-            return (f"streaming DiLoCo H={self.sync_every}, K={self.fragments} ({split}), τ={self.overlap}, "
-                    f"α={self.alpha:g}, {lr}")
-        parts = [f"{self.algorithm} H={self.sync_every}", lr]
+            parts = [f"streaming DiLoCo H={self.sync_every}, K={self.fragments} ({split}), τ={self.overlap}, "
+                     f"α={self.alpha:g}, {lr}"]
+        else:
+            parts = [f"{self.algorithm} H={self.sync_every}", lr]
         if self.split == "iid":
             parts.append("IID split")
         if self.compression != "none":
-            parts.append(f"{self.compression} Δ" + (" + error feedback" if self.error_feedback else ""))
+            scheme = (f"topk {self.density:.0%} {self.bits}-bit" if self.compression == "topk" else self.compression)
+            parts.append(f"{scheme} Δ" + (" + error feedback" if self.error_feedback else ""))
+            if self.download:
+                parts.append(f"{scheme} downloads + server error feedback")
+        if self.clip:
+            parts.append(f"Δ clipped to {self.clip:g}" + (f", noise σ={self.noise:g}" if self.noise else ""))
         if self.sync_warmup:
             parts.append(f"first {self.sync_warmup} steps synchronous")
         return ", ".join(parts)
@@ -285,21 +298,12 @@ def run_dp(setup: Setup, method: Method, log: Log) -> dict[str, Any]:
     n = count_parameters(model)
     dp = method.kind == "dp"
     # One step's all-reduce, sent and received by one worker: its peak per sync event.
+    # Its initial broadcast: every worker receives the whole fp32 model once, as a participant does.
+    initial = len(streams) * full_body_bytes(dict(model.named_parameters()), 0)
     return {"curve": curve.points, "bytes": dp_bytes(setup, n, setup.steps) if dp else 0, "bytes_up": 0,
+            "bytes_initial": initial,
             "bytes_down": 0, "peak_sync_bytes": 2 * dp_bytes(setup, n, 1) // setup.workers if dp else 0,
             "rounds": setup.steps, "params": n, "_params": dict(model.named_parameters())}
-
-
-def encode(method: Method, delta: dict[str, torch.Tensor], feedback: ErrorFeedback | None) -> tuple[
-        int, dict[str, torch.Tensor]]:
-    """(bytes on the wire, Δ as the coordinator decodes it) for one upload."""
-    if method.compression == "none":
-        return EncodedBody(delta).content_length, delta
-    if feedback is not None:
-        tensors, meta = feedback.compress(delta, method.compression)
-    else:
-        tensors, meta = compress(delta, method.compression)
-    return EncodedBody(tensors, meta).content_length, dict(decompress(tensors.items(), meta))
 
 
 def run_fed(setup: Setup, method: Method, log: Log) -> dict[str, Any]:
@@ -318,33 +322,47 @@ def run_fed(setup: Setup, method: Method, log: Log) -> dict[str, Any]:
         opt.load_state_dict(copy.deepcopy(glob_opt.state_dict()))
     outer = OuterOptimizer(dict(glob.named_parameters()), method.algorithm, method.outer_hp())
     acc = RunningSum(outer.params)
-    feedback = [ErrorFeedback() if method.error_feedback else None for _ in streams]
-    traffic = Traffic()
+    codec = codec_of(method)
+    uplinks = [Uplink(codec, method.error_feedback) for _ in streams]
+    downlink = Downlink(codec if method.download else None, outer.params)
+    privacy = (Privacy(method.clip, method.noise, math.ceil((setup.steps - step) / method.sync_every))
+               if method.clip else None)
+    initial = len(streams) * full_body_bytes(outer.params, 0)
+    traffic, norms = Traffic(), []
     while step < setup.steps:
         h = min(method.sync_every, setup.steps - step)
         tokens, deltas, uploads = {}, [], []
         for k, ((model, opt), stream) in enumerate(zip(workers, streams, strict=True)):
-            load_params(model, outer.params)
+            load_params(model, outer.params)  # P: the published model (`Downlink.publish` set the outer's to it)
             for t in range(step, step + h):
                 inner_step(setup, model, opt, [stream.next_batch()], t)
-            nbytes, delta = encode(method, pseudo_gradient(outer.params, dict(model.named_parameters())), feedback[k])
+            delta = pseudo_gradient(outer.params, dict(model.named_parameters()))
+            norms.append(l2_norm(delta))
+            if privacy is not None:
+                delta = privacy.clip_delta(delta)
+            nbytes, delta = uplinks[k].send(delta)
             uploads.append(nbytes)
             tokens[str(k)] = h * setup.batch_size * setup.seq_len
             deltas.append(delta)
         weights = contribution_weights(tokens)
         for k, delta in enumerate(deltas):
             acc.add(delta, weights[str(k)])
-        outer.step(acc.mean())
+        mean = acc.mean()
+        if privacy is not None:
+            privacy.noise_mean(mean, weights)
+        outer.step(mean)
         acc.reset()
         traffic.syncs += 1
         step += h
-        # Every participant then downloads the new global model (fp32 safetensors, as served).
-        traffic.sync(uploads, EncodedBody(outer.params, {"version": str(traffic.syncs)}).content_length)
+        # Every participant then downloads the new global model (fp32 safetensors, as served) or its compressed delta.
+        traffic.sync(uploads, downlink.publish(outer.params))
         load_params(glob, outer.params)
         curve.maybe(glob, step, force=step == setup.steps)
         log.progress(step, setup.steps, curve, traffic.syncs)
+    extra = privacy.result() if privacy is not None else {}
     return {"curve": curve.points, **traffic.result(warm_bytes), "rounds": traffic.syncs, "params": n_params,
-            "_params": outer.params}
+            "bytes_initial": initial, "delta_norms": norm_summary(norms), **extra, "_params": outer.params,
+            "_published": downlink}
 
 
 def study_fragments(names: Sequence[str], method: Method) -> list[list[str]]:
@@ -374,6 +392,9 @@ class Fragments:
         self.names = study_fragments(list(init), method)
         self.outers = [OuterOptimizer({n: init[n] for n in names}, method.algorithm, method.outer_hp())
                        for names in self.names]
+        codec = codec_of(method)  # one error feedback per participant (and the server's) serves every fragment
+        self.uplinks = [Uplink(codec, method.error_feedback) for _ in range(setup.workers)]
+        self.downlink = Downlink(codec if method.download else None, init)
         self.sums = [RunningSum(o.params) for o in self.outers]
         self.in_flight: dict[int, tuple[dict[str, torch.Tensor], list[int]]] = {}
         self.sent_at = [0] * len(self.names)  # the step of each fragment's last send (0: the start)
@@ -386,7 +407,8 @@ class Fragments:
         uploads = []
         for i, params in enumerate(local):
             delta = pseudo_gradient(self.outers[p].params, {n: params[n] for n in self.names[p]})
-            uploads.append(EncodedBody(delta).content_length)
+            nbytes, delta = self.uplinks[i].send(delta)
+            uploads.append(nbytes)
             self.sums[p].add(delta, weights[str(i)])
         self.in_flight[p] = (self.sums[p].mean(), uploads)
         self.sent_at[p] = step
@@ -400,12 +422,13 @@ class Fragments:
         outer = self.outers[p]
         outer.step(mean)
         self.sums[p].reset()
+        self.traffic.syncs += 1
+        download = self.downlink.publish(outer.params)  # the fragment's P: what the participants mix in
+        self.traffic.sync(uploads, download)
         for params, loc in zip(local, theta_local, strict=True):
             for n, g in outer.params.items():
                 params[n].copy_(g)
                 params[n].lerp_(loc[n], self.alpha)
-        self.traffic.syncs += 1
-        self.traffic.sync(uploads, EncodedBody(outer.params, {"version": str(self.traffic.syncs)}).content_length)
 
     def flush(self, step: int, local: list[dict[str, torch.nn.Parameter]]) -> int:
         """At the end: apply what is in flight, then sync (τ = 0) every fragment whose last Δ was
@@ -430,6 +453,8 @@ def run_stream(setup: Setup, method: Method, log: Log, flush: bool = True) -> di
     `fedtrain.streaming.simulate`; "_local" holds every participant's final weights."""
     h, k, tau = method.sync_every, method.fragments, method.overlap
     check_schedule(h, k, tau)
+    if method.clip:
+        raise ValueError(f"{method.name}: the study's streaming runs have no DP (clip/noise); use kind fed")
     if not 0.0 <= method.alpha <= 1.0:
         raise ValueError(f"α of {method.name} must be within [0, 1], got {method.alpha}")
     streams = worker_streams(setup, method.split)
@@ -457,7 +482,8 @@ def run_stream(setup: Setup, method: Method, log: Log, flush: bool = True) -> di
     curve.maybe(glob, setup.steps, force=True)
     sizes = [sum(o.params[n].numel() for n in names) for o, names in zip(frags.outers, frags.names, strict=True)]
     return {"curve": curve.points, **traffic.result(), "rounds": traffic.syncs, "flush_syncs": flushed,
-            "params": count_parameters(glob), "fragment_params": sizes, "_params": frags.params(), "_local": local}
+            "params": count_parameters(glob), "bytes_initial": len(local) * full_body_bytes(frags.params(), 0),
+            "fragment_params": sizes, "_params": frags.params(), "_local": local}
 
 
 RUNS = {"dp": run_dp, "solo": run_dp, "fed": run_fed, "stream": run_stream}

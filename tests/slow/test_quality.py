@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import subprocess
@@ -183,3 +184,148 @@ def test_quality_tokens20_quick(tmp_path: Path) -> None:
     assert 0.4 < k2 < 0.75 and 0.2 < k4 < k2
     assert _size(rows["m2-stream-h30-k2-t1"][7]) < _size(rows["m2-diloco-h30"][7])
     assert int(rows["m2-stream-h30-k2-t1"][9]) > 1.9 * int(rows["m2-diloco-h30"][9])
+
+
+# ---- the compress20 and dp20 studies: compressed links and central DP in the simulation ------
+
+
+def _fed(**kw):  # type: ignore[no-untyped-def]
+    from quality_sim import Log, Method, Setup, run_fed
+
+    method = Method("f", "main", sync_every=6, outer_lr=0.7, **kw)
+    return run_fed(Setup(**{**TINY, "steps": 18}), method, Log("f", quiet=True))
+
+
+@functools.cache
+def _plain():  # type: ignore[no-untyped-def]
+    """The plain run the fast tests compare with (read only: run once per session)."""
+    return _fed()
+
+
+def test_downlink_error_feedback_sums_to_the_target() -> None:
+    """Fast: the coordinator's side of compressed downloads. After each publish P + E is the
+    outer step's result G plus the residual before it (nothing is lost, only delayed), the outer
+    step's weights are set to P, and the body is far smaller than the whole model's."""
+    import torch
+    from quality_compress import Downlink, full_body_bytes
+
+    from fedtrain.wire.compress import Codec
+
+    codec = Codec("topk", k=41, chunk=4096, bits=2)
+    gen = torch.Generator().manual_seed(1)
+    start = {"w": torch.randn(300, 70, generator=gen), "b": torch.randn(70, generator=gen)}
+    link = Downlink(codec, start)
+    target = {n: t.clone() for n, t in start.items()}
+    for _ in range(5):
+        before = {n: link.residual.get(n, torch.zeros_like(t)).clone() for n, t in target.items()}
+        for t in target.values():
+            t.add_(torch.randn(t.shape, generator=gen), alpha=0.1)
+        goal = {n: t.clone() for n, t in target.items()}
+        nbytes = link.publish(target)
+        assert nbytes * 40 < full_body_bytes(target, 1)
+        for n in target:
+            assert torch.equal(target[n], link.published[n])
+            torch.testing.assert_close(link.published[n] + link.residual[n], goal[n] + before[n], rtol=0, atol=1e-5)
+        assert sum(float(e.abs().sum()) for e in link.residual.values()) > 0
+
+
+def test_uncompressed_downloads_through_the_downlink_match_the_plain_run() -> None:
+    """Fast: the compressed-download path with codec "none" (P += G − P, no residual) gives the
+    plain run's upload bytes and download sizes, its weights within 1e-5 and its held-out loss
+    within 1e-5 relative. Not bit for bit: P + (G − P) is G only up to one rounding of the
+    difference (Sterbenz's lemma does not cover values that cross zero); 3 rounds of training
+    grew that to 2.2e-6 at most when this was written."""
+    import torch
+
+    plain, through = _plain(), _fed(download=True)
+    assert through["bytes_up"] == plain["bytes_up"] and through["rounds"] == plain["rounds"] == 3
+    assert through["bytes_down"] < plain["bytes_down"] * 1.01  # a body of Δ, not the versioned model
+    for name, value in plain["_params"].items():
+        torch.testing.assert_close(through["_params"][name], value, rtol=0, atol=1e-5)
+    assert through["curve"][-1][1] == pytest.approx(plain["curve"][-1][1], rel=1e-5)
+
+
+def test_compressed_links_keep_every_copy_identical() -> None:
+    """Fast: topk 1% 2-bit both ways, error feedback on both sides: the outer step's weights are
+    the published model bit for bit at the end (every participant starts each round from them),
+    both directions send over 10x fewer bytes than fp32 (the tiny model's headers weigh), and the
+    model still learns."""
+    import torch
+
+    plain = _plain()
+    run = _fed(compression="topk", density=0.01, bits=2, error_feedback=True, download=True)
+    published = run["_published"].published
+    for name, value in run["_params"].items():
+        assert torch.equal(value, published[name]), name
+    assert run["bytes_up"] * 10 < plain["bytes_up"] and run["bytes_down"] * 10 < plain["bytes_down"]
+    assert run["curve"][-1][1] < run["curve"][0][1]
+    assert run["bytes_initial"] == plain["bytes_initial"] > 0
+
+
+@pytest.mark.slow
+def test_central_dp_in_the_study() -> None:
+    """Slow (three runs): a clip no Δ reaches is the plain run bit for bit (factor 1.0, no noise); a tiny C clips
+    every Δ, and ε is dp-accounting's for the rounds merged, as the coordinator's `CentralDp`
+    reports it."""
+    import torch
+
+    from fedtrain.config.privacy import PrivacyConfig
+    from fedtrain.privacy.central import CentralDp
+
+    plain, loose = _plain(), _fed(clip=1e9)
+    for name, value in plain["_params"].items():
+        assert torch.equal(loose["_params"][name], value), name
+    assert loose["clipped_share"] == 0 and "epsilon_pld" not in loose
+    noisy = _fed(clip=0.05, noise=0.5)
+    assert noisy["clipped_share"] == 1.0 and noisy["dp_rounds"] == 3
+    assert noisy["delta_norms"]["median"] > 0.05
+    expect = CentralDp(PrivacyConfig(clip_norm=0.05, noise_multiplier=0.5, accountant="pld"), 3, 3).epsilon
+    assert noisy["epsilon_pld"] == pytest.approx(expect) and 0 < expect < math.inf
+
+
+def test_central_dp_noise_on_the_mean() -> None:
+    """Fast: the noise lands on the mean, N(0, (σ·w_max·C)²) per coordinate (4 equal shares: w_max
+    = 1/4), and clipping bounds each Δ to C."""
+    import torch
+    from quality_compress import Privacy
+
+    dp = Privacy(clip=2.0, noise=3.0, planned_rounds=10)
+    big = {"w": torch.full((100, 100), 1.0)}
+    assert torch.linalg.vector_norm(dp.clip_delta(big)["w"]).item() == pytest.approx(2.0, rel=1e-5)
+    mean = {"w": torch.zeros(200, 500)}
+    dp.noise_mean(mean, {str(i): 0.25 for i in range(4)})
+    assert float(mean["w"].mean()) == pytest.approx(0.0, abs=0.02)
+    assert float(mean["w"].std()) == pytest.approx(3.0 * 0.25 * 2.0, rel=0.02)
+    assert dp.result()["dp_rounds"] == 1 and dp.result()["clipped_share"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quality_compress20_and_dp20_quick(tmp_path: Path) -> None:
+    """Both new studies end to end at --quick size (a subset of compress20): the tables, the goal
+    lines, the plots; compressed downloads cut the bytes down, topk both ways the bytes in all."""
+    pytest.importorskip("matplotlib")
+    cache = tmp_path / "cache"
+    runs = ["m2-dp", "m2-diloco-h30", "m2-topk1-both", "m2-topk1-up", "m2-int8-both", "m2-stream-k2-topk3-fedavg-up"]
+    for study, only in (("compress20", runs), ("dp20", [])):
+        r = subprocess.run([sys.executable, str(SCRIPT), "--study", study, "--quick", "--out-dir", str(tmp_path),
+                            "--cache", str(cache), *(["--only", *only] if only else [])],
+                           capture_output=True, text=True, timeout=540)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (tmp_path / f"quality-{study}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (tmp_path / "quality.md").read_text()
+    assert "Goal (issue #32)" in text and "quality-compress20:end" in text and "quality-dp20:end" in text
+    rows = _rows20(text)
+    # compress20 cells: M, method, loss, vs DP, vs fp32, up, down, all, fewer than DP, peak, syncs, wall
+    assert rows["m2-diloco-h30"][4] == "+0.00%" and rows["m2-dp"][3] == "+0.00%"
+    assert _size(rows["m2-topk1-both"][6]) * 3 < _size(rows["m2-topk1-up"][6])
+    assert _size(rows["m2-topk1-both"][7]) * 5 < _size(rows["m2-diloco-h30"][7])
+    assert _size(rows["m2-topk1-up"][5]) * 20 < _size(rows["m2-diloco-h30"][5])
+    # Relayed: the -up run's loss and uploads; down the other's uploads (M = 2: as many as up) and the
+    # first whole model, instead of a model every round.
+    relay, up = rows["m2-topk1-relay"], rows["m2-topk1-up"]
+    assert relay[2] == up[2] and relay[5] == up[5]
+    assert _size(relay[5]) < _size(relay[6]) < _size(up[6]) / 3
+    assert _size(rows["m2-stream-k2-topk3-fedavg-relay"][7]) * 3 < _size(rows["m2-stream-k2-topk3-fedavg-up"][7])
+    for name in [*runs, "m4-diloco-h30-dp0.1"]:
+        assert 1.0 < float(rows[name][2 if name.startswith("m2") else 4]) < 6.0, (name, rows[name])
