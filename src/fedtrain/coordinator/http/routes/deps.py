@@ -18,6 +18,7 @@ from fedtrain.coordinator.members.auth import KEY_HEADER, Identity, key_cookie, 
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused
 from fedtrain.transport import READINTO, SEND, Body, ResponseSink
+from fedtrain.transport.ranges import MAX_RANGE_CHARS
 
 #: The largest round, version or step a request may name (beyond: 422). Below 2^53, so that a
 #: number is exact as a JSON client's double, and 1,024 of them summed still fit SQLite's
@@ -38,6 +39,14 @@ Pid = Annotated[str, Path(min_length=1, max_length=64, pattern=PID_PATTERN, desc
 PidQuery = Annotated[str | None, Query(min_length=1, max_length=64, pattern=PID_PATTERN,
                                        description="A participant this request speaks for (its key).")]
 StreamToken = Annotated[str | None, Query(max_length=MAX_TOKEN_CHARS, description="for EventSource")]
+#: The request headers of a resumable download (`transport/ranges.py`), the same on every route that serves one.
+RangeHeader = Annotated[str | None, Header(alias="Range", max_length=MAX_RANGE_CHARS, description="one byte range: "
+                                           "bytes=<first>-<last>, bytes=<first>- or bytes=-<n>")]
+IfRangeHeader = Annotated[str | None, Header(alias="If-Range", max_length=MAX_RANGE_CHARS,
+                                             description="the ETag the range belongs to: another one gets the "
+                                             "whole body")]
+IfMatchHeader = Annotated[str | None, Header(alias="If-Match", max_length=MAX_RANGE_CHARS,
+                                             description="ETags: a body with another one is refused (412)")]
 #: The longest participant key header (`X-Fedtrain-Participant-Key`; the keys made are 46 characters).
 MAX_KEY_CHARS = 256
 ParticipantKey = Annotated[str | None, Header(alias=KEY_HEADER, max_length=MAX_KEY_CHARS,

@@ -11,15 +11,23 @@ no delta): the participant then downloads the model whole.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, Response
 
-from fedtrain.coordinator.http.routes.deps import MAX_COUNT, PidQuery, coordinator, speaker_by_query
+from fedtrain.coordinator.http.routes.deps import (
+    MAX_COUNT,
+    IfMatchHeader,
+    IfRangeHeader,
+    PidQuery,
+    RangeHeader,
+    coordinator,
+    speaker_by_query,
+)
 from fedtrain.coordinator.members.auth import Identity
 from fedtrain.coordinator.model.publish import ModelResponse
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused, error_body
-from fedtrain.transport.ranges import MAX_RANGE_CHARS, Ranged, decide, etag_of
+from fedtrain.transport.ranges import Ranged, decide, etag_of
 from fedtrain.wire import DIGEST_HEADER
 
 router = APIRouter()
@@ -45,12 +53,9 @@ async def model_delta(
     from_version: int = Query(..., alias="from", ge=0, le=MAX_COUNT,
                               description="the version the participant holds (its digest checked)"),
     participant_id: PidQuery = None,  # counted as its download: only by itself (`speaker_by_query`)
-    range_: str | None = Header(None, alias="Range", max_length=MAX_RANGE_CHARS,
-                                description="one byte range: bytes=<first>-<last>, bytes=<first>- or bytes=-<n>"),
-    if_range: str | None = Header(None, alias="If-Range", max_length=MAX_RANGE_CHARS,
-                                  description="the ETag the range belongs to: another one gets the whole body"),
-    if_match: str | None = Header(None, alias="If-Match", max_length=MAX_RANGE_CHARS,
-                                  description="ETags: a body with another one is refused (412)"),
+    range_: RangeHeader = None,
+    if_range: IfRangeHeader = None,
+    if_match: IfMatchHeader = None,
     ident: Identity = Depends(speaker_by_query),
     service: Coordinator = Depends(coordinator),
 ) -> Response:

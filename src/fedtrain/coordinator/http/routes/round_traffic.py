@@ -20,8 +20,11 @@ from fedtrain.coordinator.http.limits import UploadsInFlight
 from fedtrain.coordinator.http.routes.deps import (
     MAX_COUNT,
     MAX_TOKEN_CLAIM,
+    IfMatchHeader,
+    IfRangeHeader,
     Pid,
     PidQuery,
+    RangeHeader,
     Round,
     coordinator,
     speaker,
@@ -36,7 +39,7 @@ from fedtrain.coordinator.model.slices import MAX_ROWS_CHARS, SliceStream
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused, error_body
 from fedtrain.transport.protocols import READINTO, Abandoned
-from fedtrain.transport.ranges import MAX_RANGE_CHARS, Ranged, decide, etag_of
+from fedtrain.transport.ranges import Ranged, decide, etag_of
 from fedtrain.wire import DIGEST_HEADER
 
 router = APIRouter()
@@ -179,12 +182,9 @@ async def model(
     rows: str | None = Query(None, min_length=1, max_length=MAX_ROWS_CHARS,
                              description="only these rows: a JSON object mapping tensor names to "
                              "[start, stop] (rows along dimension 0) or null (whole); docs/training-jobs.md"),
-    range_: str | None = Header(None, alias="Range", max_length=MAX_RANGE_CHARS,
-                                description="one byte range: bytes=<first>-<last>, bytes=<first>- or bytes=-<n>"),
-    if_range: str | None = Header(None, alias="If-Range", max_length=MAX_RANGE_CHARS,
-                                  description="the ETag the range belongs to: another one gets the whole body"),
-    if_match: str | None = Header(None, alias="If-Match", max_length=MAX_RANGE_CHARS,
-                                  description="ETags: a body with another one is refused (412)"),
+    range_: RangeHeader = None,
+    if_range: IfRangeHeader = None,
+    if_match: IfMatchHeader = None,
     ident: Identity = Depends(speaker_by_query),
     service: Coordinator = Depends(coordinator),
 ) -> Response:
