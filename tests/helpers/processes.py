@@ -69,7 +69,7 @@ def start_coordinator(
     cfg_path: Path, state: Path, port: int, log: Path, *args: str, env: Mapping[str, str] | None = None
 ) -> subprocess.Popen:
     """`python -m fedtrain coordinator` on 127.0.0.1:`port` over `state`, returned once it answers
-    /v1/healthz (60 s at most); its output is appended to `log`, shown if it fails to start.
+    /v1/healthz (120 s at most: a loaded machine); its output is appended to `log`, shown if it fails to start.
 
     `args` are more command-line arguments, `env` more environment variables; the tokens are
     PTOKEN and "admin". Stop it with `stop_coordinator`, or kill it to test a crash.
@@ -79,7 +79,7 @@ def start_coordinator(
     with open(log, "ab") as out:  # the child holds its own copy of the file descriptor
         proc = track(subprocess.Popen([*argv, "--port", str(port), *args], env=env, stdout=out,
                                       stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     with httpx.Client(timeout=1) as http:  # one client: each new one builds an SSL context (CPU, ~50 ms)
         while time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()[-3000:]

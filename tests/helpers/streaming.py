@@ -30,4 +30,4 @@ def streaming_config(rounds: int, sync_every: int, streaming: dict[str, Any], **
     """Rounds wait for both participants (min_participants 2): one that joins late would miss round 0.
     The outer lr is torchft's 0.7, which `simulate` runs with."""
     return tiny_config(rounds=rounds, train={"sync_every": sync_every, **over.pop("train", {})},
-                       streaming=streaming, min_participants=2, outer={"lr": 0.7}, **over)
+                       streaming=streaming, min_participants=2, outer={"lr": 0.7, **over.pop("outer", {})}, **over)

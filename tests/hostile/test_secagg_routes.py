@@ -51,7 +51,7 @@ def zeros(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
     ({"outer": {"outlier_factor": 3.0}}, "outer.outlier_factor"),
     ({"outer": {"clip_norm": 1.0}}, "outer.clip_norm"),
     ({"late_uploads": "fold"}, "late_uploads refuse"),
-    ({"train": {"compression": "topk"}}, "train.compression topk"),
+    ({"train": {"compression": "topk"}, "outer": {"algorithm": "fedavg"}}, "train.compression topk"),
     ({"train": {"compression": "e3m0"}}, "train.compression e3m0"),
 ])
 def test_compositions_that_cannot_be_masked_are_refused_with_the_reason(overrides: dict, why: str) -> None:

@@ -25,6 +25,8 @@ from tests.helpers.config import ATOKEN, BOTH_TRANSPORTS, PTOKEN, tiny_config
 from tests.helpers.tiny import Regression, Small, TinyParticipant, init_file, run_all
 
 WIDE = functools.partial(Small, width=1024)
+# topk (up or down) needs an outer step without momentum (config/compression.py): outer SGD at lr 1.
+OUTER = {"algorithm": "fedavg"}
 TRAIN = {"sync_every": 4, "compression": "topk", "topk_density": 0.25, "topk_chunk": 64, "topk_bits": 4,
          "download_compression": "topk", "download_topk_density": 0.1}
 
@@ -48,7 +50,7 @@ def _assert_bitwise(ours: dict[str, torch.Tensor], served: dict[str, torch.Tenso
 
 @BOTH_TRANSPORTS  # the delta comes through the direct client and through httpx
 def test_two_participants_end_on_the_served_model_bit_for_bit(tmp_path: Path) -> None:
-    cfg = tiny_config(rounds=4, min_participants=2, train=TRAIN)
+    cfg = tiny_config(rounds=4, min_participants=2, train=TRAIN, outer=OUTER)
     with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
         ps = run_all(TinyParticipant(c.url, f"p{i}", _task(i)) for i in range(2))
         status = c.service.status()
@@ -77,7 +79,7 @@ def test_bit_identity_holds_through_a_coordinator_restart_and_a_rejoin(tmp_path:
     """p0 pauses in round 3 while the coordinator restarts over the same state (its residual
     comes back from the checkpoint); p1 leaves after round 4 and joins again under its name
     (whole download, then deltas). Both end on the served model, bit for bit."""
-    cfg = tiny_config(rounds=7, min_participants=2, train=TRAIN)
+    cfg = tiny_config(rounds=7, min_participants=2, train=TRAIN, outer=OUTER)
     state, init = tmp_path / "state", init_file(tmp_path, WIDE())
     at_restart, restarted = threading.Event(), threading.Event()
 
@@ -131,10 +133,13 @@ SLOW = pytest.mark.slow  # the default run keeps one FedOpt and the asynchronous
 
 
 @pytest.mark.parametrize("overrides", [
-    pytest.param({"outer": {"algorithm": "fedavg"}}, marks=SLOW, id="fedavg"),
+    pytest.param({"outer": {"algorithm": "diloco"}, "train": {**TRAIN, "compression": "int8",
+                                                              "download_compression": "int8"}},
+                 marks=SLOW, id="diloco"),
     pytest.param({"outer": {"algorithm": "fedadam"}}, id="fedadam"),
     pytest.param({"schedule": {"mode": "balanced"}}, marks=SLOW, id="balanced"),
-    pytest.param({"schedule": {"mode": "async"}, "min_participants": 1, "rounds": 8}, id="async"),
+    pytest.param({"schedule": {"mode": "async"}, "asynchronous": {"outer_step": "per_update"}, "min_participants": 1,
+                  "rounds": 8}, id="async"),
     pytest.param({"publish_first": True}, marks=SLOW, id="publish_first"),
     pytest.param({"transfer": {"streams": 2}}, marks=SLOW, id="two_streams"),
     pytest.param({"outer": {"aggregator": "median"}, "train": {**TRAIN, "compression": "int8",
@@ -142,10 +147,10 @@ SLOW = pytest.mark.slow  # the default run keeps one FedOpt and the asynchronous
                  marks=SLOW, id="median"),
 ])
 def test_compressed_downloads_compose(tmp_path: Path, overrides: dict) -> None:
-    """FedAvg, FedOpt, balanced and asynchronous rounds: each participant ends on the served
-    model bit for bit (async: one that is behind takes the model whole, the others a delta)."""
+    """DiLoCo (dense codecs), FedOpt, balanced and asynchronous rounds: each participant ends on the
+    served model bit for bit (async: one that is behind takes the model whole, the others a delta)."""
     cfg = tiny_config(**{"rounds": 4, "min_participants": 2, "train": {**TRAIN, "download_compression": "int8"},
-                         **overrides})
+                         **overrides, "outer": {**OUTER, **overrides.get("outer", {})}})
     with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
         ps = run_all(TinyParticipant(c.url, f"p{i}", _task(i), step_sleep_s=0.002 * i) for i in range(2))
         status = c.service.status()
@@ -163,7 +168,7 @@ def test_after_a_roll_back_the_model_goes_whole_then_deltas_again(tmp_path: Path
     from fedtrain.participant.engine.served import ServedModel
     from tests.helpers.api import client, commit_round_0, put
 
-    cfg = tiny_config(rounds=0, keep_checkpoints=3, train={"download_compression": "topk",
+    cfg = tiny_config(rounds=0, keep_checkpoints=3, outer=OUTER, train={"download_compression": "topk",
                                                            "download_topk_density": 0.05, "topk_chunk": 256})
     with BackgroundCoordinator(tmp_path / "state", cfg) as c, client(c, ATOKEN) as admin, \
             CoordinatorClient(c.url, PTOKEN) as http:
@@ -262,7 +267,7 @@ def test_central_dp_composes_with_compressed_downloads(tmp_path: Path, caplog: p
     (no copy of the model in memory)."""
     dpa = pytest.importorskip("dp_accounting")
     sigma, delta, rounds = 0.5, 1e-5, 2
-    cfg = tiny_config(rounds=rounds, min_participants=2, train=TRAIN,
+    cfg = tiny_config(rounds=rounds, min_participants=2, train=TRAIN, outer=OUTER,
                       privacy={"clip_norm": 5.0, "noise_multiplier": sigma, "delta": delta})
     with caplog.at_level("INFO", logger="fedtrain.coordinator"), \
             BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:

@@ -154,7 +154,9 @@ def test_a_merge_that_overflows_in_the_outer_step_is_not_committed(tmp_path: Pat
     published: not committed, the optimizer back at the committed round, c (the update that
     moves the merge most) refused for the round with an event, and the round closes with a, b."""
     monkeypatch.setattr("fedtrain.coordinator.intake.values.MAX_UPDATE_ABS", float("inf"))
-    cfg = tiny_config(outer={"algorithm": "fedadam"}, min_participants=2, round_timeout_s=1.0)
+    # The deadline closes the round with a and b once c is barred (c stays active); 4 s, so that
+    # the three uploads are in before it on a loaded machine (1 s failed a CI run under load).
+    cfg = tiny_config(outer={"algorithm": "fedadam"}, min_participants=2, round_timeout_s=4.0)
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c) as http:
         for pid in "abc":
             http.post("/v1/join", json={"name": pid})

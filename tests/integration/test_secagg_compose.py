@@ -95,7 +95,7 @@ def test_with_compressed_downloads_participants_take_deltas_and_end_on_the_serve
     model bit for bit; in the overlapped one (`exchange_masked`, on the worker thread) it ends on
     the served model plus the steps it trained meanwhile, so there the download's size says it."""
     train = {"sync_every": 4, "download_compression": "topk", "download_topk_density": 0.1, "overlap": overlap}
-    cfg = tiny_config(rounds=3, min_participants=2, train=train, privacy=SECAGG)
+    cfg = tiny_config(rounds=3, min_participants=2, train=train, privacy=SECAGG, outer={"algorithm": "fedavg"})
     with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:
         ps = run_all(TinyParticipant(c.url, f"p{i}", Regression(rows=16, seed=i, model=WIDE, lr=0.002))
                      for i in range(2))
@@ -125,7 +125,8 @@ def test_a_live_change_to_compressed_downloads_reaches_the_overlapped_masked_exc
     train.download_compression is switched on mid-run, as the plain exchange does: the rounds
     before the change download the whole model, the last ones a delta."""
     rounds = 5
-    cfg = tiny_config(rounds=rounds, min_participants=2, train={"sync_every": 4, "overlap": True}, privacy=SECAGG)
+    cfg = tiny_config(rounds=rounds, min_participants=2, train={"sync_every": 4, "overlap": True}, privacy=SECAGG,
+                      outer={"algorithm": "fedavg"})  # (topk downloads, set live, need no momentum)
     changed = threading.Event()
     with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c, \
             client(c, ATOKEN) as admin:

@@ -23,7 +23,7 @@ from tests.helpers.runs import assert_all_on, heldout_loss, train_all
 def test_two_participants_train_with_topk_uploads(tmp_path: Path) -> None:
     train = {"sync_every": 10, "lr": 1e-2, "compression": "topk", "topk_density": 0.05, "topk_chunk": 256,
              "topk_bits": 4}
-    cfg = tiny_config(rounds=5, train=train, min_participants=2)
+    cfg = tiny_config(rounds=5, train=train, min_participants=2, outer={"algorithm": "fedavg"})
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
         initial = heldout_loss(c.service.inspect().weights)
         results = train_all(c.url, 2)
@@ -110,7 +110,8 @@ def test_topk_deltas_with_error_feedback_per_streaming_fragment(tmp_path: Path) 
     from tests.helpers.tiny import TinyParticipant, init_file, run_all
 
     cfg = streaming_config(6, 4, {"fragments": 2, "assign": FRAGMENTS, "overlap": 1, "alpha": 0.5},
-                           train={"compression": "topk", "topk_density": 0.25, "topk_chunk": 64, "topk_bits": 4})
+                           train={"compression": "topk", "topk_density": 0.25, "topk_chunk": 64, "topk_bits": 4},
+                           outer={"algorithm": "fedavg"})
     tasks = [Fixed(rows=16, seed=30 + i) for i in range(2)]
     with BackgroundCoordinator(tmp_path / "s", cfg, init_weights=init_file(tmp_path, initial_model())) as c:
         start_loss = [t.build().loss(initial_model(), t.build().batch()).item() for t in tasks]

@@ -86,7 +86,7 @@ def test_a_participant_that_left_and_came_back_sends_the_same_total_signal(tmp_p
 
 def test_a_restart_without_a_saved_residual_starts_from_zero_and_says_so(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cfg = tiny_config(rounds=1, min_participants=1, train=TRAIN)
+    cfg = tiny_config(rounds=1, min_participants=1, outer={"algorithm": "fedavg"}, train=TRAIN)
     run_dir = RunDir(tmp_path / "p")
     run_dir.checkpoint.save(round_=0, optimizer=None)  # a checkpoint with no residual (an older version's)
     saved = run_dir.checkpoint.load(None)

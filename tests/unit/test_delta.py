@@ -22,6 +22,9 @@ from fedtrain.wire.delta import (
 CODECS = [Codec("int8", 64), Codec("e3m0", 64), Codec("topk", 64, k=26, chunk=256, bits=2),
           Codec("topk", 64, k=8, chunk=128, bits=4)]
 
+#: topk downloads need an outer step without momentum (config/compression.py).
+NO_MOMENTUM = {"algorithm": "fedavg"}
+
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -137,10 +140,11 @@ def test_download_codec_follows_the_train_section() -> None:
     assert download_codec(tiny_config().train) is None
     assert download_codec(tiny_config(train={"download_compression": "int8", "compression_block": 64}).train) == \
         Codec("int8", 64)
-    topk = tiny_config(train={"download_compression": "topk", "topk_chunk": 1000, "topk_density": 0.05,
-                              "topk_bits": 4}).train
+    topk = tiny_config(outer=NO_MOMENTUM, train={"download_compression": "topk", "topk_chunk": 1000,
+                                                 "topk_density": 0.05, "topk_bits": 4}).train
     assert download_codec(topk) == Codec("topk", 256, k=50, chunk=1000, bits=4)
-    own = tiny_config(train={"download_compression": "topk", "topk_chunk": 1000, "download_topk_density": 0.01}).train
+    own = tiny_config(outer=NO_MOMENTUM, train={"download_compression": "topk", "topk_chunk": 1000,
+                                                "download_topk_density": 0.01}).train
     assert download_codec(own) == Codec("topk", 256, k=10, chunk=1000, bits=2)
 
 
@@ -217,9 +221,26 @@ def test_a_live_change_of_download_compression_says_what_it_implies() -> None:
     from fedtrain.config.changes import change_notes
     from tests.helpers.config import tiny_config
 
-    off, on = tiny_config(), tiny_config(train={"download_compression": "topk"})
+    off, on = tiny_config(), tiny_config(outer=NO_MOMENTUM, train={"download_compression": "topk"})
     assert any("downloads the model whole once more" in n for n in change_notes(off, on))
     assert any("drops the residual" in n for n in change_notes(on, off))
     other = tiny_config(train={"download_compression": "int8"})
     assert any("residual carried on" in n for n in change_notes(on, other))
     assert not [n for n in change_notes(on, on) if "download_compression" in n]
+
+
+@pytest.mark.parametrize("outer", [{}, {"algorithm": "fedavgm"}, {"algorithm": "fedavg", "momentum": 0.5}])
+@pytest.mark.parametrize("train", [{"compression": "topk"}, {"download_compression": "topk"}])
+def test_topk_with_an_outer_momentum_is_refused_with_the_reason(outer: dict, train: dict) -> None:
+    """topk 1% with DiLoCo's Nesterov outer step diverged in docs/quality.md's study: refused, up
+    or down, for any outer optimizer with momentum (diloco by default, fedavgm, an explicit one)."""
+    import pydantic
+
+    from tests.helpers.config import tiny_config
+
+    with pytest.raises(pydantic.ValidationError, match="outer optimizer with momentum") as e:
+        tiny_config(outer=outer, train=train)
+    assert "outer.algorithm fedavg" in str(e.value)
+    tiny_config(outer={"algorithm": "fedavg"}, train=train)  # outer SGD without momentum: fine
+    tiny_config(outer={"algorithm": "fedadam"}, train=train)
+    tiny_config(outer=outer, train={k: "int8" for k in train})  # a dense codec composes with momentum

@@ -6,6 +6,13 @@ the config: the compositions that cannot work are refused here, each with its re
   nearly everywhere (each coordinate is sent by few participants); topk updates are summed.
 - topk without `train.error_feedback`: every round would drop 95-99% of each update for good;
   top-k compression converges only when what was not sent is carried into the next round.
+- topk (up or down) with an outer optimizer that has momentum (diloco's Nesterov, fedavgm, or
+  `outer.momentum` > 0): error feedback delays most of each update by many rounds and the
+  outer momentum amplifies the repeats. Measured at the tokens20 budget (docs/quality.md,
+  "Bytes at the frontier and privacy at 20 tokens per parameter"): topk 1% both ways with DiLoCo's Nesterov
+  step diverged (final loss 167.7), and topk 1% uploads alone stalled at 2.69 where fp32 DiLoCo
+  was at 1.77; with outer SGD without momentum (fedavg, lr 1) the same presets train. SparseLoCo
+  drops the outer momentum for this reason (its error feedback accumulates like momentum).
 
 Compressed downloads (`train.download_compression`) compose with every outer algorithm,
 aggregator, schedule mode, DP and Streaming DiLoCo (a round's delta holds its fragment's
@@ -40,9 +47,18 @@ def download_notes(old: Any, new: Any) -> list[str]:
     return [f"train.download_compression {a} -> {b}: from the next round's merge, the residual carried on"]
 
 
-def check_compression(cfg: Any) -> None:
-    """Raise ValueError (the config's validation error) for a compression that cannot compose."""
+def check_compression(cfg: Any, outer_momentum: float) -> None:
+    """Raise ValueError (the config's validation error) for a compression that cannot compose;
+    `outer_momentum`: the run's outer momentum, its algorithm's default where unset."""
     t = cfg.train
+    topk = [f"train.{k} topk" for k in ("compression", "download_compression") if getattr(t, k) == "topk"]
+    if topk and outer_momentum > 0:
+        raise ValueError(f"{' and '.join(topk)} cannot be used with an outer optimizer with momentum (outer.algorithm "
+                         f"{cfg.outer.algorithm}, momentum {outer_momentum:g}): error feedback delays most of each "
+                         "update by many rounds and the outer momentum amplifies the repeats (topk 1% with DiLoCo's "
+                         "Nesterov step diverged in docs/quality.md's study); use outer.algorithm fedavg (outer SGD "
+                         "at lr 1, no momentum, as SparseLoCo does), or outer.momentum: 0, or a dense compression "
+                         "(int8, e3m0)")
     if t.compression != "topk":
         return
     if cfg.outer.aggregator in DENSE_AGGREGATORS:

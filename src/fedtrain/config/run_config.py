@@ -366,7 +366,7 @@ class RunConfig(_Strict):
             _check_async(self)
         if self.streaming is not None:
             _check_streaming(self)
-        check_compression(self)
+        check_compression(self, outer_defaults(self)["momentum"])
         check_privacy(self)
         return self
 
