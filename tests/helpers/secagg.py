@@ -13,6 +13,10 @@ from fedtrain.privacy.keys import ParticipantKeys, PublicKeys
 from fedtrain.privacy.participant_round import SecAggParticipant
 from fedtrain.privacy.round_setup import SECAGG_META, setup_from_json
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
+from fedtrain.wire.format import ROWS_META
+
+#: One masked piece: its tensors (flat ring values) and each one's element range [lo, hi).
+Piece = tuple[dict[str, torch.Tensor], dict[str, list[int]]]
 
 
 def body_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> tuple[bytes, str]:
@@ -96,6 +100,33 @@ class Site:
         data, digest = body_bytes(tensors, meta)
         return self.http.put(f"/v1/rounds/{self.r}/updates/{self.pid}", params={"tokens": tokens}, content=data,
                              headers={DIGEST_HEADER: digest})
+
+    def masked_pieces(self, delta: dict[str, torch.Tensor], pieces: int = 2) -> list[Piece]:
+        """Δ masked as an FSDP group's ranks mask it: each tensor's flat elements cut into `pieces`
+        ranges (off a 64-byte block), each range masked at its offset with the group's seeds."""
+        if not self.sharing:
+            self.receive()
+        assert self.sp is not None
+        masks, weight = self.sp.group_masks(self.sharing), self.weight
+        out: list[Piece] = [({}, {}) for _ in range(pieces)]
+        for name, t in delta.items():
+            flat = t.reshape(-1)
+            cuts = [0, *sorted({min(flat.numel(), flat.numel() * k // pieces + 3) for k in range(1, pieces)}),
+                    flat.numel()]
+            for k, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
+                if hi > lo:
+                    out[k][0][name] = torch.from_numpy(masks.mask_rows(name, flat[lo:hi], weight, lo))
+                    out[k][1][name] = [lo, hi]
+        return out
+
+    def upload_piece(self, label: str, piece: Piece, tokens: int = 100,
+                     meta: dict[str, str] | None = None) -> httpx.Response:
+        tensors, ranges = piece
+        meta = meta if meta is not None else {SECAGG_META: json.dumps({"session": self.session, "bits": 16}),
+                                              ROWS_META: json.dumps(ranges)}
+        data, digest = body_bytes(tensors, meta)
+        return self.http.put(f"/v1/rounds/{self.r}/updates/{self.pid}", params={"tokens": tokens, "piece": label},
+                             content=data, headers={DIGEST_HEADER: digest})
 
     def reveal(self) -> httpx.Response:
         u = self.http.get(f"{self.base}/unmask/{self.pid}", params={"session": self.session})

@@ -27,6 +27,7 @@ from fedtrain.coordinator.intake import pieces
 from fedtrain.coordinator.intake.attempts import Attempts
 from fedtrain.coordinator.intake.direct_sum import DirectUpload, read_into
 from fedtrain.coordinator.intake.folds import MergeInputs, Pending, RoundSum
+from fedtrain.coordinator.intake.masked_pieces import MaskedPieces
 from fedtrain.coordinator.intake.parts import PartSessions
 from fedtrain.coordinator.intake.pieces import (
     ROWS_META,
@@ -99,6 +100,7 @@ class Intake:
         self._streaming: dict[tuple[str, int], dict[str, int]] = {}  # (participant, round) -> label -> bytes
         self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
         self.masked: SecureAggregation | None = None  # secure aggregation: uploads are masked (`_receive_masked`)
+        self.masked_pieces = MaskedPieces(self._spool_files, self._in_flight, self._land_in_spool)  # (FSDP groups)
 
     # -- what others may read ---------------------------------------------------------------
 
@@ -134,6 +136,7 @@ class Intake:
         in (the labels so far, the share of the sync set they hold) and those made whole."""
         out = {pid: PiecesIn.of(partial) for (pid, r), partial in self._partials.items() if r == round_}
         out.update({pid: done for (pid, r), done in self._assembled.items() if r == round_})
+        out.update(self.masked_pieces.pieces_in(round_))
         return out
 
     def transfer_view(self, pid: str) -> dict[str, object] | None:
@@ -382,10 +385,8 @@ class Intake:
                             may_reach: Callable[[], int]) -> PieceAnswer:
         """Receive and verify one piece of `up.pid`'s update for the open round (`pieces.py`);
         once the pieces cover the sync set, assemble and place the update like any other."""
-        if self.masked is not None:  # a masked update is one body: its masks cover every tensor
-            await body.drain()
-            raise Refused(409, "secagg_pieces", "with secure aggregation an update is one masked body (its masks "
-                          "cover every tensor): pieces of an update (FSDP ranks) are not wired yet")
+        if self.masked is not None:  # an FSDP group's masked pieces: folded once they cover the round's tensors
+            return await self.masked_pieces.receive(self.masked, up, label, body, seats)
         key = (up.pid, up.round)
         if key in self._assembling:  # complete: its last piece is being assembled and placed
             await body.drain()
@@ -479,13 +480,13 @@ class Intake:
             for piece in partial.pieces.values():
                 self._spool_files.give_back(piece.path)
             dropped.append((key[1], len(partial.pieces)))
-        return dropped
+        return dropped + self.masked_pieces.drop(lambda k: k[0] != pid)
 
     def has_piece(self, pid: str, round_: int, label: str) -> bool:
         """Whether piece `label` of `pid`'s update for `round_` is in, its update not yet placed
         in the round (complete and being assembled counts as in)."""
         partial = self._partials.get((pid, round_)) or self._assembling.get((pid, round_))
-        return partial is not None and label in partial.pieces
+        return (partial is not None and label in partial.pieces) or self.masked_pieces.has_piece(pid, round_, label)
 
     def _check_piece_fits(self, key: tuple[str, int], label: str, up: Upload) -> None:
         check_label(label)
@@ -545,6 +546,7 @@ class Intake:
                 self._spool_files.give_back(piece.path)
         self._partials.clear()
         self._assembled.clear()
+        self.masked_pieces.clear()
         self._failure = None
         self.parts.drop_where(lambda k: k[1] >= oldest_round)  # uploads in parts the run no longer takes
 

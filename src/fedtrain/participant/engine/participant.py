@@ -35,6 +35,7 @@ from fedtrain.participant.client.presence import Presence, TokenRate
 from fedtrain.participant.engine.outage import OutagePolicy, OutageState, next_attempt
 from fedtrain.participant.engine.pace import Pace, check_speed
 from fedtrain.participant.engine.records import ConfigCallback, EvalFn, RoundBook
+from fedtrain.participant.engine.secagg_pieces import exchange_masked_pieces
 from fedtrain.participant.engine.secagg_sync import start_ahead
 from fedtrain.participant.engine.sync_schedule import Exchanges, InFlight, Plan, decide, plan_of
 from fedtrain.participant.ranks.control import Outcome, RankGroup
@@ -357,10 +358,14 @@ class Participant:
         tokens = self.book.tokens_of(r, unsent, fixed=self.role.pieces)
         engine = self._exchanges.engine_of(r)
         at = (self._exchanges.bytes_up, self._exchanges.bytes_down)
-        outcomes, error = self.ranks.together(
-            None if engine is None else
-            lambda: engine.fetch(r, self.participant_id, self.config, tokens=tokens, retry=self._attempt_retry),
-            cancel=engine.cancel if engine is not None else None)
+        if engine is not None and engine.piece is not None and secagg_on(self.config):  # every rank of an FSDP group
+            outcomes, error = exchange_masked_pieces(self.ranks, engine, r, self.participant_id, self.config,
+                                                     tokens=tokens, retry=self._attempt_retry)
+        else:
+            outcomes, error = self.ranks.together(
+                None if engine is None else
+                lambda: engine.fetch(r, self.participant_id, self.config, tokens=tokens, retry=self._attempt_retry),
+                cancel=engine.cancel if engine is not None else None)
         if not all(o.ok for o in outcomes):
             self.book.attempt_failed(r, time.perf_counter() - t0)  # counted in the round's sync_s
             self._ride_out(r, outcomes, error)

@@ -1,0 +1,160 @@
+"""FSDP pieces under secure aggregation: an update that comes in as its ranks' masked pieces (each
+a flat element range of every tensor, masked at its offset) is folded into the ring sum once the
+pieces cover the round's tensors, and commits what the plain merge commits within fixed-point
+rounding; a group whose pieces do not cover them at the close is dropped like any dropout, and the
+round merges the others. End to end: a 2-rank FSDP group (gloo, CPU, torchrun) beside a
+single-process participant, 2 rounds, whose merges equal the plain token-weighted mean of the
+local models they sent, and never a float byte on the wire."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedtrain.coordinator import BackgroundCoordinator
+from tests.helpers.api import client
+from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.secagg import Site, ok, run_to_upload
+from tests.helpers.processes import track
+from tests.helpers.torchrun import WORKERS, finished, rank_env, worker_group
+
+pytest.importorskip("cryptography")
+
+N_MAX = 4  # a 2^16 ring with p = 13 bits: a unit of R / 8191
+RANGE = 0.5
+SECAGG = {"secure_aggregation": True, "dp": False, "secagg_max_participants": N_MAX, "secagg_range": RANGE}
+TOKENS = {"a": 100, "b": 100, "g": 200}  # g: an FSDP group, its update in pieces
+
+
+def unit() -> float:
+    return RANGE / (2**13 - 1)
+
+
+def deltas(c: BackgroundCoordinator) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return {pid: {n: (torch.rand(t.shape, generator=g) - 0.5) * 0.4 for n, t in c.service.inspect().weights.items()}
+            for pid in TOKENS}
+
+
+def wait_phase(c: BackgroundCoordinator, phase: str, within_s: float = 15) -> None:
+    deadline = time.monotonic() + within_s
+    while c.service.status()["secure_aggregation"]["phase"] != phase:
+        assert time.monotonic() < deadline, c.service.status()["reason"]
+        time.sleep(0.02)
+
+
+def wait_version(c: BackgroundCoordinator, v: int) -> None:
+    deadline = time.monotonic() + 20
+    while c.service.inspect().committed_version < v:
+        assert time.monotonic() < deadline, c.service.status()["reason"]
+        time.sleep(0.02)
+
+
+def test_masked_pieces_commit_what_the_plain_mean_commits(tmp_path: Path) -> None:
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy=SECAGG)
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
+        for pid in TOKENS:
+            ok(http.post("/v1/join", json={"name": pid}))
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        ds = deltas(c)
+        sites = [Site(http, pid) for pid in TOKENS]
+        run_to_upload(sites, TOKENS)
+        a, b, g = sites
+        for s in (a, b):
+            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
+        first, second = g.masked_pieces(ds["g"])
+        got = ok(g.upload_piece("rank0", first, TOKENS["g"]))
+        assert got["complete"] is False and c.service.status()["secure_aggregation"]["uploaded"] == 2
+        assert c.service.has_piece("g", 0, "rank0") and not c.service.has_piece("g", 0, "rank1")
+        again = ok(g.upload_piece("rank0", first, TOKENS["g"]))  # a piece sent twice: answered, not taken twice
+        assert again["duplicate"] is True
+        got = ok(g.upload_piece("rank1", second, TOKENS["g"]))
+        assert got["complete"] is True and got["pieces"] == 2
+        wait_phase(c, "reveal")
+        for s in sites:
+            ok(s.reveal())
+        wait_version(c, 1)
+        after = c.service.inspect().weights
+        record = c.service.round_history(1)[0]
+    assert record["n_submissions"] == 3
+    for n, t in after.items():  # fedavg: θ − (¼Δa + ¼Δb + ½Δg), each off by at most half a unit
+        want = before[n] - (ds["a"][n] + ds["b"][n] + 2 * ds["g"][n]) / 4
+        assert torch.allclose(t, want, rtol=0, atol=3 * unit() / 2 + 1e-6), n
+
+
+def test_a_group_missing_a_piece_at_the_close_is_dropped_and_the_others_merge(tmp_path: Path) -> None:
+    cfg = tiny_config(outer={"algorithm": "fedavg"}, round_timeout_s=3.0, privacy={**SECAGG, "secagg_threshold": 2})
+    with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
+        for pid in TOKENS:
+            ok(http.post("/v1/join", json={"name": pid}))
+        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        ds = deltas(c)
+        sites = [Site(http, pid) for pid in TOKENS]
+        run_to_upload(sites, TOKENS)
+        a, b, g = sites
+        for s in (a, b):
+            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
+        first, _ = g.masked_pieces(ds["g"])
+        ok(g.upload_piece("rank0", first, TOKENS["g"]))  # rank 1's piece never comes
+        wait_phase(c, "reveal")  # the deadline closes the round without g's update
+        assert c.service.status()["secure_aggregation"]["uploaded"] == 2
+        unmask = ok(http.get("/v1/rounds/0/secagg/unmask/a", params={"session": a.session}))
+        assert unmask["dropped"] == [g.id]  # its masks are removed with the survivors' shares
+        for s in (a, b):
+            ok(s.reveal())
+        wait_version(c, 1)
+        after = c.service.inspect().weights
+        record = c.service.round_history(1)[0]
+        assert not c.service.has_piece("g", 0, "rank0")  # its piece went with the round
+    assert record["n_submissions"] == 2
+    for n, t in after.items():  # fedavg over the survivors: θ − (¼Δa + ¼Δb) / ½
+        want = before[n] - (ds["a"][n] + ds["b"][n]) / 2
+        assert torch.allclose(t, want, rtol=0, atol=2 * unit() / 2 / 0.5 + 1e-6), n
+
+
+def local_model(out: Path, name: str, r: int) -> dict[str, torch.Tensor]:
+    """A participant's model as it sent it in round r (its ranks' rows put together)."""
+    from safetensors import safe_open
+
+    whole: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for path in sorted(out.glob(f"{name}-rank*-round{r}.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            rows = json.loads(f.metadata()["rows"])
+            for n in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                whole.setdefault(n, []).append((rows[n][0], f.get_tensor(n)))
+    return {n: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for n, parts in whole.items()}
+
+
+def test_an_fsdp_group_beside_a_single_process_merges_the_plain_mean_under_masks(tmp_path: Path) -> None:
+    rounds = 2
+    cfg = tiny_config(rounds=rounds, min_participants=2, outer={"algorithm": "fedavg"},
+                      train={"sync_every": 3, "lr": 1e-2}, privacy=SECAGG)
+    out = tmp_path / "out"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        group = worker_group("secagg_worker.py", c.url, "group", str(out))
+        single = track(subprocess.Popen([sys.executable, str(WORKERS / "secagg_worker.py"), c.url, "single", str(out)],
+                                        env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        finished(group)
+        finished(single, timeout=60)
+        final = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        history = c.service.round_history(10)  # newest first
+        assert c.service.finished and c.service.status()["secure_aggregation"]["refused_attempts"] == 0
+    params = sum(t.numel() for t in final.values())
+    assert len(history) == rounds
+    for rec in history:
+        assert rec["n_submissions"] == 2
+        # every byte in is a ring value (2 a parameter) or a header: no float piece ever came
+        assert 2 * 2 * params < rec["bytes_in"] < 2 * 2 * params + 16 * 4096, rec["bytes_in"]
+    weights = {s["participant_id"]: s["weight"] for s in history[0]["submissions"]}
+    assert weights["group"] > weights["single"]  # its two ranks' tokens
+    sent = {pid: local_model(out, pid, rounds - 1) for pid in weights}
+    for n, t in final.items():  # fedavg: θ_new = Σ w θ_local, each contribution within half a unit
+        want = sum(w * sent[pid][n] for pid, w in weights.items())
+        assert torch.allclose(t, want, rtol=0, atol=2 * unit() / 2 + 1e-5), n
