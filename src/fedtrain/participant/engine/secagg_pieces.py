@@ -38,7 +38,7 @@ from fedtrain.privacy.round_setup import SECAGG_META
 from fedtrain.wire import EncodedBody
 from fedtrain.wire.format import ROWS_META
 
-__all__ = ["exchange_masked_pieces", "masked_piece"]
+__all__ = ["exchange_masked_pieces", "masked_piece", "sent_square_norm"]
 
 
 def exchange_masked_pieces(ranks: RankGroup, engine: SyncEngine, r: int, pid: str, config: RunConfig, *,
@@ -63,7 +63,7 @@ def exchange_masked_pieces(ranks: RankGroup, engine: SyncEngine, r: int, pid: st
     factor = 1.0
     p = config.privacy
     if told is not None and p is not None and p.dp:  # the clip over the assembled update
-        norm = math.sqrt(ranks.sum([_sent_square_norm(engine)])[0])
+        norm = math.sqrt(ranks.sum([sent_square_norm(engine)])[0])
         factor = min(1.0, p.clip_norm / norm) if norm > 0 else 1.0
 
     def send_and_fetch() -> int:
@@ -112,7 +112,7 @@ def masked_piece(engine: SyncEngine, masks: GroupMasks, told: dict[str, Any], fa
     return EncodedBody(tensors, meta, digest_algorithm=digest)
 
 
-def _sent_square_norm(engine: SyncEngine) -> float:
+def sent_square_norm(engine: SyncEngine) -> float:
     """The squared L2 norm of the rows this rank sends (a tensor every rank holds whole counts
     once: rank 0 alone sends it)."""
     piece = engine.piece

@@ -103,9 +103,8 @@ def submit_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, to
     """Send our Δ (held in the engine's snapshot) to round r under secure aggregation and wait
     until the round is merged: True, or False when our update is not in it (the caller then
     downloads the current model, as after a round that closed before our upload)."""
-    if engine.piece is not None:  # (`secagg_pieces.exchange_masked_pieces` syncs an FSDP group's pieces)
-        raise ConfigError("secure aggregation syncs an FSDP group's masked pieces on the blocking schedule only: "
-                          "train.overlap and Streaming DiLoCo with overlap > 0 are not wired for them")
+    if engine.piece is not None:  # (an FSDP group's masked pieces: `secagg_pieces.exchange_masked_pieces`)
+        raise ConfigError("an FSDP rank masks its rows as a piece of its group's update: use exchange_masked_pieces")
     calls = SecAggCalls(engine.client, pid, retry)
     give_up_at = time.monotonic() + _patience(engine, config)
     ahead = _take_ahead(engine, r)
