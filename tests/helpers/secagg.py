@@ -3,6 +3,7 @@ client acts for anyone): enrol, advertise keys, share, mask and upload, reveal."
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -113,7 +114,7 @@ class Site:
             flat = t.reshape(-1)
             cuts = [0, *sorted({min(flat.numel(), flat.numel() * k // pieces + 3) for k in range(1, pieces)}),
                     flat.numel()]
-            for k, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            for k, (lo, hi) in enumerate(itertools.pairwise(cuts)):
                 if hi > lo:
                     out[k][0][name] = torch.from_numpy(masks.mask_rows(name, flat[lo:hi], weight, lo))
                     out[k][1][name] = [lo, hi]

@@ -74,8 +74,10 @@ def test_hostile_masked_pieces_are_refused_and_change_nothing(tmp_path: Path) ->
         refused(g.upload_piece("bad", empty, TOKENS["g"]), 400, "invalid_body")
         shape = ({**first[0], name: first[0][name][:-1]}, first[1])  # fewer values than its range says
         refused(g.upload_piece("bad", shape, TOKENS["g"]), 422, "incompatible_update")
-        refused(g.upload_piece("bad", first, TOKENS["g"], meta=with_meta(g, first, session="0" * 16)), 400, "invalid_body")
-        refused(g.upload_piece("bad", first, TOKENS["g"], meta={ROWS_META: json.dumps(first[1])}), 400, "invalid_body")
+        other = with_meta(g, first, session="0" * 16)  # another attempt's session
+        refused(g.upload_piece("bad", first, TOKENS["g"], meta=other), 400, "invalid_body")
+        no_session = {ROWS_META: json.dumps(first[1])}
+        refused(g.upload_piece("bad", first, TOKENS["g"], meta=no_session), 400, "invalid_body")
         compressed = {**with_meta(g, first), "fedtrain.compression": "int8"}
         assert g.upload_piece("bad", first, TOKENS["g"], meta=compressed).status_code in (400, 422)
         refused(g.upload_piece("bad", first, TOKENS["g"] + 1), 400, "secagg_tokens")  # not its claim

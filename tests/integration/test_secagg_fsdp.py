@@ -20,8 +20,8 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.helpers.api import client
 from tests.helpers.config import ATOKEN, tiny_config
-from tests.helpers.secagg import Site, ok, run_to_upload
 from tests.helpers.processes import track
+from tests.helpers.secagg import Site, ok, run_to_upload
 from tests.helpers.torchrun import WORKERS, finished, rank_env, worker_group
 
 pytest.importorskip("cryptography")

@@ -70,7 +70,7 @@ def exchange_masked_pieces(ranks: RankGroup, engine: SyncEngine, r: int, pid: st
         if told is not None:
             body = masked_piece(engine, GroupMasks.from_json(told["masks"]), told, factor, config.digest)
             if lead is not None:
-                lead_finish(engine, lead, pid, config, body if engine.piece.sends else None, retry)
+                lead_finish(engine, lead, pid, config, body if body.data_length else None, retry)
             else:
                 engine.submit(r, pid, body, config, tokens=int(told["counted"]), retry=retry)
         return _download(engine, r, pid, config, retry)
