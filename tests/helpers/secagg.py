@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from typing import Any
 
 import httpx
 import torch
 
+from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.privacy.keys import ParticipantKeys, PublicKeys
 from fedtrain.privacy.participant_round import SecAggParticipant
 from fedtrain.privacy.round_setup import SECAGG_META, setup_from_json
@@ -157,3 +159,17 @@ def run_to_upload(sites: list[Site], tokens: dict[str, int]) -> None:
         ok(s.share())
     for s in sites:
         s.receive()
+
+
+def reveal_and_commit(c: BackgroundCoordinator, sites: list[Site], version: int, within_s: float = 15.0) -> None:
+    """Once the round's attempt is in its reveal phase, each of `sites` reveals; then wait until
+    the coordinator has committed `version`."""
+    deadline = time.monotonic() + within_s
+    while c.service.status()["secure_aggregation"]["phase"] != "reveal":
+        assert time.monotonic() < deadline, c.service.status()["reason"]
+        time.sleep(0.02)
+    for s in sites:
+        ok(s.reveal())
+    while c.service.inspect().committed_version < version:
+        assert time.monotonic() < deadline + 10, c.service.status()["reason"]
+        time.sleep(0.02)

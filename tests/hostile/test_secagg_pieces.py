@@ -7,7 +7,6 @@ update, which merges exactly as if the refused ones had never come."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from fedtrain.privacy.round_setup import SECAGG_META
 from fedtrain.wire.format import ROWS_META
 from tests.helpers.api import client
 from tests.helpers.config import ATOKEN, tiny_config
-from tests.helpers.secagg import Piece, Site, ok, run_to_upload
+from tests.helpers.secagg import Piece, Site, ok, reveal_and_commit, run_to_upload
 
 pytest.importorskip("cryptography")
 
@@ -91,15 +90,7 @@ def test_hostile_masked_pieces_are_refused_and_change_nothing(tmp_path: Path) ->
         unchanged(c, ["rank0"])
 
         ok(g.upload_piece("rank1", second, TOKENS["g"]))  # the honest pieces still make the update
-        deadline = time.monotonic() + 15
-        while c.service.status()["secure_aggregation"]["phase"] != "reveal":
-            assert time.monotonic() < deadline, c.service.status()["reason"]
-            time.sleep(0.02)
-        for s in sites:
-            ok(s.reveal())
-        while c.service.inspect().committed_version < 1:
-            assert time.monotonic() < deadline + 10, c.service.status()["reason"]
-            time.sleep(0.02)
+        reveal_and_commit(c, sites, 1)
         after = c.service.inspect().weights
     unit = RANGE / (2**13 - 1)
     for n, t in after.items():

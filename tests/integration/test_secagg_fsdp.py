@@ -21,7 +21,7 @@ from fedtrain.coordinator import BackgroundCoordinator
 from tests.helpers.api import client
 from tests.helpers.config import ATOKEN, tiny_config
 from tests.helpers.processes import track
-from tests.helpers.secagg import Site, ok, run_to_upload
+from tests.helpers.secagg import Site, ok, reveal_and_commit, run_to_upload
 from tests.helpers.torchrun import WORKERS, finished, rank_env, worker_group
 
 pytest.importorskip("cryptography")
@@ -40,20 +40,6 @@ def deltas(c: BackgroundCoordinator) -> dict[str, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(11)
     return {pid: {n: (torch.rand(t.shape, generator=g) - 0.5) * 0.4 for n, t in c.service.inspect().weights.items()}
             for pid in TOKENS}
-
-
-def wait_phase(c: BackgroundCoordinator, phase: str, within_s: float = 15) -> None:
-    deadline = time.monotonic() + within_s
-    while c.service.status()["secure_aggregation"]["phase"] != phase:
-        assert time.monotonic() < deadline, c.service.status()["reason"]
-        time.sleep(0.02)
-
-
-def wait_version(c: BackgroundCoordinator, v: int) -> None:
-    deadline = time.monotonic() + 20
-    while c.service.inspect().committed_version < v:
-        assert time.monotonic() < deadline, c.service.status()["reason"]
-        time.sleep(0.02)
 
 
 def test_masked_pieces_commit_what_the_plain_mean_commits(tmp_path: Path) -> None:
@@ -76,10 +62,7 @@ def test_masked_pieces_commit_what_the_plain_mean_commits(tmp_path: Path) -> Non
         assert again["duplicate"] is True
         got = ok(g.upload_piece("rank1", second, TOKENS["g"]))
         assert got["complete"] is True and got["pieces"] == 2
-        wait_phase(c, "reveal")
-        for s in sites:
-            ok(s.reveal())
-        wait_version(c, 1)
+        reveal_and_commit(c, sites, 1)
         after = c.service.inspect().weights
         record = c.service.round_history(1)[0]
     assert record["n_submissions"] == 3
@@ -102,13 +85,14 @@ def test_a_group_missing_a_piece_at_the_close_is_dropped_and_the_others_merge(tm
             ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
         first, _ = g.masked_pieces(ds["g"])
         ok(g.upload_piece("rank0", first, TOKENS["g"]))  # rank 1's piece never comes
-        wait_phase(c, "reveal")  # the deadline closes the round without g's update
+        deadline = time.monotonic() + 15  # the round's deadline closes it without g's update
+        while c.service.status()["secure_aggregation"]["phase"] != "reveal":
+            assert time.monotonic() < deadline, c.service.status()["reason"]
+            time.sleep(0.02)
         assert c.service.status()["secure_aggregation"]["uploaded"] == 2
         unmask = ok(http.get("/v1/rounds/0/secagg/unmask/a", params={"session": a.session}))
         assert unmask["dropped"] == [g.id]  # its masks are removed with the survivors' shares
-        for s in (a, b):
-            ok(s.reveal())
-        wait_version(c, 1)
+        reveal_and_commit(c, [a, b], 1)
         after = c.service.inspect().weights
         record = c.service.round_history(1)[0]
         assert not c.service.has_piece("g", 0, "rank0")  # its piece went with the round

@@ -23,7 +23,7 @@ from fedtrain.participant import CoordinatorClient, Participant
 from fedtrain.participant.ranks.shards import local_tensor, shard_layout
 from fedtrain.recipes.build import build_model
 from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
-from tests.helpers.workers import end_at_once
+from tests.helpers.workers import end_at_once, train_step
 
 
 def main(url: str, name: str, out: Path) -> None:
@@ -43,11 +43,7 @@ def main(url: str, name: str, out: Path) -> None:
                        seq_len=cfg.train.seq_len, seed=(100 if group else 200) + rank)
     with Participant(client, model=model, name=name, keepalive_s=1.0, inner_optimizer=opt) as fed:
         while not fed.finished:
-            x, y = data.next_batch()
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            tokens, loss = train_step(model, opt, data)
             params = dict(model.named_parameters())
             layout = shard_layout(params) if group else None
             sent = {n: local_tensor(p).detach().clone() for n, p in params.items()
@@ -55,7 +51,7 @@ def main(url: str, name: str, out: Path) -> None:
             rows = {n: [layout[n].start, layout[n].stop] if layout is not None else [0, t.shape[0]]
                     for n, t in sent.items()}
             r = fed.round
-            if fed.step(tokens=x.numel(), loss=float(loss)):  # the step synced: `sent` is what went
+            if fed.step(tokens=tokens, loss=loss):  # the step synced: `sent` is what went
                 save_file(sent, str(out / f"{name}-rank{rank}-round{r}.safetensors"),
                           metadata={"rows": json.dumps(rows)})
     if group:

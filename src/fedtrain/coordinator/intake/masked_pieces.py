@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedtrain.coordinator.intake.pieces import MAX_PIECES, Coverage, Partial, Piece, PiecesIn, assemble, piece_rows
 from fedtrain.coordinator.intake.spool import SpoolFiles
-from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Upload
+from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Ticket, Upload
 from fedtrain.coordinator.secagg import SecureAggregation
 from fedtrain.coordinator.secagg.attempt import Attempt
 from fedtrain.errors import Refused, WireError
@@ -42,6 +43,28 @@ def ring_spec(attempt: Attempt) -> dict[str, tuple[torch.dtype, tuple[int, ...]]
     assert attempt.setup is not None  # (an attempt admits uploads in its upload phase only)
     dtype = torch.uint16 if attempt.setup.fixed_point.bits == 16 else torch.uint32
     return {name: (dtype, (int(torch.Size(shape).numel()),)) for name, shape in attempt.shapes.items()}
+
+
+async def fold_masked(attempt: Attempt, up: Upload, path: Path, seats: Seats,
+                      in_flight: FoldsInFlight) -> Ticket | None:
+    """A verified masked body (a spool file: a whole upload, or an FSDP group's assembled pieces)
+    given its place in the open round and added to the attempt's ring sum on a worker thread, a
+    fold in flight meanwhile; its ticket (None: a duplicate). The place goes back if the fold fails."""
+    ticket = seats.reserve(up)
+    if ticket is None:
+        return None
+    in_flight.enter()
+    try:
+        await asyncio.to_thread(attempt.fold, up.pid, path)
+    except PrivacyError as e:
+        ticket.release()
+        raise Refused(409, "secagg_upload", e.args[0]) from None
+    except BaseException:
+        ticket.release()
+        raise
+    finally:
+        in_flight.leave()
+    return ticket
 
 
 class MaskedPieces:
@@ -129,7 +152,7 @@ class MaskedPieces:
                           f"{partial.tokens}: every piece of an update carries the update's token count")
         return None
 
-    async def _fold(self, attempt: Attempt, up: Upload, partial: Partial, ring: Spec, seats: Seats) -> Any:
+    async def _fold(self, attempt: Attempt, up: Upload, partial: Partial, ring: Spec, seats: Seats) -> Ticket | None:
         """The complete pieces as one masked body (a spool file), into the attempt's ring sum."""
         whole, whole_new = self._spool_files.take()
         try:
@@ -138,21 +161,7 @@ class MaskedPieces:
             finally:
                 for piece in partial.pieces.values():
                     self._spool_files.give_back(piece.path)
-            ticket = seats.reserve(up)
-            if ticket is None:
-                return None
-            self._in_flight.enter()
-            try:
-                await asyncio.to_thread(attempt.fold, up.pid, whole)
-            except PrivacyError as e:
-                ticket.release()
-                raise Refused(409, "secagg_upload", e.args[0]) from None
-            except BaseException:
-                ticket.release()
-                raise
-            finally:
-                self._in_flight.leave()
-            return ticket
+            return await fold_masked(attempt, up, whole, seats, self._in_flight)
         finally:
             self._spool_files.discard(whole, whole_new)
 
