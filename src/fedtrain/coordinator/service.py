@@ -2,7 +2,7 @@
 
 Routes (`http/routes/`) parse and authorize, then call this service; `Coordinator` hands
 each request to the part that owns what it concerns (the rooms of `coordinator/`) and
-reports the status. `Coordinator.inspect()` is the one documented look inside.
+reports the status. `Coordinator.inspect()` is the one documented look inside (`inspection.py`).
 
 More: docs/architecture.md, "coordinator/service.py".
 """
@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import lifecycle
+from fedtrain.coordinator.inspection import Inspection, inspect_run, model_view
 from fedtrain.coordinator.intake.attempts import Attempts
 from fedtrain.coordinator.intake.flow import Intake
 from fedtrain.coordinator.intake.parts import PartClaim
@@ -33,7 +32,6 @@ from fedtrain.coordinator.intake.pieces import check_label
 from fedtrain.coordinator.intake.uploads import Uploads
 from fedtrain.coordinator.members.auth import Identity, Tokens, require_admin
 from fedtrain.coordinator.members.roster import Live, Roster
-from fedtrain.coordinator.model.checkpoints import CheckpointDir
 from fedtrain.coordinator.model.committer import Committer
 from fedtrain.coordinator.model.deltas import DeltaStream
 from fedtrain.coordinator.model.downloads import Tracked
@@ -61,25 +59,6 @@ __all__ = ["Coordinator", "Live", "Refused", "all_finite", "frozen_base_fingerpr
 
 initial_weights = lifecycle.initial_weights
 frozen_base_fingerprint = lifecycle.frozen_base_fingerprint
-
-
-@dataclass(frozen=True)
-class Inspection:
-    """A look inside a run (`Coordinator.inspect`), documented field by field."""
-
-    weights: Mapping[str, torch.Tensor]  # the global model's master weights (the open round's base)
-    outer_state: Mapping[str, torch.Tensor]  # the outer optimizer's state tensors (e.g. momentum)
-    outer_steps: int  # outer steps the optimizer took since it was made (a change of algorithm resets it)
-    committed_version: int  # the newest version whose checkpoint is durable
-    submitted: dict[str, int]  # the open round's updates, by participant: the tokens each counts
-    late: dict[str, int]  # late updates folded into the open round, by `pid@lateR`: their tokens
-    sum_count: int  # updates in the open round's running sum
-    sum_weight: float  # their total weight
-    sum_empty: bool  # no contribution is in the sum, counted or still being received into it
-    sum_values: Mapping[str, torch.Tensor]  # the sum's accumulators as they are (stale while it is empty)
-    participants: Mapping[str, ParticipantRow]  # the roster's rows, by participant id
-    live: Mapping[str, Live]  # what each participant last reported (memory only)
-    checkpoints: CheckpointDir  # the state directory's checkpoint files
 
 
 class Coordinator:
@@ -209,22 +188,7 @@ class Coordinator:
         and tests that check state no API shows (the global model's master weights, the open
         round's sum, the rows behind the status). Read only: the tensors and rows are the live
         ones, not copies; change them and the run changes. Event loop thread."""
-        acc = self.intake.sum
-        return Inspection(
-            weights=self.committer.model.params,
-            outer_state=self.committer.model.state_tensors(),
-            outer_steps=self.committer.model.steps,
-            committed_version=self.committer.committed_version,
-            submitted=dict(self.rounds.open.submitted),
-            late=dict(self.rounds.open.late),
-            sum_count=acc.count,
-            sum_weight=acc.total_weight,
-            sum_empty=acc.is_empty,
-            sum_values=acc.peek(),
-            participants=self.roster.rows,
-            live=self.roster.live,
-            checkpoints=self.committer.ckpt,
-        )
+        return inspect_run(self.committer, self.rounds, self.intake, self.roster)
 
     def deadline(self) -> tuple[float, str]:
         return self.rounds.deadline()
@@ -449,17 +413,8 @@ class Coordinator:
         return view
 
     def model_view(self) -> dict[str, Any]:
-        """What the run's model is: `source` "recipe" (the config's `model` section builds it) or
-        "custom" (version 0 came from --init-weights: a model of the user's own, which the `model`
-        section does not describe), with its sync set's tensor count, parameters and dtypes."""
-        custom = self.store.get_meta("model_source") == "init_weights"
-        return {
-            "source": "custom" if custom else "recipe",
-            "init_weights": self.store.get_meta("init_weights") if custom else None,
-            "tensors": len(self.spec),
-            "parameters": sum(math.prod(s) for _, s in self.spec.values()),
-            "dtypes": sorted({DTYPE_TO_ST[d] for d, _ in self.spec.values()}),
-        }
+        """What the run's model is, recipe or custom (`inspection.model_view`)."""
+        return model_view(self.store, self.spec)
 
     def validate_config(self, ident: Identity, patch: Any) -> dict[str, Any]:
         """Dry run of a change: valid or not, the reason, and the diff it would make."""
@@ -503,9 +458,7 @@ class Coordinator:
                           configs=self.configs, version=self.version, finished=self.finished,
                           deadline=self.deadline(), rounds_total=self.rounds_total())
 
-    # -- reads for the routes --------------------------------------------------------------------
-    # What the HTTP routes read (`coordinator/routes/`): they reach the run through these
-    # methods, never through its store or its round state.
+    # -- reads for the routes (`http/routes/`): through these, never the store or round state -----
 
     def config_history(self, limit: int = 50) -> list[dict[str, Any]]:
         """The newest `limit` accepted config versions: when, by whom, the diff."""

@@ -1,4 +1,4 @@
-"""An upload received straight into the running sum's memory (`Intake._land_in_sum`).
+"""An upload received straight into the running sum's memory (`landing.SumLanding`).
 
 More: docs/architecture.md, "coordinator/intake/direct_sum.py".
 """

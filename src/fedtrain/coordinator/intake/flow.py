@@ -15,19 +15,19 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.coordinator import policy
 from fedtrain.coordinator.intake import pieces
 from fedtrain.coordinator.intake.attempts import Attempts
-from fedtrain.coordinator.intake.direct_sum import DirectUpload, read_into
+from fedtrain.coordinator.intake.direct_sum import DirectUpload
 from fedtrain.coordinator.intake.folds import MergeInputs, Pending, RoundSum
-from fedtrain.coordinator.intake.masked_pieces import MaskedPieces
+from fedtrain.coordinator.intake.landing import Landed, Landing, SpoolLanding, SumLanding
+from fedtrain.coordinator.intake.masked_pieces import MaskedPieces, fold_masked
 from fedtrain.coordinator.intake.parts import PartSessions
 from fedtrain.coordinator.intake.pieces import (
     ROWS_META,
@@ -39,19 +39,18 @@ from fedtrain.coordinator.intake.pieces import (
     check_label,
     piece_rows,
 )
-from fedtrain.coordinator.intake.receive import Head, receive_to_spool
+from fedtrain.coordinator.intake.receive import Head
 from fedtrain.coordinator.intake.spool import SpoolFiles, Staging
 from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Ticket, Upload
-from fedtrain.coordinator.intake.values import ValueScan, non_finite
+from fedtrain.coordinator.intake.values import ValueScan
 from fedtrain.coordinator.rounds.fragment_plan import Fragment, check_fragment
 from fedtrain.coordinator.secagg import SecureAggregation
 from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import RunningSum, check_compatible
 from fedtrain.merge.robust import clip_scale
-from fedtrain.privacy.failures import PrivacyError
 from fedtrain.transport import Body, fast_io_enabled
 from fedtrain.transport.progress import Progress
-from fedtrain.wire import BodyReader, TensorSpec
+from fedtrain.wire import TensorSpec
 from fedtrain.wire.compress import codec_of, expected_specs, scheme_of
 
 log = logging.getLogger("fedtrain.coordinator")
@@ -62,17 +61,6 @@ log = logging.getLogger("fedtrain.coordinator")
 DIRECT_RECEIVE_ENV = "FEDTRAIN_DIRECT_RECEIVE"
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
-
-
-@dataclass(frozen=True)
-class Landed:
-    """An upload's bytes, verified, where they landed: a spool file (`path`; `new`: the file
-    was made for it), or the sum's memory (`direct`, with the `scan` of its values)."""
-
-    path: Path | None
-    new: bool
-    direct: DirectUpload | None
-    scan: ValueScan | None
 
 
 class Intake:
@@ -90,7 +78,8 @@ class Intake:
         self.parts = PartSessions(self._spool_files)  # updates coming in as parts (`parts.py`)
         self.attempts = Attempts()  # the upload attempts in progress: a newer takes over (`attempts.py`)
         self.transfers: dict[str, Progress] = {}  # participant -> its whole upload streaming in now
-        self._direct: DirectUpload | None = None
+        self._to_spool = SpoolLanding(self._spool_files)  # the two sinks an upload lands in (`landing.py`)
+        self._to_sum = SumLanding(lambda: self.round.storage)
         self._in_flight = FoldsInFlight()
         self._deferred: set[asyncio.Task[None]] = set()
         self._failure: str | None = None  # a fold failed: the open round cannot be merged
@@ -100,7 +89,7 @@ class Intake:
         self._streaming: dict[tuple[str, int], dict[str, int]] = {}  # (participant, round) -> label -> bytes
         self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
         self.masked: SecureAggregation | None = None  # secure aggregation: uploads are masked (`_receive_masked`)
-        self.masked_pieces = MaskedPieces(self._spool_files, self._in_flight, self._land_in_spool)  # (FSDP groups)
+        self.masked_pieces = MaskedPieces(self._spool_files, self._in_flight, self._to_spool)  # (FSDP groups)
 
     # -- what others may read ---------------------------------------------------------------
 
@@ -116,7 +105,7 @@ class Intake:
     @property
     def receiving_direct(self) -> str | None:
         """The participant whose upload is being received straight into the sum, if any."""
-        return self._direct.pid if self._direct is not None else None
+        return self._to_sum.pid
 
     @property
     def folds_in_flight(self) -> int:
@@ -192,22 +181,20 @@ class Intake:
         Raises Refused for a bad body or values, or a round that closed meanwhile.
 
         One flow for every upload: the policy picks where its bytes land (`policy.receive_path`:
-        the empty sum's memory, or a spool file), they land there verified (`_land_in_sum`,
-        `_land_in_spool`), then the upload is placed in the round (`_place`). With secure
+        the empty sum's memory, or a spool file), they land there verified through that sink
+        (`landing.py`), then the upload is placed in the round (`_place`). With secure
         aggregation every upload is a masked body, which goes to the ring sum (`_receive_masked`)."""
         if self.masked is not None:
             return await self._receive_masked(self.masked, up, body, seats)
         plain = head is not None and scheme_of(head[1])[0] == "none"
-        empty = self._direct is None and not self._in_flight.count and self.round.is_empty()
+        empty = not self._to_sum.busy and not self._in_flight.count and self.round.is_empty()
         fast = self._fast_io and self._direct_on
         path = policy.receive_path(fast_io=fast, action=action, sum_empty=empty, active=active,
                                    plain=plain, fits=head is not None and self.round.fits(head[0]), cfg=cfg)
         self.last_path = path
         try:
-            if path.path == "direct":
-                landed = await self._land_in_sum(up, body, seats)
-            else:
-                landed = await self._land_in_spool(up, body, self.check_header)
+            sink: Landing = self._to_sum if path.path == "direct" else self._to_spool
+            landed = await sink.land(up, body, self.check_header, lambda: seats.refusal(up))
             return await self._place(up, landed, cfg, seats, may_reach)
         finally:
             self._give_back_freed()
@@ -222,24 +209,10 @@ class Intake:
         except Refused:
             await body.drain()
             raise
-        landed = await self._land_in_spool(up, body, attempt.check_header)
+        landed = await self._to_spool.land(up, body, attempt.check_header)
         assert landed.path is not None
         try:
-            ticket = seats.reserve(up)
-            if ticket is None:
-                return None
-            self._in_flight.enter()
-            try:
-                await asyncio.to_thread(attempt.fold, up.pid, landed.path)
-            except PrivacyError as e:
-                ticket.release()
-                raise Refused(409, "secagg_upload", e.args[0]) from None
-            except BaseException:
-                ticket.release()
-                raise
-            finally:
-                self._in_flight.leave()
-            return ticket
+            return await fold_masked(attempt, up, landed.path, seats, self._in_flight)
         finally:
             self._spool_files.discard(landed.path, landed.new)
 
@@ -252,24 +225,6 @@ class Intake:
             check_fragment(self._fragment, self._model, specs, whole=True)
         check_compatible(expected_specs(dict(self._spec), codec),
                          {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
-
-    async def _land_in_sum(self, up: Upload, body: Body, seats: Seats) -> Landed:
-        """Land the round's first upload straight in the (empty) sum's memory: no spool file,
-        no read-back. Its bytes are verified as they land (header, length, digest, NaN and
-        Inf); anything wrong leaves the sum empty, exactly. A close of the round (or its
-        sender's failure) while the body streams in stops the writes at once (`abort_direct`)."""
-        direct = DirectUpload(up.pid, body)
-        self._direct = direct
-        targets = self.round.storage
-        try:
-            reader = BodyReader(expected_digest=up.digest, max_bytes=up.limit, expected_length=up.length,
-                                on_header=self.check_header, allocate=lambda spec: targets[spec.name])
-            scan = await direct.read(lambda: read_into(reader, body, targets), lambda: seats.refusal(up))
-            faults.hit("upload.received", who=up.pid, round=up.round)
-        except BaseException:
-            self._release(direct)  # what was written is no contribution: the sum stays empty
-            raise
-        return Landed(None, False, direct, scan)
 
     async def _count_in_sum(self, up: Upload, direct: DirectUpload, scan: ValueScan | None,
                             seats: Seats) -> Ticket | None:
@@ -288,47 +243,13 @@ class Intake:
                 self._in_flight.leave()
             return ticket
         finally:  # what was written but not taken is no contribution: the sum stays empty
-            self._release(direct)
-
-    def _release(self, direct: DirectUpload) -> None:
-        if self._direct is direct:
-            self._direct = None
-        direct.finished.set()
-
-    async def _direct_finished(self) -> None:
-        """Wait until no upload is being written straight into the sum."""
-        while self._direct is not None:
-            await self._direct.finished.wait()
+            self._to_sum.release(direct)
 
     def abort_direct(self, pid: str | None = None) -> None:
         """The round is closing (or `pid`, the uploader, failed or left): an upload still
-        streaming into the sum stops writing into it now (it checks before each chunk, on
-        this same event loop) and gives the sum up, so neither the merge nor an upload that
-        waits to fold waits for the rest of its body. One already received is a fold in
-        flight, which the close waits for (`idle`)."""
-        direct = self._direct
-        if direct is not None and direct.stop(pid):
-            self._release(direct)
-
-    async def _land_in_spool(self, up: Upload, body: Body,
-                             on_header: Callable[[dict[str, TensorSpec], dict[str, str]], None]) -> Landed:
-        """Land a body in a spool file, verified (digest, length, header by `on_header`, a
-        plain body's NaN and Inf). On failure the file goes."""
-        path, new = self._spool_files.take()
-        try:
-            try:
-                _, scan = await receive_to_spool(body, path, digest=up.digest, length=up.length, limit=up.limit,
-                                                 on_header=on_header)
-            except BaseException:
-                await body.drain()
-                raise
-            faults.hit("upload.received", who=up.pid, round=up.round)
-            if scan is not None and scan.bad is not None:
-                raise non_finite(scan.bad)
-        except BaseException:
-            self._spool_files.discard(path, new)
-            raise
-        return Landed(path, new, None, None)
+        streaming into the sum stops and gives the sum up (`SumLanding.abort`). One already
+        received is a fold in flight, which the close waits for (`idle`)."""
+        self._to_sum.abort(pid)
 
     async def _place(self, up: Upload, landed: Landed, cfg: RunConfig, seats: Seats,
                      may_reach: Callable[[], int]) -> Ticket | None:
@@ -342,13 +263,13 @@ class Intake:
         path, new = landed.path, landed.new
         owned = False  # the round owns the file now (`RoundSum`, or a deferred fold)
         try:
-            place = policy.place_update(cfg, self._direct is not None)
+            place = policy.place_update(cfg, self._to_sum.busy)
             largest: float | None = None
             if place.check_first:
                 largest = await asyncio.to_thread(self.round.check_values, path)
             norm = await asyncio.to_thread(self.round.norm, path, cfg)
             if place.action != "fold_after":
-                await self._direct_finished()  # (none is in progress then: a safeguard)
+                await self._to_sum.finished()  # (none is in progress then: a safeguard)
                 await seats.wait_seat(up)
             ticket = seats.reserve(up)  # the round may have closed while the body streamed in
             if ticket is None:
@@ -407,7 +328,7 @@ class Intake:
                 check_fragment(self._fragment, self._model, specs, whole=False)
             rows.update(piece_rows(specs, metadata, self._spec))
 
-        landed = await self._land_in_spool(up, body, on_header)
+        landed = await self._to_spool.land(up, body, on_header)
         assert landed.path is not None
         path, new = landed.path, landed.new
         owned = False
@@ -506,7 +427,7 @@ class Intake:
         async def fold() -> None:
             placed = False
             try:
-                await self._direct_finished()
+                await self._to_sum.finished()
                 now = replace(pending, may_reach=may_reach())
                 failure = await asyncio.to_thread(self.round.check_and_fold, path, weight, now)
                 if failure is not None:

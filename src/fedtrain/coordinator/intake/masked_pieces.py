@@ -14,12 +14,12 @@ each one's values are noise to it. Event loop, except the assembly and the fold 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from fedtrain.coordinator.intake.landing import SpoolLanding
 from fedtrain.coordinator.intake.pieces import MAX_PIECES, Coverage, Partial, Piece, PiecesIn, assemble, piece_rows
 from fedtrain.coordinator.intake.spool import SpoolFiles
 from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Ticket, Upload
@@ -32,10 +32,6 @@ from fedtrain.wire import TensorSpec
 from fedtrain.wire.compress import scheme_of
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
-OnHeader = Callable[[dict[str, TensorSpec], dict[str, str]], None]
-#: How a piece's body lands verified in a spool file (`Intake._land_in_spool`): its path, and
-#: whether the file was made for it.
-Land = Callable[[Upload, Body, OnHeader], Awaitable[Any]]
 
 
 def ring_spec(attempt: Attempt) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -70,10 +66,10 @@ async def fold_masked(attempt: Attempt, up: Upload, path: Path, seats: Seats,
 class MaskedPieces:
     """The open round's masked updates still in pieces, by (participant, round, session)."""
 
-    def __init__(self, spool_files: SpoolFiles, in_flight: FoldsInFlight, land: Land) -> None:
+    def __init__(self, spool_files: SpoolFiles, in_flight: FoldsInFlight, landing: SpoolLanding) -> None:
         self._spool_files = spool_files
         self._in_flight = in_flight  # (the close waits for every fold in flight: `Intake.idle`)
-        self._land = land
+        self._landing = landing  # (a piece lands verified in a spool file: `landing.py`)
         self._partials: dict[tuple[str, int, str], Partial] = {}
         self._busy: dict[tuple[str, int, str], Partial] = {}  # complete: being assembled and folded
         self._folded: dict[tuple[str, int], PiecesIn] = {}
@@ -101,8 +97,9 @@ class MaskedPieces:
                 raise WireError("a masked piece holds ring values as they are: it cannot be compressed")
             rows.update(piece_rows(specs, metadata, ring))
 
-        landed = await self._land(up, body, on_header)
+        landed = await self._landing.land(up, body, on_header)
         path, new = landed.path, landed.new
+        assert path is not None
         owned = False
         try:
             if self._known(key, label, up) is not None:  # the same piece came in meanwhile

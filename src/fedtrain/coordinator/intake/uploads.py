@@ -80,7 +80,7 @@ class Uploads:
         """Admit an upload for `round_` into the open round (accept or late), or refuse with 409
         (422 for a base version below 0, 507 while a full disk holds the run back)."""
         rounds = self._rounds
-        if rounds.storage_full_since is not None:
+        if rounds.back.storage_full_since is not None:
             raise Refused(507, "insufficient_storage", storage.MESSAGE, {"current_round": rounds.version})
         admission = rounds.open.admission(round_, rounds.finished, self._configs.config)
         if admission.action != "refuse":

@@ -1,7 +1,7 @@
 """Moving the run from round to round: close the open round, merge and commit it, or go back.
 
 `Rounds` owns the open round (`OpenRound`), the close, the background commit of the round
-before, the periodic tick and the count of roll backs. Whether to close is
+before and the periodic tick; going back is `GoingBack`'s (`going_back.py`). Whether to close is
 `policy.decide_round`'s decision.
 
 More: docs/architecture.md, "coordinator/rounds/progress.py".
@@ -29,12 +29,11 @@ from fedtrain.coordinator.model.publish import ModelStream, Published
 from fedtrain.coordinator.model.slices import SliceStream
 from fedtrain.coordinator.policy import async_rules
 from fedtrain.coordinator.rounds.fragment_plan import Fragment, FragmentPlan
+from fedtrain.coordinator.rounds.going_back import GoingBack, RoundMoves
 from fedtrain.coordinator.rounds.open_round import OpenRound
 from fedtrain.coordinator.secagg import SecAggRefused, SecureAggregation
-from fedtrain.coordinator.state import storage
 from fedtrain.coordinator.state.config_versions import ConfigVersions
 from fedtrain.coordinator.state.events import Events
-from fedtrain.coordinator.state.storage import storage_full
 from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import MergeError, Refused
 from fedtrain.merge import OuterOptimizer, contribution_weights
@@ -43,8 +42,6 @@ from fedtrain.privacy.central import CentralDp
 
 log = logging.getLogger("fedtrain.coordinator")
 
-#: How long an admin's roll back waits for a round that is closing when it comes.
-ROLL_BACK_WAIT_S = 30.0
 #: The newest committed rounds over which each participant's share of the applied weight is shown.
 SHARE_WINDOW = 100
 
@@ -104,8 +101,8 @@ class Rounds:
         self._store = store
         self._events = events
         self.clock = clock
-        self.rollbacks = 0
-        self.storage_full_since: float | None = None  # when a full disk began to hold the run back (uploads get 507)
+        self.back = GoingBack(open_round, configs, intake, committer, events, clock,  # roll backs (`going_back.py`)
+                              RoundMoves(self._end_round, self._settle_commit, self.enter_round, self._privacy_meta))
         self._close_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None  # the commit of the open round's predecessor
         self._tick_task: asyncio.Task[None] | None = None
@@ -300,11 +297,11 @@ class Rounds:
                    f"({e.message}), and {e.why}")
             self._intake.bar(e.round, pid, why)
             self._events.record("refuse", why, pid)
-            await self._roll_back(f"the merge of round {r} was not finite", "merge_refused")
+            await self.back.roll_back(f"the merge of round {r} was not finite", "merge_refused")
             return
         except Exception as e:
             log.exception("merge of round %d failed", r)
-            await self._roll_back(f"merge of round {r} failed ({e})", "merge_failed")
+            await self.back.roll_back(f"merge of round {r} failed ({e})", "merge_failed")
             return
         record = merged.record
         self.staleness_of.update(staleness)
@@ -422,7 +419,7 @@ class Rounds:
             self.open.closing = True  # admit no upload while going back
             self._intake.abort_direct()
             await self._intake.idle()
-            await self._roll_back(f"the commit of round {r} failed ({e})", "commit_failed")
+            await self.back.roll_back(f"the commit of round {r} failed ({e})", "commit_failed")
         finally:
             published.settle(False)  # cancelled: no-op once settled
             if self._committer.published is published and not published.durable:
@@ -434,108 +431,15 @@ class Rounds:
     async def _settle_commit(self) -> bool:
         """Before a merge: wait for the previous round's background commit. False when it failed
         and the run went back meanwhile: the round being closed no longer exists."""
-        rollbacks = self.rollbacks
+        rollbacks = self.back.count
         if self._commit_task is not None:
             await asyncio.gather(self._commit_task, return_exceptions=True)
             self._commit_task = None
-        return self.rollbacks == rollbacks
-
-    # -- going back -------------------------------------------------------------------------------
-
-    async def _roll_back(self, why: str, kind: str) -> None:
-        """Back to the last committed round: its weights and optimizer state, no uploads."""
-        committed = self._committer.committed_version
-        self._events.record(kind, f"{why}; reloading the last committed round {committed}, uploads must be sent again")
-        self.open.version = committed
-        self._committer.serve(None)
-        self.rollbacks += 1
-        await self._reload_when_there_is_room()
-        self._end_round(committed, None, committed=False)
-        self.open.closing = False
-        self._events.notify()
-
-    def _reload(self, version: int, keep: int) -> None:
-        """Worker thread: the committed version's weights and state in force, the sum empty."""
-        with self._intake.fold_lock:
-            self._committer.reload(version, keep)
-            self._intake.sum.reset()
-
-    async def _reload_when_there_is_room(self) -> None:
-        """Reload the last committed round; while the disk is full (its database writes fail),
-        wait and try again, answering uploads 507 meanwhile (`storage_full_since`), so the run
-        goes on by itself once there is room. Any other failure is raised as before."""
-        delay = 0.5
-        while True:
-            try:
-                await asyncio.to_thread(self._reload, self.version, self._configs.config.keep_checkpoints)
-            except Exception as e:
-                if not storage_full(e):
-                    raise
-                if self.storage_full_since is None:
-                    self.storage_full_since = self.clock()
-                    log.warning("going back to round %d waits for room on the disk: %s", self.version, e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, storage.RETRY_AFTER_S)
-                continue
-            if self.storage_full_since is not None:
-                waited = self.clock() - self.storage_full_since
-                self._events.record("storage", f"room on the disk again after {waited:.0f}s: back at round "
-                                               f"{self.version}, uploads are taken again")
-                self.storage_full_since = None
-            return
+        return self.back.count == rollbacks
 
     async def roll_back_to(self, version: int, who: str) -> dict[str, Any]:
-        """Put kept `version`'s weights and optimizer state back in force: the open round r
-        closes with no updates (uploads sent for it are dropped; their senders find it closed
-        and fetch the new model) and version r + 1 is committed with the kept version's
-        state, durably, before this returns (`restore.py`). A round closing when it comes is
-        let finish first (up to `ROLL_BACK_WAIT_S`; then 409 `round_closing`)."""
-        self._check_kept(version)
-        deadline = time.monotonic() + ROLL_BACK_WAIT_S
-        while self.open.closing:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise Refused(409, "round_closing", f"round {self.version} is still closing after "
-                              f"{ROLL_BACK_WAIT_S:g}s; try again in a moment")
-            if not await self._events.wait_changed(min(remaining, 1.0)):
-                await asyncio.sleep(0.05)  # (no notifications before start: look again shortly)
-        self._check_kept(version)  # a commit meanwhile may have pruned it
-        self.open.closing = True  # admit no upload while going back
-        self._intake.abort_direct()
-        try:
-            await self._settle_commit()
-            await self._intake.idle()
-            r = self.version
-            reason = f"rolled back to version {version} by {who}"
-            self._committer.serve(None)  # version r + 1 is served from its file
-            await asyncio.to_thread(self._restore, r, version, reason)
-        finally:
-            self.open.closing = False
-        self._committer.committed(r + 1)
-        self._end_round(r + 1, self.clock(), committed=False)
-        self.enter_round()
-        self.open.reason = "round opened"
-        self._events.record("rollback", f"{reason}: round {r} closed with no updates, version {r + 1} holds the "
-                                        f"weights of version {version}")
-        self._events.notify()
-        return {"version": r + 1, "restored": version}
-
-    def _check_kept(self, version: int) -> None:
-        kept = self._committer.kept_versions()
-        if version not in kept:
-            raise Refused(404, "version_not_kept", f"version {version} is not a kept checkpoint; kept: "
-                                                   f"{', '.join(map(str, kept)) or 'none'}")
-
-    def _restore(self, r: int, version: int, reason: str) -> None:
-        """Worker thread: kept `version` in force, committed again as version r + 1."""
-        cfg = self._configs.config
-        with self._intake.fold_lock:
-            self._committer.restore(version)
-            self._intake.sum.reset()
-            self._committer.reconfigure(cfg, locked=True)  # the config in force may name another algorithm
-        # Outside the fold lock, which the checkpoint writer takes itself; no fold runs (closing).
-        self._committer.commit_restored(r, self._committer.model, reason, cfg, self.open.opened_at,
-                                        self._privacy_meta())
+        """An admin's roll back to kept `version` (`GoingBack.roll_back_to`)."""
+        return await self.back.roll_back_to(version, who)
 
     def _privacy_meta(self) -> dict[str, str] | None:
         """The privacy record a new version carries (its checkpoint metadata), None without DP."""
