@@ -72,7 +72,7 @@ class MaskedPieces:
         self._landing = landing  # (a piece lands verified in a spool file: `landing.py`)
         self._partials: dict[tuple[str, int, str], Partial] = {}
         self._busy: dict[tuple[str, int, str], Partial] = {}  # complete: being assembled and folded
-        self._folded: dict[tuple[str, int], PiecesIn] = {}
+        self._folded: dict[tuple[str, int, str], PiecesIn] = {}
 
     async def receive(self, masked: SecureAggregation, up: Upload, label: str, body: Body,
                       seats: Seats) -> PieceAnswer:
@@ -122,15 +122,15 @@ class MaskedPieces:
         finally:
             del self._busy[key]
         if ticket is not None:
-            self._folded[(up.pid, up.round)] = PiecesIn.of(partial)
+            self._folded[key] = PiecesIn.of(partial)
         return PieceAnswer(ticket, True, ticket is None, len(partial.pieces), [], partial.length, partial.digest())
 
     def _known(self, key: tuple[str, int, str], label: str, up: Upload) -> PieceAnswer | None:
         """The answer for a piece that came before (or an update already folded), None for a new
         one; Refused for one that cannot be taken (other bytes under its label, one too many)."""
         done = self._busy.get(key)
-        if done is not None or (up.pid, up.round) in self._folded:
-            n = len(done.pieces) if done is not None else len(self._folded[(up.pid, up.round)].labels)
+        if done is not None or key in self._folded:
+            n = len(done.pieces) if done is not None else len(self._folded[key].labels)
             return PieceAnswer(None, False, True, n, [], done.length if done is not None else 0, "")
         partial = self._partials.get(key)
         if partial is None:
@@ -166,14 +166,13 @@ class MaskedPieces:
 
     def has_piece(self, pid: str, round_: int, label: str) -> bool:
         """Whether piece `label` of `pid`'s update is in (its update folded counts as in)."""
-        if (pid, round_) in self._folded:
-            return label in self._folded[(pid, round_)].labels
-        return any(k[:2] == (pid, round_) and label in p.pieces
-                   for k, p in (*self._partials.items(), *self._busy.items()))
+        folded = (done for k, done in self._folded.items() if k[:2] == (pid, round_))
+        return any(label in done.labels for done in folded) or any(
+            k[:2] == (pid, round_) and label in p.pieces for k, p in (*self._partials.items(), *self._busy.items()))
 
     def pieces_in(self, round_: int) -> dict[str, PiecesIn]:
         out = {k[0]: PiecesIn.of(p) for k, p in self._partials.items() if k[1] == round_}
-        out.update({pid: done for (pid, r), done in self._folded.items() if r == round_})
+        out.update({pid: done for (pid, r, _), done in self._folded.items() if r == round_})
         return out
 
     def drop(self, keep: Callable[[tuple[str, int, str]], bool]) -> list[tuple[int, int]]:
