@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from fedtrain.coordinator import BackgroundCoordinator
 from tests.helpers.api import client
@@ -102,17 +103,25 @@ def test_a_group_missing_a_piece_at_the_close_is_dropped_and_the_others_merge(tm
         assert torch.allclose(t, want, rtol=0, atol=2 * unit() / 2 / 0.5 + 1e-6), n
 
 
-def local_model(out: Path, name: str, r: int) -> dict[str, torch.Tensor]:
-    """A participant's model as it sent it in round r (its ranks' rows put together)."""
-    from safetensors import safe_open
-
+def local_model(out: Path, name: str, what: str) -> dict[str, torch.Tensor]:
+    """A participant's model (its ranks' rows put together) as it sent it in round r
+    (`what` "round<r>") or as it started round r from the global model ("start<r>")."""
     whole: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for path in sorted(out.glob(f"{name}-rank*-round{r}.safetensors")):
+    for path in sorted(out.glob(f"{name}-rank*-{what}.safetensors")):
         with safe_open(str(path), "pt") as f:
             rows = json.loads(f.metadata()["rows"])
             for n in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 whole.setdefault(n, []).append((rows[n][0], f.get_tensor(n)))
     return {n: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for n, parts in whole.items()}
+
+
+def run_group_and_single(c: BackgroundCoordinator, out: Path) -> None:
+    """A 2-rank FSDP group and a single process (`workers/secagg_worker.py`) to the run's end."""
+    group = worker_group("secagg_worker.py", c.url, "group", str(out))
+    single = track(subprocess.Popen([sys.executable, str(WORKERS / "secagg_worker.py"), c.url, "single", str(out)],
+                                    env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    finished(group)
+    finished(single, timeout=60)
 
 
 def test_an_fsdp_group_beside_a_single_process_merges_the_plain_mean_under_masks(tmp_path: Path) -> None:
@@ -122,11 +131,7 @@ def test_an_fsdp_group_beside_a_single_process_merges_the_plain_mean_under_masks
     out = tmp_path / "out"
     out.mkdir()
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        group = worker_group("secagg_worker.py", c.url, "group", str(out))
-        single = track(subprocess.Popen([sys.executable, str(WORKERS / "secagg_worker.py"), c.url, "single", str(out)],
-                                        env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        finished(group)
-        finished(single, timeout=60)
+        run_group_and_single(c, out)
         final = {n: t.clone() for n, t in c.service.inspect().weights.items()}
         history = c.service.round_history(10)  # newest first
         assert c.service.finished and c.service.status()["secure_aggregation"]["refused_attempts"] == 0
@@ -138,7 +143,43 @@ def test_an_fsdp_group_beside_a_single_process_merges_the_plain_mean_under_masks
         assert 2 * 2 * params < rec["bytes_in"] < 2 * 2 * params + 16 * 4096, rec["bytes_in"]
     weights = {s["participant_id"]: s["weight"] for s in history[0]["submissions"]}
     assert weights["group"] > weights["single"]  # its two ranks' tokens
-    sent = {pid: local_model(out, pid, rounds - 1) for pid in weights}
+    sent = {pid: local_model(out, pid, f"round{rounds - 1}") for pid in weights}
     for n, t in final.items():  # fedavg: θ_new = Σ w θ_local, each contribution within half a unit
         want = sum(w * sent[pid][n] for pid, w in weights.items())
         assert torch.allclose(t, want, rtol=0, atol=2 * unit() / 2 + 1e-5), n
+
+
+@pytest.mark.slow  # (~40 s of process start-ups; the math is test_secagg_fsdp_rows.py's)
+def test_with_distributed_dp_an_fsdp_group_clips_its_assembled_update(tmp_path: Path) -> None:
+    """dp: true. Each round's merge is the plain mean of the updates clipped whole to C (the
+    group's ranks sum their squared norms: a rank's rows are not clipped alone), plus noise: the
+    merge's projection on that mean is 1 within the noise's share, and ε is reported."""
+    pytest.importorskip("dp_accounting")
+    rounds, clip = 2, 1.0
+    cfg = tiny_config(rounds=rounds, min_participants=2, outer={"algorithm": "fedavg"},
+                      train={"sync_every": 3, "lr": 1e-2},
+                      privacy={**SECAGG, "dp": True, "clip_norm": clip, "noise_multiplier": 0.01})
+    out = tmp_path / "out"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        run_group_and_single(c, out)
+        final = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        history = c.service.round_history(10)[::-1]  # oldest first
+        privacy = c.service.status()["privacy"]
+    assert privacy["rounds"] == rounds and privacy["epsilon"] > 0
+    for r, record in enumerate(history):
+        start = local_model(out, "single", f"start{r}")
+        merged = local_model(out, "single", f"start{r + 1}") if r + 1 < rounds else final
+        names = sorted(start)
+
+        def flat(model: dict[str, torch.Tensor], names: list[str] = names) -> torch.Tensor:
+            return torch.cat([model[n].reshape(-1).double() for n in names])
+
+        want = torch.zeros_like(flat(start))
+        for s in record["submissions"]:
+            delta = flat(start) - flat(local_model(out, s["participant_id"], f"round{r}"))
+            assert float(delta.norm()) > 2 * clip  # the clip bites
+            want += s["weight"] * delta * min(1.0, clip / float(delta.norm()))
+        moved = flat(start) - flat(merged)
+        coef = float(moved @ want) / float(want @ want)  # 1: clipped whole; per rank it would be larger
+        assert abs(coef - 1) < 0.05, (r, coef)

@@ -41,19 +41,25 @@ def main(url: str, name: str, out: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     data = TokenStream(load_tokens(parse_data_spec("stdlib:0/2")), batch_size=cfg.train.batch_size,
                        seq_len=cfg.train.seq_len, seed=(100 if group else 200) + rank)
+    def rows_now() -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:  # this rank's rows of the model
+        params = dict(model.named_parameters())
+        layout = shard_layout(params) if group else None
+        mine = {n: local_tensor(p).detach().clone() for n, p in params.items() if layout is None or not layout[n].empty}
+        return mine, {n: [layout[n].start, layout[n].stop] if layout is not None else [0, t.shape[0]]
+                      for n, t in mine.items()}
+
+    def save(what: str, rows: tuple[dict[str, torch.Tensor], dict[str, list[int]]]) -> None:
+        save_file(rows[0], str(out / f"{name}-rank{rank}-{what}.safetensors"), metadata={"rows": json.dumps(rows[1])})
+
     with Participant(client, model=model, name=name, keepalive_s=1.0, inner_optimizer=opt) as fed:
+        save(f"start{fed.round}", rows_now())
         while not fed.finished:
             tokens, loss = train_step(model, opt, data)
-            params = dict(model.named_parameters())
-            layout = shard_layout(params) if group else None
-            sent = {n: local_tensor(p).detach().clone() for n, p in params.items()
-                    if layout is None or not layout[n].empty}
-            rows = {n: [layout[n].start, layout[n].stop] if layout is not None else [0, t.shape[0]]
-                    for n, t in sent.items()}
-            r = fed.round
+            r, sent = fed.round, rows_now()
             if fed.step(tokens=tokens, loss=loss):  # the step synced: `sent` is what went
-                save_file(sent, str(out / f"{name}-rank{rank}-round{r}.safetensors"),
-                          metadata={"rows": json.dumps(rows)})
+                save(f"round{r}", sent)
+                if not fed.finished:
+                    save(f"start{fed.round}", rows_now())  # the global rows the next round starts from
     if group:
         dist.destroy_process_group()
 
