@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -43,18 +44,26 @@ def deltas(c: BackgroundCoordinator) -> dict[str, dict[str, torch.Tensor]]:
             for pid in TOKENS}
 
 
+def whole_uploads_in(c: BackgroundCoordinator, http: httpx.Client) -> tuple[
+        dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], list[Site]]:
+    """Round 0 up to g's pieces: a, b and g join and run the protocol to the upload phase, a and b
+    upload whole. The model before, everyone's Δ, the sites a, b, g."""
+    for pid in TOKENS:
+        ok(http.post("/v1/join", json={"name": pid}))
+    before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+    ds = deltas(c)
+    sites = [Site(http, pid) for pid in TOKENS]
+    run_to_upload(sites, TOKENS)
+    for s in sites[:2]:
+        ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
+    return before, ds, sites
+
+
 def test_masked_pieces_commit_what_the_plain_mean_commits(tmp_path: Path) -> None:
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy=SECAGG)
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
-        for pid in TOKENS:
-            ok(http.post("/v1/join", json={"name": pid}))
-        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
-        ds = deltas(c)
-        sites = [Site(http, pid) for pid in TOKENS]
-        run_to_upload(sites, TOKENS)
-        a, b, g = sites
-        for s in (a, b):
-            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
+        before, ds, sites = whole_uploads_in(c, http)
+        g = sites[2]
         first, second = g.masked_pieces(ds["g"])
         got = ok(g.upload_piece("rank0", first, TOKENS["g"]))
         assert got["complete"] is False and c.service.status()["secure_aggregation"]["uploaded"] == 2
@@ -75,15 +84,8 @@ def test_masked_pieces_commit_what_the_plain_mean_commits(tmp_path: Path) -> Non
 def test_a_group_missing_a_piece_at_the_close_is_dropped_and_the_others_merge(tmp_path: Path) -> None:
     cfg = tiny_config(outer={"algorithm": "fedavg"}, round_timeout_s=3.0, privacy={**SECAGG, "secagg_threshold": 2})
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
-        for pid in TOKENS:
-            ok(http.post("/v1/join", json={"name": pid}))
-        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
-        ds = deltas(c)
-        sites = [Site(http, pid) for pid in TOKENS]
-        run_to_upload(sites, TOKENS)
+        before, ds, sites = whole_uploads_in(c, http)
         a, b, g = sites
-        for s in (a, b):
-            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
         first, _ = g.masked_pieces(ds["g"])
         ok(g.upload_piece("rank0", first, TOKENS["g"]))  # rank 1's piece never comes
         deadline = time.monotonic() + 15  # the round's deadline closes it without g's update

@@ -33,7 +33,6 @@ from fedtrain.coordinator.intake.pieces import (
     ROWS_META,
     Coverage,
     Partial,
-    Piece,
     PiecesIn,
     assemble,
     check_label,
@@ -336,15 +335,13 @@ class Intake:
             await asyncio.to_thread(self.round.check_values, path)  # each piece as it comes
             self._check_piece_fits(key, label, up)  # again: others came in meanwhile
             partial = self._partials.setdefault(key, Partial(up.tokens, Coverage(self._spec)))
-            partial.coverage.add(label, rows)
-            partial.pieces[label] = Piece(path, dict(rows), up.digest, up.length)
+            partial.take(label, rows, path, up.digest, up.length)
             owned = True
         finally:
             if not owned:
                 self._spool_files.discard(path, new)
         if not partial.coverage.complete:
-            return PieceAnswer(None, False, False, len(partial.pieces), partial.coverage.missing(), partial.length,
-                               partial.digest())
+            return PieceAnswer.so_far(len(partial.pieces), partial.coverage.missing(), partial.length, partial.digest())
         del self._partials[key]
         self._assembling[key] = partial  # its pieces still count as in until the update is placed
         try:

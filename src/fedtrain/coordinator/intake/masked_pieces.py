@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fedtrain.coordinator.intake.landing import SpoolLanding
-from fedtrain.coordinator.intake.pieces import MAX_PIECES, Coverage, Partial, Piece, PiecesIn, assemble, piece_rows
+from fedtrain.coordinator.intake.pieces import MAX_PIECES, Coverage, Partial, PiecesIn, assemble, piece_rows
 from fedtrain.coordinator.intake.spool import SpoolFiles
 from fedtrain.coordinator.intake.tickets import FoldsInFlight, PieceAnswer, Seats, Ticket, Upload
 from fedtrain.coordinator.secagg import SecureAggregation
@@ -105,16 +105,14 @@ class MaskedPieces:
             if self._known(key, label, up) is not None:  # the same piece came in meanwhile
                 raise Refused(409, "piece_conflict", f"piece {label!r} of {up.pid}'s update came in twice at once")
             partial = self._partials.get(key) or Partial(up.tokens, Coverage(ring))
-            partial.coverage.add(label, rows)  # 409 piece_overlaps, nothing taken
-            partial.pieces[label] = Piece(path, dict(rows), up.digest, up.length)
+            partial.take(label, rows, path, up.digest, up.length)  # (409 piece_overlaps: nothing taken)
             self._partials[key] = partial
             owned = True
         finally:
             if not owned:
                 self._spool_files.discard(path, new)
         if not partial.coverage.complete:
-            return PieceAnswer(None, False, False, len(partial.pieces), partial.coverage.missing(), partial.length,
-                               partial.digest())
+            return PieceAnswer.so_far(len(partial.pieces), partial.coverage.missing(), partial.length, partial.digest())
         del self._partials[key]
         self._busy[key] = partial
         try:
