@@ -143,12 +143,14 @@ def test_an_fsdp_group_beside_a_single_process_merges_the_plain_mean_under_masks
         assert rec["n_submissions"] == 2
         # every byte in is a ring value (2 a parameter) or a header: no float piece ever came
         assert 2 * 2 * params < rec["bytes_in"] < 2 * 2 * params + 16 * 4096, rec["bytes_in"]
-    weights = {s["participant_id"]: s["weight"] for s in history[0]["submissions"]}
-    assert weights["group"] > weights["single"]  # its two ranks' tokens
-    sent = {pid: local_model(out, pid, f"round{rounds - 1}") for pid in weights}
-    for n, t in final.items():  # fedavg: θ_new = Σ w θ_local, each contribution within half a unit
-        want = sum(w * sent[pid][n] for pid, w in weights.items())
-        assert torch.allclose(t, want, rtol=0, atol=2 * unit() / 2 + 1e-5), n
+    for r, record in enumerate(history[::-1]):  # each round's merge: the next round's start, or the end
+        merged = local_model(out, "single", f"start{r + 1}") if r + 1 < rounds else final
+        weights = {s["participant_id"]: s["weight"] for s in record["submissions"]}
+        assert weights["group"] > weights["single"]  # its two ranks' tokens
+        sent = {pid: local_model(out, pid, f"round{r}") for pid in weights}
+        for n, t in merged.items():  # fedavg: θ_new = Σ w θ_local, each contribution within half a unit
+            want = sum(w * sent[pid][n] for pid, w in weights.items())
+            assert torch.allclose(t, want, rtol=0, atol=2 * unit() / 2 + 1e-5), (r, n)
 
 
 @pytest.mark.slow  # (~40 s of process start-ups; the math is test_secagg_fsdp_rows.py's)
