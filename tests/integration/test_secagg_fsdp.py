@@ -187,3 +187,23 @@ def test_with_distributed_dp_an_fsdp_group_clips_its_assembled_update(tmp_path: 
         moved = flat(start) - flat(merged)
         coef = float(moved @ want) / float(want @ want)  # 1: clipped whole; per rank it would be larger
         assert abs(coef - 1) < 0.05, (r, coef)
+
+
+@pytest.mark.slow  # (~35 s of process start-ups)
+def test_an_fsdp_group_masks_streaming_fragments_with_tau_zero(tmp_path: Path) -> None:
+    """Streaming DiLoCo (K = 2, τ = 0) with secure aggregation: each round the group's ranks mask
+    their rows of that round's fragment only, and the rounds commit without a refused attempt."""
+    cfg = tiny_config(rounds=4, min_participants=2, outer={"algorithm": "fedavg"},
+                      train={"sync_every": 4, "lr": 1e-2}, model={"n_layer": 2},
+                      streaming={"fragments": 2, "overlap": 0, "alpha": 0.0}, privacy=SECAGG)
+    out = tmp_path / "out"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        run_group_and_single(c, out)
+        history = c.service.round_history(10)[::-1]
+        assert c.service.finished and c.service.status()["secure_aggregation"]["refused_attempts"] == 0
+        params = sum(t.numel() for t in c.service.inspect().weights.values())
+    sizes = [r["bytes_in"] for r in history]
+    assert [r["n_submissions"] for r in history] == [2, 2, 2, 2]
+    assert sizes[0] == sizes[2] and sizes[1] == sizes[3] and sizes[0] != sizes[1]  # fragment 0, 1, 0, 1
+    assert sizes[0] + sizes[1] < 2 * 2 * params + 16 * 4096  # the two fragments: the model once, in the ring
