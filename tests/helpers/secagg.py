@@ -3,16 +3,23 @@ client acts for anyone): enrol, advertise keys, share, mask and upload, reveal."
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
 from typing import Any
 
 import httpx
 import torch
 
+from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.privacy.keys import ParticipantKeys, PublicKeys
 from fedtrain.privacy.participant_round import SecAggParticipant
 from fedtrain.privacy.round_setup import SECAGG_META, setup_from_json
 from fedtrain.wire import DIGEST_HEADER, EncodedBody
+from fedtrain.wire.format import ROWS_META
+
+#: One masked piece: its tensors (flat ring values) and each one's element range [lo, hi).
+Piece = tuple[dict[str, torch.Tensor], dict[str, list[int]]]
 
 
 def body_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> tuple[bytes, str]:
@@ -97,6 +104,33 @@ class Site:
         return self.http.put(f"/v1/rounds/{self.r}/updates/{self.pid}", params={"tokens": tokens}, content=data,
                              headers={DIGEST_HEADER: digest})
 
+    def masked_pieces(self, delta: dict[str, torch.Tensor], pieces: int = 2) -> list[Piece]:
+        """Δ masked as an FSDP group's ranks mask it: each tensor's flat elements cut into `pieces`
+        ranges (off a 64-byte block), each range masked at its offset with the group's seeds."""
+        if not self.sharing:
+            self.receive()
+        assert self.sp is not None
+        masks, weight = self.sp.group_masks(self.sharing), self.weight
+        out: list[Piece] = [({}, {}) for _ in range(pieces)]
+        for name, t in delta.items():
+            flat = t.reshape(-1)
+            cuts = [0, *sorted({min(flat.numel(), flat.numel() * k // pieces + 3) for k in range(1, pieces)}),
+                    flat.numel()]
+            for k, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+                if hi > lo:
+                    out[k][0][name] = torch.from_numpy(masks.mask_rows(name, flat[lo:hi], weight, lo))
+                    out[k][1][name] = [lo, hi]
+        return out
+
+    def upload_piece(self, label: str, piece: Piece, tokens: int = 100,
+                     meta: dict[str, str] | None = None) -> httpx.Response:
+        tensors, ranges = piece
+        meta = meta if meta is not None else {SECAGG_META: json.dumps({"session": self.session, "bits": 16}),
+                                              ROWS_META: json.dumps(ranges)}
+        data, digest = body_bytes(tensors, meta)
+        return self.http.put(f"/v1/rounds/{self.r}/updates/{self.pid}", params={"tokens": tokens, "piece": label},
+                             content=data, headers={DIGEST_HEADER: digest})
+
     def reveal(self) -> httpx.Response:
         u = self.http.get(f"{self.base}/unmask/{self.pid}", params={"session": self.session})
         assert u.status_code == 200, u.text
@@ -125,3 +159,17 @@ def run_to_upload(sites: list[Site], tokens: dict[str, int]) -> None:
         ok(s.share())
     for s in sites:
         s.receive()
+
+
+def reveal_and_commit(c: BackgroundCoordinator, sites: list[Site], version: int, within_s: float = 15.0) -> None:
+    """Once the round's attempt is in its reveal phase, each of `sites` reveals; then wait until
+    the coordinator has committed `version`."""
+    deadline = time.monotonic() + within_s
+    while c.service.status()["secure_aggregation"]["phase"] != "reveal":
+        assert time.monotonic() < deadline, c.service.status()["reason"]
+        time.sleep(0.02)
+    for s in sites:
+        ok(s.reveal())
+    while c.service.inspect().committed_version < version:
+        assert time.monotonic() < deadline + 10, c.service.status()["reason"]
+        time.sleep(0.02)

@@ -112,25 +112,34 @@ Term = tuple[bytes, str, int]
 _PARALLEL_MIN = 1 << 20
 
 
-def apply_masks(target: np.ndarray, terms: Sequence[Term], label: str, bits: int, workers: int = 1) -> np.ndarray:
-    """target ± each term's stream, in place. With `workers` > 1 the tensor is cut into block-aligned
-    ranges drawn in threads (ChaCha20 in `cryptography` and numpy's ring additions release the
-    GIL); each range starts its streams at its own block counter, so the result is the same."""
+def apply_masks(target: np.ndarray, terms: Sequence[Term], label: str, bits: int, workers: int = 1,
+                offset: int = 0) -> np.ndarray:
+    """target ± each term's stream, in place; `target` holds elements [offset, offset + size) of the
+    tensor (an FSDP rank's rows, flat), so it takes that slice of each stream. With `workers` > 1
+    it is cut into block-aligned ranges drawn in threads (ChaCha20 in `cryptography` and numpy's
+    ring additions release the GIL); each range starts its streams at its own block counter, so
+    the result is the same. A stream starts only at a 64-byte block: a range that does not begin
+    on one draws from the enclosing block and drops the head."""
+    if offset < 0:
+        raise PrivacyError(f"a mask range starts at element 0 or later, not {offset}")
     size = target.size
     step = 64 // (bits // 8)  # elements per ChaCha20 block
     parts = max(1, min(workers, size // _PARALLEL_MIN))
-    bounds = [min(size, -(-size * i // parts // step) * step) for i in range(parts + 1)]
+    # cut points in the tensor's own element numbers, on block boundaries (except the two ends)
+    inner = [-(-(offset + size * i // parts) // step) * step for i in range(1, parts)]
+    bounds = [offset, *(min(offset + size, b) for b in inner), offset + size]
 
-    def run(lo: int, hi: int) -> None:
+    def run(lo: int, hi: int) -> None:  # elements [lo, hi) of the tensor
         if hi <= lo:
             return
-        scratch = np.empty(hi - lo, dtype=target.dtype)
+        head = lo % step  # (only the first range can start off a block)
+        scratch = np.empty(hi - lo + head, dtype=target.dtype)
         for seed, kind, sign in terms:
-            mask_stream(seed, kind, label, hi - lo, bits, out=scratch, start=lo)
-            (ring_add if sign > 0 else ring_sub)(target[lo:hi], scratch)
+            mask_stream(seed, kind, label, scratch.size, bits, out=scratch, start=lo - head)
+            (ring_add if sign > 0 else ring_sub)(target[lo - offset : hi - offset], scratch[head:])
 
     if parts == 1:
-        run(0, size)
+        run(offset, offset + size)
     else:
         with ThreadPoolExecutor(parts) as pool:
             list(pool.map(run, bounds[:-1], bounds[1:]))
@@ -145,16 +154,18 @@ def mask_tensor(
     pair_seeds: Mapping[int, bytes],
     fp: FixedPoint,
     workers: int = 1,
+    offset: int = 0,
 ) -> np.ndarray:
-    """`encoded` (ring elements of one tensor) plus u's self mask and signed pairwise masks, in place:
-    + PRG(s_uv) where u < v, − where u > v. Returns the same array."""
+    """`encoded` (ring elements of one tensor, or of its elements [offset, offset + size): a piece)
+    plus u's self mask and signed pairwise masks, in place: + PRG(s_uv) where u < v, − where u > v.
+    Returns the same array."""
     if encoded.dtype != fp.dtype:
         raise PrivacyError(f"a 2^{fp.bits} ring tensor is {fp.dtype}, got {encoded.dtype}")
     if me in pair_seeds:
         raise PrivacyError(f"participant {me} cannot be paired with itself")
     terms: list[Term] = [(self_seed, SELF, 1)]
     terms += [(pair_seeds[peer], PAIR, 1 if me < peer else -1) for peer in sorted(pair_seeds)]
-    return apply_masks(encoded, terms, label, fp.bits, workers)
+    return apply_masks(encoded, terms, label, fp.bits, workers, offset)
 
 
 def check_labels(labels: Sequence[str]) -> None:

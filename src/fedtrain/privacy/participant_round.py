@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,11 +31,44 @@ import torch
 from fedtrain.privacy.failures import NotEnoughShares, PrivacyError
 from fedtrain.privacy.keys import ParticipantKeys, PublicKeys
 from fedtrain.privacy.masks import SEED_BYTES, check_labels, mask_tensor, pairing_graph
-from fedtrain.privacy.ring import ring_add
+from fedtrain.privacy.ring import FixedPoint, ring_add
 from fedtrain.privacy.round_setup import RoundSetup
 from fedtrain.privacy.shamir import split
 from fedtrain.privacy.shares import ShareBundle, open_sealed, seal
 from fedtrain.privacy.unmask import KEY, SEED, RevealedShare
+
+
+@dataclass(frozen=True)
+class GroupMasks:
+    """Participant `me`'s seeds of one round, as its FSDP ranks hold them: each rank masks the rows
+    it holds of each tensor with the same streams at the rows' element offsets, so the pieces
+    together are exactly the upload the participant would have masked whole."""
+
+    me: int
+    fixed_point: FixedPoint
+    self_seed: bytes
+    pair_seeds: Mapping[int, bytes]
+
+    def mask_rows(self, label: str, values: torch.Tensor, weight: float, offset: int, workers: int = 1) -> np.ndarray:
+        """`weight · clamp(values)` (elements [offset, offset + numel) of tensor `label`, flat) in
+        fixed point, plus the masks' slice for those elements."""
+        fp = self.fixed_point
+        return mask_tensor(fp.encode(values, weight), label, self.me, self.self_seed, self.pair_seeds, fp, workers,
+                           offset)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"me": self.me, "fixed_point": [self.fixed_point.bits, self.fixed_point.clip,
+                                               self.fixed_point.precision_bits, self.fixed_point.n_max],
+                "self": self.self_seed.hex(), "pairs": {str(v): s.hex() for v, s in self.pair_seeds.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GroupMasks:
+        bits, clip, precision, n_max = data["fixed_point"]
+        seeds = {int(v): bytes.fromhex(s) for v, s in data["pairs"].items()}
+        own = bytes.fromhex(data["self"])
+        if len(own) != SEED_BYTES or any(len(s) != SEED_BYTES for s in seeds.values()):
+            raise PrivacyError(f"a mask seed is {SEED_BYTES} bytes")
+        return cls(int(data["me"]), FixedPoint(int(bits), float(clip), int(precision), int(n_max)), own, seeds)
 
 
 class SecAggParticipant:
@@ -145,6 +180,14 @@ class SecAggParticipant:
     ) -> dict[str, np.ndarray]:
         check_labels(list(update))
         return {name: self.mask_tensor(name, t, weight, sharing) for name, t in update.items()}
+
+    def group_masks(self, sharing: Collection[int]) -> GroupMasks:
+        """This round's seeds (self and pairwise), for the ranks of this participant's own process
+        group: an FSDP rank masks its rows with them (`GroupMasks.mask_rows`). They never leave the
+        participant's processes; its own `mask` is not used after this (each mask once)."""
+        if self._masked_labels or self._premasks:
+            raise PrivacyError("the seeds go to the group before any tensor is masked, not after")
+        return GroupMasks(self.me, self.setup.fixed_point, self._self_seed, dict(self._pairs(sharing)))
 
     def reveal(self, survivors: Collection[int], dropped: Collection[int]) -> list[RevealedShare]:
         """The shares the coordinator needs to unmask: self-seed shares of survivors, mask-key shares

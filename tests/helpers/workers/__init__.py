@@ -7,7 +7,7 @@ import atexit
 import contextlib
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 def end_at_once(code: int = 0) -> NoReturn:
@@ -20,3 +20,14 @@ def end_at_once(code: int = 0) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
+
+
+def train_step(model: Any, opt: Any, data: Any) -> tuple[int, float]:
+    """One inner step of the built-in GPT on the next batch of `data` (a `TokenStream`): its
+    tokens and loss."""
+    x, y = data.next_batch()
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return x.numel(), float(loss)

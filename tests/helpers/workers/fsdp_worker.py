@@ -26,7 +26,7 @@ from fedtrain.participant.engine.outage import OutagePolicy
 from fedtrain.participant.ranks.shards import local_tensor, shard_layout
 from fedtrain.recipes.build import build_model
 from fedtrain.recipes.data import TokenStream, load_tokens, parse_data_spec
-from tests.helpers.workers import end_at_once
+from tests.helpers.workers import end_at_once, train_step
 
 
 def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePolicy, speed: float) -> None:
@@ -53,12 +53,8 @@ def main(url: str, name: str, out: Path, key_file: Path | None, outage: OutagePo
                             "fields": sorted(diff)})
 
         while not fed.finished:
-            x, y = data.next_batch()
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if fed.step(tokens=x.numel(), loss=float(loss)) and fed.sync_in_flight:
+            tokens, loss = train_step(model, opt, data)
+            if fed.step(tokens=tokens, loss=loss) and fed.sync_in_flight:
                 sent_and_trained_on += 1  # an overlapped sync: sent, and back to training at once
     layout = shard_layout(dict(model.named_parameters()))
     mine = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters() if not layout[n].empty}

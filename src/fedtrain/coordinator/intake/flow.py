@@ -27,12 +27,12 @@ from fedtrain.coordinator.intake.attempts import Attempts
 from fedtrain.coordinator.intake.direct_sum import DirectUpload
 from fedtrain.coordinator.intake.folds import MergeInputs, Pending, RoundSum
 from fedtrain.coordinator.intake.landing import Landed, Landing, SpoolLanding, SumLanding
+from fedtrain.coordinator.intake.masked_pieces import MaskedPieces, fold_masked
 from fedtrain.coordinator.intake.parts import PartSessions
 from fedtrain.coordinator.intake.pieces import (
     ROWS_META,
     Coverage,
     Partial,
-    Piece,
     PiecesIn,
     assemble,
     check_label,
@@ -47,7 +47,6 @@ from fedtrain.coordinator.secagg import SecureAggregation
 from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import RunningSum, check_compatible
 from fedtrain.merge.robust import clip_scale
-from fedtrain.privacy.failures import PrivacyError
 from fedtrain.transport import Body, fast_io_enabled
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import TensorSpec
@@ -89,6 +88,7 @@ class Intake:
         self._streaming: dict[tuple[str, int], dict[str, int]] = {}  # (participant, round) -> label -> bytes
         self.last_path: policy.ReceivePath | None = None  # where the latest upload went, and why
         self.masked: SecureAggregation | None = None  # secure aggregation: uploads are masked (`_receive_masked`)
+        self.masked_pieces = MaskedPieces(self._spool_files, self._in_flight, self._to_spool)  # (FSDP groups)
 
     # -- what others may read ---------------------------------------------------------------
 
@@ -124,6 +124,7 @@ class Intake:
         in (the labels so far, the share of the sync set they hold) and those made whole."""
         out = {pid: PiecesIn.of(partial) for (pid, r), partial in self._partials.items() if r == round_}
         out.update({pid: done for (pid, r), done in self._assembled.items() if r == round_})
+        out.update(self.masked_pieces.pieces_in(round_))
         return out
 
     def transfer_view(self, pid: str) -> dict[str, object] | None:
@@ -210,21 +211,7 @@ class Intake:
         landed = await self._to_spool.land(up, body, attempt.check_header)
         assert landed.path is not None
         try:
-            ticket = seats.reserve(up)
-            if ticket is None:
-                return None
-            self._in_flight.enter()
-            try:
-                await asyncio.to_thread(attempt.fold, up.pid, landed.path)
-            except PrivacyError as e:
-                ticket.release()
-                raise Refused(409, "secagg_upload", e.args[0]) from None
-            except BaseException:
-                ticket.release()
-                raise
-            finally:
-                self._in_flight.leave()
-            return ticket
+            return await fold_masked(attempt, up, landed.path, seats, self._in_flight)
         finally:
             self._spool_files.discard(landed.path, landed.new)
 
@@ -318,10 +305,8 @@ class Intake:
                             may_reach: Callable[[], int]) -> PieceAnswer:
         """Receive and verify one piece of `up.pid`'s update for the open round (`pieces.py`);
         once the pieces cover the sync set, assemble and place the update like any other."""
-        if self.masked is not None:  # a masked update is one body: its masks cover every tensor
-            await body.drain()
-            raise Refused(409, "secagg_pieces", "with secure aggregation an update is one masked body (its masks "
-                          "cover every tensor): pieces of an update (FSDP ranks) are not wired yet")
+        if self.masked is not None:  # an FSDP group's masked pieces: folded once they cover the round's tensors
+            return await self.masked_pieces.receive(self.masked, up, label, body, seats)
         key = (up.pid, up.round)
         if key in self._assembling:  # complete: its last piece is being assembled and placed
             await body.drain()
@@ -350,15 +335,13 @@ class Intake:
             await asyncio.to_thread(self.round.check_values, path)  # each piece as it comes
             self._check_piece_fits(key, label, up)  # again: others came in meanwhile
             partial = self._partials.setdefault(key, Partial(up.tokens, Coverage(self._spec)))
-            partial.coverage.add(label, rows)
-            partial.pieces[label] = Piece(path, dict(rows), up.digest, up.length)
+            partial.take(label, rows, path, up.digest, up.length)
             owned = True
         finally:
             if not owned:
                 self._spool_files.discard(path, new)
         if not partial.coverage.complete:
-            return PieceAnswer(None, False, False, len(partial.pieces), partial.coverage.missing(), partial.length,
-                               partial.digest())
+            return PieceAnswer.so_far(len(partial.pieces), partial.coverage.missing(), partial.length, partial.digest())
         del self._partials[key]
         self._assembling[key] = partial  # its pieces still count as in until the update is placed
         try:
@@ -415,13 +398,13 @@ class Intake:
             for piece in partial.pieces.values():
                 self._spool_files.give_back(piece.path)
             dropped.append((key[1], len(partial.pieces)))
-        return dropped
+        return dropped + self.masked_pieces.drop(lambda k: k[0] != pid)
 
     def has_piece(self, pid: str, round_: int, label: str) -> bool:
         """Whether piece `label` of `pid`'s update for `round_` is in, its update not yet placed
         in the round (complete and being assembled counts as in)."""
         partial = self._partials.get((pid, round_)) or self._assembling.get((pid, round_))
-        return partial is not None and label in partial.pieces
+        return (partial is not None and label in partial.pieces) or self.masked_pieces.has_piece(pid, round_, label)
 
     def _check_piece_fits(self, key: tuple[str, int], label: str, up: Upload) -> None:
         check_label(label)
@@ -481,6 +464,7 @@ class Intake:
                 self._spool_files.give_back(piece.path)
         self._partials.clear()
         self._assembled.clear()
+        self.masked_pieces.clear()
         self._failure = None
         self.parts.drop_where(lambda k: k[1] >= oldest_round)  # uploads in parts the run no longer takes
 

@@ -204,6 +204,12 @@ class Partial:
     def length(self) -> int:
         return sum(p.length for p in self.pieces.values())
 
+    def take(self, label: str, rows: Rows, path: Path, digest: str, length: int) -> None:
+        """Piece `label` (spooled at `path`) in; one overlapping a piece in is refused (409
+        piece_overlaps) and nothing is taken."""
+        self.coverage.add(label, rows)
+        self.pieces[label] = Piece(path, dict(rows), digest, length)
+
     def digest(self) -> str:
         """One digest for the whole update: its pieces', by label."""
         return "pieces:" + ",".join(f"{label}={p.digest}" for label, p in sorted(self.pieces.items()))

@@ -69,6 +69,11 @@ class PieceAnswer:
     length: int
     digest: str
 
+    @classmethod
+    def so_far(cls, pieces: int, missing: list[str], length: int, digest: str) -> PieceAnswer:
+        """A piece taken that leaves its update incomplete: the pieces in, what is still missing."""
+        return cls(None, False, False, pieces, missing, length, digest)
+
 
 class FoldsInFlight:
     """A count of folds in flight (event loop only), with a wait for none."""

@@ -233,10 +233,13 @@ class Attempt:
             raise Refused(400, "secagg_tokens", f"the upload claims {tokens} tokens, its claim {self._claims[i]}: "
                           "the weights were fixed from the claims")
 
-    def check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
-        """A masked body: the round's tensors, flat, in the ring's unsigned dtype, for this session."""
-        assert self.setup is not None
-        want = torch.uint16 if self.setup.fixed_point.bits == 16 else torch.uint32
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The names and shapes of the tensors this attempt's masked updates hold (flat)."""
+        return dict(self._shapes)
+
+    def check_session_meta(self, metadata: dict[str, str]) -> None:
+        """A masked body's (or piece's) metadata names this attempt's session."""
         try:
             about = json.loads(metadata[SECAGG_META])
         except (KeyError, ValueError):
@@ -244,6 +247,12 @@ class Attempt:
                             f"{SECAGG_META} must be JSON {{session, bits}}") from None
         if not isinstance(about, dict) or about.get("session") != self.session:
             raise WireError(f"the masked body is not of round {self.round}'s session {self.session}")
+
+    def check_header(self, specs: dict[str, TensorSpec], metadata: dict[str, str]) -> None:
+        """A masked body: the round's tensors, flat, in the ring's unsigned dtype, for this session."""
+        assert self.setup is not None
+        want = torch.uint16 if self.setup.fixed_point.bits == 16 else torch.uint32
+        self.check_session_meta(metadata)
         if set(specs) != set(self._shapes):
             raise WireError(f"a masked update holds the round's {len(self._shapes)} tensors, got {len(specs)}")
         for name, spec in specs.items():

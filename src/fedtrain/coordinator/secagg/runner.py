@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fedtrain.coordinator.secagg.attempt import Attempt, conflict
@@ -29,12 +30,22 @@ from fedtrain.privacy.unmask import RevealedShare
 MAX_WAIT_S = 60.0
 
 
+@dataclass(frozen=True)
+class RoundLink:
+    """What the round loop lends the secure aggregation. `shapes(round)`: the names and shapes of
+    the tensors round `round` syncs (the whole sync set, or with Streaming DiLoCo the round's
+    fragment: the masked uploads and the ring sum hold those only); `active()`: the active
+    participants (the keys phase waits for them); `count_tokens(pid, round, claim)`: the tokens a
+    claim counts as (`policy.count_tokens`); `weigh(claims)`: the round's public weights of the claims."""
+
+    shapes: Callable[[int], Mapping[str, tuple[int, ...]]]
+    active: Callable[[], set[str]]
+    count_tokens: Callable[[str, int, int], int]
+    weigh: Callable[[dict[str, int]], dict[str, float]]
+
+
 class SecureAggregation:
-    """The open round's attempt and its moves. `shapes(round)`: the names and shapes of the tensors
-    round `round` syncs (the whole sync set, or with Streaming DiLoCo the round's fragment: the
-    masked uploads and the ring sum hold those only); `active()`: the active participants (the keys
-    phase waits for them); `count_tokens(pid, round, claim)`: the tokens a claim counts as
-    (`policy.count_tokens`); `weigh(claims)`: the round's public weights of the claims."""
+    """The open round's attempt and its moves, over what the round loop lends it (`RoundLink`)."""
 
     def __init__(self, privacy: Any, run: str, shapes: Callable[[int], Mapping[str, tuple[int, ...]]], round_: int,
                  events: Events,
@@ -43,17 +54,15 @@ class SecureAggregation:
                  weigh: Callable[[dict[str, int]], dict[str, float]]) -> None:
         self.privacy = privacy
         self._run = run
-        self._shapes = shapes
         self._events = events
         self.clock = clock
-        self._active = active
-        self._count_tokens = count_tokens
-        self._weigh = weigh
+        self._link = RoundLink(shapes, active, count_tokens, weigh)
         self.refused = 0  # attempts refused since the start (too few answers or shares)
         self.attempt = self._new(round_)
 
     def _new(self, round_: int) -> Attempt:
-        return Attempt(round_, self._run, self.privacy, self._shapes(round_), self.clock(), self._weigh)
+        link = self._link
+        return Attempt(round_, self._run, self.privacy, link.shapes(round_), self.clock(), link.weigh)
 
     # -- the round loop's side ----------------------------------------------------------------------
 
@@ -71,7 +80,7 @@ class SecureAggregation:
     def tick(self) -> None:
         """Close the phase whose answers are in or whose time is up (keys, shares, claims; reveal
         is waited for by `unmask`). On the round's tick and after each answer."""
-        a, now, active = self.attempt, self.clock(), self._active()
+        a, now, active = self.attempt, self.clock(), self._link.active()
         timeout = self.privacy.secagg_phase_timeout_s
         if a.phase == "keys":
             need = self.privacy.secagg_threshold or 2
@@ -186,7 +195,8 @@ class SecureAggregation:
             public = PublicKeys.from_json(keys)
         except PrivacyError as e:
             raise Refused(400, "secagg_keys", e.args[0]) from None
-        i = a.advertise(pid, public, None if tokens is None else self._count_tokens(pid, round_, tokens), self.clock())
+        counts = None if tokens is None else self._link.count_tokens(pid, round_, tokens)
+        i = a.advertise(pid, public, counts, self.clock())
         counted = a.claim(pid)
         self.tick()  # the phase closes at once when every active participant's keys are in
         self._events.notify()
@@ -196,7 +206,7 @@ class SecureAggregation:
         """A token claim after the shares (keys and shares were exchanged before training)."""
         a = self.current(round_)
         a.check(session, "shares", "claims")
-        a.post_claim(pid, self._count_tokens(pid, round_, tokens), self.clock())
+        a.post_claim(pid, self._link.count_tokens(pid, round_, tokens), self.clock())
         self.tick()  # the phase closes at once when every participant that shared has claimed
         self._events.notify()
         return {"session": a.session, "tokens_counted": a.claim(pid)}

@@ -28,13 +28,15 @@ from torch import nn
 from fedtrain import faults
 from fedtrain.config import RunConfig
 from fedtrain.config.privacy import secagg_on
-from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, FedtrainError, ModelMismatchError
+from fedtrain.errors import CoordinatorError, FedtrainError, ModelMismatchError
 from fedtrain.participant.client.coordinator_client import CoordinatorClient, RetryPolicy, Timeouts
 from fedtrain.participant.client.keys import join_as
 from fedtrain.participant.client.presence import Presence, TokenRate
-from fedtrain.participant.engine.outage import OutagePolicy, OutageState, next_attempt
+from fedtrain.participant.engine.outage import OutagePolicy
 from fedtrain.participant.engine.pace import Pace, check_speed
 from fedtrain.participant.engine.records import ConfigCallback, EvalFn, RoundBook
+from fedtrain.participant.engine.ride_out import GroupOutage
+from fedtrain.participant.engine.secagg_pieces import exchange_masked_pieces
 from fedtrain.participant.engine.secagg_sync import start_ahead
 from fedtrain.participant.engine.sync_schedule import Exchanges, InFlight, Plan, decide, plan_of
 from fedtrain.participant.ranks.control import Outcome, RankGroup
@@ -89,11 +91,9 @@ class Participant:
         self.info = {**(info or {}), **self.role.info}
         self.key_file = Path(key_file) if key_file is not None and self.ranks.lead else None
         self.outage_policy = outage
-        self._outage = OutageState()
         budget = outage.budget_s if outage.budget_s is not None else self.client.retry.max_elapsed_s
-        self._outage_budget_s = budget
+        self._outage = GroupOutage(self.ranks, self.client, outage, budget)  # (`ride_out.py`)
         self._attempt_retry = self.client.retry.within(outage.attempt_window(budget))  # each call of one attempt
-        self.outages: list[dict[str, Any]] = []  # each outage ridden out: {"round", "seconds", "attempts"}
         self.participant_id: str = ""
         self.round = 0
         self.finished = False
@@ -167,6 +167,11 @@ class Participant:
     def shard_bytes(self) -> int:
         """Bytes of this rank's snapshot: its rows of the sync set (a replicated rank > 0: none)."""
         return self._engine.snapshot_bytes if self._engine is not None else 0
+
+    @property
+    def outages(self) -> list[dict[str, Any]]:
+        """Each outage ridden out: {"round", "seconds", "attempts"}."""
+        return self._outage.outages
 
     @property
     def latest_config_version(self) -> int:
@@ -312,7 +317,7 @@ class Participant:
             return False  # no collective below the send point
         pending = self._exchanges.pending is not None
         ready = self.ranks.all_true(self._exchanges.ready) if pending else False
-        may = not self._outage.active or self.ranks.rank0_says(time.monotonic() >= self._outage.next_at)
+        may = self._outage.may_attempt()
         synced = False
         for action in decide(plan, self.book.round_steps, in_flight=pending, ready=ready, may_attempt=may):
             if action == "land":
@@ -349,7 +354,7 @@ class Participant:
         unsent = self._take_counts()
         self.role.settle()
         faults.hit("participant.sync", who=self.name or self.participant_id, round=r)
-        if self._outage.active and not self._coordinator_back():
+        if self._outage.active and not self._outage.coordinator_back(r):
             return False
         if self._record is None or self._record["round"] != r:  # an attempt after a failed one keeps its record
             self._record = self.book.open(r, self.sync_every)
@@ -357,13 +362,17 @@ class Participant:
         tokens = self.book.tokens_of(r, unsent, fixed=self.role.pieces)
         engine = self._exchanges.engine_of(r)
         at = (self._exchanges.bytes_up, self._exchanges.bytes_down)
-        outcomes, error = self.ranks.together(
-            None if engine is None else
-            lambda: engine.fetch(r, self.participant_id, self.config, tokens=tokens, retry=self._attempt_retry),
-            cancel=engine.cancel if engine is not None else None)
+        if engine is not None and engine.piece is not None and secagg_on(self.config):  # every rank of an FSDP group
+            outcomes, error = exchange_masked_pieces(self.ranks, engine, r, self.participant_id, self.config,
+                                                     tokens=tokens, retry=self._attempt_retry)
+        else:
+            outcomes, error = self.ranks.together(
+                None if engine is None else
+                lambda: engine.fetch(r, self.participant_id, self.config, tokens=tokens, retry=self._attempt_retry),
+                cancel=engine.cancel if engine is not None else None)
         if not all(o.ok for o in outcomes):
             self.book.attempt_failed(r, time.perf_counter() - t0)  # counted in the round's sync_s
-            self._ride_out(r, outcomes, error)
+            self._outage.failed(r, outcomes, error)
             return False
         self._unsent_tokens = 0
         self._record = None
@@ -406,7 +415,7 @@ class Participant:
             self._exchanges.failed(sent, keep_progress=not streaming)
             if streaming:  # the fragment's exchange is tried again, whole, after a backoff
                 self.book.attempt_failed(r, time.perf_counter() - t0)
-                self._ride_out(r, outcomes, error)
+                self._outage.failed(r, outcomes, error)
                 return False
             self.ranks.raise_lasting(outcomes, error)  # overlapped DiLoCo: the round's contribution is lost
             log.warning("overlapped sync of round %d failed (%s); continuing from local weights", r,
@@ -450,9 +459,7 @@ class Participant:
             engine.adopt(None if end else sent.sent)
         self.role.landed(self.changed)
         self._enter_round(version)
-        ended, self._outage = self._outage.ended(r, quiet=not self.ranks.lead), OutageState()
-        if ended is not None:
-            self.outages.append(ended)
+        self._outage.ended(r)
 
     def _enter_round(self, version: int) -> None:
         """The model now holds global version `version`: it is the round we are in (secure
@@ -463,7 +470,7 @@ class Participant:
         if secagg_on(self.config) and not self.finished and engine is not None and engine.piece is None:
             start_ahead(engine, version, self.participant_id, self.config, self._attempt_retry)
 
-    # -- agreeing, failing, riding out an outage ---------------------------------------------------------
+    # -- agreeing ------------------------------------------------------------------------------------
 
     def _settle(self, outcomes: list[Outcome], engine: Any) -> int:
         """The version the ranks' downloads agree on. The coordinator may commit a round between
@@ -478,41 +485,6 @@ class Participant:
                                                                     transfer=self.book.config.transfer))
             self.ranks.raise_failed(outcomes, error)
         return self.ranks.agreed(outcomes)
-
-    def _ride_out(self, r: int, outcomes: list[Outcome], error: BaseException | None) -> None:
-        """A sync attempt failed on some rank: ride it out as a group (every rank's engine has put
-        its snapshot back; rank 0 decides when to try again, or to give up), or raise on every
-        rank when the failure is not one to ride out."""
-        self.ranks.raise_lasting(outcomes, error)
-        failed = [o for o in outcomes if not o.ok]
-        first = next((o for o in failed if o.code != "cancelled"), failed[0])
-        self._outage_failed(r, first.error if self.world_size == 1 else f"rank {first.rank}: {first.error}")
-
-    def _outage_failed(self, r: int, message: str) -> None:
-        """Rank 0 decides when the group tries again (`outage.next_attempt`), or that it gives up."""
-        decision = None
-        if self.ranks.lead:
-            self._outage.last_error = message
-            attempt = next_attempt(self._outage, time.monotonic(), self.outage_policy, self._outage_budget_s)
-            decision = {"action": attempt.action, "reason": attempt.reason, "delay_s": attempt.delay_s}
-            if attempt.action != "give_up":
-                log.warning("round %d: %s", r, attempt.reason)
-        decision = self.ranks.broadcast_json(decision)
-        if decision["action"] == "give_up":  # on every rank, the others naming rank 0 as the one that decided
-            why = decision["reason"] if self.ranks.lead else f"rank 0 of this participant failed: {decision['reason']}"
-            raise CoordinatorUnavailable(why, status=0, code="unavailable")
-        self._outage.retry_in(float(decision["delay_s"]))
-
-    def _coordinator_back(self) -> bool:
-        """During an outage: a cheap probe (rank 0) before spending an eval and an upload on an attempt."""
-        probe = min(2.0, self.outage_policy.attempt_s)
-        outcomes, error = self.ranks.together(
-            (lambda: self.client.health(retry=self.client.retry.within(probe)) and None) if self.ranks.lead else None)
-        if outcomes[0].ok:
-            return True
-        self.ranks.raise_lasting(outcomes, error)
-        self._outage_failed(self.round, outcomes[0].error)
-        return False
 
     def _heartbeat_stats(self) -> dict[str, Any]:
         """What rank 0's heartbeats tell (read on the heartbeat thread): the group's throughput,

@@ -43,7 +43,7 @@ from fedtrain.participant.client.secagg import SecAggCalls
 from fedtrain.privacy.clipping import distributed_std, private_contribution
 from fedtrain.privacy.failures import PrivacyError
 from fedtrain.privacy.keys import ParticipantKeys, PublicKeys
-from fedtrain.privacy.participant_round import SecAggParticipant
+from fedtrain.privacy.participant_round import GroupMasks, SecAggParticipant
 from fedtrain.privacy.round_setup import SECAGG_META, setup_from_json
 from fedtrain.privacy.unmask import RevealedShare
 from fedtrain.transport.progress import Progress
@@ -103,9 +103,8 @@ def submit_masked(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, to
     """Send our Δ (held in the engine's snapshot) to round r under secure aggregation and wait
     until the round is merged: True, or False when our update is not in it (the caller then
     downloads the current model, as after a round that closed before our upload)."""
-    if engine.piece is not None:
-        raise ConfigError("secure aggregation takes whole updates: FSDP pieces are not wired yet (use DDP or a "
-                          "single process)")
+    if engine.piece is not None:  # (an FSDP group's masked pieces: `secagg_pieces.exchange_masked_pieces`)
+        raise ConfigError("an FSDP rank masks its rows as a piece of its group's update: use exchange_masked_pieces")
     calls = SecAggCalls(engine.client, pid, retry)
     give_up_at = time.monotonic() + _patience(engine, config)
     ahead = _take_ahead(engine, r)
@@ -152,6 +151,75 @@ def start_ahead(engine: SyncEngine, r: int, pid: str, config: RunConfig, retry: 
                 future.set_result(None)
 
     threading.Thread(target=run, name=f"fedtrain-secagg-{r}", daemon=True).start()
+
+
+@dataclass
+class Lead:
+    """Rank 0 of an FSDP group in round `round`'s attempt, up to the upload: its protocol state,
+    and what every rank needs to mask its rows (the seeds, the public weight, the tokens counted;
+    with DP each rank's share of the noise, `std`)."""
+
+    round: int
+    sp: SecAggParticipant
+    counted: int
+    state: dict[str, Any]
+    masks: GroupMasks
+    weight: float
+    std: float
+
+    def payload(self) -> dict[str, Any]:
+        """What rank 0 tells its ranks over the group's control channel (never beyond it)."""
+        return {"round": self.round, "session": self.state["session"], "counted": self.counted,
+                "weight": self.weight, "std": self.std, "masks": self.masks.to_json()}
+
+
+def lead_join(engine: SyncEngine, r: int, pid: str, config: RunConfig, *, tokens: int,
+              retry: RetryPolicy | None = None) -> Lead | None:
+    """Rank 0 of an FSDP group: round r's steps up to the public weights (keys with the claim,
+    shares, mailbox), again on a new session; None when our update is not in the round (it moved
+    on, or a peer's shares failed): the group then downloads the current model."""
+    calls = SecAggCalls(engine.client, pid, retry)
+    give_up_at = time.monotonic() + _patience(engine, config)
+    p = config.privacy
+    assert p is not None  # (secure aggregation is on)
+    while True:
+        try:
+            sp, me, sharing, counted, state = _join(engine, calls, r, tokens, give_up_at)
+            state = _weights(engine, calls, r, me, state, give_up_at)
+            weights = {k: float(w) for k, w in state["weights"].items()}
+            std = distributed_std(p.noise_multiplier, p.clip_norm, max(weights.values()),
+                                  sp.setup.threshold) if p.dp else 0.0
+            return Lead(r, sp, counted, state, sp.group_masks(sharing), weights[str(me)], std)
+        except _Restart as e:
+            log.warning("round %d: secure aggregation starts again (%s)", r, e)
+        except _Moved as e:
+            log.warning("round %d moved on without our update (%s); taking the current model", r, e)
+            return None
+        except PrivacyError as e:
+            log.warning("round %d: our update is left out of the secure aggregation (%s)", r, e.args[0])
+            return None
+
+
+def lead_finish(engine: SyncEngine, lead: Lead, pid: str, config: RunConfig, body: EncodedBody | None,
+                retry: RetryPolicy | None = None) -> bool:
+    """Rank 0 once its ranks have masked their rows: its own piece up (`body`, if it sends rows),
+    the reveal, the wait for the merge. False: our update is not in the round. An attempt that
+    starts again after the pieces went up fails the group's sync (tried again whole, later)."""
+    calls = SecAggCalls(engine.client, pid, retry)
+    give_up_at = time.monotonic() + _patience(engine, config)
+    r = lead.round
+    try:
+        if body is not None:
+            if faults.hit("participant.upload", who=engine.who or pid, round=r) == "drop":
+                raise _Moved("the masked piece was dropped")
+            _send(engine, calls, r, body, lead.counted, config, piece=engine.piece.label)
+        return _reveal(engine, calls, lead.sp, r, lead.state, give_up_at)
+    except _Moved as e:
+        log.warning("round %d moved on without our update (%s); taking the current model", r, e)
+        return False
+    except _Restart as e:
+        raise CoordinatorUnavailable(f"round {r}'s secure aggregation started again after our pieces went up "
+                                     f"({e}): the group's sync is tried again", status=0, code="unavailable") from None
 
 
 def _patience(engine: SyncEngine, config: RunConfig) -> float:
@@ -221,6 +289,13 @@ def _finish_ahead(engine: SyncEngine, calls: SecAggCalls, ahead: Ahead, config: 
 
 def _one_attempt(engine: SyncEngine, calls: SecAggCalls, r: int, pid: str, config: RunConfig, tokens: int,
                  give_up_at: float) -> bool:
+    sp, me, sharing, counted, state = _join(engine, calls, r, tokens, give_up_at)
+    return _upload_and_reveal(engine, calls, sp, me, sharing, r, config, counted, state, give_up_at)
+
+
+def _join(engine: SyncEngine, calls: SecAggCalls, r: int, tokens: int,
+          give_up_at: float) -> tuple[SecAggParticipant, int, list[int], int, dict[str, Any]]:
+    """Keys (with the claim), shares, mailbox: (our state, id, who shared, tokens counted, the state)."""
     state = _ask(lambda: calls.state(r))
     session = state["session"]
     me = state.get("id")
@@ -239,28 +314,41 @@ def _one_attempt(engine: SyncEngine, calls: SecAggCalls, r: int, pid: str, confi
     state = _wait(engine, calls, r, state, give_up_at)
     mailbox = _ask(lambda: calls.mailbox(r, session))
     sp.receive({int(s): bytes.fromhex(b) for s, b in mailbox["mail"].items()})
-    sharing = [int(i) for i in mailbox["sharing"]]
-    return _upload_and_reveal(engine, calls, sp, int(me), sharing, r, config, int(counted), state, give_up_at)
+    return sp, int(me), [int(i) for i in mailbox["sharing"]], int(counted), state
+
+
+def _weights(engine: SyncEngine, calls: SecAggCalls, r: int, me: int, state: dict[str, Any],
+             give_up_at: float) -> dict[str, Any]:
+    """Wait for the public weights (the claims phase's close): the upload phase's state."""
+    while state["phase"] in ("shares", "claims"):
+        state = _wait(engine, calls, r, state, give_up_at)
+    if state["phase"] != "upload" or str(me) not in (state.get("weights") or {}):
+        raise _Moved(f"the claims phase closed without our claim ({state['phase']} phase)")
+    return state
 
 
 def _upload_and_reveal(engine: SyncEngine, calls: SecAggCalls, sp: SecAggParticipant, me: int, sharing: list[int],
                        r: int, config: RunConfig, counted: int, state: dict[str, Any], give_up_at: float) -> bool:
     """Wait for the public weights (the claims phase's close), mask, upload, reveal, wait for the merge."""
-    session, pid = state["session"], calls.pid
-    while state["phase"] in ("shares", "claims"):
-        state = _wait(engine, calls, r, state, give_up_at)
-    weights = state.get("weights") or {}
-    if state["phase"] != "upload" or str(me) not in weights:
-        raise _Moved(f"the claims phase closed without our claim ({state['phase']} phase)")
-    body = _masked_body(engine, sp, config, weights, me, sharing, session)
+    pid = calls.pid
+    state = _weights(engine, calls, r, me, state, give_up_at)
+    body = _masked_body(engine, sp, config, state["weights"], me, sharing, state["session"])
     if faults.hit("participant.upload", who=engine.who or pid, round=r) == "drop":
         log.warning("fault injected: round %d's masked upload is never sent (a dropout after masking)", r)
         raise _Moved("the masked upload was dropped")
+    _send(engine, calls, r, body, counted, config)
+    return _reveal(engine, calls, sp, r, state, give_up_at)
+
+
+def _send(engine: SyncEngine, calls: SecAggCalls, r: int, body: EncodedBody, counted: int, config: RunConfig,
+          piece: str | None = None) -> None:
+    """Upload a masked body (or an FSDP rank's masked piece) through the update route."""
+    which = {"piece": piece} if piece is not None else {}
+    what = f"masked upload of round {r}" if piece is None else f"masked piece {piece} of round {r}"
     try:
-        engine.last_answer = engine.client.upload(r, pid, body, tokens=counted, retry=calls.retry,
+        engine.last_answer = engine.client.upload(r, calls.pid, body, tokens=counted, retry=calls.retry,
                                                   transfer=config.transfer,
-                                                  progress=Progress(f"masked upload of round {r}", body.content_length,
-                                                                    log=log))
+                                                  progress=Progress(what, body.content_length, log=log), **which)
     except RoundClosedError as e:
         raise _Moved(e.message) from None
     except CoordinatorError as e:
@@ -268,6 +356,12 @@ def _upload_and_reveal(engine: SyncEngine, calls: SecAggCalls, sp: SecAggPartici
             raise _Restart(e.message) from None
         raise
     engine.bytes_up += body.content_length
+
+
+def _reveal(engine: SyncEngine, calls: SecAggCalls, sp: SecAggParticipant, r: int, state: dict[str, Any],
+            give_up_at: float) -> bool:
+    """After our upload: reveal the shares the unmask request asks for, wait for the merge."""
+    session = state["session"]
     state = _wait(engine, calls, r, state, give_up_at)  # the upload phase ends with the round's close
     try:
         if state["phase"] == "reveal":

@@ -23,7 +23,7 @@ import torch
 
 from fedtrain.config import RunConfig, TransferConfig
 from fedtrain.config.privacy import secagg_on
-from fedtrain.errors import ModelMismatchError
+from fedtrain.errors import ConfigError, ModelMismatchError
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.participant.engine.secagg_sync import exchange_masked
 from fedtrain.participant.engine.sync import SyncEngine
@@ -179,6 +179,9 @@ class Exchanges:
         engine = self.engine_of(r)
         sent, future = None, None
         at = (self.bytes_up, self.bytes_down)
+        if engine is not None and engine.piece is not None and secagg_on(config):
+            raise ConfigError("secure aggregation syncs an FSDP group's masked pieces on the blocking schedule only "
+                              "(train.overlap, and Streaming DiLoCo with overlap > 0, are not wired for them)")
         if engine is not None:
             sent = engine.copy_sync_set()
             engine.take_delta(sent)

@@ -27,6 +27,7 @@ from fedtrain.coordinator.http.routes.deps import (
     speaker_by_query,
 )
 from fedtrain.coordinator.members.auth import Identity
+from fedtrain.coordinator.secagg import SecureAggregation
 from fedtrain.coordinator.service import Coordinator
 from fedtrain.errors import Refused
 from fedtrain.privacy.keys import KEY_BYTES
@@ -34,6 +35,16 @@ from fedtrain.privacy.shamir import SHARE_BYTES
 from fedtrain.privacy.shares import SEALED_BYTES
 
 router = APIRouter()
+
+
+def spoken_for(ident: Identity = Depends(speaker), service: Coordinator = Depends(coordinator)) -> SecureAggregation:
+    """The run's secure aggregation, for a request that speaks for the participant of its path
+    (409 secagg_off without it)."""
+    return service.secure_aggregation()
+
+
+#: A route's secure aggregation, its request speaking for the participant of its path.
+SecAgg = Annotated[SecureAggregation, Depends(spoken_for)]
 
 Session = Annotated[str, StringConstraints(min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$")]
 KeyHex = Annotated[str, StringConstraints(pattern=rf"^[0-9a-f]{{{2 * KEY_BYTES}}}$")]
@@ -97,52 +108,43 @@ async def secagg_state(
 
 @router.post("/v1/rounds/{round_}/secagg/keys/{pid}", summary="Advertise a participant's two public keys and "
              "its token claim (keys phase)")
-async def secagg_keys(round_: Round, pid: Pid, body: Keys, ident: Identity = Depends(speaker),
-                      service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
-    return service.secure_aggregation().advertise(pid, round_, body.session,
-                                                  {"mask": body.mask, "channel": body.channel}, body.tokens)
+async def secagg_keys(round_: Round, pid: Pid, body: Keys, secagg: SecAgg) -> dict[str, Any]:
+    return secagg.advertise(pid, round_, body.session, {"mask": body.mask, "channel": body.channel}, body.tokens)
 
 
 @router.post("/v1/rounds/{round_}/secagg/claim/{pid}", summary="A participant's token claim, once, if it did "
              "not claim with its keys (shares or claims phase)")
-async def secagg_claim(round_: Round, pid: Pid, body: Claim, ident: Identity = Depends(speaker),
-                       service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
-    return service.secure_aggregation().claim(pid, round_, body.session, body.tokens)
+async def secagg_claim(round_: Round, pid: Pid, body: Claim, secagg: SecAgg) -> dict[str, Any]:
+    return secagg.claim(pid, round_, body.session, body.tokens)
 
 
 @router.get("/v1/rounds/{round_}/secagg/directory/{pid}", summary="The round's public keys, weights and your "
             "neighbours (from the shares phase on)")
-async def secagg_directory(round_: Round, pid: Pid, session: SessionQuery, ident: Identity = Depends(speaker),
-                           service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
-    return service.secure_aggregation().directory(pid, round_, session)
+async def secagg_directory(round_: Round, pid: Pid, session: SessionQuery, secagg: SecAgg) -> dict[str, Any]:
+    return secagg.directory(pid, round_, session)
 
 
 @router.post("/v1/rounds/{round_}/secagg/shares/{pid}", summary="Post a participant's sealed shares, one bundle "
              "per neighbour, once (shares phase)")
-async def secagg_shares(round_: Round, pid: Pid, body: Shares, ident: Identity = Depends(speaker),
-                        service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
-    return service.secure_aggregation().post_shares(pid, round_, body.session, dict(body.shares))
+async def secagg_shares(round_: Round, pid: Pid, body: Shares, secagg: SecAgg) -> dict[str, Any]:
+    return secagg.post_shares(pid, round_, body.session, dict(body.shares))
 
 
 @router.get("/v1/rounds/{round_}/secagg/mailbox/{pid}", summary="The sealed bundles sent to you and who shared "
             "(from the claims phase on)")
-async def secagg_mailbox(round_: Round, pid: Pid, session: SessionQuery, ident: Identity = Depends(speaker),
-                         service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
-    return service.secure_aggregation().mailbox(pid, round_, session)
+async def secagg_mailbox(round_: Round, pid: Pid, session: SessionQuery, secagg: SecAgg) -> dict[str, Any]:
+    return secagg.mailbox(pid, round_, session)
 
 
 @router.get("/v1/rounds/{round_}/secagg/unmask/{pid}", summary="The unmask request: survivors and dropped "
             "(reveal phase)")
-async def secagg_unmask(round_: Round, pid: Pid, session: SessionQuery, ident: Identity = Depends(speaker),
-                        service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
-    return service.secure_aggregation().unmask_request(pid, round_, session)
+async def secagg_unmask(round_: Round, pid: Pid, session: SessionQuery, secagg: SecAgg) -> dict[str, Any]:
+    return secagg.unmask_request(pid, round_, session)
 
 
 @router.post("/v1/rounds/{round_}/secagg/reveal/{pid}", summary="Post a survivor's revealed shares, once "
              "(reveal phase)")
-async def secagg_reveal(round_: Round, pid: Pid, body: Reveal, ident: Identity = Depends(speaker),
-                        service: Coordinator = Depends(coordinator)) -> dict[str, Any]:
+async def secagg_reveal(round_: Round, pid: Pid, body: Reveal, secagg: SecAgg) -> dict[str, Any]:
     if not body.shares:
         raise Refused(400, "secagg_reveal", "a survivor reveals at least its own seed's share")
-    return service.secure_aggregation().post_reveal(pid, round_, body.session,
-                                                    [s.model_dump() for s in body.shares])
+    return secagg.post_reveal(pid, round_, body.session, [s.model_dump() for s in body.shares])

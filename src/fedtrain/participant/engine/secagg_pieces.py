@@ -1,0 +1,126 @@
+"""An FSDP group's blocking sync under secure aggregation: each rank masks and uploads its own rows
+as its piece of the participant's one masked update.
+
+    1. rank 0 runs round r's protocol up to the public weights (`secagg_sync.lead_join`), while
+       every rank keeps the group alive (`RankGroup.together`);
+    2. rank 0 tells its ranks the round's self and pairwise seeds, its public weight and the
+       tokens counted, over the group's own gloo control channel (`RankGroup.broadcast_json`:
+       JSON in byte tensors; the seeds never leave the participant's processes);
+    3. with DP, the clip is over the assembled update: the ranks all-reduce the squared norms of
+       the rows they send (`RankGroup.sum`) and each scales its rows by min(1, C / ‖Δ‖);
+    4. each rank encodes `w · Δ` of its rows (with DP: the clipped, weighted rows plus its share of
+       the noise), adds the masks' slice at the rows' element offsets (`GroupMasks.mask_rows`),
+       and uploads the piece; rank 0 reveals the shares the unmask request asks for; every rank
+       waits for the merge and downloads its rows.
+
+The pieces together are byte for byte the body the participant would have masked whole, so the
+coordinator folds them into the ring sum once they cover the round's tensors
+(`coordinator/intake/masked_pieces.py`). Steps 2 and 3 run on the main thread, between two
+`together` calls: the control channel's collectives are entered by every rank in one order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from typing import Any
+
+import torch
+
+from fedtrain.config import RunConfig
+from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.engine.secagg_sync import Lead, lead_finish, lead_join
+from fedtrain.participant.engine.sync import SyncEngine
+from fedtrain.participant.ranks.control import Outcome, RankGroup
+from fedtrain.privacy.participant_round import GroupMasks
+from fedtrain.privacy.round_setup import SECAGG_META
+from fedtrain.wire import EncodedBody
+from fedtrain.wire.format import ROWS_META
+
+__all__ = ["exchange_masked_pieces", "masked_piece", "sent_square_norm"]
+
+
+def exchange_masked_pieces(ranks: RankGroup, engine: SyncEngine, r: int, pid: str, config: RunConfig, *,
+                           tokens: int, retry: RetryPolicy | None = None) -> tuple[list[Outcome], BaseException | None]:
+    """Round r's blocking exchange for this rank of an FSDP group (every rank calls it at once):
+    every rank's outcome (the global version it downloaded) and its own error, as `together`
+    gives them. On a failure every rank's snapshot holds the round's reference again."""
+    if engine.holds in ("cut_short", "fetched"):  # round r is over for us: download only
+        return ranks.together(lambda: _download(engine, r, pid, config, retry), cancel=engine.cancel)
+    engine.take_delta()
+    lead: Lead | None = None
+
+    def join() -> None:
+        nonlocal lead
+        lead = lead_join(engine, r, pid, config, tokens=tokens, retry=retry)
+
+    outcomes, error = ranks.together(join if ranks.lead else None, cancel=engine.cancel)
+    if not all(o.ok for o in outcomes):
+        engine.restore()
+        return outcomes, error
+    told = ranks.broadcast_json(lead.payload() if lead is not None else None)
+    factor = 1.0
+    p = config.privacy
+    if told is not None and p is not None and p.dp:  # the clip over the assembled update
+        norm = math.sqrt(ranks.sum([sent_square_norm(engine)])[0])
+        factor = min(1.0, p.clip_norm / norm) if norm > 0 else 1.0
+
+    def send_and_fetch() -> int:
+        if told is not None:
+            body = masked_piece(engine, GroupMasks.from_json(told["masks"]), told, factor, config.digest)
+            if lead is not None:
+                lead_finish(engine, lead, pid, config, body if body.data_length else None, retry)
+            else:
+                engine.submit(r, pid, body, config, tokens=int(told["counted"]), retry=retry)
+        return _download(engine, r, pid, config, retry)
+
+    outcomes, error = ranks.together(send_and_fetch, cancel=engine.cancel)
+    if not all(o.ok for o in outcomes):
+        engine.restore()
+    return outcomes, error
+
+
+def masked_piece(engine: SyncEngine, masks: GroupMasks, told: dict[str, Any], factor: float,
+                 digest: str = "sha256") -> EncodedBody:
+    """This rank's rows of Δ (the snapshot after `take_delta`), flat, weighted (with DP: scaled by
+    the group's clip `factor` and noised with `told["std"]` per coordinate, drawn from the OS
+    CSPRNG) and masked at their element offsets, as a piece: `fedtrain.rows` names each
+    tensor's element range of the flat ring tensor."""
+    piece = engine.piece
+    assert piece is not None
+    delta = engine.delta_view()
+    weight, std = float(told["weight"]), float(told["std"])
+    gen = torch.Generator().manual_seed(secrets.randbits(63)) if std > 0 else None
+    tensors: dict[str, torch.Tensor] = {}
+    ranges: dict[str, list[int]] = {}
+    for name in sorted(piece.sends):
+        t = delta[name]
+        _, shape = piece.shapes[name]
+        start = piece.rows[name][0] if name in piece.rows else 0
+        offset = start * math.prod(shape[1:])
+        values, w = t, weight
+        if gen is not None or factor != 1.0:  # DP: w · clip(Δ) + noise, encoded with weight 1
+            values = t.detach().to(torch.float64) * (factor * weight)
+            if gen is not None:
+                values = values + torch.randn(values.shape, generator=gen, dtype=torch.float64) * std
+            w = 1.0
+        tensors[name] = torch.from_numpy(masks.mask_rows(name, values, w, offset))
+        ranges[name] = [offset, offset + t.numel()]
+    meta = {SECAGG_META: json.dumps({"session": told["session"], "bits": masks.fixed_point.bits}),
+            ROWS_META: json.dumps(ranges)}
+    return EncodedBody(tensors, meta, digest_algorithm=digest)
+
+
+def sent_square_norm(engine: SyncEngine) -> float:
+    """The squared L2 norm of the rows this rank sends (a tensor every rank holds whole counts
+    once: rank 0 alone sends it)."""
+    piece = engine.piece
+    assert piece is not None
+    delta = engine.delta_view()
+    return sum(float(delta[n].detach().to(torch.float64).square().sum()) for n in piece.sends)
+
+
+def _download(engine: SyncEngine, r: int, pid: str, config: RunConfig, retry: RetryPolicy | None) -> int:
+    engine.deltas = config.train.download_compression != "none"
+    return engine.download(pid, after_round=r, retry=retry, transfer=config.transfer)
