@@ -10,6 +10,7 @@ import math
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from fedtrain.participant.engine.secagg_sync import submit_masked
 from fedtrain.participant.engine.sync import SyncEngine
 from tests.helpers.api import client
 from tests.helpers.config import ATOKEN, tiny_config
-from tests.helpers.secagg import ok
+from tests.helpers.secagg import Site, ok
 from tests.helpers.secagg_rounds import (
     SECAGG,
     TOKENS,
@@ -44,13 +45,17 @@ def deltas(c: BackgroundCoordinator) -> Deltas:
     return random_deltas(c.service.inspect().weights, seed=7)
 
 
+def ready_to_upload(c: BackgroundCoordinator, http: httpx.Client) -> tuple[dict[str, torch.Tensor], Deltas, list[Site]]:
+    """Every site joined, through the keys and shares phases: the weights before, each site's Δ, the sites."""
+    join_all(http)
+    before, ds = weights_now(c), deltas(c)
+    return before, ds, sites_at_upload(http)
+
+
 def test_a_masked_round_commits_what_a_plain_run_commits(tmp_path: Path) -> None:
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy=SECAGG)
     with BackgroundCoordinator(tmp_path / "masked", cfg) as c, client(c, ATOKEN) as http:
-        join_all(http)
-        before = weights_now(c)
-        ds = deltas(c)
-        sites = sites_at_upload(http)
+        before, ds, sites = ready_to_upload(c, http)
         assert c.service.status()["secure_aggregation"]["phase"] == "upload"
         assert [s.weight for s in sites] == pytest.approx([0.25, 0.25, 0.5])
         upload_masked(sites, ds)
@@ -73,10 +78,7 @@ def test_a_masked_round_commits_what_a_plain_run_commits(tmp_path: Path) -> None
 def test_a_dropout_after_masking_leaves_the_others_exact_aggregate(tmp_path: Path) -> None:
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={**SECAGG, "secagg_threshold": 2})
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
-        join_all(http)
-        before = weights_now(c)
-        ds = deltas(c)
-        a, b, gone = sites_at_upload(http)
+        before, ds, (a, b, gone) = ready_to_upload(c, http)
         masked_c = gone.masked(ds["c"])  # c masks (its pairwise masks are in a's and b's uploads too)...
         assert masked_c
         upload_masked([a, b], ds)
@@ -93,10 +95,7 @@ def test_a_dropout_after_masking_leaves_the_others_exact_aggregate(tmp_path: Pat
 def test_fewer_than_t_survivors_refuse_the_round_and_it_opens_again(tmp_path: Path) -> None:
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={**SECAGG, "secagg_threshold": 3})
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
-        join_all(http)
-        before = weights_now(c)
-        ds = deltas(c)
-        sites = sites_at_upload(http)
+        before, ds, sites = ready_to_upload(c, http)
         old = sites[0].session
         upload_masked(sites[:2], ds)
         ok(http.post("/v1/participants/c/leave"))  # 2 survivors, t = 3: the sum cannot be unmasked
@@ -145,10 +144,7 @@ def test_a_restarted_coordinator_runs_the_round_again_with_fresh_keys(tmp_path: 
     then commits."""
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={**SECAGG, "secagg_threshold": 2})
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
-        join_all(http)
-        ds = deltas(c)
-        before = weights_now(c)
-        sites = sites_at_upload(http)
+        before, ds, sites = ready_to_upload(c, http)
         ok(sites[0].upload(sites[0].masked(ds["a"]), TOKENS["a"]))  # one masked upload in, then the restart
         old, port = sites[0].session, c.port
     with BackgroundCoordinator(tmp_path / "s", cfg, port=port) as c, client(c, ATOKEN) as http:

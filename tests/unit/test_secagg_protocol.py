@@ -244,15 +244,7 @@ def test_the_coordinator_refuses_malformed_steps() -> None:
 
 def test_an_upload_that_stops_half_way_makes_the_round_refused() -> None:
     setup = _setup(2, threshold=2)
-    coord = SecAggCoordinator(setup, {"a": (4,), "b": (4,)})
-    parts = {u: SecAggParticipant(u, setup) for u in (1, 2)}
-    for u, p in parts.items():
-        coord.advertise(u, p.advertise())
-    directory = coord.directory()
-    for u, p in parts.items():
-        coord.post_shares(u, p.share(directory))
-    for u, p in parts.items():
-        p.receive(coord.mailbox(u))
+    coord, parts = _round_to_masking(setup, [1, 2], {"a": (4,), "b": (4,)})
     masked = parts[1].mask({"a": torch.zeros(4), "b": torch.zeros(4)}, 0.5, coord.sharing())
     with pytest.raises(PrivacyError, match="misses"):
         coord.add_upload(1, [("a", masked["a"])])
@@ -260,8 +252,10 @@ def test_an_upload_that_stops_half_way_makes_the_round_refused() -> None:
         coord.add_upload(2, [])
 
 
-def _round_to_uploads(setup: RoundSetup, ids: list[int]) -> tuple[SecAggCoordinator, dict[int, SecAggParticipant]]:
-    coord = SecAggCoordinator(setup, {"w": (4,)})
+def _round_to_masking(setup: RoundSetup, ids: list[int], shapes: dict[str, tuple[int, ...]],
+                      ) -> tuple[SecAggCoordinator, dict[int, SecAggParticipant]]:
+    """Every participant of `ids` advertised its keys, shared and read its mailbox: ready to mask."""
+    coord = SecAggCoordinator(setup, shapes)
     parts = {u: SecAggParticipant(u, setup) for u in ids}
     for u, p in parts.items():
         coord.advertise(u, p.advertise())
@@ -270,6 +264,11 @@ def _round_to_uploads(setup: RoundSetup, ids: list[int]) -> tuple[SecAggCoordina
         coord.post_shares(u, p.share(directory))
     for u, p in parts.items():
         p.receive(coord.mailbox(u))
+    return coord, parts
+
+
+def _round_to_uploads(setup: RoundSetup, ids: list[int]) -> tuple[SecAggCoordinator, dict[int, SecAggParticipant]]:
+    coord, parts = _round_to_masking(setup, ids, {"w": (4,)})
     for u, p in parts.items():
         coord.add_upload(u, p.mask({"w": torch.zeros(4)}, 1 / len(ids), coord.sharing()).items())
     return coord, parts

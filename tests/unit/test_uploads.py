@@ -128,9 +128,11 @@ async def upload_beside(svc: Coordinator, pid: str, t: dict[str, torch.Tensor]) 
                                   timeout=10)
 
 
-async def held_upload(svc: Coordinator, pid: str, data: bytes, digest: str, gate: asyncio.Event) -> asyncio.Task:
-    """Start an upload whose body stops after 5000 bytes until `gate` is set (a slow or stalled
-    link); returns once it is being written straight into the sum."""
+async def held_upload(svc: Coordinator, pid: str, t: dict[str, torch.Tensor], gate: asyncio.Event) -> asyncio.Task:
+    """Start an upload of `t` whose body stops after 5000 bytes until `gate` is set (a slow or
+    stalled link); returns once it is being written straight into the sum."""
+    data, digest = raw_body(t)
+
     async def body() -> AsyncIterator[bytes]:
         yield data[:5000]
         await gate.wait()
@@ -223,11 +225,10 @@ def test_a_bad_direct_upload_leaves_the_sum_empty(tmp_path: Path) -> None:
 def test_a_close_stops_a_direct_upload_and_nothing_waits_for_it(tmp_path: Path) -> None:
     svc = coordinator(tmp_path)
     first, second = updates(svc, 2)
-    data, digest = raw_body(first)
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        slow = await held_upload(svc, "a", data, digest, gate)
+        slow = await held_upload(svc, "a", first, gate)
         await asyncio.sleep(0.01)
         assert svc.intake.receiving_direct == "a"
         svc.rounds.open.closing = True  # what a close does first (here without merging, which needs uploads)
@@ -284,11 +285,10 @@ def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> 
     svc.open()
     pid = svc.join(ADMIN_ID, "solo", {})["participant_id"]
     (delta,) = updates(svc, 1)
-    data, digest = raw_body(delta)
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        task = await held_upload(svc, pid, data, digest, gate)
+        task = await held_upload(svc, pid, delta, gate)
         svc.inspect().participants[pid].last_seen -= 10_000  # silent for longer than heartbeat_timeout_s
         svc.tick()
         assert svc.intake.receiving_direct is None and svc.inspect().sum_count == 0
@@ -305,11 +305,10 @@ def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> 
 def test_an_upload_beside_a_direct_one_is_answered_at_once_and_folded_after_it(tmp_path: Path) -> None:
     svc = coordinator(tmp_path)
     first, second = updates(svc, 2)
-    data, digest = raw_body(first)
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        direct = await held_upload(svc, "a", data, digest, gate)
+        direct = await held_upload(svc, "a", first, gate)
         got = await upload_beside(svc, "b", second)
         assert got == {"accepted": True, "duplicate": False, "round": 0}  # not held up by the slow link
         inside = svc.inspect()
@@ -327,7 +326,6 @@ def test_an_upload_beside_a_direct_one_is_answered_at_once_and_folded_after_it(t
 def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     svc = coordinator(tmp_path)
     first, second = updates(svc, 2)
-    data, digest = raw_body(first)
     real = RoundSum.check_and_fold
 
     def broken(self: RoundSum, path: Path, weight: float, pending: Pending) -> str | None:
@@ -339,7 +337,7 @@ def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pyt
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        direct = await held_upload(svc, "a", data, digest, gate)
+        direct = await held_upload(svc, "a", first, gate)
         assert (await upload_beside(svc, "b", second))["accepted"]
         gate.set()
         await direct
