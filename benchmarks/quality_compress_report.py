@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quality_report import dp_reference, header, pyplot, replace_block
+from quality_report import dp_reference, header, plot_zoomed_panels, replace_block
 
 from fedtrain.cli.report import human_bytes
 
@@ -212,29 +212,10 @@ def dp_text(path: Path, setup: Setup, runs: dict[str, Setup], todo: list[Method]
 def plot_panels(path: Path, panels: dict[str, list[Method]], results: dict[str, dict]) -> bool:
     """One panel per title: every run's held-out loss over the last 60% of its tokens (but the
     diverged ones', which the table names)."""
-    plt = pyplot()
-    panels = {t: kept for t, ms in panels.items() if (kept := [m for m in ms if results[m.name]["final"] <= UNTRAINED])}
-    if plt is None or not panels:
-        return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 6), squeeze=False)
-    for ax, (title, mine) in zip(axes[0], panels.items(), strict=True):
-        total = max(results[m.name]["tokens"] for m in mine)
-        for m in mine:
-            xs, ys = zip(*results[m.name]["curve"], strict=True)
-            ax.plot([x / 1e6 for x in xs], ys, linewidth=2.5 if m.kind == "dp" else 1.3,
-                    color="black" if m.kind == "dp" else None, linestyle="--" if m.name.endswith("-up") else "-",
-                    label=f"{m.name} ({results[m.name]['final']:.3f})")
-        finals = [results[m.name]["final"] for m in mine]
-        tail = [y for m in mine for x, y in results[m.name]["curve"] if x >= 0.4 * total]
-        lo, hi = min(finals), min(max(tail), max(finals) + 0.5 * (max(finals) - min(finals)) + 0.05)
-        ax.set_xlim(0.4 * total / 1e6, total / 1e6 * 1.01)
-        ax.set_ylim(lo - 0.05 * (hi - lo), hi)
-        ax.set_title(f"{title}: last 60% of the tokens")
-        ax.set_xlabel("training tokens (millions, all participants)")
-        ax.set_ylabel("held-out eval loss (nats/byte)")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper right", fontsize=7, title="run (final loss)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    kept = {t: ms for t, every in panels.items() if (ms := [m for m in every if results[m.name]["final"] <= UNTRAINED])}
+
+    def style(m: Method) -> dict[str, Any]:
+        return {"linewidth": 2.5 if m.kind == "dp" else 1.3, "color": "black" if m.kind == "dp" else None,
+                "linestyle": "--" if m.name.endswith("-up") else "-"}
+
+    return plot_zoomed_panels(path, kept, results, style, width=8, legend_size=7)

@@ -8,6 +8,7 @@ import datetime as dt
 import os
 import platform
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -218,18 +219,53 @@ def plot(path: Path, todo: list[Method], results: dict[str, dict]) -> bool:
         for ax in axes:
             ax.plot([x / 1e6 for x in xs], ys, color=colour, linestyle=ls, linewidth=2.5 if m.kind == "dp" else 1.4,
                     label=f"{m.name} ({results[m.name]['final']:.3f})")
-    finals = [results[m.name]["final"] for m in shown]
-    tail = [y for m in shown for x, y in results[m.name]["curve"] if x >= 0.4 * total]
-    lo, hi = min(finals), min(max(tail), max(finals) + 0.5 * (max(finals) - min(finals)) + 0.05)
-    axes[1].set_xlim(0.4 * total / 1e6, total / 1e6 * 1.01)
-    axes[1].set_ylim(lo - 0.05 * (hi - lo), hi)
+    zoom_on_the_tail(axes[1], shown, results, total)
     axes[0].set_title("held-out loss (all of training)")
     axes[1].set_title("last 60% of the tokens, zoomed")
     for ax in axes:
-        ax.set_xlabel("training tokens (millions, all participants)")
-        ax.set_ylabel("held-out eval loss (nats/byte)")
-        ax.grid(alpha=0.3)
+        label_axes(ax)
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="run (final loss)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def zoom_on_the_tail(ax: Any, shown: list[Method], results: dict[str, dict], total: float) -> None:
+    """Zoom `ax` on the last 60% of `total` tokens, from just below the best final loss up to
+    where the runs' tails reach (at most half the finals' spread above the worst final)."""
+    finals = [results[m.name]["final"] for m in shown]
+    tail = [y for m in shown for x, y in results[m.name]["curve"] if x >= 0.4 * total]
+    lo, hi = min(finals), min(max(tail), max(finals) + 0.5 * (max(finals) - min(finals)) + 0.05)
+    ax.set_xlim(0.4 * total / 1e6, total / 1e6 * 1.01)
+    ax.set_ylim(lo - 0.05 * (hi - lo), hi)
+
+
+def label_axes(ax: Any) -> None:
+    ax.set_xlabel("training tokens (millions, all participants)")
+    ax.set_ylabel("held-out eval loss (nats/byte)")
+    ax.grid(alpha=0.3)
+
+
+def plot_zoomed_panels(path: Path, panels: dict[str, list[Method]], results: dict[str, dict],
+                       style: Callable[[Method], dict[str, Any]], *, width: float, legend_size: int) -> bool:
+    """One panel per title, side by side (`width` inches each): each run's held-out loss
+    against tokens, drawn with `style(m)`'s line properties and zoomed on the last 60% of the
+    tokens, with a legend of the runs' final losses. False where matplotlib is missing or there
+    is no panel (the caller's report says so)."""
+    plt = pyplot()
+    if plt is None or not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 6), squeeze=False)
+    for ax, (title, mine) in zip(axes[0], panels.items(), strict=True):
+        total = max(results[m.name]["tokens"] for m in mine)
+        for m in mine:
+            xs, ys = zip(*results[m.name]["curve"], strict=True)
+            ax.plot([x / 1e6 for x in xs], ys, label=f"{m.name} ({results[m.name]['final']:.3f})", **style(m))
+        zoom_on_the_tail(ax, mine, results, total)
+        ax.set_title(f"{title}: last 60% of the tokens")
+        label_axes(ax)
+        ax.legend(loc="upper right", fontsize=legend_size, title="run (final loss)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -344,31 +380,12 @@ def _style20(name: str) -> tuple[str, Any]:
 
 def plot_tokens20(path: Path, todo: list[Method], results: dict[str, dict]) -> bool:
     """One panel per M: the main runs of the main budget (not the lr sweep), the last 60% zoomed."""
-    plt = pyplot()
     shown = [m for m in todo if m.group == "main" and not m.budget]
-    panels = sorted({results[m.name]["workers"] for m in shown})
-    if plt is None or not panels:
-        return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 6), squeeze=False)
-    for ax, workers in zip(axes[0], panels, strict=True):
-        mine = [m for m in shown if results[m.name]["workers"] == workers]
-        total = max(results[m.name]["tokens"] for m in mine)
-        for m in mine:
-            xs, ys = zip(*results[m.name]["curve"], strict=True)
-            colour, ls = _style20(m.name)
-            ax.plot([x / 1e6 for x in xs], ys, color=colour, linestyle=ls, linewidth=2.5 if m.kind == "dp" else 1.4,
-                    label=f"{m.name} ({results[m.name]['final']:.3f})")
-        finals = [results[m.name]["final"] for m in mine]
-        tail = [y for m in mine for x, y in results[m.name]["curve"] if x >= 0.4 * total]
-        lo, hi = min(finals), min(max(tail), max(finals) + 0.5 * (max(finals) - min(finals)) + 0.05)
-        ax.set_xlim(0.4 * total / 1e6, total / 1e6 * 1.01)
-        ax.set_ylim(lo - 0.05 * (hi - lo), hi)
-        ax.set_title(f"M = {workers}: last 60% of the tokens")
-        ax.set_xlabel("training tokens (millions, all participants)")
-        ax.set_ylabel("held-out eval loss (nats/byte)")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8, title="run (final loss)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    panels = {f"M = {w}": [m for m in shown if results[m.name]["workers"] == w]
+              for w in sorted({results[m.name]["workers"] for m in shown})}
+
+    def style(m: Method) -> dict[str, Any]:
+        colour, ls = _style20(m.name)
+        return {"color": colour, "linestyle": ls, "linewidth": 2.5 if m.kind == "dp" else 1.4}
+
+    return plot_zoomed_panels(path, panels, results, style, width=7, legend_size=8)

@@ -5,7 +5,7 @@
     python benchmarks/streaming_compare.py --quick    # three rows
     python benchmarks/streaming_compare.py --diagram  # the schedule of one H, printed, nothing run
 
-A small seeded problem: `Net`, an input layer, 4 residual tanh blocks (`blocks.<i>.`) and a
+A small seeded problem: `Net` (streaming_net.py), an input layer, 4 residual tanh blocks (`blocks.<i>.`) and a
 head, width 20 (1,802 parameters); each replica trains on its own seeded stream of regression batches.
 torchft runs it for real, from its own venv: an in-process `LighthouseServer` (min_replicas
 = M), and M replica groups of world size 1 in threads of one process (as torchft's own
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from streaming_net import Net, mse  # beside this file: also found when torchft's venv runs it as the worker
 from torch import nn
 
 HOST = "127.0.0.1"
@@ -48,22 +49,6 @@ TOLERANCE = 1e-5
 
 
 # ---------------------------------------------------------------- the problem (both venvs)
-
-
-class Net(nn.Module):
-    """Input layer, `blocks` residual tanh layers, head: block-shaped names for the fragments."""
-
-    def __init__(self, blocks: int = 4, width: int = 20) -> None:
-        super().__init__()
-        self.embed = nn.Linear(3, width)
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-        self.head = nn.Linear(width, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.embed(x))
-        for b in self.blocks:
-            h = h + torch.tanh(b(h))
-        return self.head(h)
 
 
 def build() -> Net:
@@ -81,10 +66,6 @@ def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * replica + step)
     x = torch.randn(8, 3, generator=g) + 0.5 * replica  # each replica its own data
     return x, torch.stack([x.sum(1).sin(), x[:, 0] * x[:, 1]], 1)
-
-
-def mse(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return (model(b[0]) - b[1]).pow(2).mean()
 
 
 def inner_optimizer(kind: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:

@@ -5,6 +5,9 @@ the conftest files), never from one another.
 - `tiny`: tiny training tasks and participants in threads (`TinyParticipant`, `run_all`, ...)
 - `api`: HTTP clients, uploads, pieces and round waits against a coordinator
 - `bodies`: bodies for the receive and publish unit tests
+- `intake`: an in-process intake's updates and the sum they must give
+- `part_uploads`: an update that travels in several 1 MiB parts, and its reference model
+- `secagg`: one securely aggregated site over the API; `secagg_rounds`: whole masked rounds
 - `processes`: a coordinator process, the `fedtrain` command
 - `torchrun`: the one launcher of torchrun groups (rendezvous, environment, output, cleanup)
 - `fsdp`: FSDP groups and their checks; `dcp`: DCP checkpoints on a gloo group of one

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.cookiejar import CookieJar
 from typing import Any
 
@@ -99,6 +101,16 @@ def assert_unchanged(c: BackgroundCoordinator, before: dict) -> None:
                 assert torch.equal(after["params"][n], t), n
         else:
             assert after[key] == before[key], key
+
+
+@contextmanager
+def leaves_run_unchanged(c: BackgroundCoordinator, token: str | None = PTOKEN) -> Iterator[httpx.Client]:
+    """A client for requests that must leave the run as it was: the run's state is taken
+    (`snapshot`) on entry and compared (`assert_unchanged`) once the block ends without error."""
+    before = snapshot(c)
+    with client(c, token) as http:
+        yield http
+    assert_unchanged(c, before)
 
 
 def raw_body(header: bytes | dict, data: bytes = b"") -> bytes:

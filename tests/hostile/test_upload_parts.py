@@ -262,12 +262,7 @@ def test_a_participant_streams_at_most_so_many_parts_at_once(run: BackgroundCoor
     total = (parts.MAX_STREAMING_PER_PID + 4) * PART
     socks: list[socket.socket] = []
     try:
-        for i in range(parts.MAX_STREAMING_PER_PID):
-            socks.append(stalled_part(run, s, i, total))
-        deadline = time.monotonic() + 20
-        while len(s.held().json().get("streaming", [])) < parts.MAX_STREAMING_PER_PID:
-            assert time.monotonic() < deadline, "the parts never began to stream"
-            time.sleep(0.05)
+        fill_streaming_slots(run, s, total, socks)
         r = s.put(parts.MAX_STREAMING_PER_PID, data=b"\0" * PART, total=total, whole=digest_bytes(b"whole"))
         assert (r.status_code, code(r)) == (429, "too_many_parts_in_flight"), r.text
         assert r.json()["error"]["details"]["retry_after_s"] > 0
@@ -287,12 +282,7 @@ def test_a_part_over_the_cap_waits_briefly_and_goes_in_once_a_slot_frees(run: Ba
     total = (parts.MAX_STREAMING_PER_PID + 4) * PART
     socks: list[socket.socket] = []
     try:
-        for i in range(parts.MAX_STREAMING_PER_PID):
-            socks.append(stalled_part(run, s, i, total))
-        deadline = time.monotonic() + 20
-        while len(s.held().json().get("streaming", [])) < parts.MAX_STREAMING_PER_PID:
-            assert time.monotonic() < deadline, "the parts never began to stream"
-            time.sleep(0.05)
+        fill_streaming_slots(run, s, total, socks)
         got: list[httpx.Response] = []
         late = threading.Thread(target=lambda: got.append(
             s.put(parts.MAX_STREAMING_PER_PID, data=b"\0" * PART, total=total, whole=digest_bytes(b"whole"))))
@@ -306,6 +296,17 @@ def test_a_part_over_the_cap_waits_briefly_and_goes_in_once_a_slot_frees(run: Ba
         for sock in socks:
             sock.close()
         s.close()
+
+
+def fill_streaming_slots(c: BackgroundCoordinator, s: Sender, total: int, socks: list[socket.socket]) -> None:
+    """As many stalled parts (`stalled_part`, into `socks`) as one participant may stream at
+    once, and wait until the coordinator shows them all streaming."""
+    for i in range(parts.MAX_STREAMING_PER_PID):
+        socks.append(stalled_part(c, s, i, total))
+    deadline = time.monotonic() + 20
+    while len(s.held().json().get("streaming", [])) < parts.MAX_STREAMING_PER_PID:
+        assert time.monotonic() < deadline, "the parts never began to stream"
+        time.sleep(0.05)
 
 
 def stalled_part(c: BackgroundCoordinator, s: Sender, index: int, total: int) -> socket.socket:

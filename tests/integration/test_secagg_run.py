@@ -7,83 +7,66 @@ train (the loss falls)."""
 from __future__ import annotations
 
 import math
-import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from fedtrain import faults
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.participant import CoordinatorClient
 from fedtrain.participant.engine.secagg_sync import submit_masked
 from fedtrain.participant.engine.sync import SyncEngine
-from tests.helpers.api import client, put, wait_round
-from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
-from tests.helpers.runs import heldout_loss, train_all
-from tests.helpers.secagg import Site, ok, run_to_upload
+from tests.helpers.api import client
+from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.secagg import Site, ok
+from tests.helpers.secagg_rounds import (
+    SECAGG,
+    TOKENS,
+    Deltas,
+    EngineSites,
+    join_all,
+    plain_round,
+    random_deltas,
+    reveal_and_commit,
+    sites_at_upload,
+    train_loopback,
+    unit,
+    upload_masked,
+    wait_version,
+    weights_now,
+)
 
 pytest.importorskip("cryptography")
 
-N_MAX = 4  # a 2^16 ring with p = 16 - 1 - 2 = 13 bits: a unit of R / 8191
-RANGE = 0.5
-SECAGG = {"secure_aggregation": True, "dp": False, "secagg_max_participants": N_MAX, "secagg_range": RANGE}
-TOKENS = {"a": 100, "b": 100, "c": 200}
+
+def deltas(c: BackgroundCoordinator) -> Deltas:
+    return random_deltas(c.service.inspect().weights, seed=7)
 
 
-def deltas(c: BackgroundCoordinator) -> dict[str, dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    return {pid: {n: (torch.rand(t.shape, generator=g) - 0.5) * 0.4 for n, t in c.service.inspect().weights.items()}
-            for pid in TOKENS}
-
-
-def wait_version(c: BackgroundCoordinator, v: int) -> None:
-    deadline = time.monotonic() + 20
-    while c.service.inspect().committed_version < v:
-        assert time.monotonic() < deadline, c.service.status()["reason"]
-        time.sleep(0.02)
-
-
-def unit() -> float:
-    return RANGE / (2**13 - 1)
+def ready_to_upload(c: BackgroundCoordinator, http: httpx.Client) -> tuple[dict[str, torch.Tensor], Deltas, list[Site]]:
+    """Every site joined, through the keys and shares phases: the weights before, each site's Δ, the sites."""
+    join_all(http)
+    before, ds = weights_now(c), deltas(c)
+    return before, ds, sites_at_upload(http)
 
 
 def test_a_masked_round_commits_what_a_plain_run_commits(tmp_path: Path) -> None:
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy=SECAGG)
     with BackgroundCoordinator(tmp_path / "masked", cfg) as c, client(c, ATOKEN) as http:
-        for pid in TOKENS:
-            ok(http.post("/v1/join", json={"name": pid}))
-        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
-        ds = deltas(c)
-        sites = [Site(http, pid) for pid in TOKENS]
-        run_to_upload(sites, TOKENS)
+        before, ds, sites = ready_to_upload(c, http)
         assert c.service.status()["secure_aggregation"]["phase"] == "upload"
         assert [s.weight for s in sites] == pytest.approx([0.25, 0.25, 0.5])
-        for s in sites:
-            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
-        # the round closed with the last upload: the survivors reveal, then it merges
-        deadline = time.monotonic() + 10
-        while c.service.status()["secure_aggregation"]["phase"] != "reveal":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        for s in sites:
-            ok(s.reveal())
-        wait_version(c, 1)
-        masked = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        upload_masked(sites, ds)
+        reveal_and_commit(c, sites)  # the round closed with the last upload: the survivors reveal, then it merges
+        masked = weights_now(c)
         status = c.service.status()
         record = c.service.round_history(1)[0]
     ring_bytes = sum(2 * t.numel() for t in masked.values())  # 2 bytes a parameter in the 2^16 ring
     assert record["n_submissions"] == 3 and 3 * ring_bytes < record["bytes_in"] < 3 * (ring_bytes + 4096)
     assert status["secure_aggregation"]["round"] == 1 and status["secure_aggregation"]["phase"] == "keys"
-    with BackgroundCoordinator(tmp_path / "plain", tiny_config(outer={"algorithm": "fedavg"})) as c, \
-            client(c, ATOKEN) as http:
-        for pid in TOKENS:
-            ok(http.post("/v1/join", json={"name": pid}))
-        for pid, tok in TOKENS.items():
-            assert put(http, 0, pid, ds[pid], tokens=tok).status_code == 200
-        assert wait_round(http, 0)["state"] == "closed"
-        plain = c.service.inspect().weights
+    plain = plain_round(tmp_path / "plain", tiny_config(outer={"algorithm": "fedavg"}), ds)
     moved = 0.0
     for n, t in plain.items():
         # each contribution is off by at most half a unit: 3 of them, over a total weight of 1
@@ -95,25 +78,12 @@ def test_a_masked_round_commits_what_a_plain_run_commits(tmp_path: Path) -> None
 def test_a_dropout_after_masking_leaves_the_others_exact_aggregate(tmp_path: Path) -> None:
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={**SECAGG, "secagg_threshold": 2})
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
-        for pid in TOKENS:
-            ok(http.post("/v1/join", json={"name": pid}))
-        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
-        ds = deltas(c)
-        sites = [Site(http, pid) for pid in TOKENS]
-        run_to_upload(sites, TOKENS)
-        a, b, gone = sites
+        before, ds, (a, b, gone) = ready_to_upload(c, http)
         masked_c = gone.masked(ds["c"])  # c masks (its pairwise masks are in a's and b's uploads too)...
         assert masked_c
-        for s in (a, b):
-            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
+        upload_masked([a, b], ds)
         ok(http.post("/v1/participants/c/leave"))  # ...and drops before its upload
-        deadline = time.monotonic() + 10
-        while c.service.status()["secure_aggregation"]["phase"] != "reveal":
-            assert time.monotonic() < deadline, c.service.status()["reason"]
-            time.sleep(0.02)
-        for s in (a, b):
-            ok(s.reveal())
-        wait_version(c, 1)
+        reveal_and_commit(c, [a, b])
         after = c.service.inspect().weights
         record = c.service.round_history(1)[0]
     assert record["n_submissions"] == 2
@@ -125,15 +95,9 @@ def test_a_dropout_after_masking_leaves_the_others_exact_aggregate(tmp_path: Pat
 def test_fewer_than_t_survivors_refuse_the_round_and_it_opens_again(tmp_path: Path) -> None:
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={**SECAGG, "secagg_threshold": 3})
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
-        for pid in TOKENS:
-            ok(http.post("/v1/join", json={"name": pid}))
-        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
-        ds = deltas(c)
-        sites = [Site(http, pid) for pid in TOKENS]
-        run_to_upload(sites, TOKENS)
+        before, ds, sites = ready_to_upload(c, http)
         old = sites[0].session
-        for s in sites[:2]:
-            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
+        upload_masked(sites[:2], ds)
         ok(http.post("/v1/participants/c/leave"))  # 2 survivors, t = 3: the sum cannot be unmasked
         deadline = time.monotonic() + 10
         while c.service.status()["secure_aggregation"]["refused_attempts"] < 1:
@@ -156,29 +120,21 @@ def test_fewer_than_t_survivors_refuse_the_round_and_it_opens_again(tmp_path: Pa
 
 def test_a_loopback_run_with_secure_aggregation_trains(tmp_path: Path) -> None:
     cfg = tiny_config(rounds=4, train={"sync_every": 10, "lr": 1e-2}, min_participants=2, privacy=SECAGG)
-    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        initial = heldout_loss(c.service.inspect().weights)
-        train_all(c.url, 2)
-        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        status = c.service.status()
-        history = c.service.round_history(10)
-    assert status["current_round"] == 4 and status["secure_aggregation"]["refused_attempts"] == 0
-    params = sum(t.numel() for t in final.values())
-    assert all(r["n_submissions"] == 2 and r["bytes_in"] < 2 * (2 * params + 4096) for r in history)
-    assert heldout_loss(final) < initial - 1.0
+    run = train_loopback(tmp_path / "state", cfg)
+    assert run.status["current_round"] == 4 and run.status["secure_aggregation"]["refused_attempts"] == 0
+    params = sum(t.numel() for t in run.final.values())
+    assert all(r["n_submissions"] == 2 and r["bytes_in"] < 2 * (2 * params + 4096) for r in run.history)
+    assert run.final_loss < run.initial_loss - 1.0
 
 
 def test_a_loopback_run_with_distributed_dp_trains_and_reports_epsilon(tmp_path: Path) -> None:
     pytest.importorskip("dp_accounting")
     cfg = tiny_config(rounds=4, train={"sync_every": 10, "lr": 1e-2}, min_participants=2,
                       privacy={**SECAGG, "dp": True, "clip_norm": 5.0, "noise_multiplier": 0.01})
-    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        initial = heldout_loss(c.service.inspect().weights)
-        train_all(c.url, 2)
-        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        p = c.service.status()["privacy"]
+    run = train_loopback(tmp_path / "state", cfg)
+    p = run.status["privacy"]
     assert p["rounds"] == 4 and p["epsilon"] > 0
-    assert heldout_loss(final) < initial - 1.0
+    assert run.final_loss < run.initial_loss - 1.0
 
 
 def test_a_restarted_coordinator_runs_the_round_again_with_fresh_keys(tmp_path: Path) -> None:
@@ -188,29 +144,16 @@ def test_a_restarted_coordinator_runs_the_round_again_with_fresh_keys(tmp_path: 
     then commits."""
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={**SECAGG, "secagg_threshold": 2})
     with BackgroundCoordinator(tmp_path / "s", cfg) as c, client(c, ATOKEN) as http:
-        for pid in TOKENS:
-            ok(http.post("/v1/join", json={"name": pid}))
-        ds = deltas(c)
-        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
-        sites = [Site(http, pid) for pid in TOKENS]
-        run_to_upload(sites, TOKENS)
+        before, ds, sites = ready_to_upload(c, http)
         ok(sites[0].upload(sites[0].masked(ds["a"]), TOKENS["a"]))  # one masked upload in, then the restart
         old, port = sites[0].session, c.port
     with BackgroundCoordinator(tmp_path / "s", cfg, port=port) as c, client(c, ATOKEN) as http:
         stale = http.get("/v1/rounds/0/secagg/mailbox/b", params={"session": old})
         assert stale.status_code == 409 and stale.json()["error"]["code"] == "secagg_session"
-        sites = [Site(http, pid) for pid in TOKENS]
-        run_to_upload(sites, TOKENS)
+        sites = sites_at_upload(http)
         assert sites[0].session != old
-        for s in sites:
-            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
-        deadline = time.monotonic() + 10
-        while c.service.status()["secure_aggregation"]["phase"] != "reveal":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        for s in sites:
-            ok(s.reveal())
-        wait_version(c, 1)
+        upload_masked(sites, ds)
+        reveal_and_commit(c, sites)
         after = c.service.inspect().weights
     for n, t in after.items():
         want = before[n] - (ds["a"][n] + ds["b"][n] + 2 * ds["c"][n]) / 4
@@ -226,30 +169,15 @@ def test_distributed_dp_noise_comes_from_the_participants_at_the_promised_scale(
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy={
         **SECAGG, "dp": True, "clip_norm": clip, "noise_multiplier": sigma, "secagg_range": 0.05})
     with BackgroundCoordinator(tmp_path / "s", cfg) as c:
-        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
-        errors: list[BaseException] = []
-        joined_all = threading.Barrier(3, timeout=30)  # the keys phase waits for every active participant
+        before = weights_now(c)
 
-        def site(pid: str) -> None:
-            try:
-                with CoordinatorClient(c.url, PTOKEN) as cl:
-                    joined = cl.join(pid)
-                    joined_all.wait()
-                    params = {n: torch.zeros_like(t) for n, t in before.items()}
-                    engine = SyncEngine(cl, params, who=pid)
-                    engine.prepare(joined["model"])
-                    engine.load_global(pid)
-                    engine.take_delta()  # θ_round − θ = 0
-                    assert submit_masked(engine, 0, pid, cfg, tokens=TOKENS[pid])
-            except BaseException as e:  # reported by the test thread
-                errors.append(e)
+        def zero_delta(pid: str, engine: SyncEngine, params: dict[str, torch.Tensor]) -> None:
+            engine.take_delta()  # θ_round − θ = 0
+            assert submit_masked(engine, 0, pid, cfg, tokens=TOKENS[pid])
 
-        threads = [threading.Thread(target=site, args=(pid,)) for pid in TOKENS]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        sites = EngineSites(c, before, zero_delta)
+        sites.start()
+        sites.join()
         wait_version(c, 1)
         moved = torch.cat([(c.service.inspect().weights[n] - before[n]).flatten() for n in before]).double()
         p = c.service.status()["privacy"]
@@ -270,12 +198,10 @@ def test_a_real_participant_that_drops_after_masking_leaves_a_round_that_commits
                       privacy={**SECAGG, "secagg_threshold": 2})
     rule = faults.arm(faults.Rule("participant.upload", "drop", who="p2", round=1))
     try:
-        with BackgroundCoordinator(tmp_path / "state", cfg) as c:
-            train_all(c.url, 3)
-            history = {r["round"]: r for r in c.service.round_history(10)}
-            status = c.service.status()
+        run = train_loopback(tmp_path / "state", cfg, n=3)
     finally:
         faults.disarm()
+    history, status = {r["round"]: r for r in run.history}, run.status
     assert rule.fired == 1
     assert status["current_round"] == 3 and status["secure_aggregation"]["refused_attempts"] == 0
     assert history[0]["n_submissions"] == 3 and history[1]["n_submissions"] == 2

@@ -9,81 +9,53 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.participant import CoordinatorClient
 from fedtrain.participant.engine.secagg_sync import start_ahead, submit_masked
 from fedtrain.participant.engine.sync import SyncEngine
-from tests.helpers.api import client, put, wait_round
-from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
-from tests.helpers.runs import heldout_loss, train_all
-from tests.helpers.secagg import Site, ok, run_to_upload
+from tests.helpers.api import client
+from tests.helpers.config import ATOKEN, tiny_config
+from tests.helpers.secagg_rounds import (
+    SECAGG,
+    TOKENS,
+    EngineSites,
+    join_all,
+    plain_round,
+    random_deltas,
+    reveal_and_commit,
+    sites_at_upload,
+    train_loopback,
+    unit,
+    upload_masked,
+    wait_version,
+    weights_now,
+)
 
 pytest.importorskip("cryptography")
 
-N_MAX = 4  # a 2^16 ring with p = 16 - 1 - 2 = 13 bits: a unit of R / 8191
-RANGE = 0.5
-SECAGG = {"secure_aggregation": True, "dp": False, "secagg_max_participants": N_MAX, "secagg_range": RANGE}
-TOKENS = {"a": 100, "b": 100, "c": 200}
 STREAMING = {"train": {"sync_every": 4}, "model": {"n_layer": 2}, "streaming": {"fragments": 2},
              "outer": {"algorithm": "fedavg"}}
-
-
-def unit() -> float:
-    return RANGE / (2**13 - 1)
-
-
-def fragment_deltas(weights: dict[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(11)
-    return {pid: {n: (torch.rand(weights[n].shape, generator=g) - 0.5) * 0.4 for n in names} for pid in TOKENS}
-
-
-def wait_version(c: BackgroundCoordinator, v: int) -> None:
-    deadline = time.monotonic() + 20
-    while c.service.inspect().committed_version < v:
-        assert time.monotonic() < deadline, c.service.status()["reason"]
-        time.sleep(0.02)
-
-
-def wait_phase(c: BackgroundCoordinator, phase: str) -> None:
-    deadline = time.monotonic() + 10
-    while c.service.status()["secure_aggregation"]["phase"] != phase:
-        assert time.monotonic() < deadline, c.service.status()["reason"]
-        time.sleep(0.02)
 
 
 def test_a_masked_fragment_round_commits_what_a_plain_streaming_round_commits(tmp_path: Path) -> None:
     cfg = tiny_config(**STREAMING, privacy=SECAGG)
     with BackgroundCoordinator(tmp_path / "masked", cfg) as c, client(c, ATOKEN) as http:
-        joined = [ok(http.post("/v1/join", json={"name": pid})) for pid in TOKENS]
-        frags = joined[0]["streaming"]["fragments"]
-        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
-        ds = fragment_deltas(before, frags[0])  # round 0 syncs fragment 0
-        sites = [Site(http, pid) for pid in TOKENS]
-        run_to_upload(sites, TOKENS)
-        for s in sites:
-            ok(s.upload(s.masked(ds[s.pid]), TOKENS[s.pid]))
-        wait_phase(c, "reveal")
-        for s in sites:
-            ok(s.reveal())
-        wait_version(c, 1)
-        masked = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        frags = join_all(http)[0]["streaming"]["fragments"]
+        before = weights_now(c)
+        ds = random_deltas(before, seed=11, names=frags[0])  # round 0 syncs fragment 0
+        sites = sites_at_upload(http)
+        upload_masked(sites, ds)
+        reveal_and_commit(c, sites)
+        masked = weights_now(c)
         record = c.service.round_history(1)[0]
     ring_bytes = sum(2 * before[n].numel() for n in frags[0])  # 2 bytes a parameter of the fragment
     assert record["fragment"] == 0 and record["n_submissions"] == 3
     assert 3 * ring_bytes < record["bytes_in"] < 3 * (ring_bytes + 4096)
-    with BackgroundCoordinator(tmp_path / "plain", tiny_config(**STREAMING)) as c, client(c, ATOKEN) as http:
-        for pid in TOKENS:
-            ok(http.post("/v1/join", json={"name": pid}))
-        for pid, tok in TOKENS.items():
-            assert put(http, 0, pid, ds[pid], tokens=tok).status_code == 200
-        assert wait_round(http, 0)["state"] == "closed"
-        plain = c.service.inspect().weights
+    plain = plain_round(tmp_path / "plain", tiny_config(**STREAMING), ds)
     moved = 0.0
     for n in frags[0]:  # each contribution is off by at most half a unit: 3 of them, over a total weight of 1
         assert torch.allclose(masked[n], plain[n], rtol=0, atol=3 * unit() / 2 + 1e-6), n
@@ -98,17 +70,13 @@ def test_a_streaming_run_with_secure_aggregation_trains(tmp_path: Path, caplog: 
     and their waits too), while training goes on; each fragment's masks drawn during its inner steps."""
     cfg = tiny_config(rounds=6, min_participants=2, model={"n_layer": 2}, train={"sync_every": 10, "lr": 1e-2},
                       streaming={"fragments": 2, "overlap": 1, "alpha": 0.5}, privacy=SECAGG)
-    with caplog.at_level(logging.INFO, logger="fedtrain.participant"), \
-            BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        initial = heldout_loss(c.service.inspect().weights)
-        train_all(c.url, 2)
-        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        status = c.service.status()
-        history = sorted(c.service.round_history(10), key=lambda r: r["round"])
-    assert status["current_round"] == 6 and status["secure_aggregation"]["refused_attempts"] == 0
+    with caplog.at_level(logging.INFO, logger="fedtrain.participant"):
+        run = train_loopback(tmp_path / "state", cfg)
+    history = sorted(run.history, key=lambda r: r["round"])
+    assert run.status["current_round"] == 6 and run.status["secure_aggregation"]["refused_attempts"] == 0
     assert [r["fragment"] for r in history] == [0, 1, 0, 1, 0, 1]
     assert all(r["n_submissions"] == 2 for r in history)
-    assert heldout_loss(final) < initial - 0.5
+    assert run.final_loss < run.initial_loss - 0.5
     said = [r.getMessage() for r in caplog.records]
     assert sum("drawn during the inner steps" in m for m in said) == 6 * 2, said  # every round, both
 
@@ -119,17 +87,12 @@ def test_an_overlapped_run_with_secure_aggregation_trains(tmp_path: Path, caplog
     were drawn during the inner steps, every round (no participant fell back to drawing them late)."""
     cfg = tiny_config(rounds=4, min_participants=2, train={"sync_every": 10, "lr": 1e-2, "overlap": True},
                       privacy=SECAGG)
-    with caplog.at_level(logging.INFO, logger="fedtrain.participant"), \
-            BackgroundCoordinator(tmp_path / "state", cfg) as c:
-        initial = heldout_loss(c.service.inspect().weights)
-        train_all(c.url, 2)
-        final = {k: v.clone() for k, v in c.service.inspect().weights.items()}
-        status = c.service.status()
-        history = c.service.round_history(10)
-    assert status["current_round"] == 4 and status["secure_aggregation"]["refused_attempts"] == 0
-    params = sum(t.numel() for t in final.values())
-    assert all(r["n_submissions"] == 2 and r["bytes_in"] < 2 * (2 * params + 4096) for r in history)
-    assert heldout_loss(final) < initial - 1.0
+    with caplog.at_level(logging.INFO, logger="fedtrain.participant"):
+        run = train_loopback(tmp_path / "state", cfg)
+    assert run.status["current_round"] == 4 and run.status["secure_aggregation"]["refused_attempts"] == 0
+    params = sum(t.numel() for t in run.final.values())
+    assert all(r["n_submissions"] == 2 and r["bytes_in"] < 2 * (2 * params + 4096) for r in run.history)
+    assert run.final_loss < run.initial_loss - 1.0
     said = [r.getMessage() for r in caplog.records]
     assert sum("drawn during the inner steps" in m for m in said) == 4 * 2, said  # every round, both
     assert not [m for m in said if "not drawn ahead" in m or "starts again" in m]
@@ -142,44 +105,27 @@ def test_masks_drawn_during_the_inner_steps_give_the_plain_mean(tmp_path: Path) 
     what was drawn, and the round commits the plain token-weighted mean within fixed-point rounding."""
     cfg = tiny_config(outer={"algorithm": "fedavg"}, privacy=SECAGG)
     with BackgroundCoordinator(tmp_path / "s", cfg) as c:
-        before = {n: t.clone() for n, t in c.service.inspect().weights.items()}
-        g = torch.Generator().manual_seed(5)
-        ds = {pid: {n: (torch.rand(t.shape, generator=g) - 0.5) * 0.4 for n, t in before.items()} for pid in TOKENS}
-        errors: list[BaseException] = []
-        joined_all = threading.Barrier(3, timeout=30)  # the keys phase waits for every active participant
+        before = weights_now(c)
+        ds = random_deltas(before, seed=5)
         drawn = threading.Barrier(4, timeout=30)
         looked = threading.Event()
 
-        def site(pid: str) -> None:
-            try:
-                with CoordinatorClient(c.url, PTOKEN) as cl:
-                    joined = cl.join(pid)
-                    joined_all.wait()
-                    params = {n: t.clone() for n, t in before.items()}
-                    engine = SyncEngine(cl, params, who=pid)
-                    engine.prepare(joined["model"])
-                    engine.load_global(pid)
-                    start_ahead(engine, 0, pid, cfg)  # the round's start
-                    assert engine.masks_ahead is not None and engine.masks_ahead.result(30) is not None
-                    drawn.wait()
-                    assert looked.wait(30)
-                    for n, p in params.items():  # "training": θ_round − θ = Δ
-                        p.sub_(ds[pid][n])
-                    engine.take_delta()
-                    assert submit_masked(engine, 0, pid, cfg, tokens=TOKENS[pid])
-            except BaseException as e:  # reported by the test thread
-                errors.append(e)
-                drawn.abort()
+        def draw_ahead(pid: str, engine: SyncEngine, params: dict[str, torch.Tensor]) -> None:
+            start_ahead(engine, 0, pid, cfg)  # the round's start
+            assert engine.masks_ahead is not None and engine.masks_ahead.result(30) is not None
+            drawn.wait()
+            assert looked.wait(30)
+            for n, p in params.items():  # "training": θ_round − θ = Δ
+                p.sub_(ds[pid][n])
+            engine.take_delta()
+            assert submit_masked(engine, 0, pid, cfg, tokens=TOKENS[pid])
 
-        threads = [threading.Thread(target=site, args=(pid,)) for pid in TOKENS]
-        for t in threads:
-            t.start()
+        sites = EngineSites(c, before, draw_ahead, on_error=drawn.abort)
+        sites.start()
         drawn.wait()
         st = c.service.status()["secure_aggregation"]
         looked.set()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        sites.join()
         assert st["phase"] == "claims" and st["sharing"] == 3  # masks drawn before anyone claimed
         wait_version(c, 1)
         after = c.service.inspect().weights

@@ -22,42 +22,13 @@ from fedtrain.wire import DIGEST_HEADER, EncodedBody
 from tests.helpers.api import halves
 from tests.helpers.config import BOTH_TRANSPORTS, PTOKEN, tiny_config
 from tests.helpers.faulty_link import FaultyLink
+from tests.helpers.part_uploads import PART, delta_of, merged, parts_config, reference
 
 pytestmark = BOTH_TRANSPORTS
 
-PART = 1 << 20
 TRANSFER = TransferConfig(part_mb=1, stall_timeout_s=1.0)
 #: What the link carries besides the body's bytes: a request head and an answer per request.
 OVERHEAD = 64 << 10
-
-
-def config():  # type: ignore[no-untyped-def]
-    # about 5.3 MB of fp32 weights: six parts of 1 MiB
-    return tiny_config(model={"n_layer": 1, "n_embd": 320, "n_head": 2, "block_size": 32})
-
-
-def delta_of(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return {n: torch.randn(t.shape, generator=g, dtype=t.dtype) * 1e-3 for n, t in c.service.inspect().weights.items()}
-
-
-def merged(c: BackgroundCoordinator, client: CoordinatorClient) -> dict[str, torch.Tensor]:
-    client.wait_round(0, "p0", wait_s=10)
-    deadline = time.monotonic() + 10
-    while c.service.inspect().committed_version < 1:
-        assert time.monotonic() < deadline, "round 0 never committed"
-        time.sleep(0.02)
-    return {n: t.clone() for n, t in c.service.inspect().weights.items()}
-
-
-def reference(tmp_path: Path) -> dict[str, torch.Tensor]:
-    """The model after round 0 with the update uploaded whole, on a clean link."""
-    with BackgroundCoordinator(tmp_path / "ref", config()) as c, CoordinatorClient(c.url, PTOKEN) as client:
-        client.join("p0")
-        body = EncodedBody(delta_of(c))
-        assert body.content_length > 4 * PART
-        assert client.upload(0, "p0", body, tokens=100)["accepted"] is True
-        return merged(c, client)
 
 
 def upload_over(link: FaultyLink, c: BackgroundCoordinator, tmp_path: Path) -> tuple[dict, int, dict]:
@@ -79,7 +50,7 @@ def test_an_upload_in_parts_resumes_sends_only_what_was_missing_and_merges_bit_f
         tmp_path: Path, fault: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     want = reference(tmp_path)
-    with BackgroundCoordinator(tmp_path / "state", config()) as c, FaultyLink(c.host, c.port) as link:
+    with BackgroundCoordinator(tmp_path / "state", parts_config()) as c, FaultyLink(c.host, c.port) as link:
         at = int(2.5 * PART)  # inside the third part, the join's bytes aside
         {"cut": link.cut_after, "stall": link.stall_after, "corrupt": link.corrupt_at}[fault](at + 4096)
         answer, extra, got = upload_over(link, c, tmp_path)
@@ -96,7 +67,7 @@ def test_an_upload_in_parts_resumes_sends_only_what_was_missing_and_merges_bit_f
 
 def test_parts_go_over_several_connections_at_once_and_merge_bit_for_bit(tmp_path: Path) -> None:
     want = reference(tmp_path)
-    with BackgroundCoordinator(tmp_path / "state", config()) as c, FaultyLink(c.host, c.port) as link, \
+    with BackgroundCoordinator(tmp_path / "state", parts_config()) as c, FaultyLink(c.host, c.port) as link, \
             CoordinatorClient(link.url, PTOKEN) as client:
         client.join("p0")
         body = EncodedBody(delta_of(c))
@@ -166,7 +137,7 @@ def test_a_silent_older_connection_is_closed_by_the_retry_that_takes_over(
 def test_the_pieces_of_an_update_travel_in_parts_and_merge_as_the_update_sent_whole(tmp_path: Path) -> None:
     """An FSDP rank's piece larger than a part goes in parts too (parts are transport, pieces meaning)."""
     want = reference(tmp_path)
-    with BackgroundCoordinator(tmp_path / "state", config()) as c, FaultyLink(c.host, c.port) as link, \
+    with BackgroundCoordinator(tmp_path / "state", parts_config()) as c, FaultyLink(c.host, c.port) as link, \
             CoordinatorClient(link.url, PTOKEN, retry=RetryPolicy(initial_s=0.05, max_elapsed_s=30)) as client:
         client.join("p0")
         pieces = [EncodedBody(t, {ROWS_META: json.dumps(rows)}) for t, rows in halves(delta_of(c))]

@@ -16,8 +16,8 @@ from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.participant import CoordinatorClient
 from fedtrain.participant.client.upload_parts import WHOLE_DIGEST_HEADER, BodyParts
 from fedtrain.wire import DIGEST_HEADER, EncodedBody, digest_bytes
-from tests.helpers.config import PTOKEN, tiny_config
-from tests.integration.test_upload_parts import PART, config, delta_of, merged, reference
+from tests.helpers.config import PTOKEN
+from tests.helpers.part_uploads import PART, delta_of, merged, parts_config, reference
 
 KEY = "X-Fedtrain-Participant-Key"
 
@@ -55,7 +55,7 @@ def until(what: str, ok, timeout_s: float = 10.0) -> None:  # type: ignore[no-un
 
 def test_the_intake_reads_the_parts_as_they_arrive_and_the_update_merges_bit_for_bit(tmp_path: Path) -> None:
     want = reference(tmp_path)
-    with BackgroundCoordinator(tmp_path / "state", config()) as c, CoordinatorClient(c.url, PTOKEN) as client:
+    with BackgroundCoordinator(tmp_path / "state", parts_config()) as c, CoordinatorClient(c.url, PTOKEN) as client:
         p0 = RawParts(c, client, "p0", delta_of(c))
         try:
             last = p0.parts.count - 1
@@ -80,7 +80,7 @@ def test_the_intake_reads_the_parts_as_they_arrive_and_the_update_merges_bit_for
 
 
 def test_an_upload_in_parts_left_unfinished_does_not_hold_its_rounds_close(tmp_path: Path) -> None:
-    cfg = tiny_config(model={"n_layer": 1, "n_embd": 320, "n_head": 2, "block_size": 32}, round_timeout_s=1.0)
+    cfg = parts_config(round_timeout_s=1.0)
     with BackgroundCoordinator(tmp_path / "state", cfg) as c, CoordinatorClient(c.url, PTOKEN) as client:
         p0 = RawParts(c, client, "p0", delta_of(c))
         try:

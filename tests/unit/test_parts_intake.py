@@ -9,15 +9,13 @@ import asyncio
 import time
 from pathlib import Path
 
-import torch
-
 from fedtrain.coordinator import Coordinator
 from fedtrain.coordinator.intake.parts import MIN_PART_BYTES, PartClaim
 from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.wire import digest_bytes
 from tests.helpers.bodies import ADMIN_ID, chunked, raw_body
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
-from tests.unit.test_uploads import expected_sum, updates
+from tests.helpers.intake import assert_sum_is, updates
 
 PART = MIN_PART_BYTES
 
@@ -62,7 +60,5 @@ def test_a_reader_stopped_by_its_participants_failure_starts_again_at_the_next_p
 
     asyncio.run(scenario())
     assert list(svc.inspect().submitted) == [pid]
-    want = expected_sum(svc, delta)
-    got = svc.inspect().sum_values
-    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert_sum_is(svc, delta)
     asyncio.run(svc.stop())

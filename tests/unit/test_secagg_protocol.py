@@ -92,6 +92,13 @@ def _weights(rng: random.Random, ids: list[int]) -> dict[int, float]:
     return {u: tokens[u] / sum(tokens.values()) for u in ids}
 
 
+def _inputs(seed: int, ids: list[int], **setup: int) -> tuple[RoundSetup, dict[int, Update], dict[int, float]]:
+    """A round of the participants `ids`: its setup (`_setup`'s options), float32 updates and
+    token weights drawn from `seed`."""
+    rng = random.Random(seed)
+    return _setup(len(ids), **setup), _updates(rng, ids, torch.float32), _weights(rng, ids)
+
+
 @pytest.mark.parametrize("trial", range(6))
 def test_masked_sum_equals_the_token_weighted_sum(trial: int) -> None:
     rng = random.Random(trial)
@@ -132,20 +139,16 @@ def assert_mean_of_alive(got: dict, setup, updates, weights, alive) -> None:  # 
 
 
 def test_masks_drawn_ahead_give_the_same_aggregate() -> None:
-    rng = random.Random(21)
     ids = [1, 2, 3, 4, 5]
-    setup = _setup(5, threshold=3)
-    updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
+    setup, updates, weights = _inputs(21, ids, threshold=3)
     got = run_round(setup, updates, weights, precompute_for=[1, 3, 4], drop_after_masking=[4])
     assert_mean_of_alive(got, setup, updates, weights, [1, 2, 3, 5])
 
 
 @pytest.mark.parametrize("n, degree", [(12, 4), (15, 6)])
 def test_sparse_pairing_gives_the_same_aggregate(n: int, degree: int) -> None:
-    rng = random.Random(n)
     ids = list(range(1, n + 1))
-    setup = _setup(n, degree=degree)
-    updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
+    setup, updates, weights = _inputs(n, ids, degree=degree)
     got = run_round(setup, updates, weights, drop_after_masking=[ids[3]])
     alive = [u for u in ids if u != ids[3]]
     assert_mean_of_alive(got, setup, updates, weights, alive)
@@ -153,40 +156,32 @@ def test_sparse_pairing_gives_the_same_aggregate(n: int, degree: int) -> None:
 
 @pytest.mark.parametrize("dropped", [[2], [1, 4], [7]])
 def test_a_participant_dropping_after_masking_leaves_the_others_exact_aggregate(dropped: list[int]) -> None:
-    rng = random.Random(len(dropped))
     ids = list(range(1, 8))
-    setup = _setup(7, threshold=3)
-    updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
+    setup, updates, weights = _inputs(len(dropped), ids, threshold=3)
     got = run_round(setup, updates, weights, drop_after_masking=dropped)
     alive = [u for u in ids if u not in dropped]
     assert_mean_of_alive(got, setup, updates, weights, alive)
 
 
 def test_a_participant_dropping_before_sharing_is_left_out_of_the_masks() -> None:
-    rng = random.Random(9)
     ids = [1, 2, 3, 4, 5]
-    setup = _setup(5, threshold=3)
-    updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
+    setup, updates, weights = _inputs(9, ids, threshold=3)
     got = run_round(setup, updates, weights, drop_before_sharing=[3], drop_after_masking=[5])
     alive = [1, 2, 4]
     assert_mean_of_alive(got, setup, updates, weights, alive)
 
 
 def test_fewer_than_t_survivors_is_refused_not_wrong() -> None:
-    rng = random.Random(3)
     ids = [1, 2, 3, 4, 5]
-    setup = _setup(5, threshold=3)
-    updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
+    setup, updates, weights = _inputs(3, ids, threshold=3)
     with pytest.raises(NotEnoughShares, match="fewer than the threshold 3"):
         run_round(setup, updates, weights, drop_after_masking=[1, 2, 3])
 
 
 def test_too_few_revealed_shares_is_refused_not_wrong() -> None:
     """Enough uploads, but only t - 1 survivors answer the unmasking request."""
-    rng = random.Random(4)
     ids = [1, 2, 3, 4, 5, 6]
-    setup = _setup(6, threshold=4)
-    updates, weights = _updates(rng, ids, torch.float32), _weights(rng, ids)
+    setup, updates, weights = _inputs(4, ids, threshold=4)
     with pytest.raises(NotEnoughShares):
         run_round(setup, updates, weights, drop_after_masking=[6], silent_at_reveal=[1, 2])
 
@@ -249,15 +244,7 @@ def test_the_coordinator_refuses_malformed_steps() -> None:
 
 def test_an_upload_that_stops_half_way_makes_the_round_refused() -> None:
     setup = _setup(2, threshold=2)
-    coord = SecAggCoordinator(setup, {"a": (4,), "b": (4,)})
-    parts = {u: SecAggParticipant(u, setup) for u in (1, 2)}
-    for u, p in parts.items():
-        coord.advertise(u, p.advertise())
-    directory = coord.directory()
-    for u, p in parts.items():
-        coord.post_shares(u, p.share(directory))
-    for u, p in parts.items():
-        p.receive(coord.mailbox(u))
+    coord, parts = _round_to_masking(setup, [1, 2], {"a": (4,), "b": (4,)})
     masked = parts[1].mask({"a": torch.zeros(4), "b": torch.zeros(4)}, 0.5, coord.sharing())
     with pytest.raises(PrivacyError, match="misses"):
         coord.add_upload(1, [("a", masked["a"])])
@@ -265,8 +252,10 @@ def test_an_upload_that_stops_half_way_makes_the_round_refused() -> None:
         coord.add_upload(2, [])
 
 
-def _round_to_uploads(setup: RoundSetup, ids: list[int]) -> tuple[SecAggCoordinator, dict[int, SecAggParticipant]]:
-    coord = SecAggCoordinator(setup, {"w": (4,)})
+def _round_to_masking(setup: RoundSetup, ids: list[int], shapes: dict[str, tuple[int, ...]],
+                      ) -> tuple[SecAggCoordinator, dict[int, SecAggParticipant]]:
+    """Every participant of `ids` advertised its keys, shared and read its mailbox: ready to mask."""
+    coord = SecAggCoordinator(setup, shapes)
     parts = {u: SecAggParticipant(u, setup) for u in ids}
     for u, p in parts.items():
         coord.advertise(u, p.advertise())
@@ -275,6 +264,11 @@ def _round_to_uploads(setup: RoundSetup, ids: list[int]) -> tuple[SecAggCoordina
         coord.post_shares(u, p.share(directory))
     for u, p in parts.items():
         p.receive(coord.mailbox(u))
+    return coord, parts
+
+
+def _round_to_uploads(setup: RoundSetup, ids: list[int]) -> tuple[SecAggCoordinator, dict[int, SecAggParticipant]]:
+    coord, parts = _round_to_masking(setup, ids, {"w": (4,)})
     for u, p in parts.items():
         coord.add_upload(u, p.mask({"w": torch.zeros(4)}, 1 / len(ids), coord.sharing()).items())
     return coord, parts

@@ -6,6 +6,9 @@ tests/slow/test_streaming_torchft.py)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -16,39 +19,25 @@ from fedtrain.merge import OuterOptimizer, RunningSum, build_torch_optimizer, ps
 from fedtrain.recipes.gpt import build_model
 from fedtrain.streaming import StepEvents, check_schedule, fragments, schedule, simulate
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from streaming_net import Net, mse  # the model streaming_compare.py runs against torchft
+
+WIDTH = 6  # narrower than the benchmark's: the simulations here run in a few ms
+
 # --------------------------------------------------------------------------- a small seeded problem
-
-
-class Net(nn.Module):
-    """An input layer, `blocks` residual tanh layers and a head: block-shaped names, tiny."""
-
-    def __init__(self, blocks: int = 4, width: int = 6) -> None:
-        super().__init__()
-        self.embed = nn.Linear(3, width)
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-        self.head = nn.Linear(width, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.embed(x))
-        for b in self.blocks:
-            h = h + torch.tanh(b(h))
-        return self.head(h)
 
 
 def build() -> Net:
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return Net()
+        return Net(width=WIDTH)
 
 
 def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * replica + step)
     x = torch.randn(5, 3, generator=g) + replica  # each replica its own data
     return x, torch.stack([x.sum(1).sin(), x[:, 0] * x[:, 1]], 1)
-
-
-def mse(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return (model(b[0]) - b[1]).pow(2).mean()
 
 
 def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -270,4 +259,4 @@ def test_simulate_refuses(kwargs: dict, words: str) -> None:
 
 def test_replicas_must_start_alike() -> None:
     with pytest.raises(ConfigError, match="same weights"):
-        simulate(Net, batch, mse, adamw, replicas=2, steps=1, h=1, fragment_names=[NAMES])
+        simulate(lambda: Net(width=WIDTH), batch, mse, adamw, replicas=2, steps=1, h=1, fragment_names=[NAMES])

@@ -17,10 +17,10 @@ from fedtrain.coordinator.intake.spool import SpoolFiles
 from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.coordinator.policy import DIRECT_MAX_ACTIVE
 from fedtrain.errors import Refused, WireError
-from fedtrain.merge import RunningSum
 from fedtrain.wire.compress import compress
 from tests.helpers.bodies import ADMIN_ID, chunked, raw_body
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
+from tests.helpers.intake import assert_sum_is, expected_sum, updates
 
 POISON = {"note": "\u0080\x7f" * 40}
 BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
@@ -58,14 +58,6 @@ def assert_untouched(svc: Coordinator) -> None:
     assert list(svc.spool.iterdir()) == []  # the refused upload's new spool file is gone
 
 
-def expected_sum(svc: Coordinator, *updates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What folding `updates` (10 tokens each) into an empty sum gives."""
-    ref = RunningSum(svc.inspect().weights)
-    for u in updates:
-        ref.add(u, 10.0 if svc.config.outer.weighting == "tokens" else 1.0)
-    return ref.peek()
-
-
 @pytest.mark.parametrize("where", ["middle", "last"])
 @pytest.mark.parametrize("value", BAD_VALUES)
 def test_coordinator_refuses_a_non_finite_plain_upload(service: Coordinator, monkeypatch: pytest.MonkeyPatch,
@@ -81,9 +73,7 @@ def test_coordinator_refuses_a_non_finite_plain_upload(service: Coordinator, mon
     assert_untouched(service)
     t[name].nan_to_num_(0.0, 0.0, 0.0)
     assert upload(service, t, POISON)["accepted"] and service.inspect().sum_count == 1  # the same layout, finite
-    want = expected_sum(service, t)
-    summed = service.inspect().sum_values
-    assert all(torch.equal(summed[n], want[n]) for n in want)  # nothing of the refused one is left
+    assert_sum_is(service, t)  # nothing of the refused one is left
 
 
 @pytest.mark.parametrize("value", BAD_VALUES)
@@ -131,14 +121,18 @@ def coordinator(tmp_path: Path, **overrides: object) -> Coordinator:
     return svc
 
 
-def updates(svc: Coordinator, n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [{k: torch.randn(v.shape, generator=g) for k, v in svc.inspect().weights.items()} for _ in range(n)]
+async def upload_beside(svc: Coordinator, pid: str, t: dict[str, torch.Tensor]) -> dict:
+    """Upload `t` as `pid` while another upload is held: answered within 10 s."""
+    data, digest = raw_body(t)
+    return await asyncio.wait_for(svc.receive_update(ADMIN_ID, pid, 0, 10, digest, len(data), chunked(data, 4096)),
+                                  timeout=10)
 
 
-async def held_upload(svc: Coordinator, pid: str, data: bytes, digest: str, gate: asyncio.Event) -> asyncio.Task:
-    """Start an upload whose body stops after 5000 bytes until `gate` is set (a slow or stalled
-    link); returns once it is being written straight into the sum."""
+async def held_upload(svc: Coordinator, pid: str, t: dict[str, torch.Tensor], gate: asyncio.Event) -> asyncio.Task:
+    """Start an upload of `t` whose body stops after 5000 bytes until `gate` is set (a slow or
+    stalled link); returns once it is being written straight into the sum."""
+    data, digest = raw_body(t)
+
     async def body() -> AsyncIterator[bytes]:
         yield data[:5000]
         await gate.wait()
@@ -179,8 +173,7 @@ def test_the_direct_receive_switch_spools_the_first_upload_with_the_same_sum(tmp
     assert upload(svc, first)["accepted"]
     assert svc.intake.last_path is not None and svc.intake.last_path.path == "spool"
     assert "fast IO" in svc.intake.last_path.reason
-    want = expected_sum(svc, first)
-    assert all(torch.equal(svc.inspect().sum_values[n], want[n]) for n in want)
+    assert_sum_is(svc, first)
     asyncio.run(svc.stop())
 
 
@@ -204,8 +197,7 @@ def test_a_direct_upload_is_checked_finite_as_it_lands(tmp_path: Path, monkeypat
         422, "non_finite", f"tensor {name} contains NaN or Inf; the update was refused")
     assert_untouched(svc)
     assert upload(svc, good, POISON, size=997)["accepted"] and svc.inspect().sum_count == 1
-    want = expected_sum(svc, good)
-    assert all(torch.equal(svc.inspect().sum_values[n], want[n]) for n in want)
+    assert_sum_is(svc, good)
     asyncio.run(svc.stop())
 
 
@@ -226,19 +218,17 @@ def test_a_bad_direct_upload_leaves_the_sum_empty(tmp_path: Path) -> None:
     assert (non_finite.value.status, non_finite.value.code) == (422, "non_finite")
     assert_untouched(svc)
     assert upload(svc, good)["accepted"]
-    want = expected_sum(svc, good)
-    assert all(torch.equal(svc.inspect().sum_values[n], want[n]) for n in want)
+    assert_sum_is(svc, good)
     asyncio.run(svc.stop())
 
 
 def test_a_close_stops_a_direct_upload_and_nothing_waits_for_it(tmp_path: Path) -> None:
     svc = coordinator(tmp_path)
     first, second = updates(svc, 2)
-    data, digest = raw_body(first)
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        slow = await held_upload(svc, "a", data, digest, gate)
+        slow = await held_upload(svc, "a", first, gate)
         await asyncio.sleep(0.01)
         assert svc.intake.receiving_direct == "a"
         svc.rounds.open.closing = True  # what a close does first (here without merging, which needs uploads)
@@ -246,16 +236,13 @@ def test_a_close_stops_a_direct_upload_and_nothing_waits_for_it(tmp_path: Path) 
         assert svc.intake.receiving_direct is None and svc.inspect().sum_count == 0
         svc.rounds.open.closing = False
         # The next upload is not held up by the stalled one, and is itself written straight in.
-        body2, digest2 = raw_body(second)
-        got = await asyncio.wait_for(svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2),
-                                                        chunked(body2, 4096)), timeout=10)
+        got = await upload_beside(svc, "b", second)
         assert got["accepted"] and list(svc.inspect().submitted) == ["b"]
         gate.set()
         with pytest.raises(Refused) as refused:
             await slow
         assert (refused.value.status, refused.value.code) == (409, "round_closed")
-        want = expected_sum(svc, second)  # nothing of the stopped upload is in the sum
-        assert all(torch.equal(svc.inspect().sum_values[n], want[n]) for n in want)
+        assert_sum_is(svc, second)  # nothing of the stopped upload is in the sum
 
     asyncio.run(scenario())
     asyncio.run(svc.stop())
@@ -290,8 +277,7 @@ def test_with_many_participants_active_the_first_upload_is_spooled(service: Coor
     assert upload(service, first)["accepted"]
     assert service.intake.last_path is not None and service.intake.last_path.path == "spool"
     assert "participants are active" in service.intake.last_path.reason
-    want = expected_sum(service, first)
-    assert all(torch.equal(service.inspect().sum_values[n], want[n]) for n in want)
+    assert_sum_is(service, first)
 
 
 def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> None:
@@ -299,11 +285,10 @@ def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> 
     svc.open()
     pid = svc.join(ADMIN_ID, "solo", {})["participant_id"]
     (delta,) = updates(svc, 1)
-    data, digest = raw_body(delta)
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        task = await held_upload(svc, pid, data, digest, gate)
+        task = await held_upload(svc, pid, delta, gate)
         svc.inspect().participants[pid].last_seen -= 10_000  # silent for longer than heartbeat_timeout_s
         svc.tick()
         assert svc.intake.receiving_direct is None and svc.inspect().sum_count == 0
@@ -320,14 +305,11 @@ def test_a_participant_marked_failed_stops_its_direct_upload(tmp_path: Path) -> 
 def test_an_upload_beside_a_direct_one_is_answered_at_once_and_folded_after_it(tmp_path: Path) -> None:
     svc = coordinator(tmp_path)
     first, second = updates(svc, 2)
-    data, digest = raw_body(first)
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        direct = await held_upload(svc, "a", data, digest, gate)
-        body2, digest2 = raw_body(second)
-        got = await asyncio.wait_for(svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2),
-                                                        chunked(body2, 4096)), timeout=10)
+        direct = await held_upload(svc, "a", first, gate)
+        got = await upload_beside(svc, "b", second)
         assert got == {"accepted": True, "duplicate": False, "round": 0}  # not held up by the slow link
         inside = svc.inspect()
         assert set(inside.submitted) == {"b"} and svc.intake.folds_in_flight == 1 and inside.sum_count == 0  # waits
@@ -337,15 +319,13 @@ def test_an_upload_beside_a_direct_one_is_answered_at_once_and_folded_after_it(t
 
     asyncio.run(scenario())
     assert set(svc.inspect().submitted) == {"a", "b"} and svc.inspect().sum_count == 2 and svc.intake.failure is None
-    want = expected_sum(svc, first, second)  # the direct one first, then the one that waited
-    assert all(torch.equal(svc.inspect().sum_values[n], want[n]) for n in want)
+    assert_sum_is(svc, first, second)  # the direct one first, then the one that waited
     asyncio.run(svc.stop())
 
 
 def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     svc = coordinator(tmp_path)
     first, second = updates(svc, 2)
-    data, digest = raw_body(first)
     real = RoundSum.check_and_fold
 
     def broken(self: RoundSum, path: Path, weight: float, pending: Pending) -> str | None:
@@ -357,9 +337,8 @@ def test_a_failed_deferred_fold_stops_the_merge(tmp_path: Path, monkeypatch: pyt
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        direct = await held_upload(svc, "a", data, digest, gate)
-        body2, digest2 = raw_body(second)
-        assert (await svc.receive_update(ADMIN_ID, "b", 0, 10, digest2, len(body2), chunked(body2, 4096)))["accepted"]
+        direct = await held_upload(svc, "a", first, gate)
+        assert (await upload_beside(svc, "b", second))["accepted"]
         gate.set()
         await direct
         await svc.intake.idle()

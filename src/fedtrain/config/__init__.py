@@ -1,11 +1,11 @@
-"""The run configuration: the typed `RunConfig` and its sections (`run_config`, `sections`),
-live changes and their diff (`changes`), and the generator of docs/config.md (`doc`). The
-names of the model are re-exported here: `from fedtrain.config import RunConfig`."""
+"""The run configuration: the typed `RunConfig` and its sections (`run_config`,
+`model_config`, `sections`, `privacy`), the bounds of its fields (`bounds`), live changes and
+their diff (`changes`), and the generator of docs/config.md (`doc`). The names of the model are
+re-exported here: `from fedtrain.config import RunConfig`."""
 
 from __future__ import annotations
 
-from fedtrain.config.privacy import PrivacyConfig
-from fedtrain.config.run_config import (
+from fedtrain.config.bounds import (
     MAX_LR,
     MAX_SECONDS,
     MAX_UPDATE_TOKENS,
@@ -13,13 +13,14 @@ from fedtrain.config.run_config import (
     MB,
     MIN_HEARTBEAT_S,
     MIN_UPLOAD_MB,
-    RECIPES_DIR,
     SEED_RANGE,
+)
+from fedtrain.config.model_config import HFModelConfig, LoraConfig, ModelConfig
+from fedtrain.config.privacy import PrivacyConfig
+from fedtrain.config.run_config import (
+    RECIPES_DIR,
     Algorithm,
     EvalConfig,
-    HFModelConfig,
-    LoraConfig,
-    ModelConfig,
     OuterConfig,
     RunConfig,
     TrainConfig,

@@ -43,8 +43,10 @@ def _type(annotation: Any) -> str:
     if get_origin(annotation) is list:
         return f"list of {_type(args[0])}" if args else "list"
     text = getattr(annotation, "__name__", None) or str(annotation)
-    return (text.replace("typing.", "").replace("fedtrain.config.run_config.", "")
-            .replace("fedtrain.config.sections.", "").replace("fedtrain.config.", ""))
+    for module in ("typing.", "fedtrain.config.run_config.", "fedtrain.config.model_config.",
+                   "fedtrain.config.sections.", "fedtrain.config."):
+        text = text.replace(module, "")
+    return text
 
 
 def _range(field: Any) -> str:

