@@ -13,8 +13,9 @@ import torch
 
 from fedtrain.config import RunConfig
 from fedtrain.errors import CoordinatorUnavailable, ModelMismatchError
-from fedtrain.participant.engine.sync import PieceOf, SyncEngine
+from fedtrain.participant.engine.sync import SyncEngine
 from fedtrain.participant.engine.sync_schedule import Exchanges, plan_of
+from fedtrain.participant.engine.sync_set import PieceOf
 from fedtrain.wire import TensorSpec
 from fedtrain.wire.format import ROWS_META
 

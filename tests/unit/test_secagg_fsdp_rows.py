@@ -16,7 +16,8 @@ from safetensors.torch import load
 
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.engine.secagg_pieces import masked_piece, sent_square_norm
-from fedtrain.participant.engine.sync import PieceOf, SyncEngine
+from fedtrain.participant.engine.sync import SyncEngine
+from fedtrain.participant.engine.sync_set import PieceOf
 from fedtrain.privacy.clipping import clip_update
 from fedtrain.privacy.participant_round import GroupMasks
 from fedtrain.privacy.ring import FixedPoint

@@ -85,7 +85,8 @@ class TrainConfig(_Strict):
     compression: Literal["none", "bf16", "int8", "e3m0", "topk"] = Field(
         "none", description="How participants send pseudo-gradients: fp32 as is, bf16, int8 or e3m0 (4-bit float, "
         "Streaming DiLoCo's) with per-block scales, or topk (the largest entries of each chunk, values in "
-        "topk_bits bits; docs/training-jobs.md, Compression).",
+        "topk_bits bits; needs an outer step without momentum, e.g. outer.algorithm fedavg; docs/training-jobs.md, "
+        "Compression).",
     )
     compression_block: int = Field(256, ge=8, le=MAX_TOKENS, description="Values per int8 or e3m0 scale.")
     topk_density: float = Field(0.01, ge=1e-4, le=0.25, description="topk: share of each chunk's values sent.")
@@ -102,8 +103,9 @@ class TrainConfig(_Strict):
     download_compression: Literal["none", "int8", "e3m0", "topk"] = Field(
         "none", description="How participants that hold the previous version receive the next: the whole fp32 "
         "model (none), or the outer step as a compressed delta (int8, e3m0, or topk with topk_bits bits and "
-        "download_topk_density), with the coordinator's error feedback; the published model is what was sent, "
-        "bit-identical everywhere and checked by its digest (docs/training-jobs.md, Compressed downloads).",
+        "download_topk_density; topk needs an outer step without momentum), with the coordinator's error "
+        "feedback; the published model is what was sent, bit-identical everywhere and checked by its digest "
+        "(docs/training-jobs.md, Compressed downloads).",
     )
     download_topk_density: float | None = Field(
         None, ge=1e-4, le=0.25, description="topk downloads: share of each chunk's values sent (unset: topk_density)."

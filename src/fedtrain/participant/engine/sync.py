@@ -12,9 +12,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -28,6 +27,7 @@ from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.participant.engine.secagg_sync import Ahead, submit_masked
 from fedtrain.participant.engine.served import ServedModel
+from fedtrain.participant.engine.sync_set import Only, PieceOf
 from fedtrain.privacy.clipping import clip_within
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import DTYPE_TO_ST, ST_TO_DTYPE, EncodedBody, TensorSpec
@@ -39,43 +39,6 @@ __all__ = ["PieceOf", "SyncEngine"]
 log = logging.getLogger("fedtrain.participant")
 
 Holds = Literal["reference", "delta", "cut_short", "fetched"]
-
-
-@dataclass(frozen=True)
-class PieceOf:
-    """What one rank of a sharded participant syncs: `label` names its piece of the update;
-    it sends the tensors in `sends` (rows `rows[name]` of those sharded, the others whole)
-    and fetches every tensor of the engine's params (the same rows). `shapes` is the whole
-    model's (dtype, shape) per tensor, which the run's model is checked against at join."""
-
-    label: str
-    sends: frozenset[str]
-    rows: Mapping[str, tuple[int, int]] = field(default_factory=dict)
-    shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
-
-    def rows_of(self, names: Any) -> dict[str, list[int] | None]:
-        """`{name: [start, stop] or None (whole)}` for `names`, as uploads and downloads name them."""
-        return {n: list(self.rows[n]) if n in self.rows else None for n in names}
-
-
-class _Only(Mapping[str, torch.Tensor]):
-    """`params` restricted to `names`, each looked up on use (an FSDP rank's local shards are)."""
-
-    def __init__(self, params: Mapping[str, torch.Tensor], names: list[str]) -> None:
-        self._params = params
-        self._names = list(names)
-        self._known = frozenset(names)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._known:
-            raise KeyError(name)
-        return self._params[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 class SyncEngine:
@@ -130,7 +93,7 @@ class SyncEngine:
             names = [n for n in names if n in self._snapshot]
             piece = PieceOf(self.piece.label, self.piece.sends & frozenset(names),
                             {n: r for n, r in self.piece.rows.items() if n in names}, self.piece.shapes)
-        engine = SyncEngine(self.client, _Only(self.params, names), who=self.who, patience_s=self.patience_s,
+        engine = SyncEngine(self.client, Only(self.params, names), who=self.who, patience_s=self.patience_s,
                             piece=piece, shares={n: self._snapshot[n] for n in names}, served=self._served)
         engine.wait_s = self.wait_s
         return engine

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
-from fedtrain.participant.engine.sync import PieceOf, SyncEngine
+from fedtrain.participant.engine.sync import SyncEngine
+from fedtrain.participant.engine.sync_set import PieceOf
 from fedtrain.participant.ranks.control import RankGroup
 from fedtrain.participant.ranks.shards import Shard, is_sharded, local_tensor, reshard, shard_layout
 
