@@ -70,8 +70,7 @@ class Site(threading.Thread):
         self.url, self.pid, self.cfg, self.rounds = url, pid, cfg, rounds
         self.ahead, self.train_s = ahead, train_s
         self.params = {n: torch.zeros(s) for n, s in shapes.items()}
-        g = torch.Generator().manual_seed(hash(pid) % 1000)
-        self.delta = {n: torch.randn(s, generator=g) * 0.003 for n, s in shapes.items()}
+        self.seed = sum(map(ord, pid))  # each round's Δ is drawn again from it: no copy of Δ held
         self.start_all, self.done = start, done
         self.error: BaseException | None = None
         self.started = 0.0
@@ -94,8 +93,9 @@ class Site(threading.Thread):
                 for _ in range(self.rounds):
                     if self.ahead:  # the round starts: keys, shares and masks while it trains
                         start_ahead(engine, r, self.pid, self.cfg)
-                    for n, p in self.params.items():
-                        p.sub_(self.delta[n])
+                    g = torch.Generator().manual_seed(self.seed)
+                    for p in self.params.values():
+                        p.sub_(torch.randn(p.shape, generator=g).mul_(0.003))
                     time.sleep(self.train_s)
                     self.start_all.wait()
                     self.started = time.perf_counter()
