@@ -153,6 +153,31 @@ def test_an_fsdp_group_beside_a_single_process_merges_the_plain_mean_under_masks
             assert torch.allclose(t, want, rtol=0, atol=2 * unit() / 2 + 1e-5), (r, n)
 
 
+@pytest.mark.parametrize("dp", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_an_overlapped_fsdp_group_masks_its_pieces_on_the_worker_thread(tmp_path: Path, dp: bool) -> None:
+    """train.overlap: each rank masks and sends its piece on its sync worker thread while it
+    trains on (the ranks' seeds, with DP their norms, on the group's second gloo channel); every
+    round merges both participants from ring values only, and every rank ends on the global rows."""
+    rounds = 3
+    privacy = {**SECAGG, "dp": True, "clip_norm": 1.0, "noise_multiplier": 0.01} if dp else SECAGG
+    cfg = tiny_config(rounds=rounds, min_participants=2, outer={"algorithm": "fedavg"},
+                      train={"sync_every": 3, "lr": 1e-2, "overlap": True}, privacy=privacy)
+    out = tmp_path / "out"
+    out.mkdir()
+    with BackgroundCoordinator(tmp_path / "state", cfg) as c:
+        run_group_and_single(c, out)
+        final = {n: t.clone() for n, t in c.service.inspect().weights.items()}
+        history = c.service.round_history(10)
+        assert c.service.finished and c.service.status()["secure_aggregation"]["refused_attempts"] == 0
+    params = sum(t.numel() for t in final.values())
+    assert [rec["n_submissions"] for rec in history] == [2] * rounds
+    for rec in history:  # ring values (2 bytes a parameter) and headers only
+        assert 2 * 2 * params < rec["bytes_in"] < 2 * 2 * params + 16 * 4096, rec["bytes_in"]
+    for pid in ("group", "single"):
+        ended = local_model(out, pid, "final")
+        assert all(torch.equal(ended[n], final[n]) for n in final), pid
+
+
 @pytest.mark.slow  # (~40 s of process start-ups; the math is test_secagg_fsdp_rows.py's)
 def test_with_distributed_dp_an_fsdp_group_clips_its_assembled_update(tmp_path: Path) -> None:
     """dp: true. Each round's merge is the plain mean of the updates clipped whole to C (the
@@ -189,13 +214,15 @@ def test_with_distributed_dp_an_fsdp_group_clips_its_assembled_update(tmp_path: 
         assert abs(coef - 1) < 0.05, (r, coef)
 
 
-@pytest.mark.slow  # (~35 s of process start-ups)
-def test_an_fsdp_group_masks_streaming_fragments_with_tau_zero(tmp_path: Path) -> None:
-    """Streaming DiLoCo (K = 2, τ = 0) with secure aggregation: each round the group's ranks mask
-    their rows of that round's fragment only, and the rounds commit without a refused attempt."""
+@pytest.mark.slow  # (~35 s of process start-ups each)
+@pytest.mark.parametrize("tau", [0, 1])
+def test_an_fsdp_group_masks_streaming_fragments(tmp_path: Path, tau: int) -> None:
+    """Streaming DiLoCo (K = 2, τ = 0 and 1) with secure aggregation: each round the group's ranks
+    mask their rows of that round's fragment only (τ = 1: on the worker thread, one step before the
+    round's end), and the rounds commit without a refused attempt."""
     cfg = tiny_config(rounds=4, min_participants=2, outer={"algorithm": "fedavg"},
                       train={"sync_every": 4, "lr": 1e-2}, model={"n_layer": 2},
-                      streaming={"fragments": 2, "overlap": 0, "alpha": 0.0}, privacy=SECAGG)
+                      streaming={"fragments": 2, "overlap": tau, "alpha": 0.0}, privacy=SECAGG)
     out = tmp_path / "out"
     out.mkdir()
     with BackgroundCoordinator(tmp_path / "state", cfg) as c:

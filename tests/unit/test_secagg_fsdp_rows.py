@@ -10,7 +10,6 @@ import math
 import secrets
 
 import numpy as np
-import pytest
 import torch
 from safetensors.torch import load
 
@@ -76,24 +75,3 @@ def test_with_dp_the_clip_is_over_the_assembled_update() -> None:
     joined, want, factor = pieces_and_whole(0.3)
     assert factor < 0.5  # the clip bites: each rank's rows alone are under C, the whole is not
     assert np.array_equal(joined, want)
-
-
-def test_an_overlapped_sync_of_masked_pieces_is_refused_at_the_send() -> None:
-    """`train.overlap` with secure aggregation: an FSDP rank's send is refused on the main thread,
-    with the reason, before its Δ is taken (so every rank refuses at the same step)."""
-    from fedtrain.errors import ConfigError
-    from fedtrain.participant.engine.sync_schedule import Exchanges
-    from tests.helpers.config import tiny_config
-
-    gen = torch.Generator().manual_seed(1)
-    ref = {n: torch.rand(s, generator=gen) for n, s in SHAPES.items()}
-    engine = rank_engine(1, ref, ref)
-    engine.restore()  # (back to the reference: nothing taken yet)
-    cfg = tiny_config(train={"overlap": True}, privacy={"secure_aggregation": True, "dp": False})
-    exchanges = Exchanges(engine, None)
-    try:
-        with pytest.raises(ConfigError, match="blocking schedule only"):
-            exchanges.send(0, "g", cfg, tokens=10, retry=None, record={})
-        assert exchanges.pending is None and engine.holds == "reference"
-    finally:
-        exchanges.close()

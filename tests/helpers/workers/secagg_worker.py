@@ -1,7 +1,8 @@
 """A participant under secure aggregation that keeps what it sent (run by test_secagg_fsdp.py):
 under torchrun a 2-rank FSDP2 group (the built-in GPT, `fully_shard` per block then the root),
 alone a single process; trains on stdlib data (each process its own batches) and writes, for
-each round it syncs, its rows of the model it synced (θ_local) to OUT/NAME-rank<k>-round<r>.safetensors
+each round it syncs, its rows of the model it synced (θ_local) to OUT/NAME-rank<k>-round<r>.safetensors,
+and at the end its rows to OUT/NAME-rank<k>-final.safetensors
 
     secagg_worker.py URL NAME OUT
 """
@@ -60,6 +61,7 @@ def main(url: str, name: str, out: Path) -> None:
                 save(f"round{r}", sent)
                 if not fed.finished:
                     save(f"start{fed.round}", rows_now())  # the global rows the next round starts from
+        save("final", rows_now())  # where the run left this rank: the global rows
     if group:
         dist.destroy_process_group()
 

@@ -85,6 +85,7 @@ class Participant:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.ranks = RankGroup(group, keepalive_s)
+        self._worker_ranks = self.ranks.for_worker()  # the overlapped sync's collectives (FSDP masked pieces)
         self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
         self.role = role_for(model, self.ranks)
         self.name = name
@@ -238,7 +239,7 @@ class Participant:
         if self._engine is not None:
             self._engine.adopt()
         self.role.landed(None)
-        self._exchanges = Exchanges(self._engine, plan_of(answer))  # every fragment's reference: this model
+        self._exchanges = Exchanges(self._engine, plan_of(answer), self._worker_ranks)  # every fragment's reference
         self._enter_round(self.ranks.agreed(outcomes))
         if self._presence is not None:
             self._presence.note_config_version(self.config_version)

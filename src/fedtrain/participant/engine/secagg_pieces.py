@@ -17,6 +17,10 @@ The pieces together are byte for byte the body the participant would have masked
 coordinator folds them into the ring sum once they cover the round's tensors
 (`coordinator/intake/masked_pieces.py`). Steps 2 and 3 run on the main thread, between two
 `together` calls: the control channel's collectives are entered by every rank in one order.
+
+Overlapped (`train.overlap`, Streaming DiLoCo with τ > 0), the same steps run on each rank's sync
+worker thread while training goes on (`exchange_masked_piece`), their collectives on the group's
+second channel (`RankGroup.for_worker`); the ranks' outcomes meet where the exchange lands.
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ from fedtrain.config import RunConfig
 from fedtrain.participant.client.retry import RetryPolicy
 from fedtrain.participant.engine.secagg_sync import Lead, lead_finish, lead_join
 from fedtrain.participant.engine.sync import SyncEngine
-from fedtrain.participant.ranks.control import Outcome, RankGroup
+from fedtrain.participant.ranks.control import DistributedSyncError, Outcome, RankGroup
 from fedtrain.privacy.participant_round import GroupMasks
 from fedtrain.privacy.round_setup import SECAGG_META
 from fedtrain.wire import EncodedBody
 from fedtrain.wire.format import ROWS_META
 
-__all__ = ["exchange_masked_pieces", "masked_piece", "sent_square_norm"]
+__all__ = ["exchange_masked_piece", "exchange_masked_pieces", "masked_piece", "sent_square_norm"]
 
 
 def exchange_masked_pieces(ranks: RankGroup, engine: SyncEngine, r: int, pid: str, config: RunConfig, *,
@@ -60,25 +64,60 @@ def exchange_masked_pieces(ranks: RankGroup, engine: SyncEngine, r: int, pid: st
         engine.restore()
         return outcomes, error
     told = ranks.broadcast_json(lead.payload() if lead is not None else None)
-    factor = 1.0
-    p = config.privacy
-    if told is not None and p is not None and p.dp:  # the clip over the assembled update
-        norm = math.sqrt(ranks.sum([sent_square_norm(engine)])[0])
-        factor = min(1.0, p.clip_norm / norm) if norm > 0 else 1.0
-
-    def send_and_fetch() -> int:
-        if told is not None:
-            body = masked_piece(engine, GroupMasks.from_json(told["masks"]), told, factor, config.digest)
-            if lead is not None:
-                lead_finish(engine, lead, pid, config, body if body.data_length else None, retry)
-            else:
-                engine.submit(r, pid, body, config, tokens=int(told["counted"]), retry=retry)
-        return _download(engine, r, pid, config, retry)
-
-    outcomes, error = ranks.together(send_and_fetch, cancel=engine.cancel)
+    factor = _clip_factor(ranks, engine, told, config)
+    outcomes, error = ranks.together(lambda: _send_and_fetch(engine, lead, told, factor, r, pid, config, retry),
+                                     cancel=engine.cancel)
     if not all(o.ok for o in outcomes):
         engine.restore()
     return outcomes, error
+
+
+def exchange_masked_piece(ranks: RankGroup, engine: SyncEngine, r: int, pid: str, config: RunConfig, *,
+                          tokens: int, retry: RetryPolicy | None = None) -> int:
+    """Round r's masked exchange for this rank of an FSDP group on the overlapped sync's worker
+    thread (`sync_schedule.Exchanges.send`, Δ already taken), while training goes on: the steps of
+    `exchange_masked_pieces` with their collectives on `ranks`, the group's worker channel
+    (`RankGroup.for_worker`). Rank 0 always tells its ranks whether it joined, so no rank waits
+    on a collective that will not come. The new global version; a failure is raised, and the
+    ranks' outcomes meet where the exchange lands (`together` over `Exchanges.result`)."""
+    engine.deltas = config.train.download_compression != "none"
+    lead: Lead | None = None
+    failure: BaseException | None = None
+    if ranks.lead:
+        try:
+            lead = lead_join(engine, r, pid, config, tokens=tokens, retry=retry)
+        except BaseException as e:  # noqa: BLE001 - raised below, once the ranks know
+            failure = e
+    said = ranks.broadcast_json({"failed": failure is not None, "told": lead.payload() if lead is not None else None})
+    if failure is not None:
+        raise failure
+    if said["failed"]:
+        raise DistributedSyncError(f"rank 0 of this participant could not join round {r}'s secure aggregation")
+    told = said["told"]
+    factor = _clip_factor(ranks, engine, told, config)
+    return _send_and_fetch(engine, lead, told, factor, r, pid, config, retry)
+
+
+def _clip_factor(ranks: RankGroup, engine: SyncEngine, told: dict[str, Any] | None, config: RunConfig) -> float:
+    """With DP, min(1, C / ‖Δ‖) over the assembled update (every rank enters the sum); else 1."""
+    p = config.privacy
+    if told is None or p is None or not p.dp:
+        return 1.0
+    norm = math.sqrt(ranks.sum([sent_square_norm(engine)])[0])
+    return min(1.0, p.clip_norm / norm) if norm > 0 else 1.0
+
+
+def _send_and_fetch(engine: SyncEngine, lead: Lead | None, told: dict[str, Any] | None, factor: float, r: int,
+                    pid: str, config: RunConfig, retry: RetryPolicy | None) -> int:
+    """This rank's masked piece up (rank 0 also reveals and waits for the merge), then its rows of
+    the new global model down; with `told` None (our update is not in the round), the download only."""
+    if told is not None:
+        body = masked_piece(engine, GroupMasks.from_json(told["masks"]), told, factor, config.digest)
+        if lead is not None:
+            lead_finish(engine, lead, pid, config, body if body.data_length else None, retry)
+        else:
+            engine.submit(r, pid, body, config, tokens=int(told["counted"]), retry=retry)
+    return _download(engine, r, pid, config, retry)
 
 
 def masked_piece(engine: SyncEngine, masks: GroupMasks, told: dict[str, Any], factor: float,

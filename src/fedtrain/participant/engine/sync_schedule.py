@@ -23,10 +23,12 @@ import torch
 
 from fedtrain.config import RunConfig, TransferConfig
 from fedtrain.config.privacy import secagg_on
-from fedtrain.errors import ConfigError, ModelMismatchError
+from fedtrain.errors import ModelMismatchError
 from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.engine.secagg_pieces import exchange_masked_piece
 from fedtrain.participant.engine.secagg_sync import exchange_masked
 from fedtrain.participant.engine.sync import SyncEngine
+from fedtrain.participant.ranks.control import RankGroup
 
 __all__ = ["Exchanges", "InFlight", "Plan", "decide", "plan_of"]
 
@@ -110,8 +112,10 @@ class Exchanges:
     that may be in flight. A rank that does not speak HTTP (a replicated group's rank > 0) has
     no engine: it keeps the schedule's shape and waits for rank 0."""
 
-    def __init__(self, engine: SyncEngine | None, fragments: list[list[str]] | None) -> None:
+    def __init__(self, engine: SyncEngine | None, fragments: list[list[str]] | None,
+                 ranks: RankGroup | None = None) -> None:
         self.engine = engine  # the whole sync set's: the join's download, a resync
+        self.ranks = ranks  # the ranks' worker channel (`RankGroup.for_worker`): an FSDP group's masked pieces
         self.k = len(fragments) if fragments else 1
         self.streaming = fragments is not None
         if engine is None:
@@ -179,13 +183,15 @@ class Exchanges:
         engine = self.engine_of(r)
         sent, future = None, None
         at = (self.bytes_up, self.bytes_down)
-        if engine is not None and engine.piece is not None and secagg_on(config):
-            raise ConfigError("secure aggregation syncs an FSDP group's masked pieces on the blocking schedule only "
-                              "(train.overlap, and Streaming DiLoCo with overlap > 0, are not wired for them)")
         if engine is not None:
             sent = engine.copy_sync_set()
             engine.take_delta(sent)
-            if secagg_on(config):  # the masking steps and their waits run on the worker thread too
+            if secagg_on(config) and engine.piece is not None:  # an FSDP rank: its masked piece (worker channel)
+                if self.ranks is None:
+                    raise RuntimeError("an FSDP group's masked pieces need the ranks' worker channel")
+                future = self._pool.submit(exchange_masked_piece, self.ranks, engine, r, pid, config, tokens=tokens,
+                                           retry=retry)
+            elif secagg_on(config):  # the masking steps and their waits run on the worker thread too
                 future = self._pool.submit(exchange_masked, engine, r, pid, config, tokens=tokens, retry=retry)
             else:
                 body = engine.encode(config)

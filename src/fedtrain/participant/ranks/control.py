@@ -16,6 +16,7 @@ that every rank takes the same decision from the same facts. See docs/architectu
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -76,14 +77,27 @@ class RankGroup:
         self.rank = dist.get_rank(group) if distributed else 0
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.control: Any = control_group(group) if self.world_size > 1 else None
+        # a second channel for the collectives of the overlapped sync's worker thread (`for_worker`)
+        self._worker_control: Any = control_group(group) if self.world_size > 1 else None
 
     def close(self) -> None:
         """Destroy the control group while the interpreter is whole: a gloo group left to the
         interpreter's teardown can abort the process ("terminate called without an active
         exception"). Idempotent; the training group is the caller's."""
         control, self.control = self.control, None
-        if control is not None and dist.is_initialized():
-            dist.destroy_process_group(control)
+        worker, self._worker_control = getattr(self, "_worker_control", None), None
+        for g in (control, worker):
+            if g is not None and dist.is_initialized():
+                dist.destroy_process_group(g)
+
+    def for_worker(self) -> RankGroup:
+        """These ranks over a second gloo channel, for the collectives of the overlapped sync's
+        worker thread (an FSDP group's masked pieces, `secagg_pieces.exchange_masked_piece`) while
+        the main thread trains and uses `control`: one exchange in flight per rank, so every rank
+        enters them in one order. Closed with this group."""
+        view = copy.copy(self)
+        view.control, view._worker_control = self._worker_control, None
+        return view
 
     @property
     def solo(self) -> bool:
