@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import math
 import secrets
+from typing import Any, cast
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load
 
@@ -75,3 +77,55 @@ def test_with_dp_the_clip_is_over_the_assembled_update() -> None:
     joined, want, factor = pieces_and_whole(0.3)
     assert factor < 0.5  # the clip bites: each rank's rows alone are under C, the whole is not
     assert np.array_equal(joined, want)
+
+
+class _Ranks:
+    """A rank's worker channel as `exchange_masked_piece` sees it: rank 0's word is `said`."""
+
+    def __init__(self, lead: bool, said: dict[str, Any] | None = None) -> None:
+        self.lead, self.said = lead, said or {}
+        self.sent: list[dict[str, Any]] = []
+
+    def broadcast_json(self, payload: dict[str, Any]) -> dict[str, Any]:
+        self.sent.append(payload)
+        return payload if self.lead else self.said
+
+
+@pytest.mark.parametrize(("transient", "raised"), [(True, "CoordinatorUnavailable"), (False, "DistributedSyncError")])
+def test_rank_0s_failed_join_fails_every_rank_alike_on_the_worker_thread(transient: bool, raised: str) -> None:
+    """Overlapped: a rank > 0 learns that rank 0 could not join, and fails with an error a
+    participant rides out exactly when rank 0's was one (a coordinator outage stays an outage on
+    every rank, not a lasting failure that stops the group)."""
+    from types import SimpleNamespace
+
+    from fedtrain.participant.engine.outage import is_transient
+    from fedtrain.participant.engine.secagg_pieces import exchange_masked_piece
+    from tests.helpers.config import tiny_config
+
+    cfg = tiny_config(privacy={"secure_aggregation": True, "dp": False})
+    said = {"failed": True, "transient": transient, "told": None}
+    with pytest.raises(Exception) as got:
+        exchange_masked_piece(cast(Any, _Ranks(False, said)), cast(Any, SimpleNamespace(deltas=False)), 3, "g", cfg,
+                              tokens=10)
+    assert type(got.value).__name__ == raised and is_transient(got.value) is transient
+    assert "rank 0 of this participant could not join round 3" in str(got.value)
+
+
+def test_rank_0_tells_its_ranks_when_its_join_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's join fails: it still broadcasts (failed, transient) before raising, so no rank
+    waits on a collective that will not come."""
+    from types import SimpleNamespace
+
+    import fedtrain.participant.engine.secagg_pieces as pieces
+    from fedtrain.errors import CoordinatorUnavailable
+    from tests.helpers.config import tiny_config
+
+    def down(*args: object, **kwargs: object) -> None:
+        raise CoordinatorUnavailable("no answer", status=0, code="unavailable")
+
+    monkeypatch.setattr(pieces, "lead_join", down)
+    ranks = _Ranks(True)
+    with pytest.raises(CoordinatorUnavailable):
+        pieces.exchange_masked_piece(cast(Any, ranks), cast(Any, SimpleNamespace(deltas=False)), 0, "g",
+                                     tiny_config(privacy={"secure_aggregation": True, "dp": False}), tokens=10)
+    assert ranks.sent == [{"failed": True, "transient": True, "told": None}]

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 
 from fedtrain.config import RunConfig
+from fedtrain.errors import CoordinatorUnavailable
 from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.engine.outage import is_transient
 from fedtrain.participant.engine.secagg_sync import Lead, lead_finish, lead_join
 from fedtrain.participant.engine.sync import SyncEngine
 from fedtrain.participant.ranks.control import DistributedSyncError, Outcome, RankGroup
@@ -88,11 +90,15 @@ def exchange_masked_piece(ranks: RankGroup, engine: SyncEngine, r: int, pid: str
             lead = lead_join(engine, r, pid, config, tokens=tokens, retry=retry)
         except BaseException as e:  # noqa: BLE001 - raised below, once the ranks know
             failure = e
-    said = ranks.broadcast_json({"failed": failure is not None, "told": lead.payload() if lead is not None else None})
+    transient = failure is not None and is_transient(failure)
+    said = ranks.broadcast_json({"failed": failure is not None, "transient": transient,
+                                 "told": lead.payload() if lead is not None else None})
     if failure is not None:
         raise failure
-    if said["failed"]:
-        raise DistributedSyncError(f"rank 0 of this participant could not join round {r}'s secure aggregation")
+    if said["failed"]:  # rank 0's outage is every rank's: ridden out alike, not a lasting failure here
+        message = f"rank 0 of this participant could not join round {r}'s secure aggregation"
+        raise CoordinatorUnavailable(message, status=0, code="unavailable") if said["transient"] else \
+            DistributedSyncError(message)
     told = said["told"]
     factor = _clip_factor(ranks, engine, told, config)
     return _send_and_fetch(engine, lead, told, factor, r, pid, config, retry)
