@@ -9,6 +9,7 @@ the conftest files), never from one another.
 - `part_uploads`: an update that travels in several 1 MiB parts, and its reference model
 - `secagg`: one securely aggregated site over the API; `secagg_rounds`: whole masked rounds
 - `processes`: a coordinator process, the `fedtrain` command
+- `zygote`: those processes (and torchrun's ranks) forked from a template that imported torch
 - `torchrun`: the one launcher of torchrun groups (rendezvous, environment, output, cleanup)
 - `fsdp`: FSDP groups and their checks; `dcp`: DCP checkpoints on a gloo group of one
 - `runs`: whole runs several modules share; `merge`: outer-optimizer pieces

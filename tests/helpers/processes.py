@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tests.helpers import zygote
 from tests.helpers.config import PTOKEN
 
 _started: list[subprocess.Popen] = []
@@ -77,8 +78,8 @@ def start_coordinator(
     env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin", **(env or {})}
     argv = [sys.executable, "-m", "fedtrain", "coordinator", "--config", str(cfg_path), "--state-dir", str(state)]
     with open(log, "ab") as out:  # the child holds its own copy of the file descriptor
-        proc = track(subprocess.Popen([*argv, "--port", str(port), *args], env=env, stdout=out,
-                                      stderr=subprocess.STDOUT))
+        proc = track(zygote.popen([*argv, "--port", str(port), *args], env=env, stdout=out,
+                                  stderr=subprocess.STDOUT))
     deadline = time.monotonic() + 120
     with httpx.Client(timeout=1) as http:  # one client: each new one builds an SSL context (CPU, ~50 ms)
         while time.monotonic() < deadline:
@@ -109,13 +110,8 @@ def wait_for(fn, timeout: float = 20.0):  # type: ignore[no-untyped-def]
 
 
 def fedtrain(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fedtrain", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+    return zygote.run([sys.executable, "-m", "fedtrain", *args], text=True, timeout=timeout,
+                      env={**os.environ, **(env or {})})
 
 
 def assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:

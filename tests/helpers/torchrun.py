@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 
 from fedtrain.wire import iter_file, read_tensors
+from tests.helpers import zygote
 from tests.helpers.config import PTOKEN
 from tests.helpers.processes import track
 
@@ -45,8 +46,8 @@ def rank_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def _popen(argv: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen:
-    return track(subprocess.Popen(list(argv), env=rank_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True))
+    return track(zygote.popen(list(argv), env=rank_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True))
 
 
 def launch(*argv: str, nproc: int = 2, via: Literal["torchrun", "fedtrain"] = "torchrun",
@@ -54,8 +55,11 @@ def launch(*argv: str, nproc: int = 2, via: Literal["torchrun", "fedtrain"] = "t
     """`argv` (a script and its arguments, or `-m module ...`) on `nproc` ranks; `launch_args`
     go to the launcher (e.g. `--log-dir`), `env` is added to the ranks' environment."""
     launcher = ["torch.distributed.run"] if via == "torchrun" else ["fedtrain", "torchrun"]
+    entry: list[str] = []
+    if via == "torchrun" and zygote.enabled():  # the ranks are forked from the template too
+        entry, env = zygote.rank_launch(env)
     return _popen([sys.executable, "-m", *launcher, "--standalone", "--nproc_per_node", str(nproc),
-                   *launch_args, *argv], env)
+                   *launch_args, *entry, *argv], env)
 
 
 def participant_group(url: str, name: str, *extra: str, data: str = "stdlib:0/2", **kw: object) -> subprocess.Popen:

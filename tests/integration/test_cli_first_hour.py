@@ -21,6 +21,7 @@ import yaml
 
 import fedtrain
 from fedtrain.coordinator import BackgroundCoordinator
+from tests.helpers import zygote
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 from tests.helpers.processes import assert_clean_error, free_port, stop_coordinator
 from tests.helpers.processes import fedtrain as run_cli
@@ -78,7 +79,7 @@ class CoordinatorProcess:
         self.out, self.err = root / "stdout.txt", root / "stderr.txt"
         argv = [sys.executable, "-m", "fedtrain", "coordinator", "--config", str(cfg)]
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.proc = subprocess.Popen(
+            self.proc = zygote.popen(
                 [*argv, "--state-dir", str(self.state), "--port", "0"],
                 stdout=out,
                 stderr=err,
@@ -394,7 +395,7 @@ def test_coordinator_with_tokens_from_env_points_at_the_env(tmp_path: Path) -> N
     env = {**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": ATOKEN}
     argv = [sys.executable, "-m", "fedtrain", "coordinator", "--config", str(cfg_path), "--port", "0"]
     with open(tmp_path / "out.txt", "wb") as out:
-        proc = subprocess.Popen([*argv, "--state-dir", str(tmp_path / "s")], stdout=out, stderr=out, env=env)
+        proc = zygote.popen([*argv, "--state-dir", str(tmp_path / "s")], stdout=out, stderr=out, env=env)
     try:
         deadline = time.monotonic() + 90
         while "dashboard:" not in (text := (tmp_path / "out.txt").read_text()):
@@ -412,13 +413,8 @@ def test_the_printed_participant_line_trains(tmp_path: Path) -> None:
     try:
         argv = shlex.split(c.participant_line)
         assert argv[:2] == ["fedtrain", "participant"]
-        r = subprocess.run(
-            [sys.executable, "-m", "fedtrain", *argv[1:], "--give-up-after", "30"],
-            capture_output=True,
-            text=True,
-            timeout=280,
-            env={**os.environ, **NO_TOKENS},
-        )
+        r = zygote.run([sys.executable, "-m", "fedtrain", *argv[1:], "--give-up-after", "30"], text=True,
+                       timeout=280, env={**os.environ, **NO_TOKENS})
         assert r.returncode == 0, r.stderr[-3000:]
         status = run_cli("status", "--coordinator", c.url, "--token-file", str(c.token_file), "--json")
         assert json.loads(status.stdout)["finished"], status.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from safetensors import safe_open
 
 from fedtrain.config import load_config
 from fedtrain.coordinator import BackgroundCoordinator
+from tests.helpers import zygote
 from tests.helpers.config import PTOKEN, tiny_config
 from tests.helpers.fsdp import fsdp_cli_group
 from tests.helpers.torchrun import finished, rank_summaries
@@ -133,9 +133,8 @@ def test_lora_with_fsdp_sends_only_adapter_rows_and_shards_the_frozen_base(tmp_p
 
 def test_fsdp_outside_torchrun_is_one_clear_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "WORLD_SIZE", "RANK")}
-    p = subprocess.run([sys.executable, "-m", "fedtrain", "participant", "--parallel", "fsdp", "--coordinator",
-                        "http://127.0.0.1:9", "--data", "stdlib:0/2", "--token", PTOKEN],
-                       env=env, capture_output=True, text=True, timeout=120)
+    p = zygote.run([sys.executable, "-m", "fedtrain", "participant", "--parallel", "fsdp", "--coordinator",
+                    "http://127.0.0.1:9", "--data", "stdlib:0/2", "--token", PTOKEN], env=env, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     assert "fedtrain participant: error: `--parallel fsdp` runs under torchrun: torchrun --nproc_per_node N" in p.stderr

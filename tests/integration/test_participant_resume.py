@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.wire import iter_file, read_tensors
+from tests.helpers import zygote
 from tests.helpers.config import PTOKEN, tiny_config
 
 H, ROUNDS = 5, 5
@@ -20,7 +21,7 @@ H, ROUNDS = 5, 5
 
 def start(url: str, run_dir: Path) -> subprocess.Popen:
     argv = ["participant", "--coordinator", url, "--data", "stdlib:0/2", "--name", "a", "--run-dir", str(run_dir)]
-    return subprocess.Popen(
+    return zygote.popen(
         [sys.executable, "-m", "fedtrain", *argv],
         env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN},
         stdout=subprocess.PIPE,

@@ -19,6 +19,7 @@ import torch
 from fedtrain.coordinator import BackgroundCoordinator, Coordinator
 from fedtrain.coordinator.members.auth import Tokens
 from fedtrain.errors import StateError
+from tests.helpers import zygote
 from tests.helpers.api import assert_error, client, put, rand_like, wait_round
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 
@@ -133,9 +134,9 @@ def test_a_damaged_newest_checkpoint_names_the_intact_one_and_recover_resumes_fr
     assert "damaged on disk" in msg and "transit" not in msg
     assert "newest intact kept version is 1" in msg and "--recover" in msg
 
-    cli = subprocess.run(  # the operator's view: one line, exit 2, what to do
+    cli = zygote.run(  # the operator's view: one line, exit 2, what to do
         [sys.executable, "-m", "fedtrain", "coordinator", "--state-dir", str(state), "--port", "0"],
-        capture_output=True, text=True, timeout=120,
+        text=True, timeout=120,
         env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": ATOKEN},
     )
     assert cli.returncode == 2 and "--recover" in cli.stderr and len(cli.stderr.strip().splitlines()) == 1, cli

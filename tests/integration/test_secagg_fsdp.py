@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from fedtrain.coordinator import BackgroundCoordinator
+from tests.helpers import zygote
 from tests.helpers.api import client
 from tests.helpers.config import ATOKEN, tiny_config
 from tests.helpers.processes import track
@@ -120,8 +121,8 @@ def local_model(out: Path, name: str, what: str) -> dict[str, torch.Tensor]:
 def run_group_and_single(c: BackgroundCoordinator, out: Path) -> None:
     """A 2-rank FSDP group and a single process (`workers/secagg_worker.py`) to the run's end."""
     group = worker_group("secagg_worker.py", c.url, "group", str(out))
-    single = track(subprocess.Popen([sys.executable, str(WORKERS / "secagg_worker.py"), c.url, "single", str(out)],
-                                    env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    single = track(zygote.popen([sys.executable, str(WORKERS / "secagg_worker.py"), c.url, "single", str(out)],
+                                env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     finished(group)
     finished(single, timeout=60)
 

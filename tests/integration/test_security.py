@@ -21,6 +21,7 @@ from fedtrain.coordinator import BackgroundCoordinator, Tokens
 from fedtrain.coordinator.members.auth import ROLE_CHECK_ATTR, role_check
 from fedtrain.errors import CoordinatorError
 from fedtrain.participant import CoordinatorClient, RetryPolicy
+from tests.helpers import zygote
 from tests.helpers.api import assert_error, client, put, zeros_like_model
 from tests.helpers.config import ATOKEN, PTOKEN, tiny_config
 from tests.helpers.tiny import Regression, Small, init_file, train
@@ -172,7 +173,7 @@ def test_tls_from_the_command_line(tmp_path: Path) -> None:
     state = tmp_path / "state"
     log = open(tmp_path / "coordinator.log", "wb")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDTRAIN_")}
-    proc = subprocess.Popen(
+    proc = zygote.popen(
         [
             sys.executable,
             "-m",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from fedtrain.coordinator import BackgroundCoordinator, Coordinator
 from fedtrain.coordinator.state.store import Store
 from fedtrain.errors import StateError
+from tests.helpers import zygote
 from tests.helpers.config import PTOKEN, tiny_config
 from tests.helpers.processes import free_port, start_coordinator, stop_coordinator
 
@@ -50,10 +50,10 @@ def test_a_second_coordinator_on_a_live_state_dir_is_refused_and_changes_nothing
     try:
         url = json.loads((state / "endpoint.json").read_text())["url"]
         before = snapshot(state)
-        second = subprocess.run(
+        second = zygote.run(
             [sys.executable, "-m", "fedtrain", "coordinator", "--config", str(other), "--state-dir", str(state),
              "--port", "0"],
-            capture_output=True, text=True, timeout=120,
+            text=True, timeout=120,
             env={**os.environ, "FEDTRAIN_TOKEN": PTOKEN, "FEDTRAIN_ADMIN_TOKEN": "admin"},
         )
         assert second.returncode == 2, second.stdout + second.stderr
