@@ -29,12 +29,18 @@ import traceback
 
 PRELOAD = (
     "torch",
+    "torch._dynamo",  # ~2 s: the first optimizer or `nn.init` call imports it (torch's `_disable_dynamo`)
     "torch.distributed.run",
     "fedtrain.cli.commands",
     "fedtrain.coordinator.http.main",
     "fedtrain.recipes.train",
+    "uvicorn.protocols.http.auto",
+    "uvicorn.protocols.websockets.auto",
+    "uvicorn.lifespan.on",
 )
-"""What every child would import anyway (~3 s of CPU in a fresh process): imported once, here."""
+"""What every child would import anyway (~5 s of CPU in a fresh process): imported once, here.
+Nothing here runs a torch op: the template never starts OpenMP's threads, which a fork would
+leave behind half-made."""
 _THREADS = ("", 0)
 """The template's OMP_NUM_THREADS and torch's thread count from it, for a child whose differs."""
 
