@@ -182,21 +182,31 @@ class Forked:
         self.stdout: IO | None = open(out_r, mode) if out_r is not None else None
         self.stderr: IO | None = open(err_r, mode) if err_r is not None else None
         self._read: dict[str, Any] = {}
+        self._waiting = threading.Lock()
         self._readers: list[threading.Thread] = []
 
     def _status(self, timeout: float | None) -> bool:
+        """Whether it ended, waiting up to `timeout`; one thread at a time, as `Popen.wait`."""
+        with self._waiting:
+            return self._read_status(timeout)
+
+    def _read_status(self, timeout: float | None) -> bool:
         if self.returncode is not None:
             return True
         readable, _, _ = select.select([self._sock], [], [], timeout)
         if not readable:
             return False
-        message = self._sock.recv(4096)
+        message = self._sock.recv(4096)  # the template's answer once it reaped the child
         self._sock.close()
         self.returncode = json.loads(message)["returncode"] if message else -signal.SIGKILL
         return True
 
     def poll(self) -> int | None:
-        self._status(0)
+        if self._waiting.acquire(blocking=False):  # else another thread waits on it: still running, as Popen says
+            try:
+                self._read_status(0)
+            finally:
+                self._waiting.release()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
