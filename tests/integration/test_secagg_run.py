@@ -106,13 +106,14 @@ def test_fewer_than_t_survivors_refuse_the_round_and_it_opens_again(tmp_path: Pa
         status = c.service.status()
         assert status["current_round"] == 0 and not status["closing"] and status["submitted"] == []
         assert status["secure_aggregation"]["phase"] == "keys" and status["secure_aggregation"]["session"] != old
-        assert "refused" in status["reason"] or "opened again" in status["reason"]
+        # (status["reason"] says "opened again" only until the next tick re-decides the round: the
+        # event log and refused_attempts are what keep it)
         assert c.service.inspect().committed_version == 0
         for n, t in c.service.inspect().weights.items():
             assert torch.equal(t, before[n]), n  # not committed, not wrong: nothing moved
         assert c.service.submissions(0) == []  # the refused attempt's uploads are not the round's
         events = [e["message"] for e in c.service.event_log(20) if e["kind"] == "secagg_refused"]
-        assert events and "fewer than t = 3" in events[0]
+        assert events and "fewer than t = 3" in events[0] and "opens again" in events[0]
         # the old attempt's participants are told to start again
         r = http.get("/v1/rounds/0/secagg/unmask/a", params={"session": old})
         assert r.status_code == 409 and r.json()["error"]["code"] == "secagg_session"
