@@ -21,10 +21,12 @@ from fedtrain.config import outer_defaults
      (["--heterogeneous", "--sync-every", "60"], 0.7)],  # 3 participants
 )
 def test_the_demo_runs_the_recommended_outer_lr_for_its_participants(argv: list[str], lr: float) -> None:
-    """The coordinator's table reads min_participants (1 in the demo's config); the demo knows
-    that every round waits for all its participants, so it pins the lr for them."""
+    """Every round of the demo waits for all its participants (min_participants is their
+    count), and the lr is pinned for them."""
     cfg = demo_config(build_parser().parse_args(["demo", *argv]))
     assert cfg.outer.lr == lr and outer_defaults(cfg)["lr"] == lr
+    assert cfg.min_participants == (3 if "--heterogeneous" in argv else int(dict(zip(argv, argv[1:])).get(
+        "--participants", 4)))
 
 
 def test_the_demo_keeps_a_given_lr_and_other_algorithms_defaults(tmp_path: Path) -> None:

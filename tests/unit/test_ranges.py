@@ -12,7 +12,7 @@ import pytest
 
 from fedtrain.errors import Refused
 from fedtrain.transport.parallel import StreamChooser, split
-from fedtrain.transport.ranges import Ranged, Span, decide, etag_of
+from fedtrain.transport.ranges import Ranged, Span, Window, decide, etag_of
 
 ETAG = etag_of("xxh3-128:" + "ab" * 16)
 BODY = bytes(range(256)) * 40  # 10240 bytes
@@ -59,8 +59,12 @@ def test_if_match_is_a_hard_precondition() -> None:
 class Sender:
     """A `ModelSender` whose socket takes at most `take` bytes a write; a file's bytes are read."""
 
-    def __init__(self, take: int = 1000) -> None:
-        self.got, self.take = bytearray(), take
+    def __init__(self, take: int = 1000, cut_at: int | None = None) -> None:
+        self.got, self.take, self.cut_at = bytearray(), take, cut_at
+
+    @property
+    def sent(self) -> int:
+        return len(self.got)
 
     def write_some(self, view: memoryview) -> int:
         n = min(self.take, view.nbytes)
@@ -69,6 +73,8 @@ class Sender:
 
     def sendfile_steps(self, fd: int, offset: int, count: int) -> Iterator[None]:
         while count:
+            if self.cut_at is not None and len(self.got) >= self.cut_at:
+                raise ConnectionResetError("the client closed the connection")
             n = min(self.take, count)
             self.got += os.pread(fd, n, offset)
             offset, count = offset + n, count - n
@@ -110,6 +116,21 @@ def test_a_window_sends_exactly_its_bytes(in_memory: int, span: tuple[int, int])
         ranged.close()
         assert bytes(out.got) == BODY[span[0]:span[1]]
         assert sum(n for n in sent if n > 0) == span[1] - span[0] and sent[-1] == -1 and producer.closed
+
+
+def test_a_window_cut_midway_through_a_file_piece_counts_what_went(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A participant's bytes_down is what it was sent: the part of a file piece that went
+    before the client left counts (it was lost when a piece counted only once it was whole)."""
+    monkeypatch.setattr(Window, "FILE_PIECE", 4096)
+    with tempfile.TemporaryFile() as f:
+        f.write(BODY)
+        f.flush()
+        producer, sent = Producer(f.fileno(), 0), []
+        out = Sender(take=1000, cut_at=6000)  # the cut falls inside the second 4096-byte piece
+        ranged = Ranged(producer, Span(0, len(BODY), len(BODY)), sent.append)
+        with pytest.raises(ConnectionResetError):
+            out.run(ranged.steps(out))
+        assert 4096 < len(out.got) < 8192 and sum(sent) == len(out.got)
 
 
 @pytest.mark.parametrize("start, stop, parts, min_size, want", [

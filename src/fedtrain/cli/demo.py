@@ -61,11 +61,15 @@ def speeds(args: argparse.Namespace, n: int) -> list[float]:
 
 
 def demo_config(args: argparse.Namespace) -> RunConfig:
-    """The demo's run config: DiLoCo's outer lr, unless the config gives one, is the recommended
-    table's for the demo's participants and H (`recommended_outer_lr`): every round of the demo
-    waits for all of them, whatever `min_participants` says."""
+    """The demo's run config. Without --config, `min_participants` is the demo's participant
+    count: every round waits for all of them (a participant slow to start, on a loaded machine,
+    would otherwise miss the first rounds, which close when everyone who has joined submitted).
+    DiLoCo's outer lr, unless the config gives one, is the recommended table's for the demo's
+    participants and H (`recommended_outer_lr`)."""
     cfg = load_config(args.config) if args.config else RunConfig.model_validate(DEMO_CONFIG)
     data = cfg.model_dump()
+    if not args.config:
+        data["min_participants"] = max(default_participants(args), 1)
     data["outer"]["algorithm"] = args.algorithm
     if args.rounds is not None:
         data["rounds"] = args.rounds
@@ -244,8 +248,8 @@ def monitor(demo: Demo, client: CoordinatorClient, t0: float) -> dict[str, Any]:
         if status["finished"]:
             return status
         dead = [n for n, p in demo.procs.items() if p.poll() not in (None, 0)]
-        if "coordinator" in dead or len([n for n in dead if n != "coordinator"]) == demo.n:
-            name = dead[0]
+        if dead:  # the rounds wait for every participant: one that failed would hold the run forever
+            name = "coordinator" if "coordinator" in dead else dead[0]
             raise FedtrainError(
                 f"{name} exited with status {demo.procs[name].returncode}; last lines of its log:\n{demo.tail(name)}"
             )

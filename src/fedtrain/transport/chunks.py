@@ -86,12 +86,14 @@ class ChunkSender:
 
     def __init__(self) -> None:
         self.ready: list[bytes] = []
+        self.sent = 0  # handed to the response (each step's chunks go out before the next step)
 
     def write_some(self, view: memoryview) -> int:
         if self.ready:  # the last chunk is not handed out yet: the steps yield, and it is
             return 0
         data = bytes(view[:CHUNK])
         self.ready.append(data)
+        self.sent += len(data)
         return len(data)
 
     def sendfile_steps(self, fd: int, offset: int, count: int) -> Iterator[Hold | None]:
@@ -109,7 +111,8 @@ class ChunkSender:
             if not chunks:
                 return  # the file ended early: the response falls short of its length, as it would have
             self.ready.extend(chunks)
-            offset += sum(len(c) for c in chunks)
+            n = sum(len(c) for c in chunks)
+            offset, self.sent = offset + n, self.sent + n
             yield None
 
     def run(self, steps: Iterator[Hold | None]) -> None:

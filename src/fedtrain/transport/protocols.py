@@ -58,7 +58,10 @@ class Hold(Protocol):
 
 
 class ModelSender(Protocol):
-    """The socket of one download, written from a worker thread: from memory or from a file."""
+    """The socket of one download, written from a worker thread: from memory or from a file.
+    `sent`: the bytes it has passed on so far (a send cut short midway counts what went)."""
+
+    sent: int
 
     def write_some(self, view: memoryview) -> int:
         """Write what the socket takes now of `view` (0 when it takes nothing); never blocks."""

@@ -115,7 +115,13 @@ class Window:
     def __init__(self, out: ModelSender, span: Span, sent: Callable[[int], None] | None = None) -> None:
         self.out, self.start, self.stop = out, span.start, span.stop
         self.at = 0  # the producer's position in the body
+        self.sent = 0  # bytes of the range passed on
         self._sent = sent
+
+    def _count(self, n: int) -> None:
+        self.sent += n
+        if n and self._sent is not None:
+            self._sent(n)
 
     def write_some(self, view: memoryview) -> int:
         if self.at < self.start:  # skipped: taken whole up to the range's start
@@ -126,8 +132,7 @@ class Window:
             raise _Full
         n = self.out.write_some(view[: self.stop - self.at])
         self.at += n
-        if n and self._sent is not None:
-            self._sent(n)
+        self._count(n)
         if self.at >= self.stop:
             raise _Full
         return n
@@ -138,10 +143,12 @@ class Window:
         at = offset + (lo - begin)
         while lo < hi:
             n = min(hi - lo, self.FILE_PIECE)
-            yield from self.out.sendfile_steps(fd, at, n)
+            was = self.out.sent
+            try:
+                yield from self.out.sendfile_steps(fd, at, n)
+            finally:  # what went of the piece, all of it or up to a cut
+                self._count(self.out.sent - was)
             lo, at = lo + n, at + n
-            if self._sent is not None:
-                self._sent(n)
         self.at = end
         if self.at >= self.stop:
             raise _Full
