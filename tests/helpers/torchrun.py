@@ -56,7 +56,7 @@ def launch(*argv: str, nproc: int = 2, via: Literal["torchrun", "fedtrain"] = "t
     go to the launcher (e.g. `--log-dir`), `env` is added to the ranks' environment."""
     launcher = ["torch.distributed.run"] if via == "torchrun" else ["fedtrain", "torchrun"]
     entry: list[str] = []
-    if via == "torchrun" and zygote.enabled():  # the ranks are forked from the template too
+    if zygote.enabled():  # the ranks are forked from the template too (`fedtrain torchrun` is torchrun's main)
         entry, env = zygote.rank_launch(env)
     return _popen([sys.executable, "-m", *launcher, "--standalone", "--nproc_per_node", str(nproc),
                    *launch_args, *entry, *argv], env)

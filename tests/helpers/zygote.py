@@ -13,8 +13,10 @@ directory, standard streams, signals and exit status; only the interpreter's sta
 `rank_launch` runs them through `zygote_exec.py` (`torchrun --no-python`), which passes
 torchrun's signals on and ends with the rank's status.
 
-Tests of the cold start itself (what a command imports, how long it takes to print, the demo)
-keep `subprocess.Popen`. `FEDTRAIN_TEST_ZYGOTE=0` turns the template off for a whole run.
+`popen(..., nested=True)` forks the process's own Python children too (the demo's coordinator
+and participants). Tests of the cold start itself (what a command imports, how long it takes to
+print, the short demo as a user first runs it) keep `subprocess.Popen`. `FEDTRAIN_TEST_ZYGOTE=0`
+turns the template off for a whole run.
 """
 
 from __future__ import annotations
@@ -70,10 +72,9 @@ def _socket_path() -> str:
 _entry: list[str] = []
 
 
-def rank_launch(env: Mapping[str, str] | None) -> tuple[list[str], dict[str, str]]:
-    """For a torchrun group whose ranks the template forks: the launcher's arguments that go
-    before the rank's argv (`--no-python ENTRY`, ENTRY an executable `zygote_exec.py`) and the
-    ranks' added environment (the template's socket)."""
+def _exec_entry() -> tuple[str, dict[str, str]]:
+    """An executable `zygote_exec.py` (it asks the template to fork `python ARGS` in its place)
+    and the environment it needs (the template's socket and start-up settings)."""
     path = _socket_path()
     with _lock:
         if not _entry:
@@ -82,8 +83,15 @@ def rank_launch(env: Mapping[str, str] | None) -> tuple[list[str], dict[str, str
             Path(entry).write_text(f"#!{sys.executable}\n{source}")
             os.chmod(entry, 0o755)
             _entry.append(entry)
-    added = {SOCKET_ENV: path, STARTUP_ENV: json.dumps(_template_env)}
-    return ["--no-python", _entry[0]], {**(env or {}), **added}
+    return _entry[0], {SOCKET_ENV: path, STARTUP_ENV: json.dumps(_template_env)}
+
+
+def rank_launch(env: Mapping[str, str] | None) -> tuple[list[str], dict[str, str]]:
+    """For a torchrun group whose ranks the template forks: the launcher's arguments that go
+    before the rank's argv (`--no-python ENTRY`, ENTRY an executable `zygote_exec.py`) and the
+    ranks' added environment (the template's socket)."""
+    entry, added = _exec_entry()
+    return ["--no-python", entry], {**(env or {}), **added}
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -125,15 +133,22 @@ def enabled() -> bool:
 
 
 def popen(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
-          stdout: Any = None, stderr: Any = None, text: bool = False) -> Any:
+          stdout: Any = None, stderr: Any = None, text: bool = False, nested: bool = False) -> Any:
     """`subprocess.Popen(argv, env=..., cwd=..., stdout=..., stderr=..., text=...)`, forked from the
-    template where it can be (see the module)."""
+    template where it can be (see the module). `nested`: the process's own `python -m ...` and
+    `python script.py` children are forked from the template too (through `zygote_exec.py`, which
+    passes their signals on and ends as they end), e.g. the demo's coordinator and participants.
+    Not for a process that kills its children's process group (`killpg`): that reaches only
+    `zygote_exec.py`, and the template kills the child a moment later, not at once."""
     request = _split(argv) if enabled() else None
     template = _template_env if _server is not None else startup_env(os.environ)  # what it is, or will be
     if request is not None and startup_env(os.environ if env is None else env) != template:
         request = None  # it asks for an interpreter started differently: start one
     if request is None:
         return subprocess.Popen(list(argv), env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
+    if nested:
+        entry, added = _exec_entry()
+        request = {**request, "nested": {"entry": entry, "env": added}}
     return Forked(list(argv), request, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
 
 
@@ -262,9 +277,10 @@ class Forked:
 
 
 def run(argv: Sequence[str], *, timeout: float | None = None, env: Mapping[str, str] | None = None,
-        cwd: str | os.PathLike | None = None, text: bool = False) -> subprocess.CompletedProcess:
-    """`subprocess.run(argv, capture_output=True, ...)`, forked from the template where it can be."""
-    proc = popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text)
+        cwd: str | os.PathLike | None = None, text: bool = False, nested: bool = False) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, capture_output=True, ...)`, forked from the template where it can be
+    (`nested` as `popen`'s)."""
+    proc = popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, nested=nested)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from typing import Any
 
 PRELOAD = (
     "torch",
@@ -37,10 +38,27 @@ PRELOAD = (
     "uvicorn.protocols.http.auto",
     "uvicorn.protocols.websockets.auto",
     "uvicorn.lifespan.on",
+    "uvicorn.loops.auto",
+    "uvicorn.loops.uvloop",
+    "anyio._backends._asyncio",
+    # what children imported on their first call, counted over the FSDP, torchrun, e2e and restart tests:
+    "httpcore._sync.http11",  # httpx's connections: the first request of every client
+    "encodings.idna",
+    "certifi",
+    "safetensors.torch",
+    "numpy.ctypeslib",
+    "torch.profiler._cupti_monitor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "fedtrain.participant.local.dcp_checkpoint",
+    "fedtrain.transport.direct",
+    "fedtrain.transport.readinto",
 )
 """What every child would import anyway (~5 s of CPU in a fresh process): imported once, here.
 Nothing here runs a torch op: the template never starts OpenMP's threads, which a fork would
-leave behind half-made."""
+leave behind half-made. The participant's TLS context (the CAs its clients trust, ~0.25 s of
+CPU, made once per process) is made here too."""
 _THREADS = ("", 0)
 """The template's OMP_NUM_THREADS and torch's thread count from it, for a child whose differs."""
 
@@ -73,6 +91,8 @@ def _child(request: dict, fds: list[int], keep_closed: list[int]) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads != _THREADS[0] and "torch" in sys.modules:  # torch read it at import, in the template
         sys.modules["torch"].set_num_threads(int(threads) if threads.isdigit() else _THREADS[1])
+    if request.get("nested"):
+        _fork_python_children(request["nested"]["entry"], request["nested"]["env"])
     unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = open(0, closefd=False)
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
@@ -104,6 +124,27 @@ def _child(request: dict, fds: list[int], keep_closed: list[int]) -> None:
     _end(code)
 
 
+def _fork_python_children(entry: str, added: dict[str, str]) -> None:
+    """In a child asked to be `nested`: its `subprocess.Popen([sys.executable, -m ... | script.py
+    ...])` runs `entry` (`zygote_exec.py`) in the interpreter's place, with `added` in the
+    environment: the template forks those processes too."""
+    import subprocess
+
+    start = subprocess.Popen.__init__
+
+    def __init__(self: subprocess.Popen, args: Any, *rest: Any, **kw: Any) -> None:
+        argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else None
+        if argv and not rest and not kw.get("shell") and argv[0] == sys.executable and len(argv) > 1:
+            first = argv[2] if argv[1] == "-u" and len(argv) > 2 else argv[1]
+            if first == "-m" or first.endswith(".py"):
+                args = [entry, *argv[1:]]
+                env = kw.get("env")
+                kw["env"] = {**(os.environ if env is None else env), **added}
+        start(self, args, *rest, **kw)
+
+    subprocess.Popen.__init__ = __init__  # type: ignore[method-assign]
+
+
 def _end(code: int, interrupted: bool = False) -> None:
     """The interpreter's exit, in its order: wait for threads, the exit handlers, flush; then end
     without the module teardown (the parent's modules are not ours to tear down)."""
@@ -124,6 +165,9 @@ def serve(path: str) -> None:
     global _THREADS
     for name in PRELOAD:
         importlib.import_module(name)
+    from fedtrain.participant.client.answers import tls_context
+
+    tls_context(True)
     _THREADS = (os.environ.get("OMP_NUM_THREADS", ""), sys.modules["torch"].get_num_threads())
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import zygote
+
 
 def test_short_demo_writes_summary_and_removes_its_temp_dir(tmp_path: Path) -> None:
     """Without --state-dir the demo's state goes to a temp dir, removed once the run finished
@@ -46,15 +48,17 @@ def test_short_demo_writes_summary_and_removes_its_temp_dir(tmp_path: Path) -> N
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    """(Forked from the test template, the demo's processes too: `zygote.popen(nested=True)`.)"""
     import signal
     import time
 
     state = tmp_path / "demo"
-    proc = subprocess.Popen(
+    proc = zygote.popen(
         [sys.executable, "-m", "fedtrain", "demo", "--participants", "2", "--rounds", "50", "--state-dir", str(state)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        nested=True,
     )
     deadline = time.monotonic() + 120
     while not (state / "logs" / "p1.log").exists():
@@ -78,12 +82,13 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
 def test_a_streaming_demo_syncs_a_fragment_per_round(tmp_path: Path) -> None:
     """`fedtrain demo --streaming 2 --rounds 2` (H=40: a round every 20 steps), as a user first runs
     it, with 2 participants (the demo's 4 cost the default run 2x the time and check nothing more
-    here); --keep keeps the demo's temp dir (state and logs) after the run."""
+    here); --keep keeps the demo's temp dir (state and logs) after the run. The demo and its
+    processes are forked from the test template (`nested`): the short demo above starts cold."""
     summary, tmp = tmp_path / "summary.json", tmp_path / "tmp"
     tmp.mkdir()
     argv = [sys.executable, "-m", "fedtrain", "demo", "--participants", "2", "--streaming", "2", "--rounds", "2",
             "--summary", str(summary), "--keep"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
+    r = zygote.run(argv, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)}, nested=True)
     assert r.returncode == 0, r.stdout + r.stderr
     [kept] = tmp.glob("fedtrain-demo-*")
     assert (kept / "state" / "run.db").is_file() and f"state and logs: {kept / 'state'}" in r.stdout
@@ -102,7 +107,6 @@ def test_a_streaming_demo_syncs_a_fragment_per_round(tmp_path: Path) -> None:
     worst = max(e[k]["loss"] for e in s["evals"][1:] for k in ("before", "after"))
     assert worst < s["initial_eval_loss"], s["evals"]
 
-    bad = subprocess.run([*argv[:7], "3", "--rounds", "2", "--sync-every", "10"], capture_output=True, text=True,
-                         timeout=60)
+    bad = zygote.run([*argv[:7], "3", "--rounds", "2", "--sync-every", "10"], text=True, timeout=60)
     assert bad.returncode == 2 and "must be a multiple of streaming.fragments (K=3)" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -25,8 +25,9 @@ def test_the_demo_runs_the_recommended_outer_lr_for_its_participants(argv: list[
     count), and the lr is pinned for them."""
     cfg = demo_config(build_parser().parse_args(["demo", *argv]))
     assert cfg.outer.lr == lr and outer_defaults(cfg)["lr"] == lr
-    assert cfg.min_participants == (3 if "--heterogeneous" in argv else int(dict(zip(argv, argv[1:])).get(
-        "--participants", 4)))
+    n = int(argv[argv.index("--participants") + 1]) if "--participants" in argv else 3 if "--heterogeneous" in argv \
+        else 4
+    assert cfg.min_participants == n
 
 
 def test_the_demo_keeps_a_given_lr_and_other_algorithms_defaults(tmp_path: Path) -> None:

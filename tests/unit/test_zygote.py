@@ -96,3 +96,26 @@ def test_a_rank_through_the_entry_gets_its_signals_and_ends_as_the_rank_did(tmp_
         assert proc.stdout is not None and proc.stdout.readline() == "1\n"
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == status  # 7: the rank's own handler ran, so the signal reached it
+
+
+def test_a_nested_process_has_its_python_children_forked_too(tmp_path: Path) -> None:
+    """`nested=True`: the process's own `python script.py` children are forked by the template
+    (they start with torch imported), pass their status and SIGTERM on as a cold child would;
+    without it they start cold."""
+    child = tmp_path / "child.py"
+    child.write_text("import sys, time\nprint('torch' in sys.modules, flush=True)\n"
+                     "if sys.argv[1:] == ['wait']:\n    time.sleep(60)\nsys.exit(5)\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import subprocess, sys\n"
+        f"done = subprocess.run([sys.executable, {str(child)!r}], capture_output=True, text=True)\n"
+        f"waiting = subprocess.Popen([sys.executable, '-u', {str(child)!r}, 'wait'], stdout=subprocess.PIPE,\n"
+        "                           text=True)\n"
+        "first = waiting.stdout.readline().strip()\n"
+        "waiting.terminate()\n"
+        "print(done.stdout.strip(), done.returncode, first, waiting.wait())\n"
+    )
+    for nested, forked in ((True, "True"), (False, "False")):
+        r = zygote.run([sys.executable, str(parent)], timeout=120, text=True, nested=nested)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [forked, "5", forked, str(-signal.SIGTERM)], (nested, r.stdout)

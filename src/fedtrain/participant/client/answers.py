@@ -8,6 +8,7 @@ import email.utils
 import math
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,14 +86,27 @@ def retry_after(response: httpx.Response) -> float | None:
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
+_default_tls: list[ssl.SSLContext] = []
+_default_tls_lock = threading.Lock()
+
+
 def tls_context(verify: bool | str) -> bool | ssl.SSLContext:
-    """httpx's `verify`: True (system CAs), False (no verification), or a context trusting a CA file."""
+    """httpx's `verify`: False (no verification), a context trusting a CA file, or for True the
+    context httpx would make (its CAs, SSL_CERT_FILE and SSL_CERT_DIR), made once per process and
+    shared by every client: loading the CAs takes ~0.25 s of CPU, and a participant makes a
+    client per thread that calls (heartbeats, the event stream, uploads) and per rejoin."""
     if isinstance(verify, str):
         try:
             return ssl.create_default_context(cafile=verify)
         except (OSError, ssl.SSLError) as e:
             raise TLSError(f"cannot use {verify} as a CA certificate: {e}", code="tls_error") from None
-    return verify
+    make = getattr(httpx, "create_ssl_context", None)  # public from httpx 0.28
+    if not verify or make is None:
+        return verify
+    with _default_tls_lock:
+        if not _default_tls:
+            _default_tls.append(make())
+        return _default_tls[0]
 
 
 def cause_of(error: BaseException, kind: type[BaseException]) -> BaseException | None:
