@@ -14,9 +14,17 @@ import pytest
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.transport import FAST_IO_ENV
-from tests.helpers import processes
+from tests.helpers import processes, zygote
 from tests.helpers.api import client
 from tests.helpers.config import tiny_config
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist's controller starts one test template for all its workers (`zygote.start_shared`)."""
+    workers = config.getoption("numprocesses", None)
+    if getattr(config, "workerinput", None) is None and workers not in (None, 0, "0") \
+            and not config.getoption("collectonly") and zygote.enabled():
+        zygote.start_shared()
 
 
 @pytest.fixture(autouse=True)

@@ -5,9 +5,10 @@ A fresh process spends ~3 s of CPU importing torch and our commands before it do
 most of the processes the tests start do little more than that (a coordinator that serves a few
 rounds of a tiny model), and on two cores that CPU is the default run's time. `popen(argv, ...)`
 takes the arguments of `subprocess.Popen` and, where `argv` is `sys.executable [-u] -m module
-...` or `sys.executable [-u] script ...`, asks this test process's template (started on first
-use, `tests/helpers/zygote_server.py`) to fork the process; anything else goes to
-`subprocess.Popen`. The process is real and separate: its own pid, environment, working
+...` or `sys.executable [-u] script ...`, asks the template (`tests/helpers/zygote_server.py`)
+to fork the process; anything else goes to `subprocess.Popen`. Under xdist one template serves
+all the workers (the controller starts it: `start_shared`); otherwise a test process starts its
+own on first use. The process is real and separate: its own pid, environment, working
 directory, standard streams, signals and exit status; only the interpreter's start is shared.
 `Forked` answers the `Popen` methods the tests use. A torchrun group's ranks are forked too:
 `rank_launch` runs them through `zygote_exec.py` (`torchrun --no-python`), which passes
@@ -41,22 +42,55 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = "FEDTRAIN_TEST_ZYGOTE"
 SOCKET_ENV = "FEDTRAIN_TEST_ZYGOTE_SOCKET"
 STARTUP_ENV = "FEDTRAIN_TEST_ZYGOTE_STARTUP"
+SHARED_ENV = "FEDTRAIN_TEST_ZYGOTE_SHARED"
+"""The socket of a template that pytest-xdist's controller started for all its workers (`start_shared`)."""
+SHARED_WAIT_S = 120.0
 
 _lock = threading.Lock()
-_server: tuple[subprocess.Popen, str] | None = None
+_server: tuple[subprocess.Popen | None, str] | None = None  # (None: the controller's shared one, path)
+
+
+def _spawn() -> tuple[subprocess.Popen, str, dict[str, str]]:
+    """A template process (it listens once it has imported what it preloads), its socket, its environment."""
+    path = os.path.join(tempfile.mkdtemp(prefix="fedtrain-zygote-"), "sock")
+    path_entries = (str(ROOT), os.environ.get("PYTHONPATH", ""))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path_entries if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote_server", path], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, cwd=ROOT)
+    atexit.register(_stop, proc)
+    return proc, path, env
+
+
+def start_shared() -> None:
+    """In pytest-xdist's controller, before it starts its workers: one template for all of them
+    (one import of torch and our commands instead of one per worker). It is not waited for here:
+    it imports while the workers start and collect. They inherit its socket (`SHARED_ENV`) and
+    its start-up settings, and wait for the socket on first use (it appears once it listens)."""
+    global _server
+    proc, path, env = _spawn()
+    _server = (proc, path)
+    os.environ[SHARED_ENV] = path
+    os.environ[STARTUP_ENV] = json.dumps(startup_env(env))
 
 
 def _socket_path() -> str:
-    """The template's socket, started if this process has none running."""
+    """The template's socket: the controller's shared one, or this process's, started if it has none running."""
     global _server
     with _lock:
-        if _server is not None and _server[0].poll() is None:
+        if _server is not None and (_server[0] is None or _server[0].poll() is None):
             return _server[1]
-        path = os.path.join(tempfile.mkdtemp(prefix="fedtrain-zygote-"), "sock")
-        path_entries = (str(ROOT), os.environ.get("PYTHONPATH", ""))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path_entries if p)}
-        proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote_server", path], env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, cwd=ROOT)
+        shared = os.environ.get(SHARED_ENV)
+        if shared and _server is None:
+            deadline = time.monotonic() + SHARED_WAIT_S
+            while not os.path.exists(shared):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the shared test template did not listen on {shared} in {SHARED_WAIT_S:g} s")
+                time.sleep(0.05)
+            _server = (None, shared)
+            _template_env.clear()
+            _template_env.update(json.loads(os.environ.get(STARTUP_ENV, "{}")))
+            return shared
+        proc, path, env = _spawn()
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if line.strip() != b"ready":
@@ -65,7 +99,6 @@ def _socket_path() -> str:
         _server = (proc, path)
         _template_env.clear()
         _template_env.update(startup_env(env))
-        atexit.register(_stop, proc)
         return path
 
 
@@ -77,8 +110,8 @@ def _exec_entry() -> tuple[str, dict[str, str]]:
     and the environment it needs (the template's socket and start-up settings)."""
     path = _socket_path()
     with _lock:
-        if not _entry:
-            entry = os.path.join(os.path.dirname(path), "rank")
+        if not _entry:  # one per process: the workers of a shared template write theirs beside its socket
+            entry = os.path.join(os.path.dirname(path), f"rank-{os.getpid()}")
             source = (Path(__file__).with_name("zygote_exec.py")).read_text()
             Path(entry).write_text(f"#!{sys.executable}\n{source}")
             os.chmod(entry, 0o755)
@@ -142,6 +175,8 @@ def popen(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str
     `zygote_exec.py`, and the template kills the child a moment later, not at once."""
     request = _split(argv) if enabled() else None
     template = _template_env if _server is not None else startup_env(os.environ)  # what it is, or will be
+    if _server is None and os.environ.get(SHARED_ENV):
+        template = json.loads(os.environ.get(STARTUP_ENV, "{}"))
     if request is not None and startup_env(os.environ if env is None else env) != template:
         request = None  # it asks for an interpreter started differently: start one
     if request is None:

@@ -6,7 +6,7 @@ environment, working directory and argv, and runs `-m module` or a script as `__
 fresh `python` would. The parent reaps it and answers the request with its exit status; a
 request whose client goes away gets its child killed (a test process that died leaves nothing
 running). The server is single-threaded, so a fork copies no half-held lock of ours, and it
-ends when its parent (the test process) does.
+ends when its parent (the test process, or the xdist controller that serves all its workers) does.
 """
 
 from __future__ import annotations
@@ -174,8 +174,9 @@ def serve(path: str) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
+    listener.bind(path + ".binding")
     listener.listen(64)
+    os.rename(path + ".binding", path)  # the socket appears listening: a client that waits for it may connect
     parent = os.getppid()
     print("ready", flush=True)
     children: dict[socket.socket, int] = {}  # a request's connection -> its child

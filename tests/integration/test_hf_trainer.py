@@ -6,10 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainingArguments
 
 from fedtrain.coordinator import BackgroundCoordinator
-from fedtrain.integrations.hf_trainer import FedtrainCallback
 from fedtrain.recipes import TokenStream, build_model, evaluate, load_tokens, loss_fn, parse_data_spec
 from tests.helpers.config import PTOKEN, tiny_config
 
@@ -31,6 +29,11 @@ class Windows(torch.utils.data.Dataset):
 
 
 def test_trainer_script_federates_with_a_callback(tmp_path: Path) -> None:
+    # here, not at the top: transformers takes ~3 s of CPU to import, in each xdist worker that collects this
+    from transformers import Trainer, TrainingArguments
+
+    from fedtrain.integrations.hf_trainer import FedtrainCallback
+
     cfg = tiny_config(model={"recipe": "hf", "hf": {"config": GPT2}}, rounds=2, train={"sync_every": 3})
     data = Windows(load_tokens(parse_data_spec("stdlib:0/4")), seq_len=32, n=64)
     model = build_model(cfg.model, seed=123)  # the user's model: its weights are replaced by the global ones
