@@ -11,6 +11,7 @@ import torch
 from fedtrain.coordinator.intake.pieces import Coverage, Partial, PiecesIn
 from fedtrain.coordinator.members.processes import MAX_WORLD_SIZE, check_info, describe
 from fedtrain.errors import Refused
+from fedtrain.participant.ranks import control
 
 
 @pytest.mark.parametrize(("info", "seen"), [
@@ -71,3 +72,45 @@ def test_the_status_lists_a_bounded_number_of_labels() -> None:
     view = PiecesIn.of(partial).view()
     assert view["received"] == 300 and len(view["labels"]) == 16 and view["labels"][0] == "r000"
     assert view["complete"] is True and view["covered"] == 1.0
+
+
+def _rank1_of_two() -> control.RankGroup:
+    group = object.__new__(control.RankGroup)
+    group.group, group.keepalive_s, group.rank, group.world_size = None, 1.0, 1, 2
+    group.control, group._worker_control = object(), None
+    return group
+
+
+def _peer_closed(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:41195. ...")
+
+
+def test_a_rank_whose_peer_closed_the_control_channel_fails_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(control, "PEER_GONE_GRACE_S", 0.0)
+    monkeypatch.setattr(control.dist, "all_reduce", _peer_closed)
+    with pytest.raises(control.DistributedSyncError, match="rank 1: another rank .* went away .*Connection closed"):
+        _rank1_of_two().sum([1.0])
+
+
+def test_a_rank_whose_peer_closed_the_channel_stops_as_stopped_when_its_own_signal_follows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun stops every rank at once: the rank that stopped first closes the channel under the
+    others, whose own signal comes a moment later and must end them as `stopped`, not failed."""
+    import os
+    import signal
+    import threading
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(control, "PEER_GONE_GRACE_S", 30.0)
+    monkeypatch.setattr(control.dist, "all_reduce", _peer_closed)
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            _rank1_of_two().all_true(True)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)

@@ -11,15 +11,19 @@ one rank) every collective is the identity and `together` runs its work on the c
 `together(work)` is the one that waits on the network: each rank runs its own `work` on a worker
 thread while the main thread all-reduces (running?) every `keepalive_s`, so no rank sits in one
 collective long enough to hit a timeout, and the ranks exchange their outcomes (`Outcome`) so
-that every rank takes the same decision from the same facts. See docs/architecture.md.
+that every rank takes the same decision from the same facts. A rank whose peer closed the
+control channel waits a moment for its own stop signal (the group is being stopped) and else
+fails with `DistributedSyncError`, one line. See docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +34,26 @@ from fedtrain.errors import CoordinatorError, FedtrainError
 from fedtrain.participant.engine.outage import is_transient
 
 __all__ = ["DistributedSyncError", "Outcome", "RankGroup", "control_group"]
+
+PEER_GONE_GRACE_S = 2.0
+"""How long a rank whose peer closed the control channel waits for a stop signal of its own
+before it fails: torchrun (or Ctrl+C) stops every rank at once, and a rank that stopped a moment
+earlier closes the channel under the others."""
+
+
+@contextlib.contextmanager
+def _peers(rank: int) -> Iterator[None]:
+    """A collective on the control channel: if another rank closed it (gloo raises RuntimeError),
+    wait PEER_GONE_GRACE_S for this rank's own stop (a signal there ends it as `stopped`), then
+    fail with one line, not torch's traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        time.sleep(PEER_GONE_GRACE_S)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedSyncError(f"rank {rank}: another rank of this participant's group went away "
+                                   f"(its control channel closed: {first})") from None
+
 
 def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """A gloo process group over the ranks of `group` (None: every rank) for control messages.
@@ -136,7 +160,8 @@ class RankGroup:
             worker.join(self.keepalive_s)
             state = torch.tensor([int(worker.is_alive()), int(not worker.is_alive() and "error" in box)],
                                  dtype=torch.int64)
-            dist.all_reduce(state, group=self.control)
+            with _peers(self.rank):
+                dist.all_reduce(state, group=self.control)
             if int(state[0]) == 0:
                 break
             if int(state[1]) > 0 and cancel is not None:
@@ -153,10 +178,11 @@ class RankGroup:
         data = json.dumps(payload).encode() if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
         src = dist.get_global_rank(self.control, 0)  # the group's rank 0
-        dist.broadcast(size, src=src, group=self.control)
-        body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data else \
-            torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(body, src=src, group=self.control)
+        with _peers(self.rank):
+            dist.broadcast(size, src=src, group=self.control)
+            body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data else \
+                torch.empty(int(size), dtype=torch.uint8)
+            dist.broadcast(body, src=src, group=self.control)
         return json.loads(body.numpy().tobytes().decode())
 
     def gather_json(self, payload: Any) -> list[Any]:
@@ -165,12 +191,13 @@ class RankGroup:
             return [json.loads(json.dumps(payload))]
         data = json.dumps(payload).encode()
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.control)
-        longest = max(int(s) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # JSON is never empty
-        got = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(got, mine, group=self.control)
+        with _peers(self.rank):
+            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.control)
+            longest = max(int(s) for s in sizes)
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # JSON is never empty
+            got = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(got, mine, group=self.control)
         return [json.loads(t[:int(n)].numpy().tobytes().decode()) for t, n in zip(got, sizes, strict=True)]
 
     def sum(self, values: Sequence[float]) -> list[float]:
@@ -178,7 +205,8 @@ class RankGroup:
         if self.solo:
             return [float(v) for v in values]
         t = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(t, group=self.control)
+        with _peers(self.rank):
+            dist.all_reduce(t, group=self.control)
         return [float(v) for v in t]
 
     def all_true(self, flag: bool) -> bool:
@@ -186,7 +214,8 @@ class RankGroup:
         if self.solo:
             return flag
         t = torch.tensor([int(not flag)], dtype=torch.int64)
-        dist.all_reduce(t, group=self.control)
+        with _peers(self.rank):
+            dist.all_reduce(t, group=self.control)
         return int(t) == 0
 
     def rank0_says(self, flag: bool) -> bool:
@@ -194,7 +223,8 @@ class RankGroup:
         if self.solo:
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.broadcast(t, src=dist.get_global_rank(self.control, 0), group=self.control)
+        with _peers(self.rank):
+            dist.broadcast(t, src=dist.get_global_rank(self.control, 0), group=self.control)
         return bool(int(t))
 
     def broadcast_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
