@@ -56,9 +56,9 @@ def full_body_bytes(params: Mapping[str, torch.Tensor], version: int) -> int:
 class Uplink:
     """One participant's uploads: (bytes on the wire, Δ as the coordinator decodes it)."""
 
-    def __init__(self, codec: Codec, feedback: bool) -> None:
+    def __init__(self, codec: Codec, feedback: bool, decay: float = 1.0) -> None:
         self.codec = codec
-        self.feedback = ErrorFeedback() if feedback and codec.scheme != "none" else None
+        self.feedback = ErrorFeedback(decay) if feedback and codec.scheme != "none" else None
 
     def send(self, delta: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
         if self.codec.scheme == "none":

@@ -106,6 +106,7 @@ class Method:
     split: str = "noniid"  # noniid (stdlib_shards) | iid (pooled and dealt out at random)
     compression: str = "none"  # none | int8 | e3m0 | topk (uploads; `quality_compress.codec_of`)
     error_feedback: bool = False  # the participants' (upload) error feedback
+    ef_decay: float = 1.0  # its β (`train.error_feedback_decay`): Δ + β·residual is compressed
     density: float = 0.0  # topk: share of each chunk's values sent
     bits: int = 2  # topk: bits per value sent
     download: bool = False  # downloads compressed with the upload codec, server-side error feedback
@@ -141,7 +142,8 @@ class Method:
             parts.append("IID split")
         if self.compression != "none":
             scheme = (f"topk {self.density:.0%} {self.bits}-bit" if self.compression == "topk" else self.compression)
-            parts.append(f"{scheme} Δ" + (" + error feedback" if self.error_feedback else ""))
+            decay = f" (β {self.ef_decay:g})" if self.ef_decay != 1 else ""
+            parts.append(f"{scheme} Δ" + (f" + error feedback{decay}" if self.error_feedback else ""))
             if self.download:
                 parts.append(f"{scheme} downloads + server error feedback")
         if self.clip:
@@ -323,7 +325,7 @@ def run_fed(setup: Setup, method: Method, log: Log) -> dict[str, Any]:
     outer = OuterOptimizer(dict(glob.named_parameters()), method.algorithm, method.outer_hp())
     acc = RunningSum(outer.params)
     codec = codec_of(method)
-    uplinks = [Uplink(codec, method.error_feedback) for _ in streams]
+    uplinks = [Uplink(codec, method.error_feedback, method.ef_decay) for _ in streams]
     downlink = Downlink(codec if method.download else None, outer.params)
     privacy = (Privacy(method.clip, method.noise, math.ceil((setup.steps - step) / method.sync_every))
                if method.clip else None)
@@ -393,7 +395,7 @@ class Fragments:
         self.outers = [OuterOptimizer({n: init[n] for n in names}, method.algorithm, method.outer_hp())
                        for names in self.names]
         codec = codec_of(method)  # one error feedback per participant (and the server's) serves every fragment
-        self.uplinks = [Uplink(codec, method.error_feedback) for _ in range(setup.workers)]
+        self.uplinks = [Uplink(codec, method.error_feedback, method.ef_decay) for _ in range(setup.workers)]
         self.downlink = Downlink(codec if method.download else None, init)
         self.sums = [RunningSum(o.params) for o in self.outers]
         self.in_flight: dict[int, tuple[dict[str, torch.Tensor], list[int]]] = {}

@@ -115,6 +115,25 @@ def test_error_feedback_sums_to_the_true_delta_over_rounds(codec: Codec) -> None
         assert float(fb.residual["x"].abs().max()) > 0.5
 
 
+@pytest.mark.parametrize("codec", CODECS[:3], ids=lambda c: f"{c.scheme}-{c.k}-{c.bits}")
+def test_decayed_error_feedback_follows_the_naive_recurrence(codec: Codec) -> None:
+    """β < 1 (SparseLoCo's accumulator): e ← β·e + Δ, send C(e), e ← e − C(e), in plain torch."""
+    g = torch.Generator().manual_seed(5)
+    beta = 0.8
+    fb = ErrorFeedback(decay=beta)
+    e = torch.zeros(500)
+    for _ in range(6):
+        delta = torch.randn(500, generator=g)
+        tensors, meta = fb.compress({"x": delta}, codec)
+        sent = dict(decompress(tensors.items(), meta, shapes={"x": (500,)}))["x"]
+        e = beta * e + delta
+        ref_tensors, ref_meta = compress({"x": e}, codec)
+        want = dict(decompress(ref_tensors.items(), ref_meta, shapes={"x": (500,)}))["x"]
+        torch.testing.assert_close(sent, want, rtol=0, atol=1e-6)
+        e = e - want
+        torch.testing.assert_close(fb.residual["x"], e, rtol=0, atol=1e-5)
+
+
 def _topk_parts(k: int = 3, chunk: int = 64, n: int = 140, bits: int = 2) -> tuple[torch.Tensor, ...]:
     t = torch.randn(n, generator=torch.Generator().manual_seed(2))
     tensors, _ = compress({"t": t}, Codec("topk", k=k, chunk=chunk, bits=bits))

@@ -9,12 +9,15 @@ import logging
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
+from fedtrain.config import OuterConfig, RunConfig, TrainConfig
 from fedtrain.errors import ModelMismatchError
 from fedtrain.participant.engine.sync import SyncEngine
 from fedtrain.participant.engine.sync_schedule import Exchanges
 from fedtrain.participant.local.checkpoint import LocalCheckpoint
+from fedtrain.wire.compress import decompress
 
 
 def _exchanges(fragments: list[list[str]] | None = None) -> Exchanges:
@@ -75,3 +78,31 @@ def test_a_residual_that_does_not_fit_is_refused_whole(bad: dict[str, torch.Tens
     with pytest.raises(ModelMismatchError):
         ex.restore_upload_residual({"a": torch.ones(4, 3), "b": torch.ones(5), **bad})
     assert ex.upload_residual() == {}
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_the_engine_compresses_delta_plus_the_decayed_residual(decay: float) -> None:
+    """`train.error_feedback_decay` β: the engine sends Δ + β·residual and keeps the rest, so
+    what it sent plus what it holds afterwards is Δ + β·(the residual before)."""
+    params = {"a": torch.nn.Parameter(torch.zeros(4, 3)), "b": torch.nn.Parameter(torch.zeros(5))}
+    engine = SyncEngine(None, params, who="site")  # type: ignore[arg-type]  # (no call reaches the client)
+    engine.prepare({"a": {"dtype": "F32", "shape": [4, 3]}, "b": {"dtype": "F32", "shape": [5]}})
+    g = torch.Generator().manual_seed(3)
+    reference = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+    engine.restore(sent=reference)  # the round's reference weights
+    with torch.no_grad():
+        for p in params.values():
+            p.copy_(torch.randn(p.shape, generator=g))
+    engine.take_delta()
+    delta = {n: reference[n] - p.detach() for n, p in params.items()}
+    before = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+    engine.restore_upload_residual(before)
+    config = RunConfig(train=TrainConfig(compression="topk", topk_density=0.25, topk_chunk=64,
+                                         error_feedback_decay=decay), outer=OuterConfig(algorithm="fedavg"))
+    body = engine.encode(config)
+    tensors = safetensors.torch.load(b"".join(bytes(c) for c in body))
+    in_order = [(n, tensors[n]) for n in body.specs]  # (a compressed tensor's parts come first)
+    sent = dict(decompress(in_order, body.metadata, shapes={"a": (4, 3), "b": (5,)}))
+    after = engine.upload_residual
+    for n in params:
+        torch.testing.assert_close(sent[n] + after[n], delta[n] + decay * before[n], rtol=0, atol=1e-5)

@@ -100,6 +100,12 @@ class TrainConfig(_Strict):
     error_feedback: bool = Field(
         True, description="With compression: carry what compression dropped into the next round's update."
     )
+    error_feedback_decay: float = Field(
+        1.0, gt=0, le=1, description="With error feedback: the share β of what waits unsent that is kept each "
+        "round (Δ + β·residual is compressed). 1 keeps all of it, so every Δ is sent in the end; below 1 "
+        "what waits long fades, as in SparseLoCo, where the decayed residual stands in for the "
+        "outer momentum.",
+    )
     download_compression: Literal["none", "int8", "e3m0", "topk"] = Field(
         "none", description="How participants that hold the previous version receive the next: the whole fp32 "
         "model (none), or the outer step as a compressed delta (int8, e3m0, or topk with topk_bits bits and "

@@ -333,15 +333,20 @@ def decompress(tensors: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[st
 
 
 class ErrorFeedback:
-    """Sender-side residual: compress(Δ + e), then e ← (Δ + e) − decompress(sent). What was
-    sent plus the residual is always the sum of every Δ given, up to float rounding."""
+    """Sender-side residual: compress(Δ + β·e), then e ← (Δ + β·e) − decompress(sent). With
+    `decay` β = 1 (the default) what was sent plus the residual is always the sum of every Δ
+    given, up to float rounding; β < 1 forgets what waits unsent, at β per round (SparseLoCo's
+    decayed accumulator, which stands in for the outer momentum)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
         self.residual: dict[str, torch.Tensor] = {}
+        self.decay = decay
 
     def compress(self, delta: Mapping[str, torch.Tensor], scheme: str | Codec, block: int = DEFAULT_BLOCK) -> tuple[
             dict[str, torch.Tensor], dict[str, str]]:
-        corrected = {n: t + self.residual[n] if n in self.residual else t for n, t in delta.items()}
+        beta = self.decay
+        corrected = {n: (t + self.residual[n] if beta == 1 else torch.add(t, self.residual[n], alpha=beta))
+                     if n in self.residual else t for n, t in delta.items()}
         tensors, meta = compress(corrected, scheme, block)
         if _codec(scheme, block).scheme == "none":  # everything is sent: nothing is left over
             self.residual = {}

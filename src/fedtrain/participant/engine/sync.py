@@ -187,6 +187,7 @@ class SyncEngine:
             return EncodedBody(delta, meta, digest_algorithm=config.digest)
         codec = Codec.for_train(t)
         if t.error_feedback or t.compression == "none":
+            self._feedback.decay = t.error_feedback_decay if t.compression != "none" else 1.0
             tensors, packed = self._feedback.compress(delta, codec)
         else:
             tensors, packed = compress(delta, codec)
