@@ -5,7 +5,14 @@ coordinator process, torchrun groups, ...) live in `tests/helpers/`."""
 
 from __future__ import annotations
 
+import os
 import sys
+
+# torch on one thread in every test process and every process a test starts (they inherit it): four
+# xdist workers share two cores, and torch's default (a thread per core, spinning while it waits)
+# made each worker's tensor work compete with the other three; measured on test_quality's numerics
+# under -n 4, 20-23 s a test with two threads, 7-8 s with one. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,17 +21,21 @@ import pytest
 
 from fedtrain.coordinator import BackgroundCoordinator
 from fedtrain.transport import FAST_IO_ENV
-from tests.helpers import processes, zygote
+from tests.helpers import bytecode, processes, zygote
 from tests.helpers.api import client
 from tests.helpers.config import tiny_config
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """pytest-xdist's controller starts one test template for all its workers (`zygote.start_shared`)."""
+    """pytest-xdist's controller starts one test template for all its workers (`zygote.start_shared`),
+    then writes the bytecode caches the workers read as they collect (`bytecode.warm`)."""
     workers = config.getoption("numprocesses", None)
-    if getattr(config, "workerinput", None) is None and workers not in (None, 0, "0") \
-            and not config.getoption("collectonly") and zygote.enabled():
+    if getattr(config, "workerinput", None) is not None or workers in (None, 0, "0") \
+            or config.getoption("collectonly"):
+        return
+    if zygote.enabled():
         zygote.start_shared()
+    bytecode.warm(config)
 
 
 @pytest.fixture(autouse=True)

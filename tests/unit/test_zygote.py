@@ -34,7 +34,7 @@ def probe(tmp_path: Path) -> Path:
 
 
 def test_a_forked_process_has_its_own_environment_directory_streams_and_status(probe: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "X": "y", "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "X": "y", "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "2"}  # (the template's: 1)
     proc = zygote.popen([sys.executable, str(probe), "3", "more"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True)
     assert isinstance(proc, zygote.Forked)
@@ -42,7 +42,7 @@ def test_a_forked_process_has_its_own_environment_directory_streams_and_status(p
     seen = json.loads(out)
     assert proc.returncode == 3 and err == "to stderr\n"
     assert seen == {"pid": proc.pid, "cwd": str(tmp_path), "x": "y", "argv": ["3", "more"], "tmp": str(tmp_path),
-                    "threads": 1}
+                    "threads": 2}
     assert seen["pid"] != os.getpid()
 
 
