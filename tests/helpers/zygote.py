@@ -86,9 +86,9 @@ def _socket_path() -> str:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the shared test template did not listen on {shared} in {SHARED_WAIT_S:g} s")
                 time.sleep(0.05)
-            _server = (None, shared)
             _template_env.clear()
-            _template_env.update(json.loads(os.environ.get(STARTUP_ENV, "{}")))
+            _template_env.update(_template_startup())
+            _server = (None, shared)
             return shared
         proc, path, env = _spawn()
         assert proc.stdout is not None
@@ -161,6 +161,16 @@ def startup_env(env: Mapping[str, str]) -> dict[str, str]:
 _template_env: dict[str, str] = {}
 
 
+def _template_startup() -> dict[str, str]:
+    """The start-up settings of this process's template: the one it uses, else the controller's
+    shared one, else the one it would start (this process's own)."""
+    if _server is not None:
+        return _template_env
+    if os.environ.get(SHARED_ENV):
+        return dict(json.loads(os.environ.get(STARTUP_ENV, "{}")))
+    return startup_env(os.environ)
+
+
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip() != "0"
 
@@ -174,10 +184,7 @@ def popen(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str
     Not for a process that kills its children's process group (`killpg`): that reaches only
     `zygote_exec.py`, and the template kills the child a moment later, not at once."""
     request = _split(argv) if enabled() else None
-    template = _template_env if _server is not None else startup_env(os.environ)  # what it is, or will be
-    if _server is None and os.environ.get(SHARED_ENV):
-        template = json.loads(os.environ.get(STARTUP_ENV, "{}"))
-    if request is not None and startup_env(os.environ if env is None else env) != template:
+    if request is not None and startup_env(os.environ if env is None else env) != _template_startup():
         request = None  # it asks for an interpreter started differently: start one
     if request is None:
         return subprocess.Popen(list(argv), env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,25 @@ def test_with_fast_io_off_transfers_go_through_httpx(monkeypatch: pytest.MonkeyP
     assert fetch.is_direct(URL)
     monkeypatch.setenv("FEDTRAIN_FAST_IO", "off")
     assert not fetch.is_direct(URL)  # the plain path: httpx, as with a proxy
+
+
+def test_the_proxy_check_reads_the_environment_again_when_another_thread_changes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """urllib walks os.environ to find proxies; a variable another thread removes meanwhile is a
+    KeyError there (a participant's upload thread died of it while pytest set PYTEST_CURRENT_TEST)."""
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy",
+                "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    real = urllib.request.getproxies
+    raced = iter([KeyError("PYTEST_CURRENT_TEST"), RuntimeError("dictionary changed size during iteration")])
+
+    def racy() -> dict[str, str]:
+        for error in raced:
+            raise error
+        return real()
+
+    monkeypatch.setattr(urllib.request, "getproxies", racy)
+    assert fetch.is_direct(URL)
+    monkeypatch.setattr(urllib.request, "getproxies", lambda: (_ for _ in ()).throw(KeyError("X")))
+    with pytest.raises(KeyError):  # (an environment that never holds still: the error, not a guess)
+        fetch.is_direct(URL)

@@ -59,10 +59,22 @@ def is_direct(url: str) -> bool:
     if not fast_io_enabled():
         return False
     parts = urlsplit(url)
-    proxies = urllib.request.getproxies()
-    if not (proxies.get(parts.scheme) or proxies.get("all")):
-        return True
-    return bool(urllib.request.proxy_bypass(parts.hostname or ""))
+    for attempt in range(ENV_READS):
+        try:
+            proxies = urllib.request.getproxies()
+            if not (proxies.get(parts.scheme) or proxies.get("all")):
+                return True
+            return bool(urllib.request.proxy_bypass(parts.hostname or ""))
+        except (KeyError, RuntimeError):  # another thread changed os.environ while urllib walked it
+            if attempt == ENV_READS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+#: How many times `is_direct` reads the environment's proxies when another thread changes the
+#: environment as it is read (urllib walks os.environ: a variable removed meanwhile is a KeyError;
+#: a participant's upload thread once died of it while pytest set PYTEST_CURRENT_TEST).
+ENV_READS = 5
 
 
 def ssl_context(verify: bool | ssl.SSLContext) -> ssl.SSLContext:
