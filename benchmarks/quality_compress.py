@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fedtrain.participant.engine.momentum import LocalMomentum
 from fedtrain.privacy.clipping import clip_update, l2_norm
 from fedtrain.wire import EncodedBody
 from fedtrain.wire.compress import DEFAULT_CHUNK, Codec, ErrorFeedback, compress, decompress
@@ -56,11 +57,15 @@ def full_body_bytes(params: Mapping[str, torch.Tensor], version: int) -> int:
 class Uplink:
     """One participant's uploads: (bytes on the wire, Δ as the coordinator decodes it)."""
 
-    def __init__(self, codec: Codec, feedback: bool, decay: float = 1.0) -> None:
+    def __init__(self, codec: Codec, feedback: bool, decay: float = 1.0, momentum: float = 0.0) -> None:
         self.codec = codec
         self.feedback = ErrorFeedback(decay) if feedback and codec.scheme != "none" else None
+        self.momentum = momentum  # the participant's own Nesterov before compression (`LocalMomentum`)
+        self.local = LocalMomentum()
 
     def send(self, delta: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
+        if self.momentum:
+            delta = self.local.step(delta, self.momentum, nesterov=True)
         if self.codec.scheme == "none":
             return EncodedBody(delta).content_length, delta
         if self.feedback is not None:

@@ -107,6 +107,7 @@ class Method:
     compression: str = "none"  # none | int8 | e3m0 | topk (uploads; `quality_compress.codec_of`)
     error_feedback: bool = False  # the participants' (upload) error feedback
     ef_decay: float = 1.0  # its β (`train.error_feedback_decay`): Δ + β·residual is compressed
+    up_momentum: float = 0.0  # each participant's own outer Nesterov before compression (`train.upload_momentum`)
     density: float = 0.0  # topk: share of each chunk's values sent
     bits: int = 2  # topk: bits per value sent
     download: bool = False  # downloads compressed with the upload codec, server-side error feedback
@@ -143,6 +144,8 @@ class Method:
         if self.compression != "none":
             scheme = (f"topk {self.density:.0%} {self.bits}-bit" if self.compression == "topk" else self.compression)
             decay = f" (β {self.ef_decay:g})" if self.ef_decay != 1 else ""
+            if self.up_momentum:
+                parts.append(f"participants' own Nesterov {self.up_momentum:g} before compression")
             parts.append(f"{scheme} Δ" + (f" + error feedback{decay}" if self.error_feedback else ""))
             if self.download:
                 parts.append(f"{scheme} downloads + server error feedback")
@@ -325,7 +328,7 @@ def run_fed(setup: Setup, method: Method, log: Log) -> dict[str, Any]:
     outer = OuterOptimizer(dict(glob.named_parameters()), method.algorithm, method.outer_hp())
     acc = RunningSum(outer.params)
     codec = codec_of(method)
-    uplinks = [Uplink(codec, method.error_feedback, method.ef_decay) for _ in streams]
+    uplinks = [Uplink(codec, method.error_feedback, method.ef_decay, method.up_momentum) for _ in streams]
     downlink = Downlink(codec if method.download else None, outer.params)
     privacy = (Privacy(method.clip, method.noise, math.ceil((setup.steps - step) / method.sync_every))
                if method.clip else None)
@@ -395,7 +398,8 @@ class Fragments:
         self.outers = [OuterOptimizer({n: init[n] for n in names}, method.algorithm, method.outer_hp())
                        for names in self.names]
         codec = codec_of(method)  # one error feedback per participant (and the server's) serves every fragment
-        self.uplinks = [Uplink(codec, method.error_feedback, method.ef_decay) for _ in range(setup.workers)]
+        self.uplinks = [Uplink(codec, method.error_feedback, method.ef_decay, method.up_momentum)
+                        for _ in range(setup.workers)]
         self.downlink = Downlink(codec if method.download else None, init)
         self.sums = [RunningSum(o.params) for o in self.outers]
         self.in_flight: dict[int, tuple[dict[str, torch.Tensor], list[int]]] = {}

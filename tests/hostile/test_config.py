@@ -105,6 +105,12 @@ COMBINATIONS: dict[str, tuple[dict[str, Any], list[str]]] = {
     "heartbeat": ({"heartbeat_interval_s": 30, "heartbeat_timeout_s": 20}, ["heartbeat_timeout_s"]),
     "seq_len": ({"train": {"seq_len": 64}}, ["train.seq_len (64)", "model.block_size (32)"]),
     "streaming_h": ({"streaming": {"fragments": 3}}, ["train.sync_every (H=5)", "streaming.fragments (K=3)"]),
+    # a participant's own outer momentum beside the coordinator's: the two would compound
+    "upload_momentum_twice": ({"train": {"upload_momentum": 0.9}, "outer": {"algorithm": "diloco"}},
+                              ["train.upload_momentum 0.9", "outer.algorithm diloco", "compound"]),
+    "upload_momentum_dp": ({"train": {"upload_momentum": 0.9}, "outer": {"algorithm": "fedavg"},
+                            "privacy": {"clip_norm": 1.0, "noise_multiplier": 1.0}},
+                           ["train.upload_momentum", "differential privacy"]),
 }
 
 TINY = tiny_config(rounds=0).model_dump(mode="json")

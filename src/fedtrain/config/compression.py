@@ -51,13 +51,16 @@ def check_compression(cfg: Any, outer_momentum: float) -> None:
     """Raise ValueError (the config's validation error) for a compression that cannot compose;
     `outer_momentum`: the run's outer momentum, its algorithm's default where unset."""
     t = cfg.train
+    if t.upload_momentum > 0:
+        _check_upload_momentum(cfg, outer_momentum)
     topk = [f"train.{k} topk" for k in ("compression", "download_compression") if getattr(t, k) == "topk"]
     if topk and outer_momentum > 0:
         raise ValueError(f"{' and '.join(topk)} cannot be used with an outer optimizer with momentum (outer.algorithm "
                          f"{cfg.outer.algorithm}, momentum {outer_momentum:g}): error feedback delays most of each "
                          "update by many rounds and the outer momentum amplifies the repeats (topk 1% with DiLoCo's "
                          "Nesterov step diverged in docs/quality.md's study); use outer.algorithm fedavg (outer SGD "
-                         "at lr 1, no momentum, as SparseLoCo does), or outer.momentum: 0, or a dense compression "
+                         "at lr 1, no momentum, as SparseLoCo does; with train.upload_momentum each participant "
+                         "applies the momentum before compressing), or outer.momentum: 0, or a dense compression "
                          "(int8, e3m0)")
     if t.compression != "topk":
         return
@@ -69,3 +72,17 @@ def check_compression(cfg: Any, outer_momentum: float) -> None:
     if not t.error_feedback:
         raise ValueError(f"train.compression topk needs train.error_feedback: without it each round drops the "
                          f"{1 - t.topk_density:.0%} of every update that is not sent, for good")
+
+
+def _check_upload_momentum(cfg: Any, outer_momentum: float) -> None:
+    """`train.upload_momentum` needs an outer step without momentum (two momenta would compound),
+    and is not built for DP (the coordinator clips and noises Δ, not the momentum's output) or
+    secure aggregation (a masked upload is Δ itself)."""
+    if outer_momentum > 0:
+        raise ValueError(f"train.upload_momentum {cfg.train.upload_momentum:g} cannot be used with an outer optimizer "
+                         f"with momentum (outer.algorithm {cfg.outer.algorithm}, momentum {outer_momentum:g}): the "
+                         "two momenta would compound; use outer.algorithm fedavg (its lr is the outer lr)")
+    p = cfg.privacy
+    if p is not None and (p.dp or p.secure_aggregation):
+        raise ValueError("train.upload_momentum is not built for differential privacy or secure aggregation: they "
+                         "take each participant's Δ itself; set train.upload_momentum: 0")

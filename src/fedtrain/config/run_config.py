@@ -106,6 +106,14 @@ class TrainConfig(_Strict):
         "what waits long fades, as in SparseLoCo, where the decayed residual stands in for the "
         "outer momentum.",
     )
+    upload_momentum: float = Field(
+        0.0, ge=0, lt=1, description="Each participant's own outer momentum μ, applied to its Δ before "
+        "compression (0: none): it sends Δ + μ·m (upload_nesterov) or m, with m ← μ·m + Δ, and the coordinator's "
+        "outer step is plain SGD (outer.algorithm fedavg, its lr the outer lr). With equal token weights this is "
+        "DiLoCo's outer Nesterov; with topk it keeps the momentum that a coordinator momentum cannot have "
+        "(docs/training-jobs.md, Compressed uploads). Not with an outer momentum, DP or secure aggregation.",
+    )
+    upload_nesterov: bool = Field(True, description="upload_momentum: Nesterov's form (Δ + μ·m) or plain (m).")
     download_compression: Literal["none", "int8", "e3m0", "topk"] = Field(
         "none", description="How participants that hold the previous version receive the next: the whole fp32 "
         "model (none), or the outer step as a compressed delta (int8, e3m0, or topk with topk_bits bits and "

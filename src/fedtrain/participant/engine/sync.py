@@ -25,6 +25,7 @@ from fedtrain.errors import CoordinatorError, CoordinatorUnavailable, MergeError
 from fedtrain.merge import check_compatible
 from fedtrain.participant.client.coordinator_client import CoordinatorClient
 from fedtrain.participant.client.retry import RetryPolicy
+from fedtrain.participant.engine.momentum import LocalMomentum
 from fedtrain.participant.engine.secagg_sync import Ahead, submit_masked
 from fedtrain.participant.engine.served import ServedModel
 from fedtrain.participant.engine.sync_set import Only, PieceOf
@@ -67,6 +68,7 @@ class SyncEngine:
         self._snapshot: dict[str, torch.Tensor] = dict(shares or {})  # else set aside by `prepare`, at join
         self._holds: Holds = "reference"
         self._feedback = ErrorFeedback()
+        self._momentum = LocalMomentum()  # `train.upload_momentum`
         self._only = shares is not None
         # Compressed downloads (`deltas`, as the run config says): the served model as it came,
         # bit for bit, and its version; a whole download sets them, a delta moves them on.
@@ -183,6 +185,10 @@ class SyncEngine:
             meta[ROWS_META] = json.dumps(rows)
         elif config.privacy is not None and config.privacy.dp:  # a piece's rows: the coordinator clips the whole
             delta = clip_within(delta, config.privacy.clip_norm)  # a copy if clipped: Δ stays for undo_delta
+        if t.upload_momentum > 0:
+            delta = self._momentum.step(delta, t.upload_momentum, t.upload_nesterov)
+        elif self._momentum.buffer:  # (turned off live: the next upload is Δ itself)
+            self._momentum.clear()
         if t.compression == "none" and not self._feedback.residual:  # (a residual: compression was on before)
             return EncodedBody(delta, meta, digest_algorithm=config.digest)
         codec = Codec.for_train(t)
