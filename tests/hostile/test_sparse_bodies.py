@@ -126,14 +126,15 @@ def test_an_honest_sparse_body_is_folded_as_its_decoded_values(coord: Background
             assert torch.equal(inside.sum_values[name], t), name
 
 
-def test_an_e3m0_body_with_a_bad_scale_is_refused(coord: BackgroundCoordinator) -> None:
+@pytest.mark.parametrize("scheme", ["e3m0", "int2"])
+def test_a_block_coded_body_with_a_bad_scale_or_size_is_refused(coord: BackgroundCoordinator, scheme: str) -> None:
     with client(coord) as http:
         before = snapshot(coord)
-        tensors, meta = compress(_delta(coord, 4), Codec("e3m0", block=64))
+        tensors, meta = compress(_delta(coord, 4), Codec(scheme, block=64))
         name = next(n for n in tensors if n.endswith("::scale"))
         tensors[name][0] = float("nan")
         assert "finite" in assert_error(_send(http, "a", tensors, meta), 400)["message"]
-        tensors, meta = compress(_delta(coord, 4), Codec("e3m0", block=64))
+        tensors, meta = compress(_delta(coord, 4), Codec(scheme, block=64))
         tensors = {k: (v[:-1].clone() if k + "::scale" in tensors else v) for k, v in tensors.items()}
         assert_error(_send(http, "a", tensors, meta), 422)
         assert_unchanged(coord, before)

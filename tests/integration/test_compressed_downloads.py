@@ -136,6 +136,9 @@ SLOW = pytest.mark.slow  # the default run keeps one FedOpt and the asynchronous
     pytest.param({"outer": {"algorithm": "diloco"}, "train": {**TRAIN, "compression": "int8",
                                                               "download_compression": "int8"}},
                  marks=SLOW, id="diloco"),
+    pytest.param({"outer": {"algorithm": "diloco"}, "train": {**TRAIN, "compression": "int2",
+                                                              "download_compression": "int2"}},
+                 id="diloco_int2"),
     pytest.param({"outer": {"algorithm": "fedadam"}}, id="fedadam"),
     pytest.param({"schedule": {"mode": "balanced"}}, marks=SLOW, id="balanced"),
     pytest.param({"schedule": {"mode": "async"}, "asynchronous": {"outer_step": "per_update"}, "min_participants": 1,
@@ -147,8 +150,9 @@ SLOW = pytest.mark.slow  # the default run keeps one FedOpt and the asynchronous
                  marks=SLOW, id="median"),
 ])
 def test_compressed_downloads_compose(tmp_path: Path, overrides: dict) -> None:
-    """DiLoCo (dense codecs), FedOpt, balanced and asynchronous rounds: each participant ends on the
-    served model bit for bit (async: one that is behind takes the model whole, the others a delta)."""
+    """DiLoCo (dense codecs; dense 2-bit both ways in the default run), FedOpt, balanced and
+    asynchronous rounds: each participant ends on the served model bit for bit (async: one that
+    is behind takes the model whole, the others a delta)."""
     cfg = tiny_config(**{"rounds": 4, "min_participants": 2, "train": {**TRAIN, "download_compression": "int8"},
                          **overrides, "outer": {**OUTER, **overrides.get("outer", {})}})
     with BackgroundCoordinator(tmp_path / "state", cfg, init_weights=init_file(tmp_path, WIDE())) as c:

@@ -19,7 +19,7 @@ from fedtrain.wire.delta import (
     target_body,
 )
 
-CODECS = [Codec("int8", 64), Codec("e3m0", 64), Codec("topk", 64, k=26, chunk=256, bits=2),
+CODECS = [Codec("int8", 64), Codec("e3m0", 64), Codec("int2", 64), Codec("topk", 64, k=26, chunk=256, bits=2),
           Codec("topk", 64, k=8, chunk=128, bits=4)]
 
 #: topk downloads need an outer step without momentum (config/compression.py).

@@ -10,6 +10,7 @@ must insist on. Every floating tensor `name` travels as (other tensors travel as
   tensor), then `name` (int8, the original shape).
 - `e3m0`: `name::scale` (fp32, one absmax scale per `block` values), then `name` (uint8, two
   4-bit codes a byte: Streaming DiLoCo's sign + 3-bit exponent float, `sparse.py`).
+- `int2`: as e3m0 with four 2-bit codes a byte, each one of (-1, -1/3, 1/3, 1) times the scale.
 - `topk`: `name::scale` (fp32 [chunks, 2]), `name::idx` (uint16 offsets inside each chunk,
   strictly increasing), then `name` (uint8, `bits`-bit codes packed): the `k` largest |values|
   of each `chunk` values (`sparse.py`).
@@ -34,7 +35,9 @@ import torch
 from fedtrain.errors import WireError
 from fedtrain.wire import sparse
 
-SCHEMES = ("none", "bf16", "int8", "e3m0", "topk")
+SCHEMES = ("none", "bf16", "int8", "e3m0", "int2", "topk")
+#: The schemes whose values are a block scale and packed codes (`sparse.block_quantize`).
+BLOCK_SCHEMES = ("e3m0", "int2")
 META_KEY = "fedtrain.compression"
 BLOCK_KEY = "fedtrain.block"
 TOPK_KEY = "fedtrain.topk"  # entries sent per full chunk
@@ -184,8 +187,8 @@ def compress(delta: Mapping[str, torch.Tensor], scheme: str | Codec, block: int 
             q, scales = quantize_int8(t, codec.block)
             out[name + SCALE_SUFFIX] = scales
             out[name] = q
-        elif codec.scheme == "e3m0":
-            packed, scales = sparse.e3m0_quantize(t, codec.block)
+        elif codec.scheme in BLOCK_SCHEMES:
+            packed, scales = sparse.block_quantize(t, codec.block, codec.scheme)
             out[name + SCALE_SUFFIX] = scales
             out[name] = packed
         else:
@@ -221,9 +224,9 @@ def expected_specs(spec: Mapping[str, Spec], scheme: str | Codec, block: int = D
         elif codec.scheme == "int8":
             out[name + SCALE_SUFFIX] = (torch.float32, (sparse.ceil_div(numel, codec.block),))
             out[name] = (torch.int8, shape)
-        elif codec.scheme == "e3m0":
+        elif codec.scheme in BLOCK_SCHEMES:
             out[name + SCALE_SUFFIX] = (torch.float32, (sparse.ceil_div(numel, codec.block),))
-            out[name] = (torch.uint8, (sparse.ceil_div(numel, 2),))
+            out[name] = (torch.uint8, (sparse.ceil_div(numel, 2 if codec.scheme == "e3m0" else 4),))
         else:
             chunks = sparse.chunk_counts(numel, codec.k, codec.chunk)[0]
             entries = sparse.topk_entries(numel, codec.k, codec.chunk)
@@ -251,7 +254,7 @@ class _Parts:
             return None
         parts = self._held.pop(name, None)
         floating = self._dtypes[name].is_floating_point if self._dtypes and name in self._dtypes else None
-        if parts is None and self.codec.scheme in ("int8", "e3m0", "topk") and (
+        if parts is None and self.codec.scheme in ("int8", *BLOCK_SCHEMES, "topk") and (
                 floating or (floating is None and t.dtype in (torch.int8, torch.uint8))):
             raise WireError(f"{self.codec.scheme} tensor {name} comes before its scales: a compressed tensor's "
                             "parts come first (scale, then index), then its codes")
@@ -305,9 +308,10 @@ def decode_parts(tensors: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[
             yield name, None, (t.to(want) if codec.scheme == "bf16" and t.dtype == torch.bfloat16 else t)
         elif codec.scheme == "int8":
             yield name, None, dequantize_int8(t, got[SCALE_SUFFIX], codec.block).to(want)
-        elif codec.scheme == "e3m0":
+        elif codec.scheme in BLOCK_SCHEMES:
             n, shape = _numel(name, shapes)
-            yield name, None, sparse.e3m0_dequantize(t, got[SCALE_SUFFIX], n, codec.block).reshape(shape).to(want)
+            values = sparse.block_dequantize(t, got[SCALE_SUFFIX], n, codec.block, codec.scheme)
+            yield name, None, values.reshape(shape).to(want)
         else:
             n, _ = _numel(name, shapes)
             positions, values = sparse.topk_decode(got[SCALE_SUFFIX], got[INDEX_SUFFIX], t, n, codec.k, codec.chunk,

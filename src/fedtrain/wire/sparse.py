@@ -1,10 +1,11 @@
-"""Low-bit and sparse pseudo-gradients: `e3m0` (every value in 4 bits) and `topk` (the largest
-entries of each chunk, their values in 2 or 4 bits). Pure tensor code; `compress.py` puts
-them in bodies.
+"""Low-bit and sparse pseudo-gradients: `e3m0` (every value in 4 bits), `int2` (every value in
+2 bits) and `topk` (the largest entries of each chunk, their values in 2 or 4 bits). Pure tensor
+code; `compress.py` puts them in bodies.
 
 e3m0 (Streaming DiLoCo's 4-bit float: a sign bit, three exponent bits, no mantissa): each
 value is `scale · 2^(m-7)` for a 3-bit m of 1..7, or 0 for m = 0, with one fp32 absmax scale
-per `block` values; two codes a byte, the first in the low nibble.
+per `block` values; two codes a byte, the first in the low nibble. int2: each value is one of
+(-1, -1/3, 1/3, 1) times its block's fp32 absmax scale (the nearest), four codes a byte.
 
 topk: a flat tensor of n values is cut into chunks of `chunk` values (the last one may be
 shorter); a chunk of s values sends its `k(s) = max(1, ceil(k·s/chunk))` largest |values|.
@@ -66,43 +67,69 @@ def _e3m0_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.index_select(_E3M0_CODES, 0, top10.view(-1)), scales
 
 
-def e3m0_quantize(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 codes, two a byte, of the flattened tensor; fp32 absmax scale per block),
-    a slice of whole blocks at a time (bounded temporaries)."""
+def _int2_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, flat) and absmax scales of rows of one block each: each value divided by its
+    scale goes to the nearest of `INT2_VALUES`."""
+    scales = x.abs().amax(dim=1)
+    y = x / torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
+    return torch.round((y + 1.0) * 1.5).clamp_(0, 3).to(torch.uint8).view(-1), scales
+
+
+#: int2 (every value in 2 bits): the value of each code before its block's scale, evenly spaced
+#: over [-1, 1] (no zero: the error feedback carries the rounding).
+INT2_VALUES = torch.tensor([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0])
+#: The block codecs: (codes of rows of one block each, bits per code, the value of each code).
+_BLOCK_CODECS = {"e3m0": (_e3m0_rows, 4, E3M0_VALUES), "int2": (_int2_rows, 2, INT2_VALUES)}
+
+
+def block_quantize(t: torch.Tensor, block: int, scheme: str = "e3m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes of the flattened tensor, 8/bits a byte; fp32 absmax scale per block) of a
+    block codec (e3m0, int2), a slice of whole blocks at a time (bounded temporaries)."""
+    rows_of, bits, _ = _BLOCK_CODECS[scheme]
     flat = t.detach().reshape(-1).float()
     n = flat.numel()
     full = n // block
     rows = max(1, _SLICE // block)
     codes, scales = [], []
     for r in range(0, full, rows):
-        c, sc = _e3m0_rows(flat[r * block : min(full, r + rows) * block].view(-1, block))
+        c, sc = rows_of(flat[r * block : min(full, r + rows) * block].view(-1, block))
         codes.append(c)
         scales.append(sc)
     if n % block:
-        c, sc = _e3m0_rows(torch.nn.functional.pad(flat[full * block :], (0, block - n % block)).view(1, block))
+        c, sc = rows_of(torch.nn.functional.pad(flat[full * block :], (0, block - n % block)).view(1, block))
         codes.append(c[: n % block])
         scales.append(sc)
     if not codes:
         return torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
-    return pack(torch.cat(codes), 4), torch.cat(scales)
+    return pack(torch.cat(codes), bits), torch.cat(scales)
 
 
-def e3m0_dequantize(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """The n float32 values of e3m0 codes and their block scales; WireError for a bad body."""
+def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int,
+                     scheme: str = "e3m0") -> torch.Tensor:
+    """The n float32 values of a block codec's codes and their scales; WireError for a bad body."""
+    _, bits, values = _BLOCK_CODECS[scheme]
     if scales.dim() != 1 or scales.numel() != ceil_div(n, block):
-        raise WireError(f"e3m0 values of {n} elements need {ceil_div(n, block)} block scales, got "
+        raise WireError(f"{scheme} values of {n} elements need {ceil_div(n, block)} block scales, got "
                         f"shape {tuple(scales.shape)}")
-    check_scales(scales, "e3m0 block scales")
-    codes = unpack(packed, 4, n)
+    check_scales(scales, f"{scheme} block scales")
+    codes = unpack(packed, bits, n)
     out = torch.empty(ceil_div(n, block) * block, dtype=torch.float32)
     rows = max(1, _SLICE // block)
     padded = torch.nn.functional.pad(codes, (0, out.numel() - n)) if n % block else codes
     for r in range(0, scales.numel(), rows):
         c = padded[r * block : (r + rows) * block]
         view = out[r * block : r * block + c.numel()].view(-1, block)
-        torch.index_select(E3M0_VALUES, 0, c.to(torch.int32), out=view.view(-1))
+        torch.index_select(values, 0, c.to(torch.int32), out=view.view(-1))
         view.mul_(scales[r : r + rows].float()[:, None])
     return out[:n]
+
+
+def e3m0_quantize(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return block_quantize(t, block, "e3m0")
+
+
+def e3m0_dequantize(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    return block_dequantize(packed, scales, n, block, "e3m0")
 
 
 # -- topk --------------------------------------------------------------------------------------
