@@ -64,6 +64,7 @@ SCHEMES: dict[str, Codec] = {
     "int8": Codec("int8"),
     "e3m0": Codec("e3m0"),
     "int2": Codec("int2"),
+    "int1": Codec("int1"),
     "topk 1% 2-bit": Codec("topk", k=41, chunk=4096, bits=2),
     "topk 2% 2-bit": Codec("topk", k=82, chunk=4096, bits=2),
     "topk 5% 4-bit": Codec("topk", k=205, chunk=4096, bits=4),
@@ -134,8 +135,8 @@ def bench(params: int, repeat: int) -> None:
         del tensors, fb
 
 
-DOWNLOADS: dict[str, Codec] = {k: v for k, v in SCHEMES.items() if k in ("int8", "e3m0", "int2", "topk 1% 2-bit",
-                                                                        "topk 5% 4-bit")}
+DOWNLOADS: dict[str, Codec] = {k: v for k, v in SCHEMES.items()
+                               if k in ("int8", "e3m0", "int2", "int1", "topk 1% 2-bit", "topk 5% 4-bit")}
 
 
 def downloads(params: int, repeat: int) -> None:

@@ -126,7 +126,7 @@ def test_an_honest_sparse_body_is_folded_as_its_decoded_values(coord: Background
             assert torch.equal(inside.sum_values[name], t), name
 
 
-@pytest.mark.parametrize("scheme", ["e3m0", "int2"])
+@pytest.mark.parametrize("scheme", ["e3m0", "int2", "int1"])
 def test_a_block_coded_body_with_a_bad_scale_or_size_is_refused(coord: BackgroundCoordinator, scheme: str) -> None:
     with client(coord) as http:
         before = snapshot(coord)

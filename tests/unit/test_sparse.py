@@ -15,7 +15,7 @@ from fedtrain.wire.compress import Codec, ErrorFeedback, compress, decode_parts,
 from fedtrain.wire.sparse import pack, topk_decode, unpack
 
 CODECS = [Codec("e3m0", block=64), Codec("topk", k=3, chunk=64, bits=2), Codec("topk", k=5, chunk=100, bits=4),
-          Codec("topk", k=1, chunk=64, bits=2), Codec("int2", block=64)]
+          Codec("topk", k=1, chunk=64, bits=2), Codec("int2", block=64), Codec("int1", block=64)]
 
 
 def naive_e3m0(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -44,6 +44,18 @@ def naive_int2(t: torch.Tensor, block: int) -> torch.Tensor:
         for v in blk:
             y = v / s if s else 0.0
             out.append(min(levels, key=lambda lv: (abs(lv - y), -lv)) * s)
+    return torch.tensor(out).reshape(t.shape)
+
+
+def naive_int1(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Each value to its sign (0 counts as +) times the mean |value| of its block (a short last
+    block: of its own values)."""
+    flat = t.reshape(-1).tolist()
+    out = []
+    for b in range(0, len(flat), block):
+        blk = flat[b : b + block]
+        s = sum(abs(v) for v in blk) / len(blk)
+        out += [s if v >= 0 else -s for v in blk]
     return torch.tensor(out).reshape(t.shape)
 
 
@@ -89,6 +101,7 @@ def test_round_trip_through_a_body_matches_the_naive_reference(codec: Codec) -> 
     for name in ("w", "b", "big", "z", "e"):
         ref = (naive_e3m0(delta[name], codec.block) if codec.scheme == "e3m0"
                else naive_int2(delta[name], codec.block) if codec.scheme == "int2"
+               else naive_int1(delta[name], codec.block) if codec.scheme == "int1"
                else naive_topk(delta[name], codec.k, codec.chunk, codec.bits))
         assert out[name].shape == delta[name].shape and out[name].dtype == torch.float32
         torch.testing.assert_close(out[name], ref, rtol=1e-6, atol=1e-7)

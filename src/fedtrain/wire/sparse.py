@@ -1,11 +1,12 @@
-"""Low-bit and sparse pseudo-gradients: `e3m0` (every value in 4 bits), `int2` (every value in
-2 bits) and `topk` (the largest entries of each chunk, their values in 2 or 4 bits). Pure tensor
+"""Low-bit and sparse pseudo-gradients: `e3m0` (every value in 4 bits), `int2` and `int1` (every
+value in 2 bits, or its sign) and `topk` (the largest entries of each chunk, their values in 2 or 4 bits). Pure tensor
 code; `compress.py` puts them in bodies.
 
 e3m0 (Streaming DiLoCo's 4-bit float: a sign bit, three exponent bits, no mantissa): each
 value is `scale · 2^(m-7)` for a 3-bit m of 1..7, or 0 for m = 0, with one fp32 absmax scale
 per `block` values; two codes a byte, the first in the low nibble. int2: each value is one of
-(-1, -1/3, 1/3, 1) times its block's fp32 absmax scale (the nearest), four codes a byte.
+(-1, -1/3, 1/3, 1) times its block's fp32 absmax scale (the nearest), four codes a byte. int1:
+the sign, -1 or 1 times its block's mean |value|, eight codes a byte.
 
 topk: a flat tensor of n values is cut into chunks of `chunk` values (the last one may be
 shorter); a chunk of s values sends its `k(s) = max(1, ceil(k·s/chunk))` largest |values|.
@@ -75,11 +76,25 @@ def _int2_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round((y + 1.0) * 1.5).clamp_(0, 3).to(torch.uint8).view(-1), scales
 
 
+def _int1_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, flat: 1 for a value >= 0, else 0) and the mean |value| of rows of one block
+    each: the scaled sign (Karimireddy et al. 2019), whose scale keeps the block's L1 norm."""
+    return (x >= 0).to(torch.uint8).view(-1), x.abs().mean(dim=1)
+
+
 #: int2 (every value in 2 bits): the value of each code before its block's scale, evenly spaced
 #: over [-1, 1] (no zero: the error feedback carries the rounding).
 INT2_VALUES = torch.tensor([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0])
+#: int1 (the sign): -1 or 1 times the block's mean |value|.
+INT1_VALUES = torch.tensor([-1.0, 1.0])
 #: The block codecs: (codes of rows of one block each, bits per code, the value of each code).
-_BLOCK_CODECS = {"e3m0": (_e3m0_rows, 4, E3M0_VALUES), "int2": (_int2_rows, 2, INT2_VALUES)}
+_BLOCK_CODECS = {"e3m0": (_e3m0_rows, 4, E3M0_VALUES), "int2": (_int2_rows, 2, INT2_VALUES),
+                 "int1": (_int1_rows, 1, INT1_VALUES)}
+
+
+def block_bits(scheme: str) -> int:
+    """Bits per value of a block codec."""
+    return _BLOCK_CODECS[scheme][1]
 
 
 def block_quantize(t: torch.Tensor, block: int, scheme: str = "e3m0") -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +110,9 @@ def block_quantize(t: torch.Tensor, block: int, scheme: str = "e3m0") -> tuple[t
         c, sc = rows_of(flat[r * block : min(full, r + rows) * block].view(-1, block))
         codes.append(c)
         scales.append(sc)
-    if n % block:
-        c, sc = rows_of(torch.nn.functional.pad(flat[full * block :], (0, block - n % block)).view(1, block))
-        codes.append(c[: n % block])
+    if n % block:  # the last block, short: its scale is of its own values (int1's mean counts no padding)
+        c, sc = rows_of(flat[full * block :].view(1, -1))
+        codes.append(c)
         scales.append(sc)
     if not codes:
         return torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
