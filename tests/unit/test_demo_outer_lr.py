@@ -1,4 +1,5 @@
-"""The demo's DiLoCo outer lr follows the recommended table for its participants and H."""
+"""The demo's DiLoCo outer lr follows the recommended table for its participants and H; its
+compression is the recommended preset's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedtrain.cli import build_parser
-from fedtrain.cli.demo import demo_config
+from fedtrain.cli.demo import RECOMMENDED_COMPRESSION, demo_config
 from fedtrain.config import outer_defaults
 
 
@@ -36,3 +37,18 @@ def test_the_demo_keeps_a_given_lr_and_other_algorithms_defaults(tmp_path: Path)
     assert demo_config(build_parser().parse_args(["demo", "--config", str(own)])).outer.lr == 0.25
     fedavg = demo_config(build_parser().parse_args(["demo", "--algorithm", "fedavg"]))
     assert fedavg.outer.lr is None and outer_defaults(fedavg)["lr"] == 1.0
+
+
+def test_the_demo_compresses_both_ways_with_the_recommended_preset_unless_told(tmp_path: Path) -> None:
+    """docs/quality.md's recommended preset (#32) both ways by default; --compression picks another
+    (bf16 uploads, whole downloads); a --config keeps its own."""
+    cfg = demo_config(build_parser().parse_args(["demo"]))
+    assert (cfg.train.compression, cfg.train.download_compression) == (RECOMMENDED_COMPRESSION,) * 2
+    cfg = demo_config(build_parser().parse_args(["demo", "--compression", "none"]))
+    assert (cfg.train.compression, cfg.train.download_compression) == ("none", "none")
+    cfg = demo_config(build_parser().parse_args(["demo", "--compression", "bf16"]))
+    assert (cfg.train.compression, cfg.train.download_compression) == ("bf16", "none")
+    own = tmp_path / "run.yaml"
+    own.write_text("train: {compression: int8}\n")
+    cfg = demo_config(build_parser().parse_args(["demo", "--config", str(own)]))
+    assert (cfg.train.compression, cfg.train.download_compression) == ("int8", "none")

@@ -44,6 +44,10 @@ DEMO_CONFIG: dict[str, Any] = {
     "heartbeat_timeout_s": 60.0,
 }
 
+RECOMMENDED_COMPRESSION = "int2"
+"""The demo's compression, both ways (without --config or --compression): docs/quality.md's
+recommended preset (issue #32), dense 2-bit values with DiLoCo's outer Nesterov step."""
+
 HETEROGENEOUS = (1.0, 0.5, 0.25)
 """The speeds of `--heterogeneous`, participant by participant (cycled)."""
 
@@ -65,12 +69,17 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
     count: every round waits for all of them (a participant slow to start, on a loaded machine,
     would otherwise miss the first rounds, which close when everyone who has joined submitted).
     DiLoCo's outer lr, unless the config gives one, is the recommended table's for the demo's
-    participants and H (`recommended_outer_lr`)."""
+    participants and H (`recommended_outer_lr`); the compression, both ways, the recommended
+    preset's (`RECOMMENDED_COMPRESSION`) unless --compression or --config says."""
     cfg = load_config(args.config) if args.config else RunConfig.model_validate(DEMO_CONFIG)
     data = cfg.model_dump()
     if not args.config:
         data["min_participants"] = max(default_participants(args), 1)
     data["outer"]["algorithm"] = args.algorithm
+    compression = getattr(args, "compression", None) or (None if args.config else RECOMMENDED_COMPRESSION)
+    if compression is not None:
+        data["train"]["compression"] = compression
+        data["train"]["download_compression"] = "none" if compression == "bf16" else compression
     if args.rounds is not None:
         data["rounds"] = args.rounds
     if args.sync_every is not None:
