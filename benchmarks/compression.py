@@ -5,6 +5,7 @@ the cost of compressed downloads.
     python benchmarks/compression.py                # 100M parameters (~4 minutes here)
     python benchmarks/compression.py --params 10e6  # any size
     python benchmarks/compression.py --only downloads
+    python benchmarks/compression.py --only uploads --schemes e3m0,int2,int1  # some schemes
     python benchmarks/compression.py --only merge-memory  # the coordinator's peak RSS over a merge
 
 The "model" is a stack of square float32 matrices (4096 x 4096, the last one cut to size)
@@ -124,6 +125,8 @@ def bench(params: int, repeat: int) -> None:
     print("| scheme | compress s | + feedback s | decompress s | fold s | body MB | vs fp32 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for label, codec in SCHEMES.items():
+        if schemes and label not in schemes:
+            continue
         tensors, meta = compress(delta, codec)
         nbytes = EncodedBody(tensors, meta).content_length
         c = timed(lambda codec=codec: compress(delta, codec), repeat)
@@ -135,6 +138,8 @@ def bench(params: int, repeat: int) -> None:
         del tensors, fb
 
 
+#: `--schemes`: the labels to run (empty: every scheme).
+schemes: set[str] = set()
 DOWNLOADS: dict[str, Codec] = {k: v for k, v in SCHEMES.items()
                                if k in ("int8", "e3m0", "int2", "int1", "topk 1% 2-bit", "topk 5% 4-bit")}
 
@@ -151,6 +156,8 @@ def downloads(params: int, repeat: int) -> None:
     print("| scheme | encode s (coordinator) | apply s (participant) | digest s (participant) | body MB | vs fp32 |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, codec in DOWNLOADS.items():
+        if schemes and label not in schemes:
+            continue
         times, residual = [], {n: torch.zeros_like(t) for n, t in prev.items()}
         for _ in range(repeat):
             new = {n: t.clone() for n, t in g.items()}
@@ -310,6 +317,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=("uploads", "memory", "downloads", "merge-memory", "representation"),
                     help="run one part only")
+    ap.add_argument("--schemes", default="", help="comma-separated scheme labels to run (uploads, downloads); "
+                    "default: all")
     ap.add_argument("--rss-child", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--merge-memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -320,6 +329,7 @@ def main() -> None:
     if args.merge_memory_child is not None:
         merge_memory_child(params, args.merge_memory_child)
         return
+    schemes.update(x.strip() for x in args.schemes.split(",") if x.strip())
     if args.only in (None, "uploads"):
         bench(params, args.repeat)
     if args.only in (None, "memory"):
