@@ -110,8 +110,8 @@ class TrainConfig(_Strict):
         0.0, ge=0, lt=1, description="Each participant's own outer momentum μ, applied to its Δ before "
         "compression (0: none): it sends Δ + μ·m (upload_nesterov) or m, with m ← μ·m + Δ, and the coordinator's "
         "outer step is plain SGD (outer.algorithm fedavg, its lr the outer lr). With equal token weights this is "
-        "DiLoCo's outer Nesterov; with topk it keeps the momentum that a coordinator momentum cannot have "
-        "(docs/training-jobs.md, Compressed uploads). Not with an outer momentum, DP or secure aggregation.",
+        "DiLoCo's outer Nesterov. With topk at M = 4 it trained far worse than outer SGD alone (docs/quality.md); "
+        "docs/training-jobs.md, Compression. Not with an outer momentum, DP or secure aggregation.",
     )
     upload_nesterov: bool = Field(True, description="upload_momentum: Nesterov's form (Δ + μ·m) or plain (m).")
     download_compression: Literal["none", "int8", "e3m0", "int2", "int1", "topk"] = Field(
