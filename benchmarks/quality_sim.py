@@ -110,6 +110,7 @@ class Method:
     up_momentum: float = 0.0  # each participant's own outer Nesterov before compression (`train.upload_momentum`)
     density: float = 0.0  # topk: share of each chunk's values sent
     bits: int = 2  # topk: bits per value sent
+    block: int = 256  # values per scale of a block codec (`train.compression_block`)
     download: bool = False  # downloads compressed with the upload codec, server-side error feedback
     clip: float = 0.0  # central DP: each Δ clipped to this L2 norm (0: no clipping)
     noise: float = 0.0  # central DP: σ, the noise multiplier (0: no noise)

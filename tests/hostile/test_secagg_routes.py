@@ -53,6 +53,7 @@ def zeros(c: BackgroundCoordinator) -> dict[str, torch.Tensor]:
     ({"late_uploads": "fold"}, "late_uploads refuse"),
     ({"train": {"compression": "topk"}, "outer": {"algorithm": "fedavg"}}, "train.compression topk"),
     ({"train": {"compression": "e3m0"}}, "train.compression e3m0"),
+    ({"train": {"compression": "ternary"}}, "train.compression ternary"),
 ])
 def test_compositions_that_cannot_be_masked_are_refused_with_the_reason(overrides: dict, why: str) -> None:
     with pytest.raises(pydantic.ValidationError, match="privacy.secure_aggregation") as e:

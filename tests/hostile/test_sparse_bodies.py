@@ -126,7 +126,7 @@ def test_an_honest_sparse_body_is_folded_as_its_decoded_values(coord: Background
             assert torch.equal(inside.sum_values[name], t), name
 
 
-@pytest.mark.parametrize("scheme", ["e3m0", "int2", "int1"])
+@pytest.mark.parametrize("scheme", ["e3m0", "int2", "int1", "ternary"])
 def test_a_block_coded_body_with_a_bad_scale_or_size_is_refused(coord: BackgroundCoordinator, scheme: str) -> None:
     with client(coord) as http:
         before = snapshot(coord)
@@ -137,4 +137,14 @@ def test_a_block_coded_body_with_a_bad_scale_or_size_is_refused(coord: Backgroun
         tensors, meta = compress(_delta(coord, 4), Codec(scheme, block=64))
         tensors = {k: (v[:-1].clone() if k + "::scale" in tensors else v) for k, v in tensors.items()}
         assert_error(_send(http, "a", tensors, meta), 422)
+        assert_unchanged(coord, before)
+
+
+def test_a_ternary_byte_past_five_base_3_codes_is_refused(coord: BackgroundCoordinator) -> None:
+    with client(coord) as http:
+        before = snapshot(coord)
+        tensors, meta = compress(_delta(coord, 5), Codec("ternary", block=64))
+        name = next(n for n in tensors if n + "::scale" in tensors)
+        tensors[name][0] = 250  # 3^5 = 243 values a byte: 250 names no five codes
+        assert "over 242" in assert_error(_send(http, "a", tensors, meta), 400)["message"]
         assert_unchanged(coord, before)

@@ -19,7 +19,7 @@ from fedtrain.wire.delta import (
     target_body,
 )
 
-CODECS = [Codec("int8", 64), Codec("e3m0", 64), Codec("int2", 64), Codec("int1", 64),
+CODECS = [Codec("int8", 64), Codec("e3m0", 64), Codec("int2", 64), Codec("int1", 64), Codec("ternary", 64),
           Codec("topk", 64, k=26, chunk=256, bits=2), Codec("topk", 64, k=8, chunk=128, bits=4)]
 
 #: topk downloads need an outer step without momentum (config/compression.py).
@@ -65,8 +65,8 @@ def test_delta_matches_a_naive_reference(codec: Codec) -> None:
                 top = set(torch.topk(chunk.abs(), k).indices.tolist())
                 assert set(torch.nonzero(sent[c0 : c0 + codec.chunk]).view(-1).tolist()) <= top
         else:  # dense codecs: every value within its block's quantization step (int1, the sign times
-            # the block's mean |value|: within the block's largest |value|)
-            bound = float(step[n].abs().max()) / (1 if codec.scheme == "int1" else 2)
+            # the block's mean |value|, and ternary, a mean of |values| or 0: within the largest |value|)
+            bound = float(step[n].abs().max()) / (1 if codec.scheme in ("int1", "ternary") else 2)
             assert float((decoded[n] - step[n]).abs().max()) <= bound
 
 

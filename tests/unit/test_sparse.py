@@ -12,10 +12,11 @@ from fedtrain.errors import MergeError, WireError
 from fedtrain.merge import RunningSum
 from fedtrain.wire import EncodedBody, read_tensors
 from fedtrain.wire.compress import Codec, ErrorFeedback, compress, decode_parts, decompress, expected_specs
-from fedtrain.wire.sparse import pack, topk_decode, unpack
+from fedtrain.wire.sparse import pack, pack_base3, topk_decode, unpack, unpack_base3
 
 CODECS = [Codec("e3m0", block=64), Codec("topk", k=3, chunk=64, bits=2), Codec("topk", k=5, chunk=100, bits=4),
-          Codec("topk", k=1, chunk=64, bits=2), Codec("int2", block=64), Codec("int1", block=64)]
+          Codec("topk", k=1, chunk=64, bits=2), Codec("int2", block=64), Codec("int1", block=64),
+          Codec("ternary", block=64)]
 
 
 def naive_e3m0(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -56,6 +57,20 @@ def naive_int1(t: torch.Tensor, block: int) -> torch.Tensor:
         blk = flat[b : b + block]
         s = sum(abs(v) for v in blk) / len(blk)
         out += [s if v >= 0 else -s for v in blk]
+    return torch.tensor(out).reshape(t.shape)
+
+
+def naive_ternary(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Block by block: a value whose |value| is over 0.7 times the block's mean |value| keeps its
+    sign times the mean |value| of those kept, the rest are 0."""
+    flat = t.reshape(-1).tolist()
+    out = []
+    for b in range(0, len(flat), block):
+        blk = flat[b : b + block]
+        threshold = 0.7 * sum(abs(v) for v in blk) / len(blk)
+        kept = [abs(v) for v in blk if abs(v) > threshold]
+        s = sum(kept) / len(kept) if kept else 0.0
+        out += [math.copysign(s, v) if abs(v) > threshold else 0.0 for v in blk]
     return torch.tensor(out).reshape(t.shape)
 
 
@@ -102,6 +117,7 @@ def test_round_trip_through_a_body_matches_the_naive_reference(codec: Codec) -> 
         ref = (naive_e3m0(delta[name], codec.block) if codec.scheme == "e3m0"
                else naive_int2(delta[name], codec.block) if codec.scheme == "int2"
                else naive_int1(delta[name], codec.block) if codec.scheme == "int1"
+               else naive_ternary(delta[name], codec.block) if codec.scheme == "ternary"
                else naive_topk(delta[name], codec.k, codec.chunk, codec.bits))
         assert out[name].shape == delta[name].shape and out[name].dtype == torch.float32
         torch.testing.assert_close(out[name], ref, rtol=1e-6, atol=1e-7)
@@ -270,3 +286,26 @@ def test_error_feedback_takes_a_non_contiguous_delta_and_leaves_it_alone() -> No
     assert torch.equal(delta, kept)
     sent = dict(decompress(tensors.items(), meta, shapes={"x": (96, 64)}))["x"]
     assert fb.residual["x"].shape == (96, 64) and float(sent.abs().sum()) > 0
+
+
+def test_ternary_packs_five_codes_a_byte_in_base_3_and_checks_each_byte() -> None:
+    codes = torch.tensor([2, 0, 1, 1, 2, 1, 2], dtype=torch.uint8)
+    packed = pack_base3(codes)
+    assert packed.tolist() == [2 + 0 * 3 + 1 * 9 + 1 * 27 + 2 * 81, 1 + 2 * 3]
+    assert torch.equal(unpack_base3(packed, 7), codes)
+    with pytest.raises(WireError, match="over 242"):  # no five base-3 digits
+        unpack_base3(torch.tensor([243, 0], dtype=torch.uint8), 7)
+    with pytest.raises(WireError, match="padding"):  # the eighth code (padding) is 1, not 0
+        unpack_base3(torch.tensor([0, 27], dtype=torch.uint8), 7)
+    with pytest.raises(WireError, match="take 2 bytes"):
+        unpack_base3(packed[:1], 7)
+    x = torch.randn(1000)
+    tensors, _ = compress({"x": x}, Codec("ternary", block=250))
+    assert tensors["x"].numel() == 200 and tensors["x::scale"].numel() == 4  # 1.6 bits a value, 4 scales
+
+
+def test_ternary_keeps_the_large_values_and_zeroes_the_small() -> None:
+    x = torch.tensor([4.0, -3.0, 0.1, -0.2, 0.0, 0.05, 2.5, -0.1])  # mean |x| 1.25: 0.7 of it 0.875
+    tensors, meta = compress({"x": x}, Codec("ternary", block=8))
+    out = dict(decompress(tensors.items(), meta, shapes={"x": (8,)}))["x"]
+    assert torch.allclose(out, torch.tensor([1.0, -1.0, 0, 0, 0, 0, 1.0, 0]) * (9.5 / 3))

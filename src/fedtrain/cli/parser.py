@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rounds", type=int, default=None, help="rounds to run")
     d.add_argument("--sync-every", type=int, default=None, help="H: inner steps between syncs")
     d.add_argument("--algorithm", default="diloco", choices=["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"])
-    d.add_argument("--compression", default=None, choices=["none", "bf16", "int8", "e3m0", "int2", "int1"],
+    d.add_argument("--compression", default=None, choices=["none", "bf16", "int8", "e3m0", "int2", "ternary", "int1"],
                    help="train.compression of uploads and, but for bf16, of downloads (download_compression); "
                    "default: the recommended int2 both ways, docs/quality.md (the config's with --config)")
     d.add_argument("--summary", type=Path, default=None, help="also write the summary as JSON here")

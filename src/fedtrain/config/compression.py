@@ -20,7 +20,7 @@ tensors): the delta is taken after the outer step, of the published model (`wire
 A participant that is behind, joins or rejoins downloads the model whole; an FSDP rank
 downloads its rows whole.
 
-Everything else composes: e3m0, int2, int1, int8 and bf16 bodies decode to dense tensors; a topk update's
+Everything else composes: e3m0, int2, ternary, int1, int8 and bf16 bodies decode to dense tensors; a topk update's
 L2 norm (clip_norm, outlier_factor) is the norm of the values it sent, exactly what is merged.
 """
 
@@ -61,14 +61,14 @@ def check_compression(cfg: Any, outer_momentum: float) -> None:
                          "Nesterov step diverged in docs/quality.md's study); use outer.algorithm fedavg (outer SGD "
                          "at lr 1, no momentum, as SparseLoCo does; with train.upload_momentum each participant "
                          "applies the momentum before compressing), or outer.momentum: 0, or a dense compression "
-                         "(int8, e3m0, int2, int1)")
+                         "(int8, e3m0, int2, ternary, int1)")
     if t.compression != "topk":
         return
     if cfg.outer.aggregator in DENSE_AGGREGATORS:
         raise ValueError(f"train.compression topk cannot be used with outer.aggregator {cfg.outer.aggregator}: a "
                          "topk update is zero outside the entries it sent, so a coordinate-wise median or trimmed "
                          "mean of the round's updates is zero nearly everywhere; use aggregator mean (the sparse "
-                         "updates are summed), or a dense compression (int8, e3m0, int2, int1)")
+                         "updates are summed), or a dense compression (int8, e3m0, int2, ternary, int1)")
     if not t.error_feedback:
         raise ValueError(f"train.compression topk needs train.error_feedback: without it each round drops the "
                          f"{1 - t.topk_density:.0%} of every update that is not sent, for good")

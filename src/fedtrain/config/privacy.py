@@ -213,7 +213,7 @@ def _secagg_refusal(cfg: Any, p: PrivacyConfig) -> str | None:
     if cfg.late_uploads == "fold":
         return ("needs late_uploads refuse: a late update is masked for a round whose masks are gone, so it cannot "
                 "be folded into the next one")
-    if train.compression in ("topk", "e3m0", "int2", "int1"):
+    if train.compression in ("topk", "e3m0", "int2", "ternary", "int1"):
         return (f"cannot be used with train.compression {train.compression}: "
                 + ("masks make every entry of an update dense, and each participant's support would show"
                    if train.compression == "topk" else

@@ -82,13 +82,15 @@ class TrainConfig(_Strict):
     seq_len: int = Field(128, ge=2, le=MAX_TOKENS, description="Tokens per sequence (at most model.block_size).")
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clip (0 turns it off).")
     eval_batches: int = Field(8, ge=1, le=100_000, description="Batches in one held-out evaluation.")
-    compression: Literal["none", "bf16", "int8", "e3m0", "int2", "int1", "topk"] = Field(
+    compression: Literal["none", "bf16", "int8", "e3m0", "int2", "ternary", "int1", "topk"] = Field(
         "none", description="How participants send pseudo-gradients: fp32 as is, bf16, int8, e3m0 (4-bit float, "
-        "Streaming DiLoCo's), int2 (2-bit) or int1 (the sign) with per-block scales, or topk (the largest "
+        "Streaming DiLoCo's), int2 (2-bit), ternary (-1, 0 or 1, 1.6 bits) or int1 (the sign) with per-block "
+        "scales, or topk (the largest "
         "entries of each chunk, values in topk_bits bits; needs an outer step without momentum, e.g. "
         "outer.algorithm fedavg; docs/training-jobs.md, Compression).",
     )
-    compression_block: int = Field(256, ge=8, le=MAX_TOKENS, description="Values per int8, e3m0, int2 or int1 scale.")
+    compression_block: int = Field(256, ge=8, le=MAX_TOKENS,
+                                   description="Values per int8, e3m0, int2, ternary or int1 scale.")
     topk_density: float = Field(0.01, ge=1e-4, le=0.25, description="topk: share of each chunk's values sent.")
     topk_bits: Literal[2, 4] = Field(2, description="topk: bits per value sent (sign and magnitude).")
     topk_chunk: int = Field(4096, ge=64, le=65536, description="topk: values per chunk (offsets are uint16).")
@@ -114,12 +116,12 @@ class TrainConfig(_Strict):
         "docs/training-jobs.md, Compression. Not with an outer momentum, DP or secure aggregation.",
     )
     upload_nesterov: bool = Field(True, description="upload_momentum: Nesterov's form (Δ + μ·m) or plain (m).")
-    download_compression: Literal["none", "int8", "e3m0", "int2", "int1", "topk"] = Field(
+    download_compression: Literal["none", "int8", "e3m0", "int2", "ternary", "int1", "topk"] = Field(
         "none", description="How participants that hold the previous version receive the next: the whole fp32 "
-        "model (none), or the outer step as a compressed delta (int8, e3m0, int2, int1, or topk with topk_bits "
-        "bits and download_topk_density; topk needs an outer step without momentum), with the coordinator's error "
-        "feedback; the published model is what was sent, bit-identical everywhere and checked by its digest "
-        "(docs/training-jobs.md, Compressed downloads).",
+        "model (none), or the outer step as a compressed delta (int8, e3m0, int2, ternary, int1, or topk with "
+        "topk_bits bits and download_topk_density; topk needs an outer step without momentum), with the "
+        "coordinator's error feedback; the published model is what was sent, bit-identical everywhere and "
+        "checked by its digest (docs/training-jobs.md, Compressed downloads).",
     )
     download_topk_density: float | None = Field(
         None, ge=1e-4, le=0.25, description="topk downloads: share of each chunk's values sent (unset: topk_density)."

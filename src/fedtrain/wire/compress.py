@@ -12,6 +12,8 @@ must insist on. Every floating tensor `name` travels as (other tensors travel as
   4-bit codes a byte: Streaming DiLoCo's sign + 3-bit exponent float, `sparse.py`).
 - `int2`: as e3m0 with four 2-bit codes a byte, each one of (-1, -1/3, 1/3, 1) times the scale.
 - `int1`: as e3m0 with eight 1-bit codes a byte (the sign), -1 or 1 times the block's mean |value|.
+- `ternary`: as e3m0 with five codes a byte in base 3, each -1, 0 or 1 times the block's scale
+  (the mean |value| of those over 0.7 times the block's mean |value|; the rest are 0).
 - `topk`: `name::scale` (fp32 [chunks, 2]), `name::idx` (uint16 offsets inside each chunk,
   strictly increasing), then `name` (uint8, `bits`-bit codes packed): the `k` largest |values|
   of each `chunk` values (`sparse.py`).
@@ -36,9 +38,9 @@ import torch
 from fedtrain.errors import WireError
 from fedtrain.wire import sparse
 
-SCHEMES = ("none", "bf16", "int8", "e3m0", "int2", "int1", "topk")
+SCHEMES = ("none", "bf16", "int8", "e3m0", "int2", "int1", "ternary", "topk")
 #: The schemes whose values are a block scale and packed codes (`sparse.block_quantize`).
-BLOCK_SCHEMES = ("e3m0", "int2", "int1")
+BLOCK_SCHEMES = ("e3m0", "int2", "int1", "ternary")
 META_KEY = "fedtrain.compression"
 BLOCK_KEY = "fedtrain.block"
 TOPK_KEY = "fedtrain.topk"  # entries sent per full chunk
@@ -227,7 +229,7 @@ def expected_specs(spec: Mapping[str, Spec], scheme: str | Codec, block: int = D
             out[name] = (torch.int8, shape)
         elif codec.scheme in BLOCK_SCHEMES:
             out[name + SCALE_SUFFIX] = (torch.float32, (sparse.ceil_div(numel, codec.block),))
-            out[name] = (torch.uint8, (sparse.ceil_div(numel, 8 // sparse.block_bits(codec.scheme)),))
+            out[name] = (torch.uint8, (sparse.block_code_bytes(codec.scheme, numel),))
         else:
             chunks = sparse.chunk_counts(numel, codec.k, codec.chunk)[0]
             entries = sparse.topk_entries(numel, codec.k, codec.chunk)

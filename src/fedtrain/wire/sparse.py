@@ -6,7 +6,8 @@ e3m0 (Streaming DiLoCo's 4-bit float: a sign bit, three exponent bits, no mantis
 value is `scale · 2^(m-7)` for a 3-bit m of 1..7, or 0 for m = 0, with one fp32 absmax scale
 per `block` values; two codes a byte, the first in the low nibble. int2: each value is one of
 (-1, -1/3, 1/3, 1) times its block's fp32 absmax scale (the nearest), four codes a byte. int1:
-the sign, -1 or 1 times its block's mean |value|, eight codes a byte.
+the sign, -1 or 1 times its block's mean |value|, eight codes a byte. ternary: -1, 0 or 1 times
+its block's scale, five codes a byte in base 3 (1.6 bits a value).
 
 topk: a flat tensor of n values is cut into chunks of `chunk` values (the last one may be
 shorter); a chunk of s values sends its `k(s) = max(1, ceil(k·s/chunk))` largest |values|.
@@ -31,6 +32,8 @@ from fedtrain.errors import WireError
 #: (`Codec`), so decoding holds at most ~5 bytes per value of the tensor (20 per entry).
 MIN_CHUNK = 64
 MAX_CHUNK = 1 << 16
+#: ternary's codes a byte: base 3, the first code the lowest digit (3^5 = 243 <= 256).
+TERNARY_PER_BYTE = 5
 E3M0_LEVELS = 7  # magnitude codes 1..7 stand for 2^-6 .. 2^0 of the block's scale
 _SLICE = 1 << 22  # e3m0 codes are decoded this many at a time (bounded temporaries)
 
@@ -76,6 +79,19 @@ def _int2_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round((y + 1.0) * 1.5).clamp_(0, 3).to(torch.uint8).view(-1), scales
 
 
+def _ternary_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, flat: 0 for -1, 1 for 0, 2 for +1) and scales of rows of one block each:
+    a value whose |value| is over `TERNARY_THRESHOLD` times the block's mean |value| keeps its
+    sign, the rest are 0, and the scale is the mean |value| of those kept (Li et al. 2016's
+    ternary weights: the scale that best fits the values kept, in L2)."""
+    mags = x.abs()
+    keep = mags > TERNARY_THRESHOLD * mags.mean(dim=1, keepdim=True)
+    kept = keep.sum(dim=1)
+    scales = torch.where(keep, mags, 0.0).sum(dim=1) / kept.clamp(min=1)
+    codes = torch.where(keep, torch.where(x > 0, 2, 0), 1).to(torch.uint8)
+    return codes.view(-1), scales
+
+
 def _int1_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (uint8, flat: 1 for a value >= 0, else 0) and the mean |value| of rows of one block
     each: the scaled sign (Karimireddy et al. 2019), whose scale keeps the block's L1 norm."""
@@ -87,20 +103,38 @@ def _int1_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 INT2_VALUES = torch.tensor([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0])
 #: int1 (the sign): -1 or 1 times the block's mean |value|.
 INT1_VALUES = torch.tensor([-1.0, 1.0])
-#: The block codecs: (codes of rows of one block each, bits per code, the value of each code).
-_BLOCK_CODECS = {"e3m0": (_e3m0_rows, 4, E3M0_VALUES), "int2": (_int2_rows, 2, INT2_VALUES),
-                 "int1": (_int1_rows, 1, INT1_VALUES)}
+#: ternary: -1, 0 or 1 times the block's scale, five codes a byte (base 3: 3^5 = 243 <= 256).
+TERNARY_VALUES = torch.tensor([-1.0, 0.0, 1.0])
+#: ternary keeps a value over this multiple of its block's mean |value| (Li et al. 2016's 0.7).
+TERNARY_THRESHOLD = 0.7
+#: The block codecs: (codes of rows of one block each, codes per byte, the value of each code).
+_BLOCK_CODECS = {"e3m0": (_e3m0_rows, 2, E3M0_VALUES), "int2": (_int2_rows, 4, INT2_VALUES),
+                 "int1": (_int1_rows, 8, INT1_VALUES), "ternary": (_ternary_rows, TERNARY_PER_BYTE, TERNARY_VALUES)}
 
 
-def block_bits(scheme: str) -> int:
-    """Bits per value of a block codec."""
+def block_codes_per_byte(scheme: str) -> int:
+    """Codes a byte of a block codec (2, 4 or 8 bit-packed; ternary's 5 in base 3)."""
     return _BLOCK_CODECS[scheme][1]
+
+
+def block_code_bytes(scheme: str, n: int) -> int:
+    """The bytes of the packed codes of n values of a block codec."""
+    return ceil_div(n, block_codes_per_byte(scheme))
+
+
+def pack_codes(codes: torch.Tensor, per: int) -> torch.Tensor:
+    """`per` codes a byte: bit-packed (2, 4, 8) or base 3 (5, ternary)."""
+    return pack_base3(codes) if per == TERNARY_PER_BYTE else pack(codes, 8 // per)
+
+
+def unpack_codes(packed: torch.Tensor, per: int, n: int) -> torch.Tensor:
+    return unpack_base3(packed, n) if per == TERNARY_PER_BYTE else unpack(packed, 8 // per, n)
 
 
 def block_quantize(t: torch.Tensor, block: int, scheme: str = "e3m0") -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 codes of the flattened tensor, 8/bits a byte; fp32 absmax scale per block) of a
     block codec (e3m0, int2), a slice of whole blocks at a time (bounded temporaries)."""
-    rows_of, bits, _ = _BLOCK_CODECS[scheme]
+    rows_of, per, _ = _BLOCK_CODECS[scheme]
     flat = t.detach().reshape(-1).float()
     n = flat.numel()
     full = n // block
@@ -116,18 +150,18 @@ def block_quantize(t: torch.Tensor, block: int, scheme: str = "e3m0") -> tuple[t
         scales.append(sc)
     if not codes:
         return torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
-    return pack(torch.cat(codes), bits), torch.cat(scales)
+    return pack_codes(torch.cat(codes), per), torch.cat(scales)
 
 
 def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int,
                      scheme: str = "e3m0") -> torch.Tensor:
     """The n float32 values of a block codec's codes and their scales; WireError for a bad body."""
-    _, bits, values = _BLOCK_CODECS[scheme]
+    _, per, values = _BLOCK_CODECS[scheme]
     if scales.dim() != 1 or scales.numel() != ceil_div(n, block):
         raise WireError(f"{scheme} values of {n} elements need {ceil_div(n, block)} block scales, got "
                         f"shape {tuple(scales.shape)}")
     check_scales(scales, f"{scheme} block scales")
-    codes = unpack(packed, bits, n)
+    codes = unpack_codes(packed, per, n)
     out = torch.empty(ceil_div(n, block) * block, dtype=torch.float32)
     rows = max(1, _SLICE // block)
     padded = torch.nn.functional.pad(codes, (0, out.numel() - n)) if n % block else codes
@@ -276,6 +310,33 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     for j in range(1, per):
         out |= c[:, j] << (j * bits)
     return out
+
+
+_BASE3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
+#: The five base-3 digits of each byte value below 243, a row per byte.
+_BASE3_DIGITS = torch.tensor([[(b // 3 ** j) % 3 for j in range(TERNARY_PER_BYTE)] for b in range(243)],
+                             dtype=torch.uint8)
+
+
+def pack_base3(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of 0..2 packed five a byte, base 3, the first the lowest digit."""
+    n = codes.numel()
+    c = torch.nn.functional.pad(codes.reshape(-1), (0, (-n) % TERNARY_PER_BYTE)).view(-1, TERNARY_PER_BYTE)
+    return (c * _BASE3).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_base3(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The n codes of `pack_base3`; WireError for a wrong length, a byte over 242 (no five
+    base-3 digits) or padding codes that are not zero."""
+    need = ceil_div(n, TERNARY_PER_BYTE)
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != need:
+        raise WireError(f"{n} ternary codes take {need} bytes, got {tuple(packed.shape)} {packed.dtype}")
+    if packed.numel() and int(packed.max()) > 242:
+        raise WireError("a ternary code byte is over 242: five base-3 codes a byte go up to 242")
+    out = torch.index_select(_BASE3_DIGITS, 0, packed.to(torch.int32)).view(-1)
+    if bool(out[n:].any()):
+        raise WireError("the padding codes after the last code are not zero")
+    return out[:n]
 
 
 def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
