@@ -5,7 +5,7 @@ the cost of compressed downloads.
     python benchmarks/compression.py                # 100M parameters (~4 minutes here)
     python benchmarks/compression.py --params 10e6  # any size
     python benchmarks/compression.py --only downloads
-    python benchmarks/compression.py --only uploads --schemes e3m0,int2,int1  # some schemes
+    python benchmarks/compression.py --only uploads --schemes e3m0,int2,ternary  # some schemes
     python benchmarks/compression.py --only merge-memory  # the coordinator's peak RSS over a merge
 
 The "model" is a stack of square float32 matrices (4096 x 4096, the last one cut to size)
@@ -65,6 +65,7 @@ SCHEMES: dict[str, Codec] = {
     "int8": Codec("int8"),
     "e3m0": Codec("e3m0"),
     "int2": Codec("int2"),
+    "ternary": Codec("ternary"),
     "int1": Codec("int1"),
     "topk 1% 2-bit": Codec("topk", k=41, chunk=4096, bits=2),
     "topk 2% 2-bit": Codec("topk", k=82, chunk=4096, bits=2),

@@ -148,3 +148,39 @@ def test_a_ternary_byte_past_five_base_3_codes_is_refused(coord: BackgroundCoord
         tensors[name][0] = 250  # 3^5 = 243 values a byte: 250 names no five codes
         assert "over 242" in assert_error(_send(http, "a", tensors, meta), 400)["message"]
         assert_unchanged(coord, before)
+
+
+def _deflated(coord: BackgroundCoordinator, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    tensors, meta = compress(_delta(coord, seed), Codec("int2", block=64, deflate=True))
+    return tensors, meta, max((n for n in tensors if n + "::scale" in tensors), key=lambda n: tensors[n].numel())
+
+
+def test_deflated_codes_that_lie_are_refused_and_change_nothing(coord: BackgroundCoordinator) -> None:
+    """A zlib bomb (inflates past the tensor's codes), a stream with bytes after it, one cut
+    short, bytes that are no zlib stream: 400; codes longer than zlib's bound for the tensor:
+    422 from the header, before any byte is read. An honest deflated body is then folded."""
+    import zlib
+
+    with client(coord) as http:
+        before = snapshot(coord)
+        tensors, meta, name = _deflated(coord, 6)
+        need = 4 * tensors[name + "::scale"].numel() * 64 // 16  # int2: four codes a byte, 64 a block
+        bodies = {
+            "bomb": zlib.compress(bytes(need * 1000), 9),
+            "trailing": bytes(tensors[name].numpy()) + b"\x00",
+            "short": bytes(tensors[name].numpy())[:-2],
+            "garbage": b"fedtrain" * 4,
+        }
+        for case, raw in bodies.items():
+            bad = {**tensors, name: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+            err = assert_error(_send(http, "a", bad, meta), 400)
+            assert name in err["message"], (case, err)
+        too_long = {**tensors, name: torch.zeros(need + need // 100 + 64, dtype=torch.uint8)}
+        assert "shape of" in assert_error(_send(http, "a", too_long, meta), 422)["message"]
+        assert_unchanged(coord, before)
+        tensors, meta, _ = _deflated(coord, 7)
+        assert _send(http, "a", tensors, meta).status_code == 200
+        weights = coord.service.inspect().weights
+        inside = coord.service.inspect()
+        for n, t in decompress(tensors.items(), meta, shapes={n: tuple(w.shape) for n, w in weights.items()}):
+            assert torch.equal(inside.sum_values[n], t), n

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from fedtrain.cli.report import format_status
@@ -73,16 +74,18 @@ def test_the_merge_of_topk_updates_is_the_mean_of_their_decoded_values(tmp_path:
             assert int((mean[n] != 0).sum()) <= 2 * (5 * -(-t.numel() // 128))  # sparse, as sent
 
 
-def test_topk_pieces_of_an_update_make_the_update_their_rows_decode_to(tmp_path: Path) -> None:
-    """Two FSDP ranks each send their rows as a topk piece (each compresses its own rows): the
-    update the coordinator assembles and merges is the two decoded pieces, row by row."""
+@pytest.mark.parametrize("codec", [Codec("topk", k=3, chunk=64, bits=4), Codec("int2", 64, deflate=True)],
+                         ids=["topk", "int2_deflate"])
+def test_topk_pieces_of_an_update_make_the_update_their_rows_decode_to(tmp_path: Path, codec: Codec) -> None:
+    """Two FSDP ranks each send their rows as a topk piece, or as int2 with deflated codes
+    (each compresses its own rows): the update the coordinator assembles and merges is the two
+    decoded pieces, row by row."""
     import json
 
     from fedtrain.coordinator.intake.pieces import ROWS_META
     from tests.helpers.api import halves
 
     cfg = tiny_config(outer={"algorithm": "fedavg"})
-    codec = Codec("topk", k=3, chunk=64, bits=4)
     with BackgroundCoordinator(tmp_path / "state", cfg) as c, client(c) as http:
         http.post("/v1/join", json={"name": "a"})
         before = {n: t.clone() for n, t in c.service.inspect().weights.items()}

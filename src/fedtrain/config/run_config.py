@@ -91,6 +91,11 @@ class TrainConfig(_Strict):
     )
     compression_block: int = Field(256, ge=8, le=MAX_TOKENS,
                                    description="Values per int8, e3m0, int2, ternary or int1 scale.")
+    entropy_coding: Literal["none", "deflate"] = Field(
+        "none", description="Lossless coding of the block codecs' codes (e3m0, int2, ternary, int1) both ways: "
+        "deflate (zlib) sends them as a zlib stream, whose length the receiver bounds and checks (int2's codes "
+        "measured 1.3-1.5 bits a value instead of 2; docs/training-jobs.md, Compression).",
+    )
     topk_density: float = Field(0.01, ge=1e-4, le=0.25, description="topk: share of each chunk's values sent.")
     topk_bits: Literal[2, 4] = Field(2, description="topk: bits per value sent (sign and magnitude).")
     topk_chunk: int = Field(4096, ge=64, le=65536, description="topk: values per chunk (offsets are uint16).")

@@ -50,7 +50,7 @@ from fedtrain.merge.robust import clip_scale
 from fedtrain.transport import Body, fast_io_enabled
 from fedtrain.transport.progress import Progress
 from fedtrain.wire import TensorSpec
-from fedtrain.wire.compress import codec_of, expected_specs, scheme_of
+from fedtrain.wire.compress import codec_of, expected_specs, fit_specs, scheme_of
 
 log = logging.getLogger("fedtrain.coordinator")
 
@@ -222,8 +222,9 @@ class Intake:
         codec = codec_of(metadata)  # compressed deltas carry their scheme in the header
         if self._fragment is not None:
             check_fragment(self._fragment, self._model, specs, whole=True)
-        check_compatible(expected_specs(dict(self._spec), codec),
-                         {n: (s.dtype, s.shape) for n, s in specs.items()}, what="update")
+        want = expected_specs(dict(self._spec), codec)
+        check_compatible(want, fit_specs(want, {n: (s.dtype, s.shape) for n, s in specs.items()}, codec),
+                         what="update")
 
     async def _count_in_sum(self, up: Upload, direct: DirectUpload, scan: ValueScan | None,
                             seats: Seats) -> Ticket | None:

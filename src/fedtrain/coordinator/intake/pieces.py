@@ -19,7 +19,7 @@ from safetensors import safe_open
 from fedtrain.errors import MergeError, Refused, WireError
 from fedtrain.merge import check_compatible
 from fedtrain.wire import DTYPE_TO_ST, TensorSpec
-from fedtrain.wire.compress import codec_of, decompress, expected_specs, is_part, parts_of
+from fedtrain.wire.compress import codec_of, decompress, expected_specs, fit_specs, is_part, parts_of
 from fedtrain.wire.format import ROWS_META, byte_view
 
 #: The most pieces one update may come in: each waits in a spool file of its own until the
@@ -84,8 +84,9 @@ def piece_rows(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str], mod
     unknown = sorted(set(given) - set(rows))
     if unknown:
         raise WireError(f"{ROWS_META} names tensors the piece does not hold: {', '.join(unknown[:5])}")
-    want = expected_specs(sliced(model, rows), codec_of(metadata))
-    check_compatible(want, {n: (s.dtype, s.shape) for n, s in specs.items()}, what="piece")
+    codec = codec_of(metadata)
+    want = expected_specs(sliced(model, rows), codec)
+    check_compatible(want, fit_specs(want, {n: (s.dtype, s.shape) for n, s in specs.items()}, codec), what="piece")
     return rows
 
 
