@@ -182,6 +182,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # |value| (ternary weights, Li et al. 2016): less error than int2's on the measured Δs (0.44
     # of the norm against 0.62).
     "ternary": dict(compression="ternary", error_feedback=True),
+    # Added when int2 at a block of 64 came out at +0.05% (M = 2) and 182x, ternary at +1.54% and
+    # 257x: int2's codes deflated (`train.entropy_coding`), lossless, so these train exactly as
+    # int2-b128 / int2-b64 do (a check of it) and send 1.3-1.5 bits a value instead of 2.
+    "int2-b128-z": dict(compression="int2", error_feedback=True, block=128, deflate=True),
+    "int2-b64-z": dict(compression="int2", error_feedback=True, block=64, deflate=True),
+    # Added when int2 at 128 values a scale came out at +0.52% (M = 2; 1.4392) and at 64 at +0.05%
+    # (M = 2) but 226-231x deflated with fp32 scales: bf16 scales (`train.compression_scale`) halve
+    # the scales' 0.5 bits a value at 64, about 256-262x deflated on the measured Δs.
+    "int2-b64-zh": dict(compression="int2", error_feedback=True, block=64, deflate=True, bf16_scales=True),
 }
 
 
@@ -224,6 +233,8 @@ def methods_compress20() -> list[Method]:
     out += [_preset(m, "int1", True) for m in (2, 4)]
     out += [_preset(m, name, True) for name in ("int2-b128", "int2-b64") for m in (2, 4)]
     out += [_preset(m, "ternary", True) for m in (2, 4)]
+    out += [_preset(m, name, True) for name in ("int2-b128-z", "int2-b64-z") for m in (2, 4)]
+    out += [_preset(m, "int2-b64-zh", True) for m in (2, 4)]
     return out
 
 
@@ -278,7 +289,8 @@ def run_one(setup: Setup, method: Method, threads: int) -> dict[str, Any]:
 # cached runs keep their keys.
 NEW_FIELDS = {Setup: {"short_steps"}, Method: {"workers", "budget", "fragments", "fragment_split", "overlap", "alpha",
                                                 "density", "bits", "download", "clip", "noise",
-                                                "ef_decay", "up_momentum", "block"}}
+                                                "ef_decay", "up_momentum", "block", "deflate",
+                                                "bf16_scales"}}
 
 
 def _key_fields(obj: Any) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def codec_of(method: Method) -> Codec:
     """The run's upload (and download) codec: topk's k per chunk from its density, as
     `Codec.for_train` computes it from `train.topk_density`."""
     if method.compression != "topk":
-        return Codec(method.compression, method.block)
+        return Codec(method.compression, method.block, deflate=method.deflate, bf16_scales=method.bf16_scales)
     k = max(1, min(DEFAULT_CHUNK, round(method.density * DEFAULT_CHUNK)))
     return Codec("topk", k=k, chunk=DEFAULT_CHUNK, bits=method.bits)
 

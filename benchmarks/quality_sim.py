@@ -111,6 +111,8 @@ class Method:
     density: float = 0.0  # topk: share of each chunk's values sent
     bits: int = 2  # topk: bits per value sent
     block: int = 256  # values per scale of a block codec (`train.compression_block`)
+    deflate: bool = False  # a block codec's codes deflated both ways (`train.entropy_coding`): other bytes, same math
+    bf16_scales: bool = False  # a block codec's scales in bf16 both ways (`train.compression_scale`)
     download: bool = False  # downloads compressed with the upload codec, server-side error feedback
     clip: float = 0.0  # central DP: each Δ clipped to this L2 norm (0: no clipping)
     noise: float = 0.0  # central DP: σ, the noise multiplier (0: no noise)
@@ -144,6 +146,12 @@ class Method:
             parts.append("IID split")
         if self.compression != "none":
             scheme = (f"topk {self.density:.0%} {self.bits}-bit" if self.compression == "topk" else self.compression)
+            if self.compression != "topk" and self.block != 256:
+                scheme += f" (block {self.block})"
+            if self.deflate:
+                scheme += " deflated"
+            if self.bf16_scales:
+                scheme += ", bf16 scales"
             decay = f" (β {self.ef_decay:g})" if self.ef_decay != 1 else ""
             if self.up_momentum:
                 parts.append(f"participants' own Nesterov {self.up_momentum:g} before compression")

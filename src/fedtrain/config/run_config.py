@@ -96,6 +96,11 @@ class TrainConfig(_Strict):
         "deflate (zlib) sends them as a zlib stream, whose length the receiver bounds and checks (int2's codes "
         "measured 1.3-1.5 bits a value instead of 2; docs/training-jobs.md, Compression).",
     )
+    compression_scale: Literal["fp32", "bf16"] = Field(
+        "fp32", description="The block codecs' scales (e3m0, int2, ternary, int1) both ways: fp32, or bf16 for "
+        "half their bytes (the codes are made against the rounded scale), which pays for a smaller "
+        "compression_block.",
+    )
     topk_density: float = Field(0.01, ge=1e-4, le=0.25, description="topk: share of each chunk's values sent.")
     topk_bits: Literal[2, 4] = Field(2, description="topk: bits per value sent (sign and magnitude).")
     topk_chunk: int = Field(4096, ge=64, le=65536, description="topk: values per chunk (offsets are uint16).")

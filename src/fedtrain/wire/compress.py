@@ -49,6 +49,8 @@ CHUNK_KEY = "fedtrain.chunk"
 BITS_KEY = "fedtrain.bits"
 ENTROPY_KEY = "fedtrain.entropy"  # "deflate": a block codec's packed codes travel deflated (zlib)
 ENTROPY_CODERS = ("none", "deflate")
+SCALE_KEY = "fedtrain.scale"  # "bf16": a block codec's scales travel in bfloat16 (the codes made against them)
+SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: zlib's level for deflated codes: its default, a few percent fewer bytes than level 1 at twice the time.
 DEFLATE_LEVEL = 6
 SCALE_SUFFIX = "::scale"
@@ -73,6 +75,7 @@ class Codec:
     chunk: int = DEFAULT_CHUNK  # topk: values per chunk (offsets are uint16)
     bits: int = 2  # topk: bits per value sent
     deflate: bool = False  # a block codec's packed codes deflated (lossless; `ENTROPY_KEY`)
+    bf16_scales: bool = False  # a block codec's scales in bfloat16 (`SCALE_KEY`)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -80,6 +83,9 @@ class Codec:
         if self.deflate and self.scheme not in BLOCK_SCHEMES:
             raise WireError(f"deflated codes are for the block codecs ({', '.join(BLOCK_SCHEMES)}), not "
                             f"{self.scheme}")
+        if self.bf16_scales and self.scheme not in BLOCK_SCHEMES:
+            raise WireError(f"bf16 scales are for the block codecs ({', '.join(BLOCK_SCHEMES)}), not {self.scheme}")
+
         if self.block < 1:
             raise WireError(f"compression block must be at least 1, got {self.block}")
         if self.scheme == "topk":
@@ -95,10 +101,16 @@ class Codec:
     def sparse(self) -> bool:
         return self.scheme == "topk"
 
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16_scales else torch.float32
+
     def metadata(self) -> dict[str, str]:
         meta = {META_KEY: self.scheme, BLOCK_KEY: str(self.block)}
         if self.deflate:
             meta[ENTROPY_KEY] = "deflate"
+        if self.bf16_scales:
+            meta[SCALE_KEY] = "bf16"
         if self.sparse:
             meta.update({TOPK_KEY: str(self.k), CHUNK_KEY: str(self.chunk), BITS_KEY: str(self.bits)})
         return meta
@@ -111,19 +123,30 @@ class Codec:
         entropy = metadata.get(ENTROPY_KEY, "none")
         if entropy not in ENTROPY_CODERS:
             raise WireError(f"metadata {ENTROPY_KEY} must be one of {', '.join(ENTROPY_CODERS)}, got {entropy[:40]!r}")
+        scale = metadata.get(SCALE_KEY, "fp32")
+        if scale not in SCALE_DTYPES:
+            raise WireError(f"metadata {SCALE_KEY} must be one of {', '.join(SCALE_DTYPES)}, got {scale[:40]!r}")
         if scheme != "topk":
-            return cls(scheme, block, deflate=entropy == "deflate")
-        if entropy != "none":
-            raise WireError(f"deflated codes are for the block codecs ({', '.join(BLOCK_SCHEMES)}), not topk")
+            return cls(scheme, block, deflate=entropy == "deflate", bf16_scales=scale == "bf16")
+        if entropy != "none" or scale != "fp32":
+            raise WireError(f"deflated codes and bf16 scales are for the block codecs ({', '.join(BLOCK_SCHEMES)}), "
+                            "not topk")
         return cls(scheme, block, _int(metadata, TOPK_KEY, None), _int(metadata, CHUNK_KEY, None),
                    _int(metadata, BITS_KEY, None))
+
+    @classmethod
+    def block_codec(cls, train: Any, scheme: str) -> Codec:
+        """A run config's codec of a non-topk `scheme` (uploads' or downloads'): its block, and
+        deflated codes and bf16 scales where the scheme is a block codec and `train` asks."""
+        block = scheme in BLOCK_SCHEMES
+        return cls(scheme, train.compression_block, deflate=block and train.entropy_coding == "deflate",
+                   bf16_scales=block and train.compression_scale == "bf16")
 
     @classmethod
     def for_train(cls, train: Any) -> Codec:
         """The codec a run config's `train` section asks for (its fields were validated there)."""
         if train.compression != "topk":
-            return cls(train.compression, train.compression_block,
-                       deflate=train.entropy_coding == "deflate" and train.compression in BLOCK_SCHEMES)
+            return cls.block_codec(train, train.compression)
         chunk = train.topk_chunk
         return cls("topk", train.compression_block, max(1, min(chunk, round(train.topk_density * chunk))), chunk,
                    train.topk_bits)
@@ -208,7 +231,7 @@ def compress(delta: Mapping[str, torch.Tensor], scheme: str | Codec, block: int 
             out[name + SCALE_SUFFIX] = scales
             out[name] = q
         elif codec.scheme in BLOCK_SCHEMES:
-            packed, scales = sparse.block_quantize(t, codec.block, codec.scheme)
+            packed, scales = sparse.block_quantize(t, codec.block, codec.scheme, codec.scale_dtype)
             out[name + SCALE_SUFFIX] = scales
             out[name] = deflate(packed) if codec.deflate else packed
         else:
@@ -285,7 +308,7 @@ def expected_specs(spec: Mapping[str, Spec], scheme: str | Codec, block: int = D
             out[name + SCALE_SUFFIX] = (torch.float32, (sparse.ceil_div(numel, codec.block),))
             out[name] = (torch.int8, shape)
         elif codec.scheme in BLOCK_SCHEMES:
-            out[name + SCALE_SUFFIX] = (torch.float32, (sparse.ceil_div(numel, codec.block),))
+            out[name + SCALE_SUFFIX] = (codec.scale_dtype, (sparse.ceil_div(numel, codec.block),))
             codes = sparse.block_code_bytes(codec.scheme, numel)
             out[name] = (torch.uint8, (deflate_bound(codes) if codec.deflate else codes,))
         else:

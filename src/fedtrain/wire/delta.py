@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from fedtrain.errors import WireError
-from fedtrain.wire.compress import BLOCK_SCHEMES, Codec, compress, decode_parts
+from fedtrain.wire.compress import Codec, compress, decode_parts
 from fedtrain.wire.digest import parse_digest
 from fedtrain.wire.encode import EncodedBody
 
@@ -65,8 +65,7 @@ def download_codec(train: Any) -> Codec | None:
     if scheme == "none":
         return None
     if scheme != "topk":
-        deflate = train.entropy_coding == "deflate" and scheme in BLOCK_SCHEMES
-        return Codec(scheme, train.compression_block, deflate=deflate)
+        return Codec.block_codec(train, scheme)
     density = train.download_topk_density if train.download_topk_density is not None else train.topk_density
     chunk = train.topk_chunk
     return Codec("topk", train.compression_block, max(1, min(chunk // 4, round(density * chunk))), chunk,

@@ -62,24 +62,32 @@ def _e3m0_code(top10: int) -> int:
 _E3M0_CODES = torch.tensor([_e3m0_code(i) for i in range(1024)], dtype=torch.uint8)
 
 
-def _e3m0_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (uint8, flat) and absmax scales of rows of one block each: each value divided by
-    its scale, then its code looked up from its top ten bits (one gather, no float math)."""
-    scales = x.abs().amax(dim=1)
+def _e3m0_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, flat) and absmax scales (in `dtype`) of rows of one block each: each value
+    divided by its scale, then its code looked up from its top ten bits (one gather, no float
+    math)."""
+    scales = _as(x.abs().amax(dim=1), dtype)
     y = x / torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
     top10 = (y.view(torch.int32) >> 22).bitwise_and_(0x3FF)
     return torch.index_select(_E3M0_CODES, 0, top10.view(-1)), scales
 
 
-def _int2_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (uint8, flat) and absmax scales of rows of one block each: each value divided by its
-    scale goes to the nearest of `INT2_VALUES`."""
-    scales = x.abs().amax(dim=1)
+def _as(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scales as the body sends them (rounded to bf16 for bf16 scales), in fp32: the codes
+    are made against the scales the receiver decodes with."""
+    return scales if dtype == torch.float32 else scales.to(dtype).float()
+
+
+def _int2_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, flat) and absmax scales (in `dtype`) of rows of one block each: each value
+    divided by its scale goes to the nearest of `INT2_VALUES` (a bf16 scale may round below the
+    absmax: the codes clamp)."""
+    scales = _as(x.abs().amax(dim=1), dtype)
     y = x / torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
     return torch.round((y + 1.0) * 1.5).clamp_(0, 3).to(torch.uint8).view(-1), scales
 
 
-def _ternary_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ternary_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (uint8, flat: 0 for -1, 1 for 0, 2 for +1) and scales of rows of one block each:
     a value whose |value| is over `TERNARY_THRESHOLD` times the block's mean |value| keeps its
     sign, the rest are 0, and the scale is the mean |value| of those kept (Li et al. 2016's
@@ -89,13 +97,13 @@ def _ternary_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kept = keep.sum(dim=1)
     scales = torch.where(keep, mags, 0.0).sum(dim=1) / kept.clamp(min=1)
     codes = torch.where(keep, torch.where(x > 0, 2, 0), 1).to(torch.uint8)
-    return codes.view(-1), scales
+    return codes.view(-1), _as(scales, dtype)
 
 
-def _int1_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _int1_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (uint8, flat: 1 for a value >= 0, else 0) and the mean |value| of rows of one block
     each: the scaled sign (Karimireddy et al. 2019), whose scale keeps the block's L1 norm."""
-    return (x >= 0).to(torch.uint8).view(-1), x.abs().mean(dim=1)
+    return (x >= 0).to(torch.uint8).view(-1), _as(x.abs().mean(dim=1), dtype)
 
 
 #: int2 (every value in 2 bits): the value of each code before its block's scale, evenly spaced
@@ -131,9 +139,11 @@ def unpack_codes(packed: torch.Tensor, per: int, n: int) -> torch.Tensor:
     return unpack_base3(packed, n) if per == TERNARY_PER_BYTE else unpack(packed, 8 // per, n)
 
 
-def block_quantize(t: torch.Tensor, block: int, scheme: str = "e3m0") -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 codes of the flattened tensor, 8/bits a byte; fp32 absmax scale per block) of a
-    block codec (e3m0, int2), a slice of whole blocks at a time (bounded temporaries)."""
+def block_quantize(t: torch.Tensor, block: int, scheme: str = "e3m0",
+                   scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes of the flattened tensor, packed; a scale per block, in `scale_dtype`: fp32,
+    or bf16 for half the scales' bytes) of a block codec, a slice of whole blocks at a time
+    (bounded temporaries)."""
     rows_of, per, _ = _BLOCK_CODECS[scheme]
     flat = t.detach().reshape(-1).float()
     n = flat.numel()
@@ -141,16 +151,16 @@ def block_quantize(t: torch.Tensor, block: int, scheme: str = "e3m0") -> tuple[t
     rows = max(1, _SLICE // block)
     codes, scales = [], []
     for r in range(0, full, rows):
-        c, sc = rows_of(flat[r * block : min(full, r + rows) * block].view(-1, block))
+        c, sc = rows_of(flat[r * block : min(full, r + rows) * block].view(-1, block), scale_dtype)
         codes.append(c)
         scales.append(sc)
     if n % block:  # the last block, short: its scale is of its own values (int1's mean counts no padding)
-        c, sc = rows_of(flat[full * block :].view(1, -1))
+        c, sc = rows_of(flat[full * block :].view(1, -1), scale_dtype)
         codes.append(c)
         scales.append(sc)
     if not codes:
-        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0)
-    return pack_codes(torch.cat(codes), per), torch.cat(scales)
+        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=scale_dtype)
+    return pack_codes(torch.cat(codes), per), torch.cat(scales).to(scale_dtype)
 
 
 def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int,

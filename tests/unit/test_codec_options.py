@@ -1,5 +1,7 @@
-"""Deflated codes (`train.entropy_coding: deflate`): lossless against the plain block codecs,
-fewer bytes on int2's skewed codes, a header within the bound, and every bad stream refused."""
+"""The block codecs' options. Deflated codes (`train.entropy_coding: deflate`): lossless against
+the plain codecs, fewer bytes on int2's skewed codes, a header within the bound, every bad
+stream refused. bf16 scales (`train.compression_scale: bf16`): the codes made against the
+rounded scale, against a naive reference."""
 
 from __future__ import annotations
 
@@ -106,3 +108,68 @@ def test_metadata_and_config_name_deflate_for_block_codecs_only() -> None:
     assert Codec.for_train(train).deflate and download_codec(train).deflate  # type: ignore[union-attr]
     mixed = TrainConfig(compression="topk", download_compression="int2", entropy_coding="deflate")
     assert not Codec.for_train(mixed).deflate and download_codec(mixed).deflate  # type: ignore[union-attr]
+
+
+def naive_int2_bf16(t: torch.Tensor, block: int) -> torch.Tensor:
+    """int2 with its block's absmax rounded to bf16 first: each value to the nearest of -1, -1/3,
+    1/3, 1 times that scale (a value past it to the nearest end)."""
+    flat = t.reshape(-1).tolist()
+    out = []
+    for b in range(0, len(flat), block):
+        blk = flat[b : b + block]
+        s = float(torch.tensor(max(abs(v) for v in blk)).to(torch.bfloat16))
+        levels = [-1.0, -1.0 / 3, 1.0 / 3, 1.0]
+        out += [min(levels, key=lambda lv: (abs(lv - v / s), -lv)) * s if s else 0.0 for v in blk]
+    return torch.tensor(out).reshape(t.shape)
+
+
+@pytest.mark.parametrize("deflate", [False, True])
+def test_bf16_scales_halve_the_scales_and_match_the_naive_reference(deflate: bool) -> None:
+    delta = _delta(3)
+    codec = Codec("int2", 64, deflate=deflate, bf16_scales=True)
+    tensors, meta = compress(delta, codec)
+    assert Codec.of(meta) == codec and meta["fedtrain.scale"] == "bf16"
+    assert tensors["w::scale"].dtype == torch.bfloat16 and tensors["w::scale"].numel() == 2000 // 64 + 1
+    spec = {n: (t.dtype, tuple(t.shape)) for n, t in delta.items()}
+    want = expected_specs(spec, codec)
+    assert want["w::scale"] == (torch.bfloat16, (32,))
+    body = EncodedBody(tensors, meta)
+    assert fit_specs(want, {n: (s.dtype, s.shape) for n, s in body.specs.items()}, codec) == want
+    out = dict(decompress(read_tensors(body, expected_digest=body.digest()), meta, shapes=_shapes(delta)))
+    for name in ("w", "b", "z", "e"):
+        torch.testing.assert_close(out[name], naive_int2_bf16(delta[name], 64), rtol=1e-6, atol=1e-7)
+    # A block whose absmax (1 + 3/512) rounds up in bf16 (to 1 + 1/128), and a value between 2/3 of
+    # each: against the sent scale it is nearer 1/3 of it, against the fp32 absmax nearer 1.
+    x = torch.tensor([1.0 + 3 / 512, 0.671])
+    t2, m2 = compress({"x": x}, Codec("int2", 2, deflate=deflate, bf16_scales=True))
+    got = dict(decompress(t2.items(), m2, shapes={"x": (2,)}))["x"]
+    assert got.tolist() == [1.0078125, 1.0078125 / 3] == naive_int2_bf16(x, 2).tolist()
+
+
+@pytest.mark.parametrize("scheme", BLOCK_SCHEMES)
+def test_bf16_scales_decode_to_what_the_codes_were_made_against(scheme: str) -> None:
+    """Every block codec with bf16 scales: the values decoded are the codes times the scales
+    sent, so the sender's error feedback (which decodes the body) keeps exactly what was lost."""
+    from fedtrain.wire.compress import ErrorFeedback
+
+    delta = _delta(4)
+    fb = ErrorFeedback()
+    tensors, meta = fb.compress(delta, Codec(scheme, 64, bf16_scales=True))
+    sent = dict(decompress(tensors.items(), meta, shapes=_shapes(delta)))
+    for name in ("w", "b"):
+        assert torch.equal(fb.residual[name], delta[name] - sent[name])
+        assert float((sent[name] - delta[name]).norm()) < float(delta[name].norm())
+
+
+def test_metadata_and_config_name_bf16_scales_for_block_codecs_only() -> None:
+    from fedtrain.config import TrainConfig
+
+    with pytest.raises(WireError, match="block codecs"):
+        Codec("int8", bf16_scales=True)
+    with pytest.raises(WireError, match="fedtrain.scale"):
+        Codec.of({"fedtrain.compression": "int2", "fedtrain.scale": "fp8"})
+    with pytest.raises(WireError, match="block codecs"):
+        Codec.of({"fedtrain.compression": "topk", "fedtrain.topk": "3", "fedtrain.chunk": "64",
+                  "fedtrain.bits": "2", "fedtrain.scale": "bf16"})
+    train = TrainConfig(compression="e3m0", download_compression="int8", compression_scale="bf16")
+    assert Codec.for_train(train).bf16_scales and not download_codec(train).bf16_scales  # type: ignore[union-attr]
