@@ -68,6 +68,7 @@ SCHEMES: dict[str, Codec] = {
     "int2 deflated": Codec("int2", deflate=True),
     "int2/128 deflated": Codec("int2", 128, deflate=True),
     "int2/64 deflated": Codec("int2", 64, deflate=True),
+    "int2/64 deflated bf16": Codec("int2", 64, deflate=True, bf16_scales=True),
     "ternary": Codec("ternary"),
     "int1": Codec("int1"),
     "topk 1% 2-bit": Codec("topk", k=41, chunk=4096, bits=2),
@@ -145,7 +146,8 @@ def bench(params: int, repeat: int) -> None:
 #: `--schemes`: the labels to run (empty: every scheme).
 schemes: set[str] = set()
 DOWNLOADS: dict[str, Codec] = {k: v for k, v in SCHEMES.items()
-                               if k in ("int8", "e3m0", "int2", "int1", "topk 1% 2-bit", "topk 5% 4-bit")}
+                               if k in ("int8", "e3m0", "int2", "int2 deflated", "int2/64 deflated bf16", "ternary",
+                                        "int1", "topk 1% 2-bit", "topk 5% 4-bit")}
 
 
 def downloads(params: int, repeat: int) -> None:

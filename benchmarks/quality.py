@@ -235,6 +235,11 @@ def methods_compress20() -> list[Method]:
     out += [_preset(m, "ternary", True) for m in (2, 4)]
     out += [_preset(m, name, True) for name in ("int2-b128-z", "int2-b64-z") for m in (2, 4)]
     out += [_preset(m, "int2-b64-zh", True) for m in (2, 4)]
+    # The seed-to-seed spread behind "vs fp32 DiLoCo": the same runs at another model init and data
+    # order (seed 1), added when int2's block sizes moved the M = 2 and M = 4 results by up to
+    # 0.6 points in opposite directions (b64: +0.05% and +0.54%; b256: +0.59% and -0.22%).
+    out += [_fed20(m, "diloco-h30-seed1", seed=1) for m in (2, 4)]
+    out += [_fed20(m, "int2-b64-zh-both-seed1", **PRESETS["int2-b64-zh"], download=True, seed=1) for m in (2, 4)]
     return out
 
 
@@ -290,7 +295,7 @@ def run_one(setup: Setup, method: Method, threads: int) -> dict[str, Any]:
 NEW_FIELDS = {Setup: {"short_steps"}, Method: {"workers", "budget", "fragments", "fragment_split", "overlap", "alpha",
                                                 "density", "bits", "download", "clip", "noise",
                                                 "ef_decay", "up_momentum", "block", "deflate",
-                                                "bf16_scales"}}
+                                                "bf16_scales", "seed"}}
 
 
 def _key_fields(obj: Any) -> dict[str, Any]:

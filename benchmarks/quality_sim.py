@@ -90,6 +90,7 @@ class Setup:
         workers = method.workers or self.workers
         per_step = workers * self.batch_size * self.seq_len
         return replace(self, workers=workers, steps=max(1, round(base * self.tokens_per_step / per_step)),
+                       seed=self.seed + method.seed,
                        eval_every=max(1, round(self.eval_every * self.tokens_per_step / per_step)), short_steps=0)
 
 
@@ -113,6 +114,7 @@ class Method:
     block: int = 256  # values per scale of a block codec (`train.compression_block`)
     deflate: bool = False  # a block codec's codes deflated both ways (`train.entropy_coding`): other bytes, same math
     bf16_scales: bool = False  # a block codec's scales in bf16 both ways (`train.compression_scale`)
+    seed: int = 0  # added to the setup's seed: another model init and data order (the seed-to-seed spread)
     download: bool = False  # downloads compressed with the upload codec, server-side error feedback
     clip: float = 0.0  # central DP: each Δ clipped to this L2 norm (0: no clipping)
     noise: float = 0.0  # central DP: σ, the noise multiplier (0: no noise)

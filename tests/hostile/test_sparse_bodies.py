@@ -157,35 +157,48 @@ def test_a_ternary_byte_past_five_base_3_codes_is_refused(coord: BackgroundCoord
         assert_unchanged(coord, before)
 
 
-def _deflated(coord: BackgroundCoordinator, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
-    tensors, meta = compress(_delta(coord, seed), Codec("int2", block=64, deflate=True))
-    return tensors, meta, max((n for n in tensors if n + "::scale" in tensors), key=lambda n: tensors[n].numel())
+def _deflated(coord: BackgroundCoordinator, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, str], str, int]:
+    """A deflated int2 body (bf16 scales), its largest tensor and that tensor's codes' bytes."""
+    delta = _delta(coord, seed)
+    tensors, meta = compress(delta, Codec("int2", block=64, deflate=True, bf16_scales=True))
+    name = max(delta, key=lambda n: delta[n].numel())
+    return tensors, meta, name, -(-delta[name].numel() // 4)
 
 
 def test_deflated_codes_that_lie_are_refused_and_change_nothing(coord: BackgroundCoordinator) -> None:
-    """A zlib bomb (inflates past the tensor's codes), a stream with bytes after it, one cut
-    short, bytes that are no zlib stream: 400; codes longer than zlib's bound for the tensor:
-    422 from the header, before any byte is read. An honest deflated body is then folded."""
+    """Deflated codes or scales: a zlib bomb (inflates past the tensor's bytes), a stream with
+    bytes after it, one cut short, bytes that are no zlib stream, a NaN scale inside the
+    stream: 400; codes longer than zlib's bound for the tensor: 422 from the header, before any
+    byte is read. An honest deflated body is then folded as its decoded values."""
     import zlib
 
     with client(coord) as http:
         before = snapshot(coord)
-        tensors, meta, name = _deflated(coord, 6)
-        need = 4 * tensors[name + "::scale"].numel() * 64 // 16  # int2: four codes a byte, 64 a block
+        tensors, meta, name, need = _deflated(coord, 6)
         bodies = {
             "bomb": zlib.compress(bytes(need * 1000), 9),
             "trailing": bytes(tensors[name].numpy()) + b"\x00",
             "short": bytes(tensors[name].numpy())[:-2],
             "garbage": b"fedtrain" * 4,
         }
-        for case, raw in bodies.items():
-            bad = {**tensors, name: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
-            err = assert_error(_send(http, "a", bad, meta), 400)
-            assert name in err["message"], (case, err)
+        for part in ("", "::scale"):
+            for case, raw in bodies.items():
+                if part:  # the same lies in the scales' stream (a bomb within the scales' bound)
+                    raw = {"bomb": zlib.compress(bytes(need * 100), 9), "garbage": raw,
+                           "trailing": bytes(tensors[name + part].numpy()) + b"\x00"}.get(
+                        case, bytes(tensors[name + part].numpy())[:-2])
+                bad = {**tensors, name + part: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+                err = assert_error(_send(http, "a", bad, meta), 400)
+                assert name + part in err["message"], (case, part, err)
+        n_scales = -(-need * 4 // 64)
+        nan = torch.full((n_scales,), float("nan"), dtype=torch.bfloat16).view(torch.uint8)
+        bad = {**tensors, name + "::scale": torch.frombuffer(bytearray(zlib.compress(bytes(nan.numpy()))),
+                                                             dtype=torch.uint8)}
+        assert "finite" in assert_error(_send(http, "a", bad, meta), 400)["message"]
         too_long = {**tensors, name: torch.zeros(need + need // 100 + 64, dtype=torch.uint8)}
         assert "shape of" in assert_error(_send(http, "a", too_long, meta), 422)["message"]
         assert_unchanged(coord, before)
-        tensors, meta, _ = _deflated(coord, 7)
+        tensors, meta, _, _ = _deflated(coord, 7)
         assert _send(http, "a", tensors, meta).status_code == 200
         weights = coord.service.inspect().weights
         inside = coord.service.inspect()

@@ -47,7 +47,7 @@ BLOCK_KEY = "fedtrain.block"
 TOPK_KEY = "fedtrain.topk"  # entries sent per full chunk
 CHUNK_KEY = "fedtrain.chunk"
 BITS_KEY = "fedtrain.bits"
-ENTROPY_KEY = "fedtrain.entropy"  # "deflate": a block codec's packed codes travel deflated (zlib)
+ENTROPY_KEY = "fedtrain.entropy"  # "deflate": a block codec's scales and packed codes travel deflated (zlib)
 ENTROPY_CODERS = ("none", "deflate")
 SCALE_KEY = "fedtrain.scale"  # "bf16": a block codec's scales travel in bfloat16 (the codes made against them)
 SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -74,7 +74,7 @@ class Codec:
     k: int = DEFAULT_K  # topk: entries sent per full chunk
     chunk: int = DEFAULT_CHUNK  # topk: values per chunk (offsets are uint16)
     bits: int = 2  # topk: bits per value sent
-    deflate: bool = False  # a block codec's packed codes deflated (lossless; `ENTROPY_KEY`)
+    deflate: bool = False  # a block codec's scales and packed codes deflated (lossless; `ENTROPY_KEY`)
     bf16_scales: bool = False  # a block codec's scales in bfloat16 (`SCALE_KEY`)
 
     def __post_init__(self) -> None:
@@ -232,7 +232,7 @@ def compress(delta: Mapping[str, torch.Tensor], scheme: str | Codec, block: int 
             out[name] = q
         elif codec.scheme in BLOCK_SCHEMES:
             packed, scales = sparse.block_quantize(t, codec.block, codec.scheme, codec.scale_dtype)
-            out[name + SCALE_SUFFIX] = scales
+            out[name + SCALE_SUFFIX] = deflate(scales.view(torch.uint8)) if codec.deflate else scales
             out[name] = deflate(packed) if codec.deflate else packed
         else:
             scales, offsets, packed = sparse.topk_compress(t, codec.k, codec.chunk, codec.bits)
@@ -253,7 +253,8 @@ def codec_of(metadata: Mapping[str, str]) -> Codec:
 
 
 def deflate(packed: torch.Tensor) -> torch.Tensor:
-    """Packed codes (uint8) deflated: a zlib stream, as a uint8 tensor."""
+    """Bytes (a uint8 tensor: packed codes, or scales viewed as bytes) deflated: a zlib stream,
+    as a uint8 tensor."""
     z = zlib.compress(packed.numpy().tobytes(), DEFLATE_LEVEL)
     return torch.frombuffer(bytearray(z), dtype=torch.uint8)
 
@@ -264,8 +265,9 @@ def deflate_bound(n: int) -> int:
 
 
 def inflate(z: torch.Tensor, n: int, name: str) -> torch.Tensor:
-    """The n bytes of deflated codes `z`; WireError unless it is one whole zlib stream of exactly
-    n bytes with nothing after it. Never inflates past n bytes (a stream that would is refused)."""
+    """The n bytes of deflated codes or scales `z`; WireError unless it is one whole zlib stream
+    of exactly n bytes with nothing after it. Never inflates past n bytes (a stream that would is
+    refused)."""
     d = zlib.decompressobj()
     try:
         out = d.decompress(z.numpy().tobytes(), max(n, 1))  # (0 would mean no limit)
@@ -277,23 +279,24 @@ def inflate(z: torch.Tensor, n: int, name: str) -> torch.Tensor:
 
 
 def fit_specs(want: Mapping[str, Spec], got: Mapping[str, Spec], codec: Codec) -> dict[str, Spec]:
-    """`got` (a body's header) with the shape of each deflated code tensor taken as `want`'s
-    when it is uint8, flat and within the bound `want` gives (its length varies with the
-    values), so that `check_compatible(want, ...)` checks everything else exactly."""
+    """`got` (a body's header) with the shape of each deflated tensor (a block codec's codes or
+    scales) taken as `want`'s when it is uint8, flat and within the bound `want` gives (its
+    length varies with the values), so that `check_compatible(want, ...)` checks everything
+    else exactly."""
     out = dict(got)
     if not codec.deflate:
         return out
     for name, (dtype, shape) in got.items():
         ref = want.get(name)
-        if (ref is not None and base_name(name) == name and ref[0] == torch.uint8 and dtype == torch.uint8
-                and len(shape) == 1 and len(ref[1]) == 1 and 1 <= shape[0] <= ref[1][0]):
+        if (ref is not None and name[len(base_name(name)):] in ("", SCALE_SUFFIX) and ref[0] == torch.uint8
+                and dtype == torch.uint8 and len(shape) == 1 and len(ref[1]) == 1 and 1 <= shape[0] <= ref[1][0]):
             out[name] = ref
     return out
 
 
 def expected_specs(spec: Mapping[str, Spec], scheme: str | Codec, block: int = DEFAULT_BLOCK) -> dict[str, Spec]:
-    """The header a compressed body of a model with `spec` must have, exactly (a deflated code
-    tensor: at most that long, `fit_specs`)."""
+    """The header a compressed body of a model with `spec` must have, exactly (a deflated codes
+    or scales tensor: at most that long, `fit_specs`)."""
     codec = _codec(scheme, block)
     out: dict[str, Spec] = {}
     for name, (dtype, shape) in spec.items():
@@ -308,9 +311,14 @@ def expected_specs(spec: Mapping[str, Spec], scheme: str | Codec, block: int = D
             out[name + SCALE_SUFFIX] = (torch.float32, (sparse.ceil_div(numel, codec.block),))
             out[name] = (torch.int8, shape)
         elif codec.scheme in BLOCK_SCHEMES:
-            out[name + SCALE_SUFFIX] = (codec.scale_dtype, (sparse.ceil_div(numel, codec.block),))
+            scales = sparse.ceil_div(numel, codec.block)
             codes = sparse.block_code_bytes(codec.scheme, numel)
-            out[name] = (torch.uint8, (deflate_bound(codes) if codec.deflate else codes,))
+            if codec.deflate:
+                out[name + SCALE_SUFFIX] = (torch.uint8, (deflate_bound(scales * codec.scale_dtype.itemsize),))
+                out[name] = (torch.uint8, (deflate_bound(codes),))
+            else:
+                out[name + SCALE_SUFFIX] = (codec.scale_dtype, (scales,))
+                out[name] = (torch.uint8, (codes,))
         else:
             chunks = sparse.chunk_counts(numel, codec.k, codec.chunk)[0]
             entries = sparse.topk_entries(numel, codec.k, codec.chunk)
@@ -394,9 +402,13 @@ def decode_parts(tensors: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[
             yield name, None, dequantize_int8(t, got[SCALE_SUFFIX], codec.block).to(want)
         elif codec.scheme in BLOCK_SCHEMES:
             n, shape = _numel(name, shapes)
+            scales = got[SCALE_SUFFIX]
             if codec.deflate:
                 t = inflate(t, sparse.block_code_bytes(codec.scheme, n), name)
-            values = sparse.block_dequantize(t, got[SCALE_SUFFIX], n, codec.block, codec.scheme)
+                size = codec.scale_dtype.itemsize
+                scales = inflate(scales, sparse.ceil_div(n, codec.block) * size, name + SCALE_SUFFIX).view(
+                    codec.scale_dtype)
+            values = sparse.block_dequantize(t, scales, n, codec.block, codec.scheme)
             yield name, None, values.reshape(shape).to(want)
         else:
             n, _ = _numel(name, shapes)
