@@ -92,9 +92,9 @@ class TrainConfig(_Strict):
     compression_block: int = Field(256, ge=8, le=MAX_TOKENS,
                                    description="Values per int8, e3m0, int2, ternary or int1 scale.")
     entropy_coding: Literal["none", "deflate"] = Field(
-        "none", description="Lossless coding of the block codecs' codes and scales (e3m0, int2, ternary, int1) "
-        "both ways: deflate (zlib) sends each as a zlib stream, whose length the receiver bounds and checks (int2's codes "
-        "measured 1.3-1.5 bits a value instead of 2; docs/training-jobs.md, Compression).",
+        "none", description="Lossless coding of the block codecs' codes and scales (e3m0, int2, ternary, "
+        "int1) both ways: deflate (zlib) sends each as a zlib stream, whose length the receiver bounds and "
+        "checks (int2's codes measured 1.3-1.5 bits a value instead of 2; docs/training-jobs.md, Compression).",
     )
     compression_scale: Literal["fp32", "bf16"] = Field(
         "fp32", description="The block codecs' scales (e3m0, int2, ternary, int1) both ways: fp32, or bf16 for "
