@@ -240,6 +240,11 @@ def methods_compress20() -> list[Method]:
     # 0.6 points in opposite directions (b64: +0.05% and +0.54%; b256: +0.59% and -0.22%).
     out += [_fed20(m, "diloco-h30-seed1", seed=1) for m in (2, 4)]
     out += [_fed20(m, "int2-b64-zh-both-seed1", **PRESETS["int2-b64-zh"], download=True, seed=1) for m in (2, 4)]
+    # The recommended preset with Streaming DiLoCo K = 2 (as #32 asks of the best preset): DiLoCo's
+    # outer Nesterov at lr 0.7 per fragment, compressed both ways.
+    out += [Method(f"m{m}-stream-k2-int2-b64-zh-both", "main", kind="stream", sync_every=30, workers=m, fragments=2,
+                   fragment_split="strided", overlap=1, alpha=0.5, outer_lr=0.7, **PRESETS["int2-b64-zh"],
+                   download=True) for m in (2, 4)]
     return out
 
 

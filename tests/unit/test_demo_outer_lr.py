@@ -44,6 +44,11 @@ def test_the_demo_compresses_both_ways_with_the_recommended_preset_unless_told(t
     (bf16 uploads, whole downloads); a --config keeps its own."""
     cfg = demo_config(build_parser().parse_args(["demo"]))
     assert (cfg.train.compression, cfg.train.download_compression) == (RECOMMENDED_COMPRESSION,) * 2
+    assert (cfg.train.compression_block, cfg.train.compression_scale, cfg.train.entropy_coding) == (64, "bf16",
+                                                                                                    "deflate")
+    cfg = demo_config(build_parser().parse_args(["demo", "--compression", "int2"]))  # the scheme alone
+    assert (cfg.train.compression_block, cfg.train.compression_scale, cfg.train.entropy_coding) == (256, "fp32",
+                                                                                                    "none")
     cfg = demo_config(build_parser().parse_args(["demo", "--compression", "none"]))
     assert (cfg.train.compression, cfg.train.download_compression) == ("none", "none")
     cfg = demo_config(build_parser().parse_args(["demo", "--compression", "bf16"]))

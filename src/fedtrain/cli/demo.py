@@ -46,7 +46,10 @@ DEMO_CONFIG: dict[str, Any] = {
 
 RECOMMENDED_COMPRESSION = "int2"
 """The demo's compression, both ways (without --config or --compression): docs/quality.md's
-recommended preset (issue #32), dense 2-bit values with DiLoCo's outer Nesterov step."""
+recommended preset (issue #32), dense 2-bit values with DiLoCo's outer Nesterov step ..."""
+
+RECOMMENDED_TRAIN = {"compression_block": 64, "compression_scale": "bf16", "entropy_coding": "deflate"}
+"""... a bf16 scale per 64 values, codes and scales deflated (the rest of the preset's `train`)."""
 
 HETEROGENEOUS = (1.0, 0.5, 0.25)
 """The speeds of `--heterogeneous`, participant by participant (cycled)."""
@@ -70,13 +73,17 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
     would otherwise miss the first rounds, which close when everyone who has joined submitted).
     DiLoCo's outer lr, unless the config gives one, is the recommended table's for the demo's
     participants and H (`recommended_outer_lr`); the compression, both ways, the recommended
-    preset's (`RECOMMENDED_COMPRESSION`) unless --compression or --config says."""
+    preset's (`RECOMMENDED_COMPRESSION` with `RECOMMENDED_TRAIN`) unless --compression (the scheme
+    alone, with the config's block, fp32 scales and plain codes) or --config says."""
     cfg = load_config(args.config) if args.config else RunConfig.model_validate(DEMO_CONFIG)
     data = cfg.model_dump()
     if not args.config:
         data["min_participants"] = max(default_participants(args), 1)
     data["outer"]["algorithm"] = args.algorithm
-    compression = getattr(args, "compression", None) or (None if args.config else RECOMMENDED_COMPRESSION)
+    picked = getattr(args, "compression", None)
+    compression = picked or (None if args.config else RECOMMENDED_COMPRESSION)
+    if compression is not None and not picked:
+        data["train"].update(RECOMMENDED_TRAIN)
     if compression is not None:
         data["train"]["compression"] = compression
         data["train"]["download_compression"] = "none" if compression == "bf16" else compression

@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sync-every", type=int, default=None, help="H: inner steps between syncs")
     d.add_argument("--algorithm", default="diloco", choices=["fedavg", "diloco", "fedavgm", "fedadam", "fedyogi"])
     d.add_argument("--compression", default=None, choices=["none", "bf16", "int8", "e3m0", "int2", "ternary", "int1"],
-                   help="train.compression of uploads and, but for bf16, of downloads (download_compression); "
-                   "default: the recommended int2 both ways, docs/quality.md (the config's with --config)")
+                   help="train.compression of uploads and, but for bf16, of downloads (download_compression), "
+                   "with the config's block, fp32 scales and plain codes; default: the recommended preset both ways "
+                   "(int2, a bf16 scale per 64 values, deflated; docs/quality.md), the config's with --config")
     d.add_argument("--summary", type=Path, default=None, help="also write the summary as JSON here")
     d.add_argument("--state-dir", type=Path, default=None, help="run directory (default: a new temp dir)")
     d.add_argument("--config", type=Path, default=None, help="start from this run config instead of the demo's")
