@@ -59,16 +59,20 @@ def is_direct(url: str) -> bool:
     if not fast_io_enabled():
         return False
     parts = urlsplit(url)
-    for attempt in range(ENV_READS):
+    for _ in range(ENV_READS - 1):
         try:
-            proxies = urllib.request.getproxies()
-            if not (proxies.get(parts.scheme) or proxies.get("all")):
-                return True
-            return bool(urllib.request.proxy_bypass(parts.hostname or ""))
+            return _no_proxy(parts.scheme, parts.hostname or "")
         except (KeyError, RuntimeError):  # another thread changed os.environ while urllib walked it
-            if attempt == ENV_READS - 1:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    return _no_proxy(parts.scheme, parts.hostname or "")  # the last read: its error is the caller's
+
+
+def _no_proxy(scheme: str, host: str) -> bool:
+    """One read of the environment's proxies: whether `host` is reached without one."""
+    proxies = urllib.request.getproxies()
+    if not (proxies.get(scheme) or proxies.get("all")):
+        return True
+    return bool(urllib.request.proxy_bypass(host))
 
 
 #: How many times `is_direct` reads the environment's proxies when another thread changes the

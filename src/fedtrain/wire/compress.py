@@ -447,8 +447,8 @@ class ErrorFeedback:
     def compress(self, delta: Mapping[str, torch.Tensor], scheme: str | Codec, block: int = DEFAULT_BLOCK) -> tuple[
             dict[str, torch.Tensor], dict[str, str]]:
         beta = self.decay
-        corrected = {n: (t + self.residual[n] if beta == 1 else torch.add(t, self.residual[n], alpha=beta))
-                     if n in self.residual else t for n, t in delta.items()}
+        corrected = {n: torch.add(t, self.residual[n], alpha=beta) if n in self.residual else t
+                     for n, t in delta.items()}
         tensors, meta = compress(corrected, scheme, block)
         if _codec(scheme, block).scheme == "none":  # everything is sent: nothing is left over
             self.residual = {}
